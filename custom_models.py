@@ -1,0 +1,154 @@
+"""Model factories for dlojz: torchvision ResNets and the course's two custom variants.
+
+    --arch resnet18 ... resnet152             torchvision's models, randomly initialised
+    --arch <resnet>-heads (resnet152-heads)   add_conditional_heads: N classifier heads, one used per forward
+    --arch <resnet>-sd    (resnet152-sd)      stochastic depth by masking the residual branch
+
+Behaviour follows the course's custom_models.py (reference/course.md §4):
+- Conditional heads: a private CPU generator is re-seeded with a counter before every forward, so the
+  choice of head is the same on every rank that runs the same number of forwards. Training: head 0 with
+  probability 1 - p_active, else a uniform head in [1, n); eval: always a uniform head in [1, n).
+  Unchosen heads receive no gradient, which is what DDP's find_unused_parameters is for.
+- Stochastic depth: the residual branch is always computed, then multiplied by Bernoulli(1-p)/(1-p)
+  noise (one draw per batch in "batch" mode), so every parameter gets a gradient every step. The drop
+  probability rises linearly with depth, p_l = sd_prob * l / L for blocks l = 1..L. In eval the block is
+  the plain torchvision block.
+"""
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.nn as nn
+import torchvision
+from torch.utils.checkpoint import checkpoint
+from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
+from torchvision.ops import stochastic_depth
+
+RESNETS = {
+    'resnet18': (BasicBlock, [2, 2, 2, 2]),
+    'resnet34': (BasicBlock, [3, 4, 6, 3]),
+    'resnet50': (Bottleneck, [3, 4, 6, 3]),
+    'resnet101': (Bottleneck, [3, 4, 23, 3]),
+    'resnet152': (Bottleneck, [3, 8, 36, 3]),
+}
+ARCHS = sorted(RESNETS) + sorted(f'{r}-{v}' for r in RESNETS for v in ('heads', 'sd'))
+
+
+class ClassifierMixture(nn.Module):
+    def __init__(self, in_dim, num_classes, n_heads=3, p_active=0.33, seed=0):
+        super().__init__()
+        if n_heads < 2:
+            raise ValueError('a classifier mixture needs at least 2 heads')
+        self.heads = nn.ModuleList(nn.Linear(in_dim, num_classes) for _ in range(n_heads))
+        self.p_active, self.seed = p_active, seed
+        self.generator = torch.Generator()  # CPU: drawing a head never synchronises with the GPU
+
+    def choose_head(self):
+        self.generator.manual_seed(self.seed)
+        self.seed += 1
+        if self.training and torch.rand(1, generator=self.generator).item() >= self.p_active:
+            return 0
+        return int(torch.randint(1, len(self.heads), (1,), generator=self.generator).item())
+
+    def forward(self, feat):
+        return self.heads[self.choose_head()](feat)
+
+    # The counter travels in the state dict, so a resumed run continues the same head sequence.
+    def get_extra_state(self):
+        return {'seed': self.seed}
+
+    def set_extra_state(self, state):
+        self.seed = int(state['seed'])
+
+
+def add_conditional_heads(m, n_heads=3):
+    m.fc = ClassifierMixture(m.fc.in_features, m.fc.out_features, n_heads)
+    return m
+
+
+class _SDMixin:
+    drop_prob = 0.0
+    sd_mode = 'row'
+
+    def _residual(self, x):
+        raise NotImplementedError
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self._residual(x)
+        if self.training and self.drop_prob > 0:
+            out = stochastic_depth(out, p=self.drop_prob, mode=self.sd_mode, training=True)
+        return self.relu(out + identity)
+
+
+class BottleneckSD(_SDMixin, Bottleneck):
+    def _residual(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        return self.bn3(self.conv3(out))
+
+
+class BasicBlockSD(_SDMixin, BasicBlock):
+    def _residual(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.bn2(self.conv2(out))
+
+
+def resnet_with_stochastic_depth(base='resnet152', p_L=0.5, sd_mode='batch', num_classes=1000):
+    block, layers = RESNETS[base]
+    sd_block = BottleneckSD if block is Bottleneck else BasicBlockSD
+    model = ResNet(sd_block, layers, num_classes=num_classes)
+    blocks = [b for stage in (model.layer1, model.layer2, model.layer3, model.layer4) for b in stage]
+    for idx, b in enumerate(blocks, start=1):
+        b.drop_prob = p_L * idx / len(blocks)
+        b.sd_mode = sd_mode
+    return model
+
+
+def resnet152_with_stochastic_depth(p_L=0.5, sd_mode='batch', num_classes=1000):
+    return resnet_with_stochastic_depth('resnet152', p_L, sd_mode, num_classes)
+
+
+@contextmanager
+def _frozen_bn_stats(module):
+    """Keep BatchNorm running statistics unchanged while a checkpointed stage is recomputed in the
+    backward pass; without this each training step would update them twice."""
+    bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    saved = [(m.momentum, m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None)
+             for m in bns]
+    for m in bns:
+        m.momentum = 0.0  # running = (1 - 0) * running + 0 * batch statistic
+    try:
+        yield
+    finally:
+        for m, (momentum, tracked) in zip(bns, saved):
+            m.momentum = momentum
+            if tracked is not None:
+                m.num_batches_tracked.copy_(tracked)
+
+
+def apply_grad_checkpointing(model):
+    """Activation checkpointing of the four ResNet stages: their activations are recomputed in the
+    backward pass instead of being stored. State-dict keys are unchanged."""
+    for name in ('layer1', 'layer2', 'layer3', 'layer4'):
+        stage = getattr(model, name)
+        plain = stage.forward
+        contexts = lambda stage=stage: (nullcontext(), _frozen_bn_stats(stage))
+
+        def forward(x, plain=plain, contexts=contexts):
+            if not torch.is_grad_enabled():
+                return plain(x)
+            return checkpoint(plain, x, use_reentrant=False, context_fn=contexts)
+        stage.forward = forward
+    return model
+
+
+def build_model(arch, num_classes, sd_prob=0.5, n_heads=3):
+    if arch not in ARCHS:
+        raise ValueError(f'unknown --arch {arch}; choose one of {", ".join(ARCHS)}')
+    base, _, variant = arch.partition('-')
+    if variant == 'sd':
+        return resnet_with_stochastic_depth(base, sd_prob, 'batch', num_classes)
+    model = getattr(torchvision.models, base)(weights=None, num_classes=num_classes)
+    if variant == 'heads':
+        add_conditional_heads(model, n_heads)
+    return model

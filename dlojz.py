@@ -1,0 +1,595 @@
+"""dlojz: train torchvision ResNets on ImageNet (or a built-in JPEG dataset) and measure why a run is
+fast or slow.
+
+    python dlojz.py --test-nsteps 20 --arch resnet18 --image-size 64 -b 16 --num-workers 2   # CPU demo
+    python dlojz.py --test-nsteps 50 --amp bf16 --channels-last --data-dir /path/imagenet      # one GPU
+    sbatch slurm/a100-1gpu.slurm --amp bf16 -b 256                                             # SLURM
+
+Outputs go to --output-dir (default runs/<job id or timestamp>_<arch>_bs<b>): config.json,
+metrics.jsonl, summary.json, checkpoint.pt (--chkpt), profiler traces (--prof), wandb files.
+"""
+import argparse
+import itertools
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+import custom_models
+from dlojz_chrono import Chronometer, PowerMeter
+from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, DataError, build_data, loader_error_message
+from dlojz_dist import get_dist_info
+from dlojz_io import (SUMMARY_VERSION, JsonlWriter, UsageError, default_output_dir, host_memory, load_checkpoint,
+                      prepare_output_dir, provenance, save_checkpoint, strip_prefixes, write_json)
+
+
+class NonFiniteLoss(Exception):
+    def __init__(self, step):
+        super().__init__(f'the loss became NaN or infinite at step {step}; training stopped there and no '
+                         f'checkpoint was written after it; lower --lr, use --amp bf16/off, or check the data.')
+        self.step = step
+
+
+def print0(*a, dist=None, **kw):
+    if dist is None or dist.is_main:
+        print(*a, **kw, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+def get_args_parser(add_help=True):
+    p = argparse.ArgumentParser(description='dlojz: ResNet training and benchmarking', add_help=add_help)
+    B = argparse.BooleanOptionalAction
+    g = p.add_argument_group('data')
+    g.add_argument('--data-dir', help='ImageNet in ImageFolder layout (DIR/train/<class>/*.JPEG, DIR/val/...); '
+                   'default $DLOJZ_DATA_DIR, then $ALL_CCFRSCRATCH/imagenet, else the built-in synthetic dataset')
+    g.add_argument('--cache-dir', default='~/.cache/dlojz', help='where the synthetic dataset is generated, once')
+    g.add_argument('--synthetic-classes', type=int, default=10, help='synthetic dataset: number of classes')
+    g.add_argument('--synthetic-train-per-class', type=int, default=64, help='synthetic: train images per class')
+    g.add_argument('--synthetic-val-per-class', type=int, default=16, help='synthetic: val images per class')
+    g.add_argument('--synthetic-seed', type=int, default=0, help='synthetic dataset content seed')
+    g.add_argument('--fake-data', action='store_true', help='random uint8 batches in memory, no decoding: '
+                   'the compute ceiling')
+    g.add_argument('--fake-train-size', type=int, default=1281167, help='--fake-data: images per epoch')
+    g.add_argument('--fake-val-size', type=int, default=50000, help='--fake-data: validation images')
+    g.add_argument('--fake-classes', type=int, default=1000, help='--fake-data: number of classes')
+    g.add_argument('--image-size', type=int, default=224, help='train RandomResizedCrop size, pixels')
+    g.add_argument('--val-resize', type=int, default=256, help='validation: shorter side resized to, pixels')
+    g.add_argument('--val-image-size', type=int, default=224, help='validation: center crop, pixels')
+    g.add_argument('--skip-bad-images', action='store_true', help='replace undecodable files and count them '
+                   'instead of stopping')
+    g = p.add_argument_group('loader')
+    g.add_argument('-b', '--batch-size', type=int, default=128, help='images per device; global batch = this x '
+                   'world size')
+    g.add_argument('--val-batch-size', type=int, default=250, help='validation images per device')
+    g.add_argument('--num-workers', type=int, default=8, help='DataLoader worker processes (train and val)')
+    g.add_argument('--persistent-workers', action=B, default=None, help='keep workers between epochs '
+                   '(default: on when --num-workers > 0)')
+    g.add_argument('--pin-memory', action=B, default=None, help='page-locked batches (default: on with CUDA)')
+    g.add_argument('--non-blocking', action=B, default=True, help='asynchronous host-to-device copies')
+    g.add_argument('--prefetch-factor', type=int, default=None, help='batches loaded ahead per worker (default 2)')
+    g.add_argument('--drop-last', action=B, default=False, help='drop the last incomplete batch')
+    g = p.add_argument_group('model')
+    g.add_argument('--arch', default='resnet50', help=f'one of {", ".join(custom_models.ARCHS)}')
+    g.add_argument('--sd-prob', type=float, default=0.5, help='-sd archs: drop probability of the last block')
+    g.add_argument('--n-heads', type=int, default=3, help='-heads archs: number of classifier heads')
+    g.add_argument('--grad-checkpointing', action='store_true', help='recompute ResNet stage activations in '
+                   'backward (less memory, ~30%% more compute)')
+    g = p.add_argument_group('precision and compilation')
+    g.add_argument('--amp', choices=['auto', 'off', 'fp16', 'bf16'], default='auto', help='autocast dtype; auto '
+                   '= bf16 where the GPU supports it, fp16 on older GPUs, off on CPU')
+    g.add_argument('--channels-last', action=B, default=None, help='NHWC memory format (default: on with CUDA)')
+    g.add_argument('--tf32', action=B, default=True, help='TF32 matmuls/convolutions on Ampere and newer')
+    g.add_argument('--cudnn-benchmark', action=B, default=True, help='cudnn autotuning (first steps slower)')
+    g.add_argument('--compile', action=B, default=False, help='torch.compile the model')
+    g.add_argument('--compile-mode', default='default', choices=['default', 'reduce-overhead', 'max-autotune',
+                   'max-autotune-no-cudagraphs'], help='torch.compile mode')
+    g = p.add_argument_group('optimization')
+    g.add_argument('--optimizer', choices=['sgd', 'adamw'], default='sgd')
+    g.add_argument('--lr', type=float, default=None, help='peak learning rate (default 0.1)')
+    g.add_argument('--wd', type=float, default=0.0, help='weight decay')
+    g.add_argument('--mom', type=float, default=0.9, help='SGD momentum (AdamW beta1)')
+    g.add_argument('--label-smoothing', type=float, default=0.1)
+    g.add_argument('--scheduler', choices=['onecycle', 'cosine', 'constant'], default='onecycle',
+                   help='learning-rate schedule, stepped every batch')
+    g.add_argument('--warmup-epochs', type=float, default=0.0, help='cosine: linear warm-up length, epochs')
+    g.add_argument('--findlr', action='store_true', help='LR range test: geometric from 1e-8 to --lr (10 if '
+                   '--lr is not given) over the run')
+    g = p.add_argument_group('run')
+    g.add_argument('-e', '--epochs', type=int, default=1, help='number of epochs')
+    g.add_argument('--test', action='store_true', help='benchmark mode: --test-nsteps train steps, 20 val batches')
+    g.add_argument('--test-nsteps', type=int, default=None, help='train steps in test mode (default 50; implies '
+                   '--test)')
+    g.add_argument('--seed', type=int, default=123)
+    g.add_argument('--device', choices=['auto', 'cuda', 'cpu'], default='auto')
+    g.add_argument('--output-dir', default=None, help='run directory (default runs/<job id or time>_<arch>_bs<b>)')
+    g.add_argument('--chkpt', action='store_true', help='write checkpoint.pt at the end of each epoch and run')
+    g.add_argument('--resume', default=None, help='checkpoint.pt to continue from')
+    g = p.add_argument_group('logging and profiling')
+    g.add_argument('--log-interval', type=int, default=10, help='steps between log lines')
+    g.add_argument('--metric-step', type=int, default=100, help='steps between train accuracy computations')
+    g.add_argument('--wandb', choices=['off', 'offline', 'online'], default=None, help='default: offline for full '
+                   'runs, off in test mode')
+    g.add_argument('--prof', action='store_true', help='torch.profiler traces into <output-dir>/profiler')
+    g.add_argument('--prof-wait', type=int, default=1)
+    g.add_argument('--prof-warmup', type=int, default=1)
+    g.add_argument('--prof-active', type=int, default=5)
+    g = p.add_argument_group('benchmark')
+    g.add_argument('--timing', action=B, default=True, help='per-phase timing (CUDA events on GPU)')
+    g.add_argument('--sync-timing', action='store_true', help='synchronise at phase boundaries (wall-clock '
+                   'splits, slower)')
+    g.add_argument('--warmup-steps', type=int, default=1, help='first steps left out of the statistics')
+    return p
+
+
+def check_args(args):
+    """Resolve defaults that depend on other flags and refuse meaningless combinations."""
+    if args.test_nsteps is not None:
+        args.test = True
+    if args.test and args.test_nsteps is None:
+        args.test_nsteps = 50
+    positive = ['batch_size', 'val_batch_size', 'epochs', 'image_size', 'val_resize', 'val_image_size',
+                'log_interval', 'metric_step', 'synthetic_classes', 'synthetic_train_per_class',
+                'synthetic_val_per_class', 'fake_train_size', 'fake_val_size', 'fake_classes', 'prof_active']
+    positive += ['test_nsteps'] if args.test else []
+    positive += ['prefetch_factor'] if args.prefetch_factor is not None else []
+    positive += ['lr'] if args.lr is not None else []
+    for name in positive:
+        if getattr(args, name) <= 0:
+            raise UsageError(f'--{name.replace("_", "-")} must be positive (got {getattr(args, name)}).')
+    for name in ('num_workers', 'warmup_steps', 'wd', 'warmup_epochs', 'prof_wait', 'prof_warmup'):
+        if getattr(args, name) < 0:
+            raise UsageError(f'--{name.replace("_", "-")} cannot be negative (got {getattr(args, name)}).')
+    if args.arch not in custom_models.ARCHS:
+        raise UsageError(f'unknown --arch {args.arch}; choose one of {", ".join(custom_models.ARCHS)}.')
+    if not 0 <= args.sd_prob < 1 or not 0 <= args.label_smoothing < 1:
+        raise UsageError('--sd-prob and --label-smoothing must be in [0, 1).')
+    if args.n_heads < 2:
+        raise UsageError('--n-heads must be at least 2 (head 0 for training plus at least one other).')
+    if args.val_image_size > args.val_resize:
+        raise UsageError(f'--val-image-size {args.val_image_size} is larger than --val-resize {args.val_resize}; '
+                         f'the center crop must fit in the resized image.')
+    if args.num_workers == 0 and (args.prefetch_factor is not None or args.persistent_workers):
+        raise UsageError('--prefetch-factor and --persistent-workers need worker processes; drop them or set '
+                         '--num-workers to 1 or more.')
+    if args.findlr and args.resume:
+        raise UsageError('--findlr starts from a fresh model; drop --resume.')
+    args.findlr_upper = args.lr if args.lr is not None else 10.0
+    args.lr = args.lr if args.lr is not None else 0.1
+    if args.num_workers > 0:
+        args.prefetch_factor = args.prefetch_factor or 2
+        args.persistent_workers = True if args.persistent_workers is None else args.persistent_workers
+    if args.wandb is None:
+        args.wandb = 'off' if args.test else 'offline'
+    return args
+
+
+def resolve_device(args):
+    if args.device == 'cuda' and not torch.cuda.is_available():
+        raise UsageError('--device cuda was requested but PyTorch sees no CUDA GPU; use --device cpu or run on a '
+                         'GPU node.')
+    use_cuda = args.device == 'cuda' or (args.device == 'auto' and torch.cuda.is_available())
+    device = torch.device('cuda', torch.cuda.current_device()) if use_cuda else torch.device('cpu')
+    if device.type == 'cpu':
+        if args.amp == 'fp16':
+            raise UsageError('--amp fp16 needs a CUDA GPU (CPU autocast computes in bfloat16); use --amp bf16 or '
+                             '--amp off on CPU.')
+        if args.pin_memory:
+            raise UsageError('--pin-memory only speeds up copies to a GPU; drop it on CPU.')
+        if args.compile and not any(os.access(os.path.join(d, 'cc'), os.X_OK) or os.access(os.path.join(d, 'gcc'),
+                                    os.X_OK) for d in os.environ.get('PATH', '').split(os.pathsep)):
+            raise UsageError('--compile on CPU needs a C compiler (cc/gcc) on PATH; install one or drop --compile.')
+    else:
+        if args.amp == 'bf16' and not torch.cuda.is_bf16_supported():
+            raise UsageError(f'--amp bf16 is not supported on {torch.cuda.get_device_name(device)}; use --amp fp16.')
+    if args.amp == 'auto':
+        args.amp = 'off' if device.type == 'cpu' else ('bf16' if torch.cuda.is_bf16_supported() else 'fp16')
+    args.pin_memory = device.type == 'cuda' if args.pin_memory is None else args.pin_memory
+    args.channels_last = device.type == 'cuda' if args.channels_last is None else args.channels_last
+    return device
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------------------------ building
+
+def build_model(args, num_classes, device):
+    model = custom_models.build_model(args.arch, num_classes, args.sd_prob, args.n_heads)
+    if args.grad_checkpointing:
+        custom_models.apply_grad_checkpointing(model)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = model.to(device, memory_format=memory_format)
+    model_without_ddp = model
+    if args.compile:
+        model = torch.compile(model, mode=None if args.compile_mode == 'default' else args.compile_mode)
+    return model, model_without_ddp
+
+
+def build_optimization(args, model, steps_per_epoch, total_steps):
+    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    lr = 1e-8 if args.findlr else args.lr
+    if args.optimizer == 'sgd':
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.mom, weight_decay=args.wd)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(args.mom, 0.999), weight_decay=args.wd)
+    if args.findlr:  # geometric sweep from 1e-8 to the upper bound over every step of the run
+        mult = (args.findlr_upper / 1e-8) ** (1 / max(1, total_steps - 1))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: mult ** s)
+    elif args.scheduler == 'onecycle':
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
+                                                        total_steps=args.epochs * steps_per_epoch)
+    elif args.scheduler == 'cosine':
+        warmup, total = args.warmup_epochs * steps_per_epoch, args.epochs * steps_per_epoch
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup else
+                                                      0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, total - warmup))))
+    else:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scaler = torch.amp.GradScaler('cuda', enabled=args.amp == 'fp16')
+    return criterion, optimizer, scheduler, scaler
+
+
+def build_profiler(args, device):
+    if not args.prof:
+        return nullcontext(None)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if device.type == 'cuda' else [])
+    return torch.profiler.profile(
+        activities=activities, profile_memory=True,
+        schedule=torch.profiler.schedule(wait=args.prof_wait, warmup=args.prof_warmup, active=args.prof_active, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(os.path.join(args.output_dir, 'profiler')))
+
+
+def build_wandb(args, dist):
+    if args.wandb == 'off' or not dist.is_main:
+        return None
+    import wandb
+    return wandb.init(project='dlojz', name=os.path.basename(args.output_dir), mode=args.wandb,
+                      dir=args.output_dir, config=vars(args))
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+@dataclass
+class Run:
+    args: argparse.Namespace
+    dist: object
+    device: torch.device
+    data: object
+    model: nn.Module
+    model_without_ddp: nn.Module
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: object
+    autocast: object
+    chrono: Chronometer
+    log: JsonlWriter
+    wandb: object
+    steps_per_epoch: int
+    global_step: int = 0
+    findlr: tuple = ([], [])
+    norm: tuple = ()
+
+    def __post_init__(self):  # created once: a host->device copy per step would be a hidden stall
+        self.norm = tuple(torch.tensor(v, device=self.device).view(1, 3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD))
+
+
+class NonFiniteGuard:
+    """Remembers on the device the first step whose loss was not finite; read at check points only.
+    On CPU reading is free, so it is read every step; on CUDA every --log-interval steps."""
+
+    def __init__(self, device, first_step, every):
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)
+        self.counter = torch.full((), first_step, dtype=torch.long, device=device)
+        self.every = 1 if device.type == 'cpu' else every
+
+    def update(self, loss):
+        ok = torch.isfinite(loss.detach()) | (self.first_bad >= 0)
+        self.first_bad = torch.where(ok, self.first_bad, self.counter)
+        self.counter += 1
+
+    def check(self, step, force=False):
+        if force or step % self.every == 0:
+            bad = int(self.first_bad.item())
+            if bad >= 0:
+                raise NonFiniteLoss(bad + 1)
+
+
+def to_device(images, labels, run):
+    """uint8 NCHW batch -> normalised float on the device (normalising here is 4x less PCIe traffic)."""
+    nb = run.args.non_blocking
+    mean, std = run.norm
+    images = (images.to(run.device, non_blocking=nb).float() - mean) / std
+    if run.args.channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    return images, labels.to(run.device, non_blocking=nb)
+
+
+def train_one_epoch(run, epoch, start_step, max_steps, prof):
+    args, chrono, model = run.args, run.chrono, run.model
+    model.train()
+    loss_sum = torch.zeros((), device=run.device)
+    top_k = min(5, len(run.data.classes))
+    acc1 = MulticlassAccuracy(len(run.data.classes), top_k=1, average='micro', validate_args=False).to(run.device)
+    acc5 = MulticlassAccuracy(len(run.data.classes), top_k=top_k, average='micro', validate_args=False).to(run.device)
+    loss_metric = MeanMetric(nan_strategy='disable').to(run.device)
+    guard = NonFiniteGuard(run.device, run.global_step, args.log_interval)
+    global_batch = args.batch_size * run.dist.world_size
+    step = start_step
+    for images, labels in chrono.iterate(run.data.train_loader, max_steps):
+        with chrono.phase('h2d'):
+            images, labels = to_device(images, labels, run)
+        with chrono.phase('forward'), run.autocast:
+            output = model(images)
+            loss = run.criterion(output, labels)
+        guard.update(loss)
+        guard.check(run.global_step)  # before backward: a non-finite loss is never applied (CPU: every step)
+        with chrono.phase('backward'):
+            run.scaler.scale(loss).backward()
+        with chrono.phase('optimizer'):
+            run.scaler.step(run.optimizer)
+            run.scaler.update()
+            run.optimizer.zero_grad(set_to_none=True)
+        lr = run.scheduler.get_last_lr()[0]
+        run.scheduler.step()
+        step += 1
+        run.global_step += 1
+        loss_sum += loss.detach()
+        if args.findlr:
+            run.findlr[0].append(lr)
+            run.findlr[1].append(loss.detach())
+            continue
+        loss_metric.update(loss.detach())
+        acc1.update(output.detach(), labels)
+        acc5.update(output.detach(), labels)
+        prof.step() if prof is not None else None
+        if step % args.log_interval == 0 or step == run.steps_per_epoch:
+            step_s, data_s, n = chrono.interval()
+            mem = torch.cuda.max_memory_allocated(run.device) if run.device.type == 'cuda' else \
+                host_memory()['host_peak_rss_bytes']
+            rec = dict(type='train', epoch=epoch + 1, step=step, global_step=run.global_step,
+                       loss=loss_sum.item() / n, lr=lr, step_ms=step_s * 1e3, data_ms=data_s * 1e3,
+                       img_s=global_batch / step_s if step_s else None, mem_bytes=mem)
+            loss_sum.zero_()
+            print0(f"epoch {epoch + 1}/{args.epochs} step {step}/{run.steps_per_epoch} loss {rec['loss']:.4f} "
+                   f"lr {lr:.5f} | step {rec['step_ms']:.1f} ms data {rec['data_ms']:.1f} ms | "
+                   f"{rec['img_s']:.1f} img/s | mem {mem / 2**30:.2f} GiB", dist=run.dist)
+            run.log.write(**rec)
+            if run.wandb:
+                run.wandb.log({'train/loss': rec['loss'], 'train/lr': lr, 'train/img_s': rec['img_s']},
+                              step=run.global_step)
+        if step % args.metric_step == 0:
+            rec = dict(type='train_metrics', epoch=epoch + 1, step=step, global_step=run.global_step,
+                       loss=loss_metric.compute().item(), top1=acc1.compute().item(), top5=acc5.compute().item())
+            print0(f"Train metrics at step {step}: loss {rec['loss']:.4f} top-1 {rec['top1']:.4f} "
+                   f"top-5 {rec['top5']:.4f}", dist=run.dist)
+            run.log.write(**rec)
+    guard.check(run.global_step, force=True)
+    chrono.finish()
+    train = {'steps_run': step - start_step}
+    if loss_metric.update_count:
+        train.update(loss=loss_metric.compute().item(), top1=acc1.compute().item(), top5=acc5.compute().item())
+    return step, train
+
+
+@torch.inference_mode()
+def evaluate(run, epoch, max_batches=None):
+    model, chrono = run.model, run.chrono
+    model.eval()
+    n_classes = len(run.data.classes)
+    acc1 = MulticlassAccuracy(n_classes, top_k=1, average='micro', validate_args=False).to(run.device)
+    acc5 = MulticlassAccuracy(n_classes, top_k=min(5, n_classes), average='micro', validate_args=False).to(run.device)
+    loss_metric = MeanMetric(nan_strategy='disable').to(run.device)
+    images_seen = batches = 0
+    with chrono.validation():
+        for images, labels in itertools.islice(run.data.val_loader, max_batches):
+            images, labels = to_device(images, labels, run)
+            with run.autocast:
+                output = model(images)
+                loss = run.criterion(output, labels)
+            loss_metric.update(loss, weight=labels.numel())
+            acc1.update(output, labels)
+            acc5.update(output, labels)
+            images_seen += labels.numel()
+            batches += 1
+    chrono.val_batches = batches
+    res = dict(type='val', epoch=epoch + 1, global_step=run.global_step, loss=loss_metric.compute().item(),
+               top1=acc1.compute().item(), top5=acc5.compute().item(), images=images_seen, batches=batches,
+               time_s=chrono.val_time)
+    print0(f"Validation epoch {epoch + 1}: loss {res['loss']:.4f} top-1 {res['top1']:.4f} top-5 {res['top5']:.4f} "
+           f"({images_seen} images, {chrono.val_time:.1f} s)", dist=run.dist)
+    run.log.write(**res)
+    if run.wandb:
+        run.wandb.log({'val/loss': res['loss'], 'val/top1': res['top1'], 'val/top5': res['top5']}, step=run.global_step)
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ state
+
+def checkpoint_state(run, epoch, step_in_epoch):
+    if step_in_epoch >= run.steps_per_epoch:
+        epoch, step_in_epoch = epoch + 1, 0
+    return {'version': SUMMARY_VERSION, 'arch': run.args.arch, 'num_classes': len(run.data.classes),
+            'model': strip_prefixes(run.model_without_ddp.state_dict()), 'optimizer': run.optimizer.state_dict(),
+            'scheduler': run.scheduler.state_dict(), 'scaler': run.scaler.state_dict(), 'epoch': epoch,
+            'step_in_epoch': step_in_epoch, 'global_step': run.global_step,
+            'global_batch': run.args.batch_size * run.dist.world_size, 'args': vars(run.args),
+            'rng': {'torch': torch.get_rng_state(), 'numpy': np.random.get_state(), 'python': random.getstate(),
+                    'cuda': torch.cuda.get_rng_state_all() if run.device.type == 'cuda' else None}}
+
+
+def restore(run, ckpt, path):
+    if ckpt.get('arch') != run.args.arch or ckpt.get('num_classes') != len(run.data.classes):
+        raise UsageError(f"checkpoint {path} holds {ckpt.get('arch')} with {ckpt.get('num_classes')} classes but "
+                         f"this run is --arch {run.args.arch} with {len(run.data.classes)} classes; pass the same "
+                         f"--arch and data, or another checkpoint.")
+    run.model_without_ddp.load_state_dict(ckpt['model'])
+    run.optimizer.load_state_dict(ckpt['optimizer'])
+    run.scheduler.load_state_dict(ckpt['scheduler'])
+    run.scaler.load_state_dict(ckpt['scaler'])
+    torch.set_rng_state(ckpt['rng']['torch'])
+    np.random.set_state(ckpt['rng']['numpy'])
+    random.setstate(ckpt['rng']['python'])
+    if ckpt['rng']['cuda'] is not None and run.device.type == 'cuda':
+        torch.cuda.set_rng_state_all(ckpt['rng']['cuda'])
+    run.global_step = ckpt['global_step']
+    return ckpt['epoch'], ckpt['step_in_epoch']
+
+
+def write_summary(run, status, train=None, val=None, error=None, power=None, extra=None):
+    args, gb = run.args, run.args.batch_size * run.dist.world_size
+    cuda = run.device.type == 'cuda'
+    summary = {
+        'version': SUMMARY_VERSION, 'status': status, 'error': error, 'config': vars(args),
+        'provenance': provenance(run.device, run.dist),
+        'world_size': run.dist.world_size, 'global_batch': gb,
+        'data': {'source': run.data.source.kind, 'root': run.data.source.root, 'reason': run.data.source.reason,
+                 'classes': len(run.data.classes), 'train_images': run.data.n_train, 'val_images': run.data.n_val,
+                 'batches_per_epoch': run.steps_per_epoch, 'bad_images_skipped': run.data.bad_images},
+        'timing': run.chrono.summary(gb, run.steps_per_epoch, len(run.data.val_loader)),
+        'memory': {**host_memory(),
+                   'gpu_max_allocated_bytes': torch.cuda.max_memory_allocated(run.device) if cuda else None,
+                   'gpu_max_reserved_bytes': torch.cuda.max_memory_reserved(run.device) if cuda else None},
+        'energy': power.summary(gb * len(run.chrono.steps)) if power else None,
+        'global_step': run.global_step, 'train': train, 'val': val, **(extra or {}),
+    }
+    if run.dist.is_main:
+        write_json(os.path.join(args.output_dir, 'summary.json'), summary)
+    return summary
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+def main(args):
+    args = check_args(args)
+    dist = get_dist_info()
+    if dist.distributed:
+        raise UsageError(f'{dist.launcher} started {dist.world_size} processes but this dlojz version trains on '
+                         f'one process; launch a single task (srun -n 1, torchrun --nproc_per_node 1).')
+    device = resolve_device(args)
+    args.output_dir = prepare_output_dir(args.output_dir or default_output_dir(args, dist))
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
+    seed_everything(args.seed)
+
+    data = build_data(args, dist, log=lambda m: print0(m, dist=dist))
+    print0(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train / '
+           f'{data.n_val} val images, {len(data.classes)} classes', dist=dist)
+    model, model_without_ddp = build_model(args, len(data.classes), device)
+    steps_per_epoch = len(data.train_loader)
+    total_steps = min(args.test_nsteps, args.epochs * steps_per_epoch) if args.test else args.epochs * steps_per_epoch
+    criterion, optimizer, scheduler, scaler = build_optimization(args, model, steps_per_epoch, total_steps)
+    amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
+    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
+    chrono = Chronometer(device, phases=args.timing, sync=args.sync_timing, warmup=args.warmup_steps)
+    run = Run(args, dist, device, data, model, model_without_ddp, criterion, optimizer, scheduler, scaler, autocast,
+              chrono, JsonlWriter(os.path.join(args.output_dir, 'metrics.jsonl'), dist.is_main), None, steps_per_epoch)
+    start_epoch, start_step = restore(run, load_checkpoint(args.resume), args.resume) if args.resume else (0, 0)
+
+    print0(f'>>> Training on {dist.world_size} processes ({device}, {args.arch}, amp {args.amp}, channels-last '
+           f'{args.channels_last}); global batch size {args.batch_size * dist.world_size}', dist=dist)
+    print0('Config: ' + ' '.join(f'{k}={v}' for k, v in sorted(vars(args).items())), dist=dist)
+    if dist.is_main:
+        write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
+    run.wandb = build_wandb(args, dist)
+    power = PowerMeter(device)
+    train = val = None
+    try:
+        remaining = args.test_nsteps if args.test else None
+        chrono.start()
+        power.start()
+        with build_profiler(args, device) as prof:
+            for epoch in range(start_epoch, args.epochs):
+                first = start_step if epoch == start_epoch else 0
+                data.set_epoch(epoch, first * args.batch_size)
+                step, train = train_one_epoch(run, epoch, first, remaining, prof)
+                if remaining is not None:
+                    remaining -= step - first
+                if args.chkpt and not args.findlr and dist.is_main:
+                    save_checkpoint(os.path.join(args.output_dir, 'checkpoint.pt'), checkpoint_state(run, epoch, step))
+                if not args.findlr and (not args.test or remaining == 0 or epoch == args.epochs - 1):
+                    val = evaluate(run, epoch, max_batches=20 if args.test else None)
+                if remaining == 0:
+                    break
+        power.stop()
+        chrono.stop()
+    except NonFiniteLoss as e:
+        write_summary(run, 'nan', train, val, str(e), extra={'failed_step': e.step})
+        raise
+    except KeyboardInterrupt:
+        write_summary(run, 'interrupted', train, val, 'interrupted', extra={'failed_step': run.global_step + 1})
+        raise
+    except torch.OutOfMemoryError:
+        write_summary(run, 'oom', train, val, 'out of memory', extra={'failed_step': run.global_step + 1})
+        raise UsageError(f'out of memory at step {run.global_step + 1} with batch size {args.batch_size}; lower -b, '
+                         f'or use --amp bf16/--grad-checkpointing.') from None
+    except DataError as e:
+        write_summary(run, 'failed', train, val, loader_error_message(e), extra={'failed_step': run.global_step + 1})
+        raise
+    except Exception as e:
+        if args.compile and type(e).__module__.startswith(('torch._dynamo', 'torch._inductor')):
+            write_summary(run, 'failed', train, val, f'torch.compile failed: {type(e).__name__}')
+            raise UsageError(f'torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); rerun '
+                             f'with --no-compile or another --compile-mode.') from None
+        write_summary(run, 'crashed', train, val, f'{type(e).__name__}: {e}', extra={'failed_step': run.global_step + 1})
+        raise
+    finally:
+        run.log.close()
+    extra = {}
+    if args.findlr:
+        extra['findlr'] = {'lr': run.findlr[0], 'loss': [float(x) for x in torch.stack(run.findlr[1]).cpu()]
+                           if run.findlr[1] else []}
+    summary = write_summary(run, 'completed', train, val, power=power, extra=extra)
+    if dist.is_main:
+        for line in chrono.display_lines(steps_per_epoch):
+            print(line)
+        t = summary['timing']
+        if t.get('gpu_throughput'):
+            print(f">>> Train throughput: {t['train_throughput']:.2f} images/second; GPU throughput: "
+                  f"{t['gpu_throughput']:.2f} images/second; epoch time estimate: {t['epoch_time_estimate_s']:.1f} s")
+        e = summary['energy']
+        if e and e['peak_w'] is not None:
+            print(f">>> Peak Power during training: {e['peak_w']:.1f} W; energy {e['energy_j']:.1f} J "
+                  f"({e['joules_per_image']:.3f} J/image)")
+        m = summary['memory']
+        if m['gpu_max_allocated_bytes'] is not None:
+            print(f">>> Max Memory Allocated {m['gpu_max_allocated_bytes']} Bytes (reserved "
+                  f"{m['gpu_max_reserved_bytes']} Bytes)")
+        print(f">>> Host peak memory (VmHWM): {m['host_peak_rss_bytes']} Bytes")
+        print(f'Run written to {args.output_dir}', flush=True)
+    if run.wandb:
+        run.wandb.finish()
+    return summary
+
+
+def cli(argv=None):
+    args = get_args_parser().parse_args(argv)
+    try:
+        main(args)
+    except (UsageError, DataError) as e:
+        print(f'dlojz: error: {loader_error_message(e)}', file=sys.stderr)
+        return 2
+    except NonFiniteLoss as e:
+        print(f'dlojz: error: {e}', file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print('dlojz: interrupted', file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(cli())

@@ -1,0 +1,422 @@
+"""Data pipeline for dlojz: where the images come from, how they are decoded, and the loaders.
+
+- resolve_data_source(): --data-dir, then $DLOJZ_DATA_DIR, then $ALL_CCFRSCRATCH/imagenet, else the
+  built-in synthetic JPEG dataset (generated once into --cache-dir).
+- ImageFolderDataset: ImageFolder layout, PIL decode of whatever real ImageNet holds (grayscale, CMYK,
+  PNG named .JPEG, progressive), bad files either stop the run with their path or are replaced and counted.
+- Augmentation randomness is drawn per sample from (seed, epoch, index), not from a worker's RNG, so a
+  batch is the same whatever --num-workers is and a resumed run sees the same crops as an uninterrupted one.
+- Batches leave the workers as uint8 (4x fewer bytes over PCIe than float32); normalisation happens on
+  the device (see dlojz.py: to_device).
+"""
+import colorsys
+import io
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFile
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import functional as TF
+
+ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, never silently half-grey
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+IMG_EXTENSIONS = ('.jpeg', '.jpg', '.png', '.bmp', '.webp')
+SYNTH_VERSION = 1  # bump when the generator changes so old caches are not reused
+
+
+class DataError(Exception):
+    """A problem with the user's data that ends the run with one sentence."""
+
+
+class BadImageError(DataError):
+    """An image file that cannot be decoded. The message is the sentence shown to the user."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Where the data comes from
+
+@dataclass(frozen=True)
+class DataSource:
+    kind: str    # 'imagefolder', 'synthetic' or 'fake'
+    root: str    # folder holding train/ and val/ ('' for fake)
+    reason: str  # one line for the user: why this source
+
+
+def resolve_data_source(args, environ=os.environ):
+    if args.fake_data:
+        return DataSource('fake', '', '--fake-data: random uint8 batches held in memory, no decoding')
+    if args.data_dir:
+        return DataSource('imagefolder', args.data_dir, '--data-dir')
+    if environ.get('DLOJZ_DATA_DIR'):
+        return DataSource('imagefolder', environ['DLOJZ_DATA_DIR'], '$DLOJZ_DATA_DIR is set')
+    scratch = environ.get('ALL_CCFRSCRATCH')
+    if scratch and os.path.isdir(os.path.join(scratch, 'imagenet', 'train')):
+        return DataSource('imagefolder', os.path.join(scratch, 'imagenet'),
+                          '$ALL_CCFRSCRATCH/imagenet holds train/ (Jean Zay)')
+    root = synthetic_root(args)
+    return DataSource('synthetic', root, 'no --data-dir, $DLOJZ_DATA_DIR or $ALL_CCFRSCRATCH/imagenet: '
+                      'using the built-in synthetic JPEG dataset')
+
+
+def synthetic_root(args):
+    name = (f'synthetic-v{SYNTH_VERSION}-c{args.synthetic_classes}-n{args.synthetic_train_per_class}'
+            f'-v{args.synthetic_val_per_class}-s{args.synthetic_seed}')
+    return os.path.join(os.path.expanduser(args.cache_dir), name)
+
+
+def find_classes(split_dir):
+    """Class folders of one split, sorted, each holding at least one image file."""
+    if not os.path.isdir(split_dir):
+        raise DataError(f'{split_dir} does not exist; expected the ImageFolder layout '
+                        f'<data-dir>/train/<class>/*.JPEG and <data-dir>/val/<class>/*.JPEG.')
+    classes, samples = [], []
+    for name in sorted(os.listdir(split_dir)):
+        folder = os.path.join(split_dir, name)
+        if not os.path.isdir(folder):
+            continue
+        files = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMG_EXTENSIONS))
+        if not files:
+            continue
+        samples.extend((os.path.join(folder, f), len(classes)) for f in files)
+        classes.append(name)
+    if not classes:
+        raise DataError(f'{split_dir} has no class folder with images; expected '
+                        f'{split_dir}/<class>/*.JPEG.')
+    return classes, samples
+
+
+def scan_imagefolder(root):
+    """(classes, train samples, val samples) with the train/val checks users need."""
+    if not os.path.isdir(root):
+        raise DataError(f'data directory {root} does not exist; pass --data-dir pointing at a folder '
+                        f'with train/ and val/ (or omit it to use the built-in synthetic dataset).')
+    train_classes, train = find_classes(os.path.join(root, 'train'))
+    val_classes, val = find_classes(os.path.join(root, 'val'))
+    if train_classes != val_classes:
+        only_train = sorted(set(train_classes) - set(val_classes))[:3]
+        only_val = sorted(set(val_classes) - set(train_classes))[:3]
+        raise DataError(f'train/ and val/ of {root} hold different classes ({len(train_classes)} vs '
+                        f'{len(val_classes)}; only in train: {only_train}, only in val: {only_val}); '
+                        f'both splits need the same class folders.')
+    return train_classes, train, val
+
+
+# --------------------------------------------------------------------------------------------------
+# Built-in synthetic dataset: ImageNet-like JPEGs
+#
+# ImageNet train images are mostly 500x375/375x500/500x333 JPEGs of ~110 KB at quality ~90. We draw a
+# 1/f^beta luminance texture (the spectrum of natural scenes) tinted by a class hue, and paste a
+# class-shaped polygon (3..7 sides) in the complementary hue: colour and shape are learnable, texture
+# keeps the JPEG entropy, and so the decode cost, close to real photos.
+
+SHAPES = [(500, 375), (375, 500), (500, 333), (333, 500), (500, 500), (640, 480), (400, 400),
+          (600, 450), (450, 600), (700, 467)]
+
+
+def _texture(rng, h, w, beta):
+    fy = np.fft.fftfreq(h)[:, None]
+    fx = np.fft.rfftfreq(w)[None, :]
+    f = np.sqrt(fx * fx + fy * fy)
+    f[0, 0] = 1.0
+    amp = f ** (-beta)
+    amp[0, 0] = 0.0
+    phase = rng.uniform(0, 2 * np.pi, size=amp.shape)
+    x = np.fft.irfft2(amp * np.exp(1j * phase), s=(h, w))
+    return ((x - x.mean()) / (x.std() + 1e-8))[..., None]
+
+
+def synthetic_image(seed, split, label, index, num_classes):
+    """One deterministic ImageNet-like RGB image for (seed, split, class, index)."""
+    rng = np.random.default_rng([seed, 0 if split == 'train' else 1, label, index])
+    w, h = SHAPES[rng.integers(len(SHAPES))]
+    scale = rng.uniform(0.85, 1.15)
+    w, h = int(np.clip(w * scale, 300, 700)), int(np.clip(h * scale, 300, 700))
+    hue = (label * 0.6180339887) % 1.0  # golden-ratio spacing keeps neighbouring classes apart
+    bg = np.array(colorsys.hsv_to_rgb((hue + rng.normal(0, 0.02)) % 1.0, 0.55, 0.7)) * 255
+    fg = np.array(colorsys.hsv_to_rgb((hue + 0.5) % 1.0, 0.8, 0.9)) * 255
+    t = _texture(rng, h, w, 1.15)
+    x = bg + rng.normal(0, 6, 3) + 36 * t * (0.8 + 0.4 * rng.random(3))
+    r = rng.uniform(0.2, 0.35) * min(w, h)
+    cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
+    sides, rot = 3 + label % 5, rng.uniform(0, 2 * np.pi)
+    pts = [(cx + r * math.cos(rot + 2 * math.pi * k / sides), cy + r * math.sin(rot + 2 * math.pi * k / sides))
+           for k in range(sides)]
+    mask = Image.new('L', (w, h), 0)
+    ImageDraw.Draw(mask).polygon(pts, fill=255)
+    m = np.asarray(mask, np.float32)[..., None] / 255.0
+    x = x * (1 - m) + (fg + 30 * t[::-1, ::-1]) * m
+    return Image.fromarray(np.clip(x, 0, 255).astype(np.uint8))
+
+
+# Real ImageNet holds a few odd files; the synthetic train split reproduces them (class 0, first files)
+# so the decoder is exercised on every run: grayscale, CMYK, a PNG named .JPEG, a progressive JPEG.
+QUIRKS = {0: 'grayscale', 1: 'cmyk', 2: 'png', 3: 'progressive'}
+
+
+def _write_one(job):
+    seed, split, label, index, num_classes, path = job
+    img = synthetic_image(seed, split, label, index, num_classes)
+    quirk = QUIRKS.get(index) if (split == 'train' and label == 0) else None
+    buf = io.BytesIO()
+    if quirk == 'grayscale':
+        img.convert('L').save(buf, 'JPEG', quality=90)
+    elif quirk == 'cmyk':
+        img.convert('CMYK').save(buf, 'JPEG', quality=90)
+    elif quirk == 'png':
+        img.save(buf, 'PNG')
+    else:
+        img.save(buf, 'JPEG', quality=90, progressive=(quirk == 'progressive'))
+    with open(path, 'wb') as f:
+        f.write(buf.getvalue())
+    return len(buf.getvalue())
+
+
+def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, seed, workers=None,
+                             log=print):
+    """Generate the synthetic dataset under root unless a complete copy is already there."""
+    marker = os.path.join(root, 'COMPLETE.json')
+    if os.path.exists(marker):
+        return False
+    tmp = f'{root}.tmp-{os.getpid()}'
+    jobs = []
+    for split, per_class in (('train', train_per_class), ('val', val_per_class)):
+        for label in range(num_classes):
+            folder = os.path.join(tmp, split, f'n{label:08d}')
+            os.makedirs(folder, exist_ok=True)
+            jobs += [(seed, split, label, i, num_classes,
+                      os.path.join(folder, f'{split}_{label:04d}_{i:05d}.JPEG')) for i in range(per_class)]
+    workers = workers or min(len(os.sched_getaffinity(0)), 8)
+    log(f'Generating the synthetic dataset: {len(jobs)} JPEGs into {root} ({workers} processes)')
+    if workers > 1:
+        with mp.get_context('fork').Pool(workers) as pool:
+            sizes = pool.map(_write_one, jobs, chunksize=8)
+    else:
+        sizes = [_write_one(j) for j in jobs]
+    with open(os.path.join(tmp, 'COMPLETE.json'), 'w') as f:
+        json.dump({'version': SYNTH_VERSION, 'images': len(jobs), 'mean_bytes': float(np.mean(sizes))}, f)
+    try:
+        os.replace(tmp, root)  # atomic: a half-generated cache is never taken for a complete one
+    except OSError:
+        if not os.path.exists(marker):  # another process won the race; otherwise a real failure
+            raise
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode + transforms
+
+def load_rgb(path):
+    """Decode any image real ImageNet holds into RGB; raise BadImageError naming the file otherwise."""
+    try:
+        with open(path, 'rb') as f:
+            img = Image.open(f)
+            img.load()  # force the decode here so a truncated file fails now, with its name
+            return img.convert('RGB')
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError... depending on the damage
+        raise BadImageError(f'cannot decode image {path} ({type(e).__name__}: {e}); remove or replace it, '
+                            f'or pass --skip-bad-images to replace bad files and count them.') from None
+
+
+def random_resized_crop_params(rng, width, height, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """torchvision's RandomResizedCrop.get_params algorithm, drawing from a local RNG (random.Random)."""
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    in_ratio = width / height  # fallback: central crop at the closest allowed ratio
+    if in_ratio < ratio[0]:
+        w, h = width, int(round(width / ratio[0]))
+    elif in_ratio > ratio[1]:
+        h, w = height, int(round(height * ratio[1]))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+class TrainTransform:
+    """RandomResizedCrop + horizontal flip -> uint8 CHW tensor (normalised later, on the device)."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def __call__(self, img, rng):
+        top, left, h, w = random_resized_crop_params(rng, img.width, img.height)
+        img = TF.resized_crop(img, top, left, h, w, [self.size, self.size],
+                              interpolation=InterpolationMode.BILINEAR, antialias=True)
+        if rng.random() < 0.5:
+            img = TF.hflip(img)
+        return TF.pil_to_tensor(img)
+
+
+class ValTransform:
+    """Resize the shorter side to `resize`, center crop `size` (torchvision's ImageNet evaluation)."""
+
+    def __init__(self, resize, size):
+        self.resize, self.size = resize, size
+
+    def __call__(self, img, rng=None):
+        img = TF.resize(img, self.resize, interpolation=InterpolationMode.BILINEAR, antialias=True)
+        return TF.pil_to_tensor(TF.center_crop(img, self.size))
+
+
+class ImageFolderDataset(torch.utils.data.Dataset):
+    """Indexable by an int (validation) or by (index, epoch) from EpochSampler (training)."""
+
+    def __init__(self, samples, transform, seed=0, skip_bad_images=False):
+        self.samples, self.transform, self.seed = samples, transform, seed
+        self.skip_bad_images = skip_bad_images
+        # Shared with the loader workers (inherited at their start) so the main process can count.
+        self.bad_count = mp.get_context('fork').Value('i', 0) if skip_bad_images else None
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, key):
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        rng = random.Random(f'{self.seed}-{epoch}-{index}')  # str seeds hash deterministically (sha512)
+        for attempt in range(len(self.samples)):
+            path, label = self.samples[(index + attempt) % len(self.samples)]
+            try:
+                return self.transform(load_rgb(path), rng), label
+            except BadImageError as e:
+                if not self.skip_bad_images:
+                    raise
+                with self.bad_count.get_lock():
+                    self.bad_count.value += 1
+                print(f'dlojz: warning: skipped bad image {path}; using the next file instead', file=sys.stderr)
+        raise BadImageError('every image of the dataset failed to decode; check the data directory.')
+
+    @property
+    def bad_images(self):
+        return self.bad_count.value if self.bad_count is not None else 0
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """Deterministic shuffle from (seed, epoch), sharded by rank, able to start mid-epoch.
+
+    Yields (index, epoch) so that the dataset can seed its augmentations per sample. Every rank
+    gets ceil(n / world) samples (padded with repeats, as DistributedSampler does for training).
+    """
+
+    def __init__(self, n, seed, shuffle=True, rank=0, world_size=1):
+        self.n, self.seed, self.shuffle, self.rank, self.world_size = n, seed, shuffle, rank, world_size
+        self.epoch, self.start = 0, 0
+        self.per_rank = math.ceil(n / world_size)
+
+    def set_epoch(self, epoch, start_sample=0):
+        self.epoch, self.start = epoch, start_sample
+
+    def __len__(self):
+        return self.per_rank - self.start
+
+    def __iter__(self):
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 100003 + self.epoch)
+            order = torch.randperm(self.n, generator=g).tolist()
+        else:
+            order = list(range(self.n))
+        order += order[:self.per_rank * self.world_size - self.n]
+        mine = order[self.rank::self.world_size][self.start:]
+        return iter((i, self.epoch) for i in mine)
+
+
+class FakeLoader:
+    """In-memory random uint8 batches: the compute ceiling, no decode and no worker."""
+
+    def __init__(self, n_images, batch_size, image_size, num_classes, pin_memory, drop_last, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.batches = []
+        for _ in range(2):  # two distinct batches so the model does not see one constant input
+            images = torch.randint(0, 256, (batch_size, 3, image_size, image_size), dtype=torch.uint8, generator=g)
+            labels = torch.randint(0, num_classes, (batch_size,), generator=g)
+            if pin_memory:
+                images, labels = images.pin_memory(), labels.pin_memory()
+            self.batches.append((images, labels))
+        self.batch_size = batch_size
+        self.n_batches = n_images // batch_size if drop_last else math.ceil(n_images / batch_size)
+        self.start = 0
+        self.sampler = None
+
+    def set_epoch(self, epoch, start_sample=0):
+        self.start = start_sample // self.batch_size
+
+    def __len__(self):
+        return self.n_batches - self.start
+
+    def __iter__(self):
+        return (self.batches[i % 2] for i in range(self.start, self.n_batches))
+
+
+# --------------------------------------------------------------------------------------------------
+# Loaders
+
+@dataclass
+class Data:
+    source: DataSource
+    classes: list
+    train_loader: object
+    val_loader: object
+    train_dataset: object = None
+    n_train: int = 0
+    n_val: int = 0
+
+    @property
+    def bad_images(self):
+        return self.train_dataset.bad_images if self.train_dataset is not None else 0
+
+    def set_epoch(self, epoch, start_sample=0):
+        target = self.train_loader.sampler if self.train_dataset is not None else self.train_loader
+        target.set_epoch(epoch, start_sample)
+
+
+def loader_kwargs(args):
+    kw = dict(num_workers=args.num_workers, pin_memory=args.pin_memory)
+    if args.num_workers > 0:
+        kw.update(persistent_workers=args.persistent_workers, prefetch_factor=args.prefetch_factor)
+    return kw
+
+
+def build_data(args, dist, log=print):
+    source = resolve_data_source(args)
+    if source.kind == 'fake':
+        classes = [str(i) for i in range(args.fake_classes)]
+        mk = lambda n, b, size: FakeLoader(n, b, size, len(classes), args.pin_memory, args.drop_last, args.seed)
+        return Data(source, classes, mk(args.fake_train_size, args.batch_size, args.image_size),
+                    mk(args.fake_val_size, args.val_batch_size, args.val_image_size),
+                    n_train=args.fake_train_size, n_val=args.fake_val_size)
+    if source.kind == 'synthetic':
+        ensure_synthetic_dataset(source.root, args.synthetic_classes, args.synthetic_train_per_class,
+                                 args.synthetic_val_per_class, args.synthetic_seed, log=log)
+    classes, train_samples, val_samples = scan_imagefolder(source.root)
+    train_set = ImageFolderDataset(train_samples, TrainTransform(args.image_size), args.seed, args.skip_bad_images)
+    val_set = ImageFolderDataset(val_samples, ValTransform(args.val_resize, args.val_image_size), args.seed,
+                                 args.skip_bad_images)
+    sampler = EpochSampler(len(train_set), args.seed, True, dist.rank, dist.world_size)
+    train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
+                                               drop_last=args.drop_last, **loader_kwargs(args))
+    val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.val_batch_size, shuffle=False,
+                                             drop_last=False, **loader_kwargs(args))
+    return Data(source, classes, train_loader, val_loader, train_set, len(train_set), len(val_set))
+
+
+def loader_error_message(exc):
+    """The user sentence from an exception that may have crossed a DataLoader worker boundary."""
+    text = str(exc).strip().splitlines()
+    last = text[-1] if text else ''
+    for prefix in ('dlojz_data.BadImageError: ', 'BadImageError: ', 'dlojz_data.DataError: '):
+        if last.startswith(prefix):
+            return last[len(prefix):]
+    return last

@@ -1,0 +1,171 @@
+"""Run directory, JSON outputs, provenance and atomic checkpoints for dlojz."""
+import datetime
+import hashlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+SUMMARY_VERSION = 1
+
+
+class UsageError(Exception):
+    """A user error: the message is one sentence saying what is wrong and what to do."""
+
+
+def default_output_dir(args, dist):
+    tag = dist.job_id or datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
+    return os.path.join('runs', f'{tag}_{args.arch}_bs{args.batch_size}')
+
+
+def prepare_output_dir(path):
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=path, prefix='.write-test-', delete=True)
+        probe.close()
+    except OSError as e:
+        raise UsageError(f'cannot write to output directory {path} ({e.strerror}); '
+                         f'pass --output-dir with a writable folder.') from None
+    return path
+
+
+def _fsync_replace(tmp, path):
+    with open(tmp, 'rb+') as f:
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half of one
+
+
+def write_json(path, obj):
+    tmp = f'{path}.tmp'
+    with open(tmp, 'w') as f:
+        json.dump(obj, f, indent=2, default=_json_default)
+        f.write('\n')
+    _fsync_replace(tmp, path)
+
+
+def _json_default(o):
+    if isinstance(o, (torch.device, torch.dtype)):
+        return str(o)
+    if hasattr(o, 'item'):
+        return o.item()
+    return repr(o)
+
+
+class JsonlWriter:
+    """metrics.jsonl: one object per line, flushed per line so a crashed run keeps what it logged."""
+
+    def __init__(self, path, enabled=True):
+        self.f = open(path, 'a') if enabled else None
+
+    def write(self, **record):
+        if self.f:
+            self.f.write(json.dumps(record, default=_json_default) + '\n')
+            self.f.flush()
+
+    def close(self):
+        if self.f:
+            self.f.close()
+
+
+def host_memory():
+    """Peak and current resident set size of this process, bytes (Linux /proc; None elsewhere)."""
+    out = {'host_peak_rss_bytes': None, 'host_rss_bytes': None}
+    try:
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith('VmHWM:'):
+                    out['host_peak_rss_bytes'] = int(line.split()[1]) * 1024
+                elif line.startswith('VmRSS:'):
+                    out['host_rss_bytes'] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def git_sha():
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(['git', '-C', here, 'rev-parse', 'HEAD'], capture_output=True, text=True,
+                             timeout=5).stdout.strip()
+        dirty = subprocess.run(['git', '-C', here, 'status', '--porcelain', '--untracked-files=no'],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return (sha + ('-dirty' if dirty else '')) or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def file_hash(path):
+    with open(path, 'rb') as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def provenance(device, dist):
+    import torchvision
+    prov = {
+        'dlojz_sha': git_sha(), 'dlojz_py_sha256': file_hash(os.path.join(os.path.dirname(
+            os.path.abspath(__file__)), 'dlojz.py')),
+        'python': sys.version.split()[0], 'torch': torch.__version__, 'torchvision': torchvision.__version__,
+        'cuda': torch.version.cuda, 'cudnn': torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        'nccl': None, 'host': socket.gethostname(), 'platform': platform.platform(),
+        'cpu_count': len(os.sched_getaffinity(0)), 'slurm_job_id': dist.job_id or None,
+        'launcher': dist.launcher, 'device': str(device), 'device_name': platform.processor() or 'cpu',
+        'gpu_total_memory_bytes': None, 'driver': None,
+        'time': datetime.datetime.now().isoformat(timespec='seconds'),
+    }
+    if device.type == 'cuda':
+        p = torch.cuda.get_device_properties(device)
+        prov.update(device_name=p.name, gpu_total_memory_bytes=p.total_memory,
+                    compute_capability=f'{p.major}.{p.minor}')
+        try:
+            prov['nccl'] = '.'.join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # NCCL absent from this build
+            pass
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            prov['driver'] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:  # no NVML: driver left unknown
+            pass
+    return prov
+
+
+def save_checkpoint(path, state):
+    """Write a checkpoint atomically: temp file in the same folder, fsync, rename."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix='.checkpoint-', suffix='.tmp')
+    try:
+        with os.fdopen(fd, 'wb') as f:
+            torch.save(state, f)
+        _fsync_replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def load_checkpoint(path):
+    if not os.path.isfile(path):
+        raise UsageError(f'checkpoint {path} does not exist; pass --resume with the path of a checkpoint.pt '
+                         f'written by --chkpt.')
+    try:
+        # weights_only=False: the checkpoint holds our own args namespace and RNG states, written by us.
+        return torch.load(path, map_location='cpu', weights_only=False)
+    except Exception as e:
+        raise UsageError(f'checkpoint {path} cannot be read ({type(e).__name__}); it may be truncated, '
+                         f'resume from another checkpoint.') from None
+
+
+def strip_prefixes(state_dict):
+    """Remove the '_orig_mod.' (torch.compile) and 'module.' (DDP) prefixes."""
+    out = {}
+    for k, v in state_dict.items():
+        for prefix in ('_orig_mod.', 'module.'):
+            if k.startswith(prefix):
+                k = k[len(prefix):]
+        out[k] = v
+    return out
