@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 from torchmetrics import MeanMetric
+from tqdm import tqdm
 from torchmetrics.classification import MulticlassAccuracy
 
 import custom_models
@@ -39,9 +40,11 @@ class NonFiniteLoss(Exception):
         self.step = step
 
 
-def print0(*a, dist=None, **kw):
+def print0(msg, dist=None):
+    """Print on rank 0 only; through tqdm so an active progress bar is not torn."""
     if dist is None or dist.is_main:
-        print(*a, **kw, flush=True)
+        tqdm.write(str(msg))
+        sys.stdout.flush()
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -329,7 +332,10 @@ def train_one_epoch(run, epoch, start_step, max_steps, prof):
     guard = NonFiniteGuard(run.device, run.global_step, args.log_interval)
     global_batch = args.batch_size * run.dist.world_size
     step = start_step
+    bar = tqdm(total=min(run.steps_per_epoch - start_step, max_steps or run.steps_per_epoch), leave=False,
+               disable=not (sys.stdout.isatty() and run.dist.is_main), desc=f'epoch {epoch + 1}')
     for images, labels in chrono.iterate(run.data.train_loader, max_steps):
+        bar.update()
         with chrono.phase('h2d'):
             images, labels = to_device(images, labels, run)
         with chrono.phase('forward'), run.autocast:
@@ -377,6 +383,7 @@ def train_one_epoch(run, epoch, start_step, max_steps, prof):
             print0(f"Train metrics at step {step}: loss {rec['loss']:.4f} top-1 {rec['top1']:.4f} "
                    f"top-5 {rec['top5']:.4f}", dist=run.dist)
             run.log.write(**rec)
+    bar.close()
     guard.check(run.global_step, force=True)
     chrono.finish()
     train = {'steps_run': step - start_step}

@@ -1,0 +1,155 @@
+"""Chronometer arithmetic with an injected clock: exact per-phase times, warm-up exclusion, statistics,
+phases that add up to the step, and the course's '>>>' lines parsed the way controle_technique parses them.
+
+Run: python -m pytest -q tests/test_chrono.py
+"""
+import statistics
+
+import pytest
+import torch
+
+from dlojz_chrono import Chronometer, PowerMeter, describe
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+    def advance(self, dt):
+        self.t += dt
+
+
+class SlowLoader:
+    """Each batch costs `waits[i]` seconds of the fake clock."""
+
+    def __init__(self, clock, waits):
+        self.clock, self.waits = clock, waits
+
+    def __iter__(self):
+        for i, w in enumerate(self.waits):
+            self.clock.advance(w)
+            yield i
+
+
+def drive(chrono, clock, waits, phase_times, other=0.0, max_steps=None):
+    for i in chrono.iterate(SlowLoader(clock, waits), max_steps):
+        for name, dt in phase_times[i].items():
+            with chrono.phase(name):
+                clock.advance(dt)
+        clock.advance(other)
+    chrono.finish()
+
+
+def test_exact_phases_steps_and_other():
+    clock = FakeClock()
+    chrono = Chronometer('cpu', warmup=1, clock=clock)
+    waits = [2.0, 0.1, 0.2, 0.3]
+    phases = [{'h2d': 0.5, 'forward': 1.0, 'backward': 2.0, 'optimizer': 0.25}] + \
+             [{'h2d': 0.01, 'forward': 0.1 * k, 'backward': 0.2 * k, 'optimizer': 0.05} for k in (1, 2, 3)]
+    drive(chrono, clock, waits, phases, other=0.04)
+    assert len(chrono.steps) == 4
+    for rec, w, ph in zip(chrono.steps, waits, phases):
+        assert rec['data'] == pytest.approx(w)
+        for name, dt in ph.items():
+            assert rec[name] == pytest.approx(dt)
+        assert rec['other'] == pytest.approx(0.04)
+        assert rec['step'] == pytest.approx(w + sum(ph.values()) + 0.04)
+    st = chrono.stats()
+    # warm-up step 0 (2 s wait, 3.75 s compute) is excluded from every statistic
+    fwd = [0.1, 0.2, 0.3]
+    assert st['forward']['n'] == 3
+    assert st['forward']['mean'] == pytest.approx(statistics.fmean(fwd))
+    assert st['forward']['median'] == pytest.approx(0.2)
+    assert st['forward']['std'] == pytest.approx(statistics.pstdev(fwd))
+    assert st['data']['min'] == pytest.approx(0.1)
+    assert st['data']['p90'] == pytest.approx(0.3)
+    compute = [0.01 + 0.3 * k + 0.05 + 0.04 for k in (1, 2, 3)]
+    assert st['compute']['median'] == pytest.approx(compute[1])
+    s = chrono.summary(global_batch=64, batches_per_epoch=100)
+    assert s['phase_sum_error'] == pytest.approx(0.0, abs=1e-12)
+    assert s['gpu_throughput'] == pytest.approx(64 / compute[1])
+    assert s['train_throughput'] == pytest.approx(64 / (0.2 + compute[1]))
+    assert s['epoch_time_estimate_s'] == pytest.approx(100 * (0.2 + compute[1]))
+    assert s['first_steps'][0]['data'] == pytest.approx(2.0)
+    assert sum(s['phase_share'].values()) == pytest.approx(1.0)
+
+
+def test_max_steps_stops_and_closes_last_step():
+    clock = FakeClock()
+    chrono = Chronometer('cpu', warmup=0, clock=clock)
+    drive(chrono, clock, [0.1] * 10, [{'forward': 1.0}] * 10, max_steps=3)
+    assert len(chrono.steps) == 3
+    assert all(r['step'] == pytest.approx(1.1) for r in chrono.steps)
+
+
+def test_phases_off_records_only_host_times():
+    clock = FakeClock()
+    chrono = Chronometer('cpu', phases=False, warmup=0, clock=clock)
+    drive(chrono, clock, [0.1, 0.1], [{'forward': 1.0}] * 2)
+    assert set(chrono.steps[0]) == {'data', 'step'}
+    assert chrono.stats()['compute']['median'] == pytest.approx(1.0)
+
+
+def test_interval_means_reset():
+    clock = FakeClock()
+    chrono = Chronometer('cpu', clock=clock)
+    drive(chrono, clock, [0.5, 0.1], [{'forward': 1.0}, {'forward': 3.0}])
+    step, data, n = chrono.interval()
+    assert (n, step, data) == (2, pytest.approx((1.5 + 3.1) / 2), pytest.approx(0.3))
+    assert chrono.interval() == (0.0, 0.0, 0)
+
+
+def test_course_summary_lines_parse_like_controle_technique():
+    clock = FakeClock()
+    chrono = Chronometer('cpu', warmup=1, clock=clock)
+    chrono.start()
+    drive(chrono, clock, [1.0, 0.1, 0.1, 0.1], [{'forward': 0.2, 'backward': 0.4}] * 4)
+    with chrono.validation():
+        clock.advance(65.5)
+    chrono.stop()
+    lines = chrono.display_lines(batches_per_epoch=2503)
+    train = next(l for l in lines if 'Training performance' in l) + '\n'
+    st = chrono.stats()['compute']
+    # dlojz_tools.controle_technique: avg = split(' ')[-4], min = [-6], std = [-1][:-2]
+    assert float(train.split(' ')[-4]) == pytest.approx(st['median'])
+    assert float(train.split(' ')[-6]) == pytest.approx(st['min'])
+    assert float(train.split(' ')[-1][:-2]) == pytest.approx(st['std'])
+    assert next(l for l in lines if 'batch per epoch' in l).split()[-1] == '2503'
+    assert '>>> Validation time: 0:01:05.500000' in lines
+    assert float(next(l for l in lines if 'First step loading' in l).split()[-1]) == pytest.approx(1.0)
+    fwd = next(l for l in lines if 'Forward performance' in l)
+    assert float(fwd.split(' ')[-4]) == pytest.approx(0.2)
+
+
+def test_describe_nearest_rank_p90():
+    d = describe([float(i) for i in range(1, 11)])
+    assert (d['min'], d['median'], d['p90'], d['mean']) == (1.0, 5.5, 9.0, 5.5)
+    assert describe([]) is None
+
+
+def test_real_clock_phase_sum_on_cpu():
+    """With the real host clock, steps tile the loop's wall time (independent perf_counter)."""
+    import time
+    chrono = Chronometer('cpu', warmup=0)
+    x = torch.randn(64, 64)
+    t0 = time.perf_counter()
+    for _ in chrono.iterate(range(20)):
+        with chrono.phase('forward'):
+            y = x @ x
+        with chrono.phase('backward'):
+            y = y @ x
+    wall = time.perf_counter() - t0
+    total = sum(r['step'] for r in chrono.steps)
+    assert abs(total - wall) / wall < 0.02
+    assert chrono.summary(1)['phase_sum_error'] < 1e-9
+
+
+def test_power_meter_unavailable_on_cpu():
+    p = PowerMeter('cpu')
+    p.start()
+    p.stop()
+    assert p.summary(100) == {'available': False, 'peak_w': None, 'mean_w': None, 'energy_j': None,
+                              'joules_per_image': None}
