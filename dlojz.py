@@ -332,6 +332,7 @@ def train_one_epoch(run, epoch, start_step, max_steps, prof):
     guard = NonFiniteGuard(run.device, run.global_step, args.log_interval)
     global_batch = args.batch_size * run.dist.world_size
     step = start_step
+    t_log = time.perf_counter()
     bar = tqdm(total=min(run.steps_per_epoch - start_step, max_steps or run.steps_per_epoch), leave=False,
                disable=not (sys.stdout.isatty() and run.dist.is_main), desc=f'epoch {epoch + 1}')
     for images, labels in chrono.iterate(run.data.train_loader, max_steps):
@@ -363,7 +364,9 @@ def train_one_epoch(run, epoch, start_step, max_steps, prof):
         acc5.update(output.detach(), labels)
         prof.step() if prof is not None else None
         if step % args.log_interval == 0 or step == run.steps_per_epoch:
-            step_s, data_s, n = chrono.interval()
+            data_s, n = chrono.interval()
+            now = time.perf_counter()
+            step_s, t_log = (now - t_log) / n, now  # wall time per step since the last log line
             mem = torch.cuda.max_memory_allocated(run.device) if run.device.type == 'cuda' else \
                 host_memory()['host_peak_rss_bytes']
             rec = dict(type='train', epoch=epoch + 1, step=step, global_step=run.global_step,
@@ -502,8 +505,9 @@ def main(args):
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
     autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
     chrono = Chronometer(device, phases=args.timing, sync=args.sync_timing, warmup=args.warmup_steps)
+    log = JsonlWriter(os.path.join(args.output_dir, 'metrics.jsonl'), dist.is_main, append=bool(args.resume))
     run = Run(args, dist, device, data, model, model_without_ddp, criterion, optimizer, scheduler, scaler, autocast,
-              chrono, JsonlWriter(os.path.join(args.output_dir, 'metrics.jsonl'), dist.is_main), None, steps_per_epoch)
+              chrono, log, None, steps_per_epoch)
     start_epoch, start_step = restore(run, load_checkpoint(args.resume), args.resume) if args.resume else (0, 0)
 
     print0(f'>>> Training on {dist.world_size} processes ({device}, {args.arch}, amp {args.amp}, channels-last '

@@ -47,7 +47,7 @@ class Chronometer:
         self.steps = []        # completed records: {'data': s, 'step': s, 'h2d': s, ...}
         self._pending = []     # records whose CUDA events may not have completed yet
         self._current = None
-        self._interval = []    # (step, data) host times since the last interval() call
+        self._interval = []    # data-wait seconds of the steps begun since the last interval() call
         self.val_time = None
         self.val_batches = 0
         self.start_time = self.stop_time = None
@@ -72,6 +72,7 @@ class Chronometer:
             except StopIteration:
                 return
             self._current = {'t0': t0, 'data': self.clock() - t0, 'events': []}
+            self._interval.append(self._current['data'])
             n += 1
             yield batch
             self._end_step()
@@ -80,7 +81,6 @@ class Chronometer:
         rec = self._current
         self._current = None
         rec['step'] = self.clock() - rec.pop('t0')
-        self._interval.append((rec['step'], rec['data']))
         self._pending.append(rec)
         self._resolve(block=False)
 
@@ -126,14 +126,12 @@ class Chronometer:
         self._resolve(block=True)
 
     def interval(self):
-        """Mean host step and data-wait seconds since the last call (for the periodic log line)."""
-        if not self._interval:
-            return 0.0, 0.0, 0
+        """(mean data wait in seconds, number of steps) over the steps begun since the last call,
+        the current one included: what the periodic log line reports."""
         n = len(self._interval)
-        step = sum(s for s, _ in self._interval) / n
-        data = sum(d for _, d in self._interval) / n
+        data = sum(self._interval) / n if n else 0.0
         self._interval = []
-        return step, data, n
+        return data, n
 
     # ---------------------------------------------------------------- validation
     @contextmanager

@@ -60,8 +60,9 @@ def _json_default(o):
 class JsonlWriter:
     """metrics.jsonl: one object per line, flushed per line so a crashed run keeps what it logged."""
 
-    def __init__(self, path, enabled=True):
-        self.f = open(path, 'a') if enabled else None
+    def __init__(self, path, enabled=True, append=False):
+        # A resumed run continues its log; a fresh run in a reused folder starts a new one.
+        self.f = open(path, 'a' if append else 'w') if enabled else None
 
     def write(self, **record):
         if self.f:

@@ -93,13 +93,17 @@ def test_phases_off_records_only_host_times():
     assert chrono.stats()['compute']['median'] == pytest.approx(1.0)
 
 
-def test_interval_means_reset():
+def test_interval_includes_current_step_and_resets():
     clock = FakeClock()
     chrono = Chronometer('cpu', clock=clock)
-    drive(chrono, clock, [0.5, 0.1], [{'forward': 1.0}, {'forward': 3.0}])
-    step, data, n = chrono.interval()
-    assert (n, step, data) == (2, pytest.approx((1.5 + 3.1) / 2), pytest.approx(0.3))
-    assert chrono.interval() == (0.0, 0.0, 0)
+    seen = []
+    for i in chrono.iterate(SlowLoader(clock, [0.5, 0.1, 0.3])):
+        clock.advance(1.0)
+        if i == 1:
+            seen.append(chrono.interval())  # logged inside step 2: steps 1 and 2 count
+    assert seen == [(pytest.approx(0.3), 2)]
+    assert chrono.interval() == (pytest.approx(0.3), 1)
+    assert chrono.interval() == (0.0, 0)
 
 
 def test_course_summary_lines_parse_like_controle_technique():
@@ -134,7 +138,7 @@ def test_real_clock_phase_sum_on_cpu():
     """With the real host clock, steps tile the loop's wall time (independent perf_counter)."""
     import time
     chrono = Chronometer('cpu', warmup=0)
-    x = torch.randn(64, 64)
+    x = torch.randn(384, 384)  # a few ms per step, so fixed costs of the generator are small
     t0 = time.perf_counter()
     for _ in chrono.iterate(range(20)):
         with chrono.phase('forward'):

@@ -1,0 +1,180 @@
+"""End-to-end runs through dlojz.main()/cli() on CPU: a smoke run writing a valid summary, a short run
+that learns (accuracy above chance), checkpoint -> resume reproducing an uninterrupted run's losses
+exactly, worker-count independence, the optional modes (fake data, LR finder, profiler, custom archs),
+and every bad input ending with one sentence, a non-zero exit, no traceback and nothing overwritten.
+
+Run: python -m pytest -q tests/test_train.py
+"""
+import hashlib
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import dlojz
+from conftest import TINY, run_cli, run_main
+
+
+def losses(records):
+    return {r['global_step']: r['loss'] for r in records if r['type'] == 'train'}
+
+
+def test_smoke_summary(tmp_path, cache_dir):
+    s, recs = run_main(tmp_path, cache_dir, '--test-nsteps', '5', '--log-interval', '1')
+    on_disk = json.load(open(tmp_path / 'summary.json'))
+    assert on_disk['status'] == 'completed' and on_disk['version'] == 1
+    assert on_disk['config']['test'] and on_disk['config']['test_nsteps'] == 5
+    assert json.load(open(tmp_path / 'config.json'))['arch'] == 'resnet18'
+    t = on_disk['timing']
+    assert t['steps'] == 5 and t['warmup_steps'] == 1 and t['stats']['step']['n'] == 4
+    assert t['phase_sum_error'] < 0.02
+    assert t['train_throughput'] == pytest.approx(8 / t['stats']['step']['median'])
+    assert t['gpu_throughput'] >= t['train_throughput'] > 0
+    assert set(t['per_step']) >= {'step', 'data', 'h2d', 'forward', 'backward', 'optimizer', 'other'}
+    assert on_disk['data']['source'] == 'synthetic' and on_disk['data']['classes'] == 4
+    assert on_disk['data']['batches_per_epoch'] == 12  # 96 images / 8
+    assert on_disk['val']['images'] == 24 and on_disk['val']['batches'] == 2
+    assert on_disk['provenance']['torch'] == torch.__version__
+    assert on_disk['memory']['host_peak_rss_bytes'] > 0
+    assert [r['global_step'] for r in recs if r['type'] == 'train'] == [1, 2, 3, 4, 5]
+    assert all(math.isfinite(r['loss']) for r in recs)
+
+
+def test_short_run_beats_chance(tmp_path, cache_dir):
+    s, recs = run_main(tmp_path, cache_dir, '-e', '4', '--optimizer', 'adamw', '--lr', '0.002',
+                       '--scheduler', 'constant')
+    val = [r for r in recs if r['type'] == 'val']
+    assert len(val) == 4 and val[-1]['images'] == 24
+    assert max(v['top1'] for v in val[-2:]) > 0.5  # chance is 0.25 with 4 classes
+
+
+def test_resume_reproduces_uninterrupted_losses(tmp_path, cache_dir):
+    _, full = run_main(tmp_path / 'full', cache_dir, '-e', '2', '--log-interval', '1')
+    _, first = run_main(tmp_path / 'part', cache_dir, '-e', '2', '--test-nsteps', '18', '--chkpt',
+                        '--log-interval', '1')
+    ckpt = torch.load(tmp_path / 'part' / 'checkpoint.pt', weights_only=False)
+    assert (ckpt['epoch'], ckpt['step_in_epoch'], ckpt['global_step']) == (1, 6, 18)  # mid-epoch 2
+    _, second = run_main(tmp_path / 'resumed', cache_dir, '-e', '2', '--log-interval', '1',
+                         '--resume', tmp_path / 'part' / 'checkpoint.pt')
+    ref, a, b = losses(full), losses(first), losses(second)
+    assert sorted(ref) == list(range(1, 25)) and sorted(b) == list(range(19, 25))
+    assert [a[k] for k in range(1, 19)] == [ref[k] for k in range(1, 19)]
+    assert [b[k] for k in range(19, 25)] == [ref[k] for k in range(19, 25)]  # bit-exact on CPU
+    final_ref = [r for r in full if r['type'] == 'val'][-1]
+    final_res = [r for r in second if r['type'] == 'val'][-1]
+    assert final_res['loss'] == final_ref['loss'] and final_res['top1'] == final_ref['top1']
+
+
+def test_losses_do_not_depend_on_worker_count(tmp_path, cache_dir):
+    _, zero = run_main(tmp_path / 'w0', cache_dir, '--test-nsteps', '3', '--log-interval', '1')
+    _, two = run_main(tmp_path / 'w2', cache_dir, '--test-nsteps', '3', '--log-interval', '1', '--num-workers', '2')
+    assert losses(zero) == losses(two)
+
+
+def test_fake_data_findlr_profiler_and_custom_archs(tmp_path, cache_dir):
+    s, _ = run_main(tmp_path / 'fake', cache_dir, '--fake-data', '--fake-classes', '10', '--test-nsteps', '3')
+    assert s['data']['source'] == 'fake' and s['timing']['steps'] == 3
+    s, recs = run_main(tmp_path / 'lr', cache_dir, '--findlr', '--test-nsteps', '6', '--lr', '1.0')
+    lrs = s['findlr']['lr']
+    assert len(lrs) == 6 and len(s['findlr']['loss']) == 6
+    assert lrs[0] == pytest.approx(1e-8) and lrs[-1] == pytest.approx(1.0)
+    ratios = [b / a for a, b in zip(lrs, lrs[1:])]
+    assert max(ratios) == pytest.approx(min(ratios))  # geometric
+    assert s['val'] is None and not any(r['type'] == 'val' for r in recs)
+    run_main(tmp_path / 'prof', cache_dir, '--prof', '--test-nsteps', '4', '--prof-active', '2')
+    traces = [f for _, _, fs in os.walk(tmp_path / 'prof' / 'profiler') for f in fs if 'trace' in f]
+    assert traces and all(os.path.getsize(os.path.join(tmp_path / 'prof' / 'profiler', f)) > 0 for f in traces)
+    for arch in ('resnet18-heads', 'resnet18-sd'):
+        s, _ = run_main(tmp_path / arch, cache_dir, '--arch', arch, '--test-nsteps', '2', '--grad-checkpointing')
+        assert s['status'] == 'completed'
+
+
+def err(capsys, *argv):
+    code = dlojz.cli([str(a) for a in argv])
+    captured = capsys.readouterr()
+    lines = [l for l in captured.err.splitlines() if l.startswith('dlojz: error:')]
+    assert 'Traceback' not in captured.err
+    assert len(lines) == 1, captured.err
+    return code, lines[0]
+
+
+@pytest.mark.parametrize('flags, expected', [
+    (['-b', '0'], '--batch-size must be positive'),
+    (['--image-size', '-3'], '--image-size must be positive'),
+    (['--num-workers', '0', '--prefetch-factor', '4'], 'need worker processes'),
+    (['--num-workers', '0', '--persistent-workers'], 'need worker processes'),
+    (['--amp', 'fp16'], '--amp fp16 needs a CUDA GPU'),
+    (['--device', 'cuda'], 'sees no CUDA GPU'),
+    (['--val-image-size', '300'], 'larger than --val-resize'),
+    (['--arch', 'vgg16'], 'unknown --arch'),
+    (['--data-dir', '/nonexistent/imagenet'], 'does not exist'),
+    (['--resume', '/nonexistent/checkpoint.pt'], 'does not exist'),
+])
+def test_flag_errors(capsys, tmp_path, cache_dir, flags, expected):
+    if torch.cuda.is_available() and ('cuda' in flags or 'fp16' in flags):
+        pytest.skip('CPU-only refusal')
+    code, line = err(capsys, *TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path, '--test-nsteps', 2, *flags)
+    assert code == 2 and expected in line
+
+
+def test_unwritable_output_dir(capsys, tmp_path, cache_dir):
+    blocker = tmp_path / 'file'
+    blocker.write_text('not a folder')
+    code, line = err(capsys, *TINY, '--cache-dir', cache_dir, '--output-dir', blocker / 'run', '--test-nsteps', 2)
+    assert code == 2 and 'cannot write to output directory' in line
+
+
+def sha(path):
+    return hashlib.sha256(open(path, 'rb').read()).hexdigest()
+
+
+def test_resume_errors_and_nan_keep_existing_files(capsys, tmp_path, cache_dir):
+    out = tmp_path / 'run'
+    run_main(out, cache_dir, '--test-nsteps', '3', '--chkpt')
+    ckpt = out / 'checkpoint.pt'
+    before = sha(ckpt)
+    code, line = err(capsys, *TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'other', '--test-nsteps', 2,
+                     '--arch', 'resnet34', '--resume', ckpt)
+    assert code == 2 and 'holds resnet18' in line and '--arch resnet34' in line
+    # a huge learning rate makes the loss overflow; the run stops at that step and keeps the checkpoint
+    code, line = err(capsys, *TINY, '--cache-dir', cache_dir, '--output-dir', out, '--test-nsteps', 10,
+                     '--chkpt', '--lr', '1e30', '--scheduler', 'constant')
+    assert code == 3 and 'NaN or infinite at step' in line
+    summary = json.load(open(out / 'summary.json'))
+    assert summary['status'] == 'nan' and 1 <= summary['failed_step'] <= 10
+    assert sha(ckpt) == before
+    recs = [json.loads(l) for l in open(out / 'metrics.jsonl')]
+    assert all(math.isfinite(r['loss']) for r in recs if r['type'] == 'train')  # no non-finite step was logged
+    truncated = tmp_path / 'truncated.pt'
+    truncated.write_bytes(ckpt.read_bytes()[:1000])
+    code, line = err(capsys, *TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'x', '--test-nsteps', 2,
+                     '--resume', truncated)
+    assert code == 2 and 'cannot be read' in line
+    assert sha(ckpt) == before
+
+
+def test_bad_image_stops_or_is_skipped(capsys, tmp_path, cache_dir):
+    import shutil
+    src = [os.path.join(cache_dir, d) for d in os.listdir(cache_dir) if d.startswith('synthetic')][0]
+    root = tmp_path / 'data'
+    shutil.copytree(src, root)
+    bad = root / 'train' / 'n00000002' / 'train_0002_00001.JPEG'
+    bad.write_bytes(b'\xff\xd8\xff\xe0 not really a jpeg')
+    args = [*TINY, '--data-dir', root, '-b', '96', '--test-nsteps', 1, '--num-workers', 1]
+    code, line = err(capsys, *args, '--output-dir', tmp_path / 'strict')
+    assert code == 2 and 'train_0002_00001.JPEG' in line and '--skip-bad-images' in line
+    assert json.load(open(tmp_path / 'strict' / 'summary.json'))['status'] == 'failed'
+    assert dlojz.cli([str(a) for a in args] + ['--output-dir', str(tmp_path / 'lenient'), '--skip-bad-images']) == 0
+    assert json.load(open(tmp_path / 'lenient' / 'summary.json'))['data']['bad_images_skipped'] == 1
+
+
+def test_cli_subprocess_prints_course_lines(tmp_path, cache_dir):
+    p = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path, '--test-nsteps', 3)
+    assert p.returncode == 0, p.stderr
+    for line in ('>>> Training complete in:', '>>> Training performance time: min', '>>> Loading performance time',
+                 '>>> Validation time:', '>>> Number of batch per epoch: 12'):
+        assert line in p.stdout
+    p = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path, '-b', '-1')
+    assert p.returncode == 2 and 'Traceback' not in p.stderr and p.stderr.count('\n') == 1
