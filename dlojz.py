@@ -3,7 +3,7 @@ fast or slow.
 
     python dlojz.py --test-nsteps 20 --arch resnet18 --image-size 64 -b 16 --num-workers 2   # CPU demo
     python dlojz.py --test-nsteps 50 --amp bf16 --channels-last --data-dir /path/imagenet      # one GPU
-    sbatch slurm/a100-1gpu.slurm --amp bf16 -b 256                                             # SLURM
+    srun --ntasks=1 --gres=gpu:1 --cpus-per-task=10 python dlojz.py --num-workers 10 --test    # one SLURM task
 
 Outputs go to --output-dir (default runs/<job id or timestamp>_<arch>_bs<b>): config.json,
 metrics.jsonl, summary.json, checkpoint.pt (--chkpt), profiler traces (--prof), wandb files.
@@ -66,8 +66,10 @@ def get_args_parser(add_help=True):
     g.add_argument('--fake-val-size', type=int, default=50000, help='--fake-data: validation images')
     g.add_argument('--fake-classes', type=int, default=1000, help='--fake-data: number of classes')
     g.add_argument('--image-size', type=int, default=224, help='train RandomResizedCrop size, pixels')
-    g.add_argument('--val-resize', type=int, default=256, help='validation: shorter side resized to, pixels')
-    g.add_argument('--val-image-size', type=int, default=224, help='validation: center crop, pixels')
+    g.add_argument('--val-resize', type=int, default=None, help='validation: shorter side resized to, pixels '
+                   '(default 256, i.e. val-image-size x 256/224)')
+    g.add_argument('--val-image-size', type=int, default=None, help='validation: center crop, pixels (default '
+                   '224 when --image-size is 224, else --image-size)')
     g.add_argument('--skip-bad-images', action='store_true', help='replace undecodable files and count them '
                    'instead of stopping')
     g = p.add_argument_group('loader')
@@ -140,6 +142,10 @@ def check_args(args):
         args.test = True
     if args.test and args.test_nsteps is None:
         args.test_nsteps = 50
+    if args.val_image_size is None:  # validate at the training resolution unless told otherwise
+        args.val_image_size = args.image_size if args.image_size > 0 else 224
+    if args.val_resize is None:
+        args.val_resize = round(args.val_image_size * 256 / 224)
     positive = ['batch_size', 'val_batch_size', 'epochs', 'image_size', 'val_resize', 'val_image_size',
                 'log_interval', 'metric_step', 'synthetic_classes', 'synthetic_train_per_class',
                 'synthetic_val_per_class', 'fake_train_size', 'fake_val_size', 'fake_classes', 'prof_active']

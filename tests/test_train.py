@@ -178,3 +178,18 @@ def test_cli_subprocess_prints_course_lines(tmp_path, cache_dir):
         assert line in p.stdout
     p = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path, '-b', '-1')
     assert p.returncode == 2 and 'Traceback' not in p.stderr and p.stderr.count('\n') == 1
+
+
+@pytest.mark.slow
+def test_compile_on_cpu(tmp_path, cache_dir):
+    """--compile runs (inductor on CPU, ~40 s here); compilation lands in the reported first step, and the
+    checkpoint holds plain state-dict keys that an uncompiled model loads."""
+    s, _ = run_main(tmp_path, cache_dir, '--compile', '--test-nsteps', '4', '--chkpt')
+    t = s['timing']
+    assert s['status'] == 'completed'
+    assert t['first_steps'][0]['step'] > 5 * t['stats']['step']['median']
+    keys = torch.load(tmp_path / 'checkpoint.pt', weights_only=False)['model'].keys()
+    assert not any(k.startswith('_orig_mod.') for k in keys)
+    import torchvision
+    torchvision.models.resnet18(num_classes=4).load_state_dict(
+        torch.load(tmp_path / 'checkpoint.pt', weights_only=False)['model'])
