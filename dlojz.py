@@ -13,6 +13,7 @@ import itertools
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -194,8 +195,7 @@ def resolve_device(args):
                              '--amp off on CPU.')
         if args.pin_memory:
             raise UsageError('--pin-memory only speeds up copies to a GPU; drop it on CPU.')
-        if args.compile and not any(os.access(os.path.join(d, 'cc'), os.X_OK) or os.access(os.path.join(d, 'gcc'),
-                                    os.X_OK) for d in os.environ.get('PATH', '').split(os.pathsep)):
+        if args.compile and not (shutil.which('cc') or shutil.which('gcc')):
             raise UsageError('--compile on CPU needs a C compiler (cc/gcc) on PATH; install one or drop --compile.')
     else:
         if args.amp == 'bf16' and not torch.cuda.is_bf16_supported():
@@ -368,7 +368,8 @@ def train_one_epoch(run, epoch, start_step, max_steps, prof):
         loss_metric.update(loss.detach())
         acc1.update(output.detach(), labels)
         acc5.update(output.detach(), labels)
-        prof.step() if prof is not None else None
+        if prof is not None:
+            prof.step()
         if step % args.log_interval == 0 or step == run.steps_per_epoch:
             data_s, n = chrono.interval()
             now = time.perf_counter()

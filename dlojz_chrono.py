@@ -159,7 +159,7 @@ class Chronometer:
         res = {'steps': len(self.steps), 'warmup_steps': min(self.warmup, len(self.steps)),
                'sync_timing': self.sync, 'phase_timing': self.phases_on,
                'clock': ('host+sync' if self.sync else 'cuda-events') if self.cuda else 'host',
-               'first_steps': [{k: v for k, v in r.items()} for r in self.steps[:self.warmup]],
+               'first_steps': self.steps[:self.warmup],
                'stats': st,
                'per_step': {k: [r.get(k) for r in self.steps] for k in (['step'] + list(PHASES))
                             if any(k in r for r in self.steps)}}

@@ -348,7 +348,6 @@ class FakeLoader:
         self.batch_size = batch_size
         self.n_batches = n_images // batch_size if drop_last else math.ceil(n_images / batch_size)
         self.start = 0
-        self.sampler = None
 
     def set_epoch(self, epoch, start_sample=0):
         self.start = start_sample // self.batch_size
