@@ -9,26 +9,30 @@ Outputs go to --output-dir (default runs/<job id or timestamp>_<arch>_bs<b>): co
 metrics.jsonl, summary.json, checkpoint.pt (--chkpt), profiler traces (--prof), wandb files.
 """
 import argparse
+import inspect
 import itertools
 import math
 import os
 import random
 import shutil
+import socket
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn as nn
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, SumMetric
 from tqdm import tqdm
 from torchmetrics.classification import MulticlassAccuracy
 
 import custom_models
 from dlojz_chrono import Chronometer, PowerMeter
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, DataError, build_data, loader_error_message
+import dlojz_dist
 from dlojz_dist import get_dist_info
 from dlojz_io import (SUMMARY_VERSION, JsonlWriter, UsageError, default_output_dir, host_memory, load_checkpoint,
                       prepare_output_dir, provenance, save_checkpoint, strip_prefixes, write_json)
@@ -120,9 +124,31 @@ def get_args_parser(add_help=True):
     g.add_argument('--output-dir', default=None, help='run directory (default runs/<job id or time>_<arch>_bs<b>)')
     g.add_argument('--chkpt', action='store_true', help='write checkpoint.pt at the end of each epoch and run')
     g.add_argument('--resume', default=None, help='checkpoint.pt to continue from')
+    g.add_argument('--allow-batch-change', action='store_true', help='--resume with another global batch size '
+                   '(the position in the epoch and the LR schedule are converted in images)')
+    g.add_argument('--evaluate', action='store_true', help='validation only, of the --resume checkpoint, at any '
+                   'world size (like torchvision\'s --test-only)')
+    g = p.add_argument_group('distributed (under srun or torchrun)')
+    g.add_argument('--sync-bn', action='store_true', help='SyncBatchNorm: batch statistics over all ranks (CUDA only)')
+    g.add_argument('--find-unused-parameters', action='store_true', help='DDP: allow parameters without a gradient '
+                   'in a step (needed by the -heads archs)')
+    g.add_argument('--bucket-cap-mb', type=float, default=25.0, help='DDP gradient bucket size, MiB')
+    g.add_argument('--static-graph', action='store_true', help='DDP static_graph (same graph every step)')
+    g.add_argument('--gradient-as-bucket-view', action='store_true', help='DDP: gradients are views into the '
+                   'buckets (saves one gradient copy of memory)')
+    g.add_argument('--broadcast-buffers', action=B, default=True, help='DDP: rank 0\'s BatchNorm buffers are '
+                   'broadcast before every training forward')
+    g.add_argument('--dist-timeout', type=float, default=None, help='minutes a collective may wait before the job '
+                   'ends with an error (default: PyTorch\'s, 10 min NCCL / 30 min gloo)')
+    g.add_argument('--nccl-debug', action='store_true', help='NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,COLL; each '
+                   'rank\'s stdout, with step markers, is also written to <output-dir>/nccl.rank<r>.log')
+    g.add_argument('--dist-debug', action='store_true', help='TORCH_DISTRIBUTED_DEBUG=DETAIL')
     g = p.add_argument_group('logging and profiling')
     g.add_argument('--log-interval', type=int, default=10, help='steps between log lines')
-    g.add_argument('--metric-step', type=int, default=100, help='steps between train accuracy computations')
+    g.add_argument('--metric-step', type=int, default=100, help='steps between train accuracy computations (a '
+                   'collective: torchmetrics gathers every rank\'s state)')
+    g.add_argument('--metric-sync-log', action='store_true', help='print and record each rank\'s train metrics '
+                   'before and after the sync at every --metric-step')
     g.add_argument('--wandb', choices=['off', 'offline', 'online'], default=None, help='default: offline for full '
                    'runs, off in test mode')
     g.add_argument('--prof', action='store_true', help='torch.profiler traces into <output-dir>/profiler')
@@ -173,6 +199,12 @@ def check_args(args):
                          '--num-workers to 1 or more.')
     if args.findlr and args.resume:
         raise UsageError('--findlr starts from a fresh model; drop --resume.')
+    if args.evaluate and not args.resume:
+        raise UsageError('--evaluate validates a trained model; give its checkpoint with --resume PATH.')
+    if args.evaluate and args.findlr:
+        raise UsageError('--evaluate and --findlr exclude each other; drop one.')
+    if args.bucket_cap_mb <= 0 or (args.dist_timeout is not None and args.dist_timeout <= 0):
+        raise UsageError('--bucket-cap-mb and --dist-timeout must be positive.')
     args.findlr_upper = args.lr if args.lr is not None else 10.0
     args.lr = args.lr if args.lr is not None else 0.1
     if args.num_workers > 0:
@@ -183,13 +215,18 @@ def check_args(args):
     return args
 
 
-def resolve_device(args):
+def resolve_device(args, dist):
     if args.device == 'cuda' and not torch.cuda.is_available():
         raise UsageError('--device cuda was requested but PyTorch sees no CUDA GPU; use --device cpu or run on a '
                          'GPU node.')
     use_cuda = args.device == 'cuda' or (args.device == 'auto' and torch.cuda.is_available())
+    if use_cuda:  # bind this process to its GPU before anything allocates on the default one
+        torch.cuda.set_device(dlojz_dist.cuda_device_for(dist))
     device = torch.device('cuda', torch.cuda.current_device()) if use_cuda else torch.device('cpu')
     if device.type == 'cpu':
+        if args.sync_bn:
+            raise UsageError('--sync-bn needs CUDA GPUs (PyTorch\'s SyncBatchNorm does not run on CPU); drop it '
+                             'for CPU runs.')
         if args.amp == 'fp16':
             raise UsageError('--amp fp16 needs a CUDA GPU (CPU autocast computes in bfloat16); use --amp bf16 or '
                              '--amp off on CPU.')
@@ -215,19 +252,38 @@ def seed_everything(seed):
 
 # ------------------------------------------------------------------------------------------------ building
 
-def build_model(args, num_classes, device):
+def build_model(args, num_classes, device, dist):
+    """-> (model to train: DDP-wrapped and/or compiled, model to evaluate, plain module for state dicts).
+
+    Validation runs the module without its DDP wrapper: a DDP forward may broadcast buffers (a collective),
+    and ranks can run different numbers of validation batches."""
     model = custom_models.build_model(args.arch, num_classes, args.sd_prob, args.n_heads)
     if args.grad_checkpointing:
         custom_models.apply_grad_checkpointing(model)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = model.to(device, memory_format=memory_format)
-    model_without_ddp = model
-    if args.compile:
-        model = torch.compile(model, mode=None if args.compile_mode == 'default' else args.compile_mode)
-    return model, model_without_ddp
+    if dist.distributed and args.sync_bn:  # before the DDP wrap, as DDP must see the final modules
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    train_model = model
+    if dist.distributed:
+        ddp = nn.parallel.DistributedDataParallel
+        # PyTorch >= 2.15 renamed broadcast_buffers (same meaning for the per-forward broadcast)
+        buffers = 'forward_sync_buffers' if 'forward_sync_buffers' in inspect.signature(ddp).parameters else \
+            'broadcast_buffers'
+        train_model = ddp(model, device_ids=[device.index] if device.type == 'cuda' else None,
+                          find_unused_parameters=args.find_unused_parameters, bucket_cap_mb=args.bucket_cap_mb,
+                          static_graph=args.static_graph, gradient_as_bucket_view=args.gradient_as_bucket_view,
+                          **{buffers: args.broadcast_buffers})
+    eval_model = model
+    if args.compile:  # DDP first, then compile: dynamo's DDPOptimizer keeps communication overlapped
+        mode = None if args.compile_mode == 'default' else args.compile_mode
+        train_model = torch.compile(train_model, mode=mode)
+        eval_model = torch.compile(model, mode=mode) if dist.distributed else train_model
+    return train_model, eval_model, model
 
 
 def build_optimization(args, model, steps_per_epoch, total_steps):
+    """model: the plain module (its parameters are the DDP/compiled model's)."""
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     lr = 1e-8 if args.findlr else args.lr
     if args.optimizer == 'sgd':
@@ -277,8 +333,9 @@ class Run:
     dist: object
     device: torch.device
     data: object
-    model: nn.Module
-    model_without_ddp: nn.Module
+    model: nn.Module             # what trains: DDP-wrapped and/or compiled
+    eval_model: nn.Module        # what validates: without the DDP wrapper
+    model_without_ddp: nn.Module  # plain module: state dicts, buffers
     criterion: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: object
@@ -298,22 +355,27 @@ class Run:
 
 class NonFiniteGuard:
     """Remembers on the device the first step whose loss was not finite; read at check points only.
-    On CPU reading is free, so it is read every step; on CUDA every --log-interval steps."""
+    On CPU reading is free, so it is read every step; on CUDA every --log-interval steps. Distributed, the
+    check is a MIN all-reduce so that every rank stops at the same step (a rank stopping alone would leave
+    the others waiting in the gradient all-reduce)."""
+    GOOD = 2 ** 62  # "no bad step yet"
 
-    def __init__(self, device, first_step, every):
-        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)
+    def __init__(self, device, first_step, every, distributed=False):
+        self.first_bad = torch.full((), self.GOOD, dtype=torch.long, device=device)
         self.counter = torch.full((), first_step, dtype=torch.long, device=device)
         self.every = 1 if device.type == 'cpu' else every
+        self.distributed = distributed
 
     def update(self, loss):
-        ok = torch.isfinite(loss.detach()) | (self.first_bad >= 0)
+        ok = torch.isfinite(loss.detach()) | (self.first_bad < self.GOOD)
         self.first_bad = torch.where(ok, self.first_bad, self.counter)
         self.counter += 1
 
     def check(self, step, force=False):
         if force or step % self.every == 0:
-            bad = int(self.first_bad.item())
-            if bad >= 0:
+            bad = dlojz_dist.all_reduce_(self.first_bad.clone(), 'min') if self.distributed else self.first_bad
+            bad = int(bad.item())
+            if bad < self.GOOD:
                 raise NonFiniteLoss(bad + 1)
 
 
@@ -335,7 +397,11 @@ def train_one_epoch(run, epoch, start_step, max_steps, prof):
     acc1 = MulticlassAccuracy(len(run.data.classes), top_k=1, average='micro', validate_args=False).to(run.device)
     acc5 = MulticlassAccuracy(len(run.data.classes), top_k=top_k, average='micro', validate_args=False).to(run.device)
     loss_metric = MeanMetric(nan_strategy='disable').to(run.device)
-    guard = NonFiniteGuard(run.device, run.global_step, args.log_interval)
+    guard = NonFiniteGuard(run.device, run.global_step, args.log_interval, run.dist.distributed)
+    if args.metric_sync_log:  # the same metrics without the sync, to show what each rank sees alone
+        local = dict(loss=MeanMetric(nan_strategy='disable', sync_on_compute=False).to(run.device),
+                     top1=MulticlassAccuracy(len(run.data.classes), top_k=1, average='micro', validate_args=False,
+                                             sync_on_compute=False).to(run.device))
     global_batch = args.batch_size * run.dist.world_size
     step = start_step
     t_log = time.perf_counter()
@@ -343,6 +409,8 @@ def train_one_epoch(run, epoch, start_step, max_steps, prof):
                disable=not (sys.stdout.isatty() and run.dist.is_main), desc=f'epoch {epoch + 1}')
     for images, labels in chrono.iterate(run.data.train_loader, max_steps):
         bar.update()
+        if args.nccl_debug:  # the course's comm_profiler marker: tags the NCCL lines that follow
+            print(f'Train step {run.global_step + 1} - rank {run.dist.rank}', flush=True)
         with chrono.phase('h2d'):
             images, labels = to_device(images, labels, run)
         with chrono.phase('forward'), run.autocast:
@@ -368,6 +436,9 @@ def train_one_epoch(run, epoch, start_step, max_steps, prof):
         loss_metric.update(loss.detach())
         acc1.update(output.detach(), labels)
         acc5.update(output.detach(), labels)
+        if args.metric_sync_log:
+            local['loss'].update(loss.detach())
+            local['top1'].update(output.detach(), labels)
         if prof is not None:
             prof.step()
         if step % args.log_interval == 0 or step == run.steps_per_epoch:
@@ -387,9 +458,12 @@ def train_one_epoch(run, epoch, start_step, max_steps, prof):
             if run.wandb:
                 run.wandb.log({'train/loss': rec['loss'], 'train/lr': lr, 'train/img_s': rec['img_s']},
                               step=run.global_step)
-        if step % args.metric_step == 0:
+        if step % args.metric_step == 0:  # every rank: compute() gathers the metric states of all ranks
+            before = {k: m.compute().item() for k, m in local.items()} if args.metric_sync_log else None
             rec = dict(type='train_metrics', epoch=epoch + 1, step=step, global_step=run.global_step,
                        loss=loss_metric.compute().item(), top1=acc1.compute().item(), top5=acc5.compute().item())
+            if args.metric_sync_log:
+                log_metric_sync(run, step, before, {'loss': rec['loss'], 'top1': rec['top1']})
             print0(f"Train metrics at step {step}: loss {rec['loss']:.4f} top-1 {rec['top1']:.4f} "
                    f"top-5 {rec['top5']:.4f}", dist=run.dist)
             run.log.write(**rec)
@@ -402,32 +476,48 @@ def train_one_epoch(run, epoch, start_step, max_steps, prof):
     return step, train
 
 
+def log_metric_sync(run, step, before, after):
+    """The course's metric_compute_log lines, on every rank, and one record with all ranks on rank 0."""
+    name = f"{'GPU' if run.device.type == 'cuda' else 'CPU'}{run.dist.rank}"
+    for when, v in (('Before', before), ('After', after)):
+        print(f"Step {step} - {when} metric compute {name}: loss: {v['loss']:.4f}, accuracy: {v['top1']:.4f}",
+              flush=True)
+    ranks = dlojz_dist.all_gather_object({'rank': run.dist.rank, 'before': before, 'after': after})
+    run.log.write(type='metric_sync', global_step=run.global_step, step=step, ranks=ranks)
+
+
 @torch.inference_mode()
 def evaluate(run, epoch, max_batches=None):
-    model, chrono = run.model, run.chrono
+    """Exact validation: each rank evaluates its own unpadded shard of the validation set and torchmetrics
+    sums the states of all ranks in compute(), so every image counts once whatever the world size."""
+    model, chrono = run.eval_model, run.chrono
     model.eval()
+    dlojz_dist.broadcast_buffers_(run.model_without_ddp)  # rank 0's BatchNorm statistics, as in its checkpoint
     n_classes = len(run.data.classes)
     acc1 = MulticlassAccuracy(n_classes, top_k=1, average='micro', validate_args=False).to(run.device)
     acc5 = MulticlassAccuracy(n_classes, top_k=min(5, n_classes), average='micro', validate_args=False).to(run.device)
     loss_metric = MeanMetric(nan_strategy='disable').to(run.device)
-    images_seen = batches = 0
+    images = SumMetric().to(run.device)
+    batches = 0
     with chrono.validation():
-        for images, labels in itertools.islice(run.data.val_loader, max_batches):
-            images, labels = to_device(images, labels, run)
+        for x, labels in itertools.islice(run.data.val_loader, max_batches):
+            x, labels = to_device(x, labels, run)
             with run.autocast:
-                output = model(images)
+                output = model(x)
                 loss = run.criterion(output, labels)
             loss_metric.update(loss, weight=labels.numel())
             acc1.update(output, labels)
             acc5.update(output, labels)
-            images_seen += labels.numel()
+            images.update(labels.numel())
             batches += 1
+        # compute() is a collective; inside the timed block so that waiting for slower ranks counts
+        res = dict(type='val', epoch=epoch + 1, global_step=run.global_step, loss=loss_metric.compute().item(),
+                   top1=acc1.compute().item(), top5=acc5.compute().item(), images=int(images.compute().item()),
+                   batches=batches)
     chrono.val_batches = batches
-    res = dict(type='val', epoch=epoch + 1, global_step=run.global_step, loss=loss_metric.compute().item(),
-               top1=acc1.compute().item(), top5=acc5.compute().item(), images=images_seen, batches=batches,
-               time_s=chrono.val_time)
+    res['time_s'] = chrono.val_time
     print0(f"Validation epoch {epoch + 1}: loss {res['loss']:.4f} top-1 {res['top1']:.4f} top-5 {res['top5']:.4f} "
-           f"({images_seen} images, {chrono.val_time:.1f} s)", dist=run.dist)
+           f"({res['images']} images, {chrono.val_time:.1f} s)", dist=run.dist)
     run.log.write(**res)
     if run.wandb:
         run.wandb.log({'val/loss': res['loss'], 'val/top1': res['top1'], 'val/top5': res['top5']}, step=run.global_step)
@@ -449,40 +539,111 @@ def checkpoint_state(run, epoch, step_in_epoch):
 
 
 def restore(run, ckpt, path):
-    if ckpt.get('arch') != run.args.arch or ckpt.get('num_classes') != len(run.data.classes):
+    """Load a checkpoint into the run; -> (epoch, step within epoch) to continue from."""
+    args, gb = run.args, run.args.batch_size * run.dist.world_size
+    if ckpt.get('arch') != args.arch or ckpt.get('num_classes') != len(run.data.classes):
         raise UsageError(f"checkpoint {path} holds {ckpt.get('arch')} with {ckpt.get('num_classes')} classes but "
-                         f"this run is --arch {run.args.arch} with {len(run.data.classes)} classes; pass the same "
+                         f"this run is --arch {args.arch} with {len(run.data.classes)} classes; pass the same "
                          f"--arch and data, or another checkpoint.")
     run.model_without_ddp.load_state_dict(ckpt['model'])
+    run.global_step = ckpt['global_step']
+    if args.evaluate:
+        return ckpt['epoch'], ckpt['step_in_epoch']
+    old_gb = ckpt['global_batch']
+    if old_gb != gb and not args.allow_batch_change:
+        hint = f'-b {old_gb // run.dist.world_size} to keep it, ' if old_gb % run.dist.world_size == 0 else ''
+        raise UsageError(f'checkpoint {path} was trained with a global batch of {old_gb} images but this run has '
+                         f'{gb} (-b {args.batch_size} x {run.dist.world_size} processes); use {hint}or pass '
+                         f'--allow-batch-change to continue with the new one.')
     run.optimizer.load_state_dict(ckpt['optimizer'])
-    run.scheduler.load_state_dict(ckpt['scheduler'])
     run.scaler.load_state_dict(ckpt['scaler'])
     torch.set_rng_state(ckpt['rng']['torch'])
     np.random.set_state(ckpt['rng']['numpy'])
     random.setstate(ckpt['rng']['python'])
     if ckpt['rng']['cuda'] is not None and run.device.type == 'cuda':
         torch.cuda.set_rng_state_all(ckpt['rng']['cuda'])
-    run.global_step = ckpt['global_step']
-    return ckpt['epoch'], ckpt['step_in_epoch']
+    if old_gb == gb:
+        run.scheduler.load_state_dict(ckpt['scheduler'])
+        return ckpt['epoch'], ckpt['step_in_epoch']
+    # Another global batch: keep the position in images. The step restarts at the batch holding the first
+    # image not yet seen; the LR schedule (built for the new batch) is advanced to the same fraction of the run.
+    run.global_step = ckpt['global_step'] * old_gb // gb
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
+        warnings.simplefilter('ignore')
+        for _ in range(run.global_step):
+            run.scheduler.step()
+    print0(f'Resuming with global batch {gb} instead of {old_gb}: step {run.global_step}, epoch position '
+           f'{ckpt["step_in_epoch"] * old_gb // gb}', dist=run.dist)
+    return ckpt['epoch'], min(ckpt['step_in_epoch'] * old_gb // gb, run.steps_per_epoch)
+
+
+def rank_report(run, power):
+    """This rank's timing, memory and energy; gathered from every rank at the end of a completed run."""
+    st, cuda = run.chrono.stats(), run.device.type == 'cuda'
+    step, data = st.get('step'), st.get('data')
+    return {'rank': run.dist.rank, 'host': socket.gethostname(), 'steps': len(run.chrono.steps),
+            'step_median_s': step['median'] if step else None, 'step_mean_s': step['mean'] if step else None,
+            'data_mean_s': data['mean'] if data else None, 'val_time_s': run.chrono.val_time,
+            'gpu_max_allocated_bytes': torch.cuda.max_memory_allocated(run.device) if cuda else None,
+            'host_peak_rss_bytes': host_memory()['host_peak_rss_bytes'],
+            'energy_j': power.energy_j if power else None}
+
+
+def ranks_summary(ranks):
+    """Straggler view: slowest and fastest rank by median step time, and the skew between them."""
+    timed = [r for r in ranks if r['step_median_s']]
+    if not timed:
+        return {'ranks': ranks}
+    slow = max(timed, key=lambda r: r['step_median_s'])
+    fast = min(timed, key=lambda r: r['step_median_s'])
+    return {'ranks': ranks, 'slowest_rank': slow['rank'], 'fastest_rank': fast['rank'],
+            'slowest_step_median_s': slow['step_median_s'], 'fastest_step_median_s': fast['step_median_s'],
+            'rank_skew': slow['step_median_s'] / fast['step_median_s'] - 1}
+
+
+def communication_estimate(args, model, world_size):
+    """Gradient all-reduce volume per step: 4 bytes per trainable parameter (gradients are fp32 even under
+    AMP, the parameters being fp32), sent in DDP buckets: a first 1 MiB bucket, then --bucket-cap-mb ones."""
+    grad_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    first, cap = 2 ** 20, args.bucket_cap_mb * 2 ** 20
+    buckets = 1 + math.ceil(max(0, grad_bytes - first) / cap)
+    return {'gradient_bytes_per_step': grad_bytes, 'bucket_cap_mb': args.bucket_cap_mb, 'buckets_estimate': buckets,
+            # a ring all-reduce sends (and receives) 2 (W-1)/W of the buffer per rank
+            'ring_bytes_per_rank_per_step': 2 * (world_size - 1) / world_size * grad_bytes}
 
 
 def write_summary(run, status, train=None, val=None, error=None, power=None, extra=None):
+    """Every rank calls it; on a completed run it gathers per-rank timings (a collective), rank 0 writes."""
     args, gb = run.args, run.args.batch_size * run.dist.world_size
     cuda = run.device.type == 'cuda'
+    timing = run.chrono.summary(gb, run.steps_per_epoch, len(run.data.val_loader))
+    energy = power.summary(gb * len(run.chrono.steps)) if power else None
     summary = {
         'version': SUMMARY_VERSION, 'status': status, 'error': error, 'config': vars(args),
         'provenance': provenance(run.device, run.dist),
-        'world_size': run.dist.world_size, 'global_batch': gb,
+        'world_size': run.dist.world_size, 'num_nodes': run.dist.num_nodes, 'global_batch': gb,
+        'mode': 'evaluate' if args.evaluate else 'findlr' if args.findlr else 'train',
         'data': {'source': run.data.source.kind, 'root': run.data.source.root, 'reason': run.data.source.reason,
                  'classes': len(run.data.classes), 'train_images': run.data.n_train, 'val_images': run.data.n_val,
                  'batches_per_epoch': run.steps_per_epoch, 'bad_images_skipped': run.data.bad_images},
-        'timing': run.chrono.summary(gb, run.steps_per_epoch, len(run.data.val_loader)),
+        'timing': timing,
         'memory': {**host_memory(),
                    'gpu_max_allocated_bytes': torch.cuda.max_memory_allocated(run.device) if cuda else None,
                    'gpu_max_reserved_bytes': torch.cuda.max_memory_reserved(run.device) if cuda else None},
-        'energy': power.summary(gb * len(run.chrono.steps)) if power else None,
+        'energy': energy,
         'global_step': run.global_step, 'train': train, 'val': val, **(extra or {}),
     }
+    if run.dist.distributed:
+        summary['communication'] = communication_estimate(args, run.model_without_ddp, run.dist.world_size)
+        if status == 'completed':  # after a failure other ranks may be gone: no collective then
+            ranks = dlojz_dist.all_gather_object(rank_report(run, power))
+            timing.update(ranks_summary(ranks))
+            summary['memory']['gpu_max_allocated_bytes_any_rank'] = max(
+                (r['gpu_max_allocated_bytes'] or 0 for r in ranks), default=0) if cuda else None
+            if energy and all(r['energy_j'] is not None for r in ranks):
+                total = sum(r['energy_j'] for r in ranks)
+                energy.update(energy_j_all_ranks=total, joules_per_image_all_ranks=total / max(1, gb * len(
+                    run.chrono.steps)))
     if run.dist.is_main:
         write_json(os.path.join(args.output_dir, 'summary.json'), summary)
     return summary
@@ -490,35 +651,64 @@ def write_summary(run, status, train=None, val=None, error=None, power=None, ext
 
 # ------------------------------------------------------------------------------------------------ main
 
-def main(args):
+class CommFailure(Exception):
+    """A collective failed: another rank died or hung."""
+
+
+def shared_output_dir(args, dist):
+    """Rank 0 chooses (a timestamp would differ between ranks) and creates the run folder; all ranks agree."""
+    path = dlojz_dist.on_ranks(lambda: prepare_output_dir(args.output_dir or default_output_dir(args, dist)),
+                               when=dist.is_main)
+    return dlojz_dist.broadcast_object(path)
+
+
+def main(args, dist=None):
     args = check_args(args)
-    dist = get_dist_info()
-    if dist.distributed:
-        raise UsageError(f'{dist.launcher} started {dist.world_size} processes but this dlojz version trains on '
-                         f'one process; launch a single task (srun -n 1, torchrun --nproc_per_node 1).')
-    device = resolve_device(args)
-    args.output_dir = prepare_output_dir(args.output_dir or default_output_dir(args, dist))
+    dist = dist or get_dist_info()
+    if args.dist_debug:  # read by torch.distributed when the process group starts
+        os.environ['TORCH_DISTRIBUTED_DEBUG'] = 'DETAIL'
+    if args.nccl_debug:
+        dlojz_dist.nccl_debug_env()
+    device = resolve_device(args, dist)
+    dlojz_dist.setup(dist, device, args.dist_timeout)
+    args.output_dir = shared_output_dir(args, dist)
+    tee = None
+    if args.nccl_debug:  # before the first NCCL collective, so that the communicator's INIT lines are in it
+        os.makedirs(args.output_dir, exist_ok=True)
+        tee = dlojz_dist.StdoutTee(os.path.join(args.output_dir, f'nccl.rank{dist.rank}.log'))
+        print(f'Train step 0 - rank {dist.rank}', flush=True)  # marker: what follows is initialisation
+    try:
+        return _main(args, dist, device)
+    finally:
+        if tee:
+            tee.close()
+
+
+def _main(args, dist, device):
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
-    seed_everything(args.seed)
+    seed_everything(args.seed)  # same seed on every rank: same initial weights, same augmentation streams
 
-    data = build_data(args, dist, log=lambda m: print0(m, dist=dist))
+    data = build_data(args, dist, log=lambda m: print0(m, dist=dist), on_ranks=dlojz_dist.on_ranks)
     print0(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train / '
            f'{data.n_val} val images, {len(data.classes)} classes', dist=dist)
-    model, model_without_ddp = build_model(args, len(data.classes), device)
+    model, eval_model, model_without_ddp = build_model(args, len(data.classes), device, dist)
     steps_per_epoch = len(data.train_loader)
     total_steps = min(args.test_nsteps, args.epochs * steps_per_epoch) if args.test else args.epochs * steps_per_epoch
-    criterion, optimizer, scheduler, scaler = build_optimization(args, model, steps_per_epoch, total_steps)
+    criterion, optimizer, scheduler, scaler = build_optimization(args, model_without_ddp, steps_per_epoch, total_steps)
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
     autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
     chrono = Chronometer(device, phases=args.timing, sync=args.sync_timing, warmup=args.warmup_steps)
-    log = JsonlWriter(os.path.join(args.output_dir, 'metrics.jsonl'), dist.is_main, append=bool(args.resume))
-    run = Run(args, dist, device, data, model, model_without_ddp, criterion, optimizer, scheduler, scaler, autocast,
-              chrono, log, None, steps_per_epoch)
+    log = JsonlWriter(os.path.join(args.output_dir, 'metrics.jsonl'), dist.is_main,
+                      append=bool(args.resume) and not args.evaluate)
+    run = Run(args, dist, device, data, model, eval_model, model_without_ddp, criterion, optimizer, scheduler, scaler,
+              autocast, chrono, log, None, steps_per_epoch)
     start_epoch, start_step = restore(run, load_checkpoint(args.resume), args.resume) if args.resume else (0, 0)
 
-    print0(f'>>> Training on {dist.world_size} processes ({device}, {args.arch}, amp {args.amp}, channels-last '
-           f'{args.channels_last}); global batch size {args.batch_size * dist.world_size}', dist=dist)
+    gb = args.batch_size * dist.world_size
+    print0(f'>>> Training on {dist.num_nodes} nodes and {dist.world_size} processes ({dist.launcher}, {device}, '
+           f'{args.arch}, amp {args.amp}, channels-last {args.channels_last})', dist=dist)
+    print0(f'global batch size: {gb} - mini batch size: {args.batch_size}', dist=dist)
     print0('Config: ' + ' '.join(f'{k}={v}' for k, v in sorted(vars(args).items())), dist=dist)
     if dist.is_main:
         write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
@@ -529,8 +719,13 @@ def main(args):
         remaining = args.test_nsteps if args.test else None
         chrono.start()
         power.start()
-        with build_profiler(args, device) as prof:
-            for epoch in range(start_epoch, args.epochs):
+        if args.evaluate:
+            if args.nccl_debug:
+                print(f'Validation - rank {dist.rank}', flush=True)
+            val = evaluate(run, max(0, start_epoch - 1) if start_step == 0 else start_epoch,
+                           max_batches=20 if args.test else None)
+        with build_profiler(args, device) if not args.evaluate else nullcontext(None) as prof:
+            for epoch in range(start_epoch, args.epochs if not args.evaluate else start_epoch):
                 first = start_step if epoch == start_epoch else 0
                 data.set_epoch(epoch, first * args.batch_size)
                 step, train = train_one_epoch(run, epoch, first, remaining, prof)
@@ -539,6 +734,8 @@ def main(args):
                 if args.chkpt and not args.findlr and dist.is_main:
                     save_checkpoint(os.path.join(args.output_dir, 'checkpoint.pt'), checkpoint_state(run, epoch, step))
                 if not args.findlr and (not args.test or remaining == 0 or epoch == args.epochs - 1):
+                    if args.nccl_debug:
+                        print(f'Validation - rank {dist.rank}', flush=True)
                     val = evaluate(run, epoch, max_batches=20 if args.test else None)
                 if remaining == 0:
                     break
@@ -558,11 +755,25 @@ def main(args):
         write_summary(run, 'failed', train, val, loader_error_message(e), extra={'failed_step': run.global_step + 1})
         raise
     except Exception as e:
+        failed = {'failed_step': run.global_step + 1}
         if args.compile and type(e).__module__.startswith(('torch._dynamo', 'torch._inductor')):
             write_summary(run, 'failed', train, val, f'torch.compile failed: {type(e).__name__}')
             raise UsageError(f'torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); rerun '
                              f'with --no-compile or another --compile-mode.') from None
-        write_summary(run, 'crashed', train, val, f'{type(e).__name__}: {e}', extra={'failed_step': run.global_step + 1})
+        if isinstance(e, RuntimeError) and 'find_unused_parameters' in str(e):  # DDP's reducer error
+            msg = (f'--arch {args.arch} leaves some parameters without a gradient in a step (e.g. the classifier '
+                   f'heads not chosen) and DDP cannot finish its gradient all-reduce; rerun with '
+                   f'--find-unused-parameters.')
+            write_summary(run, 'failed', train, val, msg, extra=failed)
+            raise UsageError(msg) from None
+        if dist.distributed and dlojz_dist.is_comm_failure(e):
+            timeout = f'{args.dist_timeout:g} min' if args.dist_timeout else "PyTorch's default timeout"
+            msg = (f'a collective failed on rank {dist.rank} at step {run.global_step + 1}: another rank died or '
+                   f'stopped answering ({dlojz_dist._first_line(e)[:160]}); look for the first error in the other '
+                   f'ranks\' output (waits are bounded by --dist-timeout, now {timeout}).')
+            write_summary(run, 'failed', train, val, msg, extra=failed)
+            raise CommFailure(msg) from None
+        write_summary(run, 'crashed', train, val, f'{type(e).__name__}: {e}', extra=failed)
         raise
     finally:
         run.log.close()
@@ -572,41 +783,69 @@ def main(args):
                            if run.findlr[1] else []}
     summary = write_summary(run, 'completed', train, val, power=power, extra=extra)
     if dist.is_main:
-        for line in chrono.display_lines(steps_per_epoch):
-            print(line)
-        t = summary['timing']
-        if t.get('gpu_throughput'):
-            print(f">>> Train throughput: {t['train_throughput']:.2f} images/second; GPU throughput: "
-                  f"{t['gpu_throughput']:.2f} images/second; epoch time estimate: {t['epoch_time_estimate_s']:.1f} s")
-        e = summary['energy']
-        if e and e['peak_w'] is not None:
-            print(f">>> Peak Power during training: {e['peak_w']:.1f} W; energy {e['energy_j']:.1f} J "
-                  f"({e['joules_per_image']:.3f} J/image)")
-        m = summary['memory']
-        if m['gpu_max_allocated_bytes'] is not None:
-            print(f">>> Max Memory Allocated {m['gpu_max_allocated_bytes']} Bytes (reserved "
-                  f"{m['gpu_max_reserved_bytes']} Bytes)")
-        print(f">>> Host peak memory (VmHWM): {m['host_peak_rss_bytes']} Bytes")
-        print(f'Run written to {args.output_dir}', flush=True)
+        print_final(summary, chrono, steps_per_epoch, args)
     if run.wandb:
         run.wandb.finish()
     return summary
 
 
+def print_final(summary, chrono, steps_per_epoch, args):
+    for line in chrono.display_lines(steps_per_epoch):
+        print(line)
+    t = summary['timing']
+    if t.get('gpu_throughput'):
+        print(f">>> Train throughput: {t['train_throughput']:.2f} images/second; GPU throughput: "
+              f"{t['gpu_throughput']:.2f} images/second; epoch time estimate: {t['epoch_time_estimate_s']:.1f} s")
+    if t.get('rank_skew') is not None:
+        print(f">>> Step time per rank (median): fastest rank {t['fastest_rank']} {t['fastest_step_median_s'] * 1e3:.1f}"
+              f" ms, slowest rank {t['slowest_rank']} {t['slowest_step_median_s'] * 1e3:.1f} ms (skew "
+              f"{t['rank_skew'] * 100:.1f} %)")
+    c = summary.get('communication')
+    if c:
+        print(f">>> Gradient all-reduce per step: {c['gradient_bytes_per_step'] / 2**20:.1f} MiB in about "
+              f"{c['buckets_estimate']} buckets of <= {c['bucket_cap_mb']:g} MiB")
+    e = summary['energy']
+    if e and e['peak_w'] is not None:
+        print(f">>> Peak Power during training: {e['peak_w']:.1f} W; energy {e['energy_j']:.1f} J "
+              f"({e['joules_per_image']:.3f} J/image)")
+    m = summary['memory']
+    if m['gpu_max_allocated_bytes'] is not None:
+        print(f">>> Max Memory Allocated {m['gpu_max_allocated_bytes']} Bytes (reserved "
+              f"{m['gpu_max_reserved_bytes']} Bytes)")
+    print(f">>> Host peak memory (VmHWM): {m['host_peak_rss_bytes']} Bytes")
+    print(f'Run written to {args.output_dir}', flush=True)
+
+
+def report_error(msg, dist):
+    """Errors before the process group exists are the same on every rank: rank 0 says it once. After,
+    they may be one rank's own (a bad image, an OOM, a dead peer): every rank speaks, tagged."""
+    grouped = dist is not None and dist.world_size > 1 and dlojz_dist.tdist.is_initialized()
+    if dist is None or dist.is_main or grouped:
+        tag = f'[rank {dist.rank}] ' if grouped else ''
+        print(f'dlojz: error: {tag}{msg}', file=sys.stderr, flush=True)
+
+
 def cli(argv=None):
     args = get_args_parser().parse_args(argv)
+    dist, code = None, 0
     try:
-        main(args)
+        dist = get_dist_info()
+        main(args, dist)
     except (UsageError, DataError) as e:
-        print(f'dlojz: error: {loader_error_message(e)}', file=sys.stderr)
-        return 2
+        report_error(loader_error_message(e), dist)
+        code = 2
     except NonFiniteLoss as e:
-        print(f'dlojz: error: {e}', file=sys.stderr)
-        return 3
+        report_error(str(e), dist)
+        code = 3
+    except CommFailure as e:
+        report_error(str(e), dist)
+        code = 4
     except KeyboardInterrupt:
         print('dlojz: interrupted', file=sys.stderr)
-        return 130
-    return 0
+        code = 130
+    finally:
+        dlojz_dist.cleanup()
+    return code
 
 
 if __name__ == '__main__':

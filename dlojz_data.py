@@ -16,6 +16,7 @@ import math
 import multiprocessing as mp
 import os
 import random
+import shutil
 import sys
 from dataclasses import dataclass
 
@@ -207,6 +208,7 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
     except OSError:
         if not os.path.exists(marker):  # another process won the race; otherwise a real failure
             raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return True
 
 
@@ -291,7 +293,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
             path, label = self.samples[(index + attempt) % len(self.samples)]
             try:
                 return self.transform(load_rgb(path), rng), label
-            except BadImageError as e:
+            except BadImageError:
                 if not self.skip_bad_images:
                     raise
                 with self.bad_count.get_lock():
@@ -304,39 +306,45 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         return self.bad_count.value if self.bad_count is not None else 0
 
 
-class EpochSampler(torch.utils.data.Sampler):
-    """Deterministic shuffle from (seed, epoch), sharded by rank, able to start mid-epoch.
+class EpochSampler(torch.utils.data.distributed.DistributedSampler):
+    """torch's DistributedSampler (same shuffle from seed + epoch, same padding, same shard per rank), plus a
+    start offset for mid-epoch resume; yields (index, epoch) so that the dataset seeds its augmentations
+    per sample. Every rank gets ceil(n / world) samples, so every rank runs the same number of steps."""
 
-    Yields (index, epoch) so that the dataset can seed its augmentations per sample. Every rank
-    gets ceil(n / world) samples (padded with repeats, as DistributedSampler does for training).
-    """
-
-    def __init__(self, n, seed, shuffle=True, rank=0, world_size=1):
-        self.n, self.seed, self.shuffle, self.rank, self.world_size = n, seed, shuffle, rank, world_size
-        self.epoch, self.start = 0, 0
-        self.per_rank = math.ceil(n / world_size)
+    def __init__(self, dataset, seed, shuffle=True, rank=0, world_size=1):
+        super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
+        self.start = 0
 
     def set_epoch(self, epoch, start_sample=0):
-        self.epoch, self.start = epoch, start_sample
+        super().set_epoch(epoch)
+        self.start = start_sample
 
     def __len__(self):
-        return self.per_rank - self.start
+        return self.num_samples - self.start
 
     def __iter__(self):
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 100003 + self.epoch)
-            order = torch.randperm(self.n, generator=g).tolist()
-        else:
-            order = list(range(self.n))
-        order += order[:self.per_rank * self.world_size - self.n]
-        mine = order[self.rank::self.world_size][self.start:]
-        return iter((i, self.epoch) for i in mine)
+        return iter((i, self.epoch) for i in list(super().__iter__())[self.start:])
+
+
+class ShardSampler(torch.utils.data.Sampler):
+    """Validation: rank r takes samples r, r + world, r + 2 world... with no padding, so that every image is
+    evaluated exactly once whatever the world size (ranks may differ by one sample)."""
+
+    def __init__(self, n, rank=0, world_size=1):
+        self.indices = range(rank, n, world_size)
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __iter__(self):
+        return iter(self.indices)
 
 
 class FakeLoader:
     """In-memory random uint8 batches: the compute ceiling, no decode and no worker."""
 
     def __init__(self, n_images, batch_size, image_size, num_classes, pin_memory, drop_last, seed):
+        """n_images: this rank's share of the epoch."""
         g = torch.Generator().manual_seed(seed)
         self.batches = []
         for _ in range(2):  # two distinct batches so the model does not see one constant input
@@ -388,25 +396,32 @@ def loader_kwargs(args):
     return kw
 
 
-def build_data(args, dist, log=print):
+def build_data(args, dist, log=print, on_ranks=None):
+    """on_ranks(fn, when): run fn where `when` holds, then let every rank learn of any failure (distributed)."""
+    on_ranks = on_ranks or (lambda fn, when=True: fn() if when else None)
     source = resolve_data_source(args)
     if source.kind == 'fake':
         classes = [str(i) for i in range(args.fake_classes)]
-        mk = lambda n, b, size: FakeLoader(n, b, size, len(classes), args.pin_memory, args.drop_last, args.seed)
-        return Data(source, classes, mk(args.fake_train_size, args.batch_size, args.image_size),
-                    mk(args.fake_val_size, args.val_batch_size, args.val_image_size),
+        # Distinct batches per rank (seed + rank); train shares padded like DistributedSampler, val shares exact.
+        mk = lambda n, b, size, d: FakeLoader(n, b, size, len(classes), args.pin_memory, d, args.seed + dist.rank)
+        train_share = math.ceil(args.fake_train_size / dist.world_size)
+        val_share = len(range(dist.rank, args.fake_val_size, dist.world_size))
+        return Data(source, classes, mk(train_share, args.batch_size, args.image_size, args.drop_last),
+                    mk(val_share, args.val_batch_size, args.val_image_size, False),
                     n_train=args.fake_train_size, n_val=args.fake_val_size)
-    if source.kind == 'synthetic':
-        ensure_synthetic_dataset(source.root, args.synthetic_classes, args.synthetic_train_per_class,
-                                 args.synthetic_val_per_class, args.synthetic_seed, log=log)
+    if source.kind == 'synthetic':  # one generator per node; the other ranks wait for it
+        on_ranks(lambda: ensure_synthetic_dataset(source.root, args.synthetic_classes, args.synthetic_train_per_class,
+                                                  args.synthetic_val_per_class, args.synthetic_seed, log=log),
+                 when=dist.local_rank == 0)
     classes, train_samples, val_samples = scan_imagefolder(source.root)
     train_set = ImageFolderDataset(train_samples, TrainTransform(args.image_size), args.seed, args.skip_bad_images)
     val_set = ImageFolderDataset(val_samples, ValTransform(args.val_resize, args.val_image_size), args.seed,
                                  args.skip_bad_images)
-    sampler = EpochSampler(len(train_set), args.seed, True, dist.rank, dist.world_size)
+    sampler = EpochSampler(train_set, args.seed, True, dist.rank, dist.world_size)
     train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                                                drop_last=args.drop_last, **loader_kwargs(args))
-    val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.val_batch_size, shuffle=False,
+    val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.val_batch_size,
+                                             sampler=ShardSampler(len(val_set), dist.rank, dist.world_size),
                                              drop_last=False, **loader_kwargs(args))
     return Data(source, classes, train_loader, val_loader, train_set, len(train_set), len(val_set))
 

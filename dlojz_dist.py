@@ -1,10 +1,22 @@
-"""The one place that knows how dlojz was launched: torchrun, srun, or a plain single process.
+"""The one place that knows how dlojz was launched (torchrun, srun, or a plain single process) and that
+talks to torch.distributed.
 
-No other module reads RANK/WORLD_SIZE/SLURM_* variables; everything else receives a DistInfo.
+No other module reads RANK/WORLD_SIZE/SLURM_* variables; everything else receives a DistInfo and uses
+the helpers below, which are no-ops in a single process.
 """
+import ctypes
+import datetime
 import os
 import re
+import socket
+import sys
+import threading
 from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+
+from dlojz_io import UsageError
 
 
 @dataclass(frozen=True)
@@ -25,7 +37,13 @@ class DistInfo:
 
     @property
     def distributed(self):
-        return self.world_size > 1
+        """True when dlojz runs under a launcher: a process group and DDP are set up, even at world size 1,
+        so that one GPU under srun/torchrun runs the same code (and NCCL) as 32."""
+        return self.launcher != 'single'
+
+    @property
+    def num_nodes(self):
+        return len(self.nodes) or max(1, self.world_size // max(1, self.local_world_size))
 
 
 def expand_nodelist(nodelist):
@@ -44,23 +62,243 @@ def expand_nodelist(nodelist):
     return tuple(hosts)
 
 
+def expand_tasks_per_node(spec):
+    """'4(x2),3' -> [4, 4, 3] (SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE syntax)."""
+    out = []
+    for part in filter(None, spec.split(',')):
+        m = re.fullmatch(r'(\d+)(?:\(x(\d+)\))?', part.strip())
+        if not m:
+            raise ValueError(part)
+        out += [int(m.group(1))] * int(m.group(2) or 1)
+    return out
+
+
+def _int(environ, name, launcher):
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise UsageError(f'{launcher} set {name}={environ[name]!r}, which is not an integer; launch dlojz with '
+                         f'torchrun or srun without overriding it.') from None
+
+
 def get_dist_info(environ=os.environ):
     job_id = environ.get('SLURM_JOB_ID', environ.get('SLURM_JOBID', ''))
     if 'RANK' in environ and 'WORLD_SIZE' in environ:
-        return DistInfo(rank=int(environ['RANK']), local_rank=int(environ.get('LOCAL_RANK', 0)),
-                        world_size=int(environ['WORLD_SIZE']),
-                        local_world_size=int(environ.get('LOCAL_WORLD_SIZE', environ['WORLD_SIZE'])),
-                        master_addr=environ.get('MASTER_ADDR', '127.0.0.1'),
-                        master_port=int(environ.get('MASTER_PORT', 29500)), launcher='torchrun', job_id=job_id)
+        rank, world = _int(environ, 'RANK', 'torchrun'), _int(environ, 'WORLD_SIZE', 'torchrun')
+        local_rank = _int(environ, 'LOCAL_RANK', 'torchrun') if 'LOCAL_RANK' in environ else 0
+        lws = _int(environ, 'LOCAL_WORLD_SIZE', 'torchrun') if 'LOCAL_WORLD_SIZE' in environ else world
+        if not (0 <= rank < world and 0 <= local_rank < lws):
+            raise UsageError(f'the environment says RANK={rank} LOCAL_RANK={local_rank} for WORLD_SIZE={world} '
+                             f'LOCAL_WORLD_SIZE={lws}, which is inconsistent; start dlojz with torchrun.')
+        port = _int(environ, 'MASTER_PORT', 'torchrun') if 'MASTER_PORT' in environ else 29500
+        return DistInfo(rank=rank, local_rank=local_rank, world_size=world, local_world_size=lws,
+                        master_addr=environ.get('MASTER_ADDR', '127.0.0.1'), master_port=port,
+                        launcher='torchrun', job_id=job_id)
     # Under srun every task has SLURM_STEP_ID; the batch script itself (python run without srun) is a
     # single process even when the allocation has several tasks.
-    if 'SLURM_PROCID' in environ and 'SLURM_STEP_ID' in environ and 'SLURM_NTASKS' in environ:
+    if 'SLURM_PROCID' in environ and 'SLURM_STEP_ID' in environ:
+        ntasks = 'SLURM_STEP_NUM_TASKS' if 'SLURM_STEP_NUM_TASKS' in environ else 'SLURM_NTASKS'
+        if ntasks not in environ:
+            raise UsageError('srun did not set SLURM_NTASKS; launch dlojz with srun inside an allocation '
+                             '(sbatch/salloc).')
+        rank, world = _int(environ, 'SLURM_PROCID', 'srun'), _int(environ, ntasks, 'srun')
+        local_rank = _int(environ, 'SLURM_LOCALID', 'srun') if 'SLURM_LOCALID' in environ else 0
         nodes = expand_nodelist(environ.get('SLURM_STEP_NODELIST', environ.get('SLURM_JOB_NODELIST', '')))
+        if world > 1 and not nodes:
+            raise UsageError('srun started several tasks but SLURM_STEP_NODELIST/SLURM_JOB_NODELIST is empty, so '
+                             'the rank-0 host is unknown; run dlojz with srun inside an sbatch/salloc allocation.')
+        spec = next((environ[k] for k in ('SLURM_STEP_TASKS_PER_NODE', 'SLURM_TASKS_PER_NODE', 'SLURM_NTASKS_PER_NODE')
+                     if k in environ), str(world))
+        try:
+            per_node = expand_tasks_per_node(spec)
+        except ValueError:
+            raise UsageError(f'cannot read the tasks-per-node list {spec!r} from SLURM; run dlojz with srun '
+                             f'inside an sbatch/salloc allocation.') from None
+        node_id = _int(environ, 'SLURM_NODEID', 'srun') if 'SLURM_NODEID' in environ else 0
+        lws = per_node[node_id] if node_id < len(per_node) else per_node[-1]
+        if not (0 <= rank < world and 0 <= local_rank < lws):
+            raise UsageError(f'SLURM says task {rank} (local {local_rank}) of {world} with {lws} tasks on this node, '
+                             f'which is inconsistent; launch dlojz with srun, one task per GPU.')
         # A port from the job id keeps two jobs sharing a node from colliding (range 20000-39999).
         port = 20000 + int(job_id) % 20000 if job_id.isdigit() else 29500
-        return DistInfo(rank=int(environ['SLURM_PROCID']), local_rank=int(environ.get('SLURM_LOCALID', 0)),
-                        world_size=int(environ['SLURM_NTASKS']),
-                        local_world_size=int(environ.get('SLURM_NTASKS_PER_NODE', '1').split('(')[0] or 1),
+        return DistInfo(rank=rank, local_rank=local_rank, world_size=world, local_world_size=lws,
                         master_addr=nodes[0] if nodes else '127.0.0.1', master_port=port, nodes=nodes,
                         launcher='slurm', job_id=job_id)
     return DistInfo(job_id=job_id)
+
+
+# -------------------------------------------------------------------------------------------- process group
+
+_CPU_GROUP = None  # gloo group for small host-side objects (output dir, per-rank timings); None = default
+
+
+def cuda_device_for(dist):
+    """The GPU this process drives: its local rank, or the only visible GPU when the launcher binds one
+    GPU per task (srun --gpus-per-task / --gpu-bind sets CUDA_VISIBLE_DEVICES per task)."""
+    n = torch.cuda.device_count()
+    if not dist.distributed or n == 1:
+        return 0
+    if dist.local_rank < n:
+        return dist.local_rank
+    raise UsageError(f'{dist.launcher} started {dist.local_world_size} tasks on {socket.gethostname()} but only {n} '
+                     f'GPUs are visible; start one task per GPU (e.g. --ntasks-per-node={n} with --gres=gpu:{n}).')
+
+
+def setup(dist, device, timeout_min=None):
+    """Join the process group: NCCL on CUDA, gloo on CPU. Every rank must call it."""
+    global _CPU_GROUP
+    if not dist.distributed:
+        return
+    if dist.launcher == 'slurm':  # env:// reads these; rank 0 opens the store on master_addr:master_port
+        os.environ.update(MASTER_ADDR=dist.master_addr, MASTER_PORT=str(dist.master_port), RANK=str(dist.rank),
+                          WORLD_SIZE=str(dist.world_size), LOCAL_RANK=str(dist.local_rank))
+    backend = 'nccl' if device.type == 'cuda' else 'gloo'
+    kw = {'timeout': datetime.timedelta(minutes=timeout_min)} if timeout_min else {}
+    try:
+        tdist.init_process_group(backend, init_method='env://', rank=dist.rank, world_size=dist.world_size, **kw)
+    except (RuntimeError, ValueError) as e:  # DistStoreError/DistNetworkError are RuntimeErrors
+        raise UsageError(f'rank {dist.rank} could not join the process group at {dist.master_addr}:'
+                         f'{dist.master_port} ({_first_line(e)}); check that every task started and that the port '
+                         f'is free (--dist-timeout bounds this wait).') from None
+    # NCCL collectives need GPU tensors; host-side objects go through a gloo group so that they never
+    # touch the GPU (and never initialise NCCL before --nccl-debug's log is in place).
+    _CPU_GROUP = tdist.new_group(backend='gloo') if backend != 'gloo' else None
+    if device.type == 'cuda':
+        _check_distinct_gpus(dist, device)
+
+
+def _check_distinct_gpus(dist, device):
+    me = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    seen = {}
+    for rank, key in enumerate(all_gather_object(me)):
+        if key in seen:
+            raise UsageError(f'ranks {seen[key]} and {rank} share GPU {key[1]} on {key[0]}; start one task per GPU '
+                             f'(as many tasks per node as --gres=gpu:N, with each task seeing its own GPU).')
+        seen[key] = rank
+
+
+def cleanup():
+    if tdist.is_available() and tdist.is_initialized():
+        try:
+            tdist.destroy_process_group()
+        except Exception:  # a failed group may refuse to close; the process is exiting anyway
+            pass
+
+
+def all_gather_object(obj):
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return [obj]
+    out = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, obj, group=_CPU_GROUP)
+    return out
+
+
+def broadcast_object(obj, src=0):
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=src, group=_CPU_GROUP)
+    return box[0]
+
+
+def on_ranks(fn, when=True):
+    """Run fn on the ranks where `when` holds; every rank then learns whether it failed anywhere, so that a
+    failure on one rank (an unwritable folder, a full disk) stops all of them instead of leaving the others
+    waiting at the next collective. Returns fn's result where it ran, else None."""
+    result, error = None, None
+    try:
+        if when:
+            result = fn()
+    except Exception as e:  # re-raised below on every rank, as a user error when it is one
+        error = e
+    if tdist.is_available() and tdist.is_initialized():
+        failures = [m for m in all_gather_object(None if error is None else _user_message(error)) if m]
+        if failures and error is None:
+            raise UsageError(failures[0])
+    if error is not None:
+        raise error
+    return result
+
+
+def _user_message(e):
+    return str(e) if isinstance(e, UsageError) or type(e).__name__ in ('DataError', 'BadImageError') else \
+        f'{type(e).__name__}: {_first_line(e)}'
+
+
+def all_reduce_(tensor, op='sum'):
+    """In-place all-reduce of a device tensor over every rank (no-op in a single process)."""
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.all_reduce(tensor, op=getattr(tdist.ReduceOp, op.upper()))
+    return tensor
+
+
+def broadcast_buffers_(module, src=0):
+    """Give every rank rank `src`'s BatchNorm running statistics (they drift apart: each rank updates them
+    with its own batches, DDP only re-broadcasts at the start of the next training forward)."""
+    if tdist.is_available() and tdist.is_initialized():
+        for b in module.buffers():
+            tdist.broadcast(b, src=src)
+
+
+def _first_line(e):
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]
+
+
+COMM_FAILURE_PATTERNS = ('Connection reset by peer', 'Connection closed by peer', 'Timed out waiting',
+                         'Broken pipe', 'NCCL communicator was aborted', 'Watchdog caught collective',
+                         'DistBackendError', 'ProcessGroupNCCL', 'ProcessGroupGloo')
+
+
+def is_comm_failure(exc):
+    """A collective that failed because another rank died or hung (gloo raises a plain RuntimeError)."""
+    if isinstance(exc, getattr(tdist, 'DistError', ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(p in str(exc) for p in COMM_FAILURE_PATTERNS)
+
+
+# -------------------------------------------------------------------------------------------- --nccl-debug
+
+def nccl_debug_env(environ=os.environ):
+    """The course's comm_profiler settings; NCCL reads them when it creates its first communicator."""
+    environ['NCCL_DEBUG'] = 'INFO'
+    environ['NCCL_DEBUG_SUBSYS'] = 'INIT,COLL'
+
+
+class StdoutTee:
+    """Copy everything written to file descriptor 1 into a file as well, including C libraries' output
+    (NCCL prints its INFO lines on stdout), in the order it was written, so that dlojz's step markers
+    land between the collectives they delimit."""
+
+    def __init__(self, path):
+        sys.stdout.flush()
+        try:  # line-buffer C stdio's stdout: through a pipe it would otherwise be block-buffered
+            libc = ctypes.CDLL(None)
+            libc.setvbuf(ctypes.c_void_p.in_dll(libc, 'stdout'), None, 1, 0)  # 1 = _IOLBF
+            self._flush_c = lambda: libc.fflush(None)
+        except (OSError, ValueError, AttributeError):
+            self._flush_c = lambda: None
+        self.log = open(path, 'ab', buffering=0)
+        self.saved = os.dup(1)
+        r, w = os.pipe()
+        os.dup2(w, 1)
+        os.close(w)
+        self.thread = threading.Thread(target=self._pump, args=(r,), daemon=True)
+        self.thread.start()
+
+    def _pump(self, r):
+        with os.fdopen(r, 'rb', buffering=0) as pipe:
+            while chunk := pipe.read(1 << 16):
+                try:
+                    os.write(self.saved, chunk)
+                    self.log.write(chunk)
+                except (OSError, ValueError):  # closed while a forked worker still held the pipe
+                    return
+
+    def close(self):
+        sys.stdout.flush()
+        self._flush_c()
+        os.dup2(self.saved, 1)  # drops our write end; the pump ends when forked loader workers exit too
+        self.thread.join(timeout=2)
+        os.close(self.saved)
+        self.log.close()

@@ -36,3 +36,60 @@ def run_cli(*flags, env=None, timeout=300):
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz.py')] + [str(f) for f in flags],
                           capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT)
+
+
+# ------------------------------------------------------------------------------------ multi-process launches
+# dlojz reads RANK/SLURM_* itself; the test process must not look launched even when pytest runs in a job.
+for _name in [k for k in os.environ if k.startswith('SLURM_') or k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK')]:
+    del os.environ[_name]
+
+DLOJZ = os.path.join(ROOT, 'dlojz.py')
+
+
+def free_port(lo=20000, hi=40000):
+    import random
+    import socket
+    for _ in range(200):
+        port = random.randrange(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(('127.0.0.1', port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError('no free port')
+
+
+def torchrun(n, *flags, timeout=300):
+    """`torchrun --nproc_per_node n dlojz.py FLAGS` -> CompletedProcess (text)."""
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(n), '--master_port',
+           str(free_port()), DLOJZ] + [str(f) for f in flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, 'OMP_NUM_THREADS': '1'})
+
+
+def srun_like(n, *flags, log_dir):
+    """Start n dlojz tasks with the variables srun gives one task per process on one node; the job id is
+    chosen so that dlojz's port (20000 + id % 20000) is free. -> list of Popen, outputs in log_dir."""
+    job_id = free_port() - 20000
+    procs = []
+    for rank in range(n):
+        env = {**os.environ, 'OMP_NUM_THREADS': '1', 'SLURM_JOB_ID': str(job_id), 'SLURM_STEP_ID': '0',
+               'SLURM_PROCID': str(rank), 'SLURM_LOCALID': str(rank), 'SLURM_NODEID': '0',
+               'SLURM_NTASKS': str(n), 'SLURM_STEP_NUM_TASKS': str(n), 'SLURM_STEP_NODELIST': 'localhost',
+               'SLURM_JOB_NODELIST': 'localhost', 'SLURM_STEP_TASKS_PER_NODE': str(n)}
+        out = open(os.path.join(log_dir, f'rank{rank}.out'), 'w')
+        err = open(os.path.join(log_dir, f'rank{rank}.err'), 'w')
+        procs.append(subprocess.Popen([sys.executable, DLOJZ] + [str(f) for f in flags], stdout=out, stderr=err,
+                                      env=env, cwd=ROOT))
+    return procs
+
+
+def wait_all(procs, timeout=300):
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -109,7 +109,7 @@ def test_augmentation_is_per_sample_and_worker_independent(synth):
     ds = D.ImageFolderDataset(train, D.TrainTransform(32), seed=5)
     batches = []
     for workers in (0, 2):
-        sampler = D.EpochSampler(len(ds), seed=5)
+        sampler = D.EpochSampler(ds, seed=5)
         sampler.set_epoch(3)
         loader = torch.utils.data.DataLoader(ds, batch_size=4, sampler=sampler, num_workers=workers)
         batches.append(torch.cat([x for x, _ in loader]))
@@ -118,7 +118,7 @@ def test_augmentation_is_per_sample_and_worker_independent(synth):
 
 
 def test_epoch_sampler_order_resume_and_shards():
-    s = D.EpochSampler(10, seed=1)
+    s = D.EpochSampler(range(10), seed=1)
     s.set_epoch(2)
     full = [i for i, _ in s]
     assert sorted(full) == list(range(10))
@@ -126,9 +126,29 @@ def test_epoch_sampler_order_resume_and_shards():
     assert [i for i, _ in s] == full[4:] and len(s) == 6
     s.set_epoch(3)
     assert [i for i, _ in s] != full
-    shards = [list(D.EpochSampler(10, 1, rank=r, world_size=3)) for r in range(3)]
+    shards = [list(D.EpochSampler(range(10), 1, rank=r, world_size=3)) for r in range(3)]
     assert all(len(x) == 4 for x in shards)
     assert {i for sh in shards for i, _ in sh} == set(range(10))
+
+
+@pytest.mark.parametrize('n,world', [(10, 3), (96, 2), (25, 4), (7, 1)])
+def test_epoch_sampler_matches_torch_distributed_sampler(n, world):
+    """The reference is torch's own DistributedSampler: same order, padding and shard for every rank."""
+    for rank in range(world):
+        ref = torch.utils.data.distributed.DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True,
+                                                              seed=123)
+        ours = D.EpochSampler(range(n), 123, rank=rank, world_size=world)
+        for epoch in (0, 4):
+            ref.set_epoch(epoch)
+            ours.set_epoch(epoch)
+            assert [i for i, e in ours] == list(ref) and {e for _, e in ours} == {epoch}
+
+
+def test_shard_sampler_counts_every_validation_image_once():
+    for n, world in [(25, 2), (25, 3), (7, 4), (2, 3)]:
+        shards = [list(D.ShardSampler(n, r, world)) for r in range(world)]
+        assert sorted(i for sh in shards for i in sh) == list(range(n))  # no duplicates, no gaps
+        assert max(map(len, shards)) - min(map(len, shards)) <= 1
 
 
 def test_random_resized_crop_params_within_bounds():

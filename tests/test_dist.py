@@ -1,9 +1,20 @@
 """get_dist_info(): the launcher seam reads torchrun first, then srun's SLURM variables (with node lists
-like jz[001-003,010]), else a single process; the batch script itself is not mistaken for a task.
+like jz[001-003,010] and task lists like 4(x2),3), else a single process; the batch script itself is not
+mistaken for a task, and a malformed environment is one clear UsageError.
 
 Run: python -m pytest -q tests/test_dist.py
 """
-from dlojz_dist import expand_nodelist, get_dist_info
+import pytest
+import torch
+
+import dlojz_dist
+from dlojz_dist import expand_nodelist, expand_tasks_per_node, get_dist_info
+from dlojz_io import UsageError
+
+# What srun exports to task 5 of `srun --nodes 2 --ntasks-per-node 4` (values as Slurm 23 writes them).
+SRUN = {'SLURM_PROCID': '5', 'SLURM_LOCALID': '1', 'SLURM_NODEID': '1', 'SLURM_NTASKS': '8', 'SLURM_STEP_ID': '0',
+        'SLURM_STEP_NUM_TASKS': '8', 'SLURM_STEP_NODELIST': 'jz[001-002]', 'SLURM_JOB_NODELIST': 'jz[001-002]',
+        'SLURM_STEP_TASKS_PER_NODE': '4(x2)', 'SLURM_TASKS_PER_NODE': '4(x2)', 'SLURM_JOB_ID': '123456'}
 
 
 def test_expand_nodelist():
@@ -12,24 +23,80 @@ def test_expand_nodelist():
     assert expand_nodelist('') == ()
 
 
+def test_expand_tasks_per_node():
+    assert expand_tasks_per_node('4(x2),3') == [4, 4, 3]
+    assert expand_tasks_per_node('8') == [8]
+    with pytest.raises(ValueError):
+        expand_tasks_per_node('four')
+
+
 def test_torchrun_wins():
     d = get_dist_info({'RANK': '3', 'LOCAL_RANK': '1', 'WORLD_SIZE': '4', 'LOCAL_WORLD_SIZE': '2',
                        'MASTER_ADDR': 'h1', 'MASTER_PORT': '1234', 'SLURM_PROCID': '0', 'SLURM_JOB_ID': '77'})
     assert (d.launcher, d.rank, d.local_rank, d.world_size, d.master_addr, d.master_port, d.job_id) == \
         ('torchrun', 3, 1, 4, 'h1', 1234, '77')
+    assert d.distributed and not d.is_main and d.num_nodes == 2
 
 
 def test_srun_task():
-    env = {'SLURM_PROCID': '5', 'SLURM_LOCALID': '1', 'SLURM_NTASKS': '8', 'SLURM_STEP_ID': '0',
-           'SLURM_JOB_NODELIST': 'jz[001-002]', 'SLURM_NTASKS_PER_NODE': '4', 'SLURM_JOB_ID': '123456'}
-    d = get_dist_info(env)
+    d = get_dist_info(SRUN)
     assert (d.launcher, d.rank, d.local_rank, d.world_size, d.local_world_size) == ('slurm', 5, 1, 8, 4)
-    assert d.master_addr == 'jz001' and d.nodes == ('jz001', 'jz002')
+    assert d.master_addr == 'jz001' and d.nodes == ('jz001', 'jz002') and d.num_nodes == 2
     assert d.master_port == 20000 + 123456 % 20000
-    assert get_dist_info({**env, 'SLURM_JOB_ID': '123457'}).master_port != d.master_port
+    assert get_dist_info({**SRUN, 'SLURM_JOB_ID': '123457'}).master_port != d.master_port
+    # heterogeneous node: the third node runs 3 tasks
+    d = get_dist_info({**SRUN, 'SLURM_STEP_TASKS_PER_NODE': '4(x2),3', 'SLURM_STEP_NUM_TASKS': '11',
+                       'SLURM_PROCID': '9', 'SLURM_NODEID': '2', 'SLURM_STEP_NODELIST': 'jz[001-003]'})
+    assert (d.world_size, d.local_world_size, d.num_nodes) == (11, 3, 3)
+
+
+def test_single_task_under_srun_is_still_launched():
+    d = get_dist_info({'SLURM_PROCID': '0', 'SLURM_LOCALID': '0', 'SLURM_NTASKS': '1', 'SLURM_STEP_ID': '3',
+                       'SLURM_STEP_NODELIST': 'n1', 'SLURM_STEP_TASKS_PER_NODE': '1', 'SLURM_JOB_ID': '5'})
+    assert (d.launcher, d.world_size, d.distributed) == ('slurm', 1, True)
 
 
 def test_batch_script_and_plain_process_are_single():
     d = get_dist_info({'SLURM_PROCID': '0', 'SLURM_NTASKS': '8', 'SLURM_JOB_ID': '9'})  # no SLURM_STEP_ID
-    assert (d.launcher, d.world_size, d.job_id) == ('single', 1, '9')
+    assert (d.launcher, d.world_size, d.job_id, d.distributed) == ('single', 1, '9', False)
     assert get_dist_info({}).world_size == 1
+
+
+@pytest.mark.parametrize('change,words', [
+    ({'SLURM_PROCID': '8'}, 'inconsistent'),                        # rank beyond the task count
+    ({'SLURM_LOCALID': '4'}, 'inconsistent'),                       # local rank beyond tasks on this node
+    ({'SLURM_STEP_NODELIST': '', 'SLURM_JOB_NODELIST': ''}, 'rank-0 host is unknown'),
+    ({'SLURM_PROCID': 'x'}, 'not an integer'),
+    ({'SLURM_STEP_TASKS_PER_NODE': 'many'}, 'tasks-per-node'),
+])
+def test_malformed_slurm_environment_is_one_sentence(change, words):
+    with pytest.raises(UsageError) as e:
+        get_dist_info({**SRUN, **change})
+    assert words in str(e.value) and '\n' not in str(e.value)
+
+
+def test_malformed_torchrun_environment():
+    with pytest.raises(UsageError, match='inconsistent'):
+        get_dist_info({'RANK': '2', 'WORLD_SIZE': '2'})
+
+
+def test_gpu_binding(monkeypatch):
+    """One task per GPU: the local rank picks the GPU; a launcher that binds one GPU per task leaves one
+    visible GPU (index 0); more tasks than GPUs on a node is refused with a sentence."""
+    d = get_dist_info(SRUN)  # local rank 1 of 4
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 4)
+    assert dlojz_dist.cuda_device_for(d) == 1
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    assert dlojz_dist.cuda_device_for(d) == 0
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    d3 = get_dist_info({**SRUN, 'SLURM_LOCALID': '3'})
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
+    with pytest.raises(UsageError, match='only 2 GPUs are visible'):
+        dlojz_dist.cuda_device_for(d3)
+
+
+def test_comm_failure_classification():
+    assert dlojz_dist.is_comm_failure(RuntimeError('[gloo/pair.cc:545] Read error: Connection reset by peer.'))
+    assert dlojz_dist.is_comm_failure(RuntimeError('Timed out waiting 5000ms for recv operation to complete'))
+    assert not dlojz_dist.is_comm_failure(RuntimeError('CUDA error: device-side assert triggered'))
+    assert not dlojz_dist.is_comm_failure(ValueError('Connection reset by peer'))

@@ -1,0 +1,233 @@
+"""Data parallelism on CPU with gloo, through the real entry point (torchrun and srun-like launches):
+
+- 2 ranks x batch b update the weights exactly as one process accumulating 2 micro-batches of b (the
+  reference loop below uses torchvision's model and torch's DistributedSampler, not dlojz's code);
+- validation counts every image once and gives the same top-1 at world sizes 1, 2 and 3;
+- unused parameters: one sentence naming --find-unused-parameters without it, success with it;
+- a killed or hung rank ends the others within --dist-timeout with a sentence, not a hang;
+- resume at another world size for the same global batch; another global batch is refused;
+- per-rank timings, the all-reduce volume, synced metrics and --nccl-debug's log in the run directory.
+
+Run: python -m pytest -q tests/test_ddp.py
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+
+import dlojz_data as D
+from conftest import TINY, run_cli, run_main, srun_like, torchrun, wait_all
+from dlojz_data import IMAGENET_MEAN, IMAGENET_STD
+
+# The equivalence run: SGD with momentum at a constant LR. The LR is small because at this tiny batch
+# size larger steps amplify float rounding (1e-7 after one step) into 1e-3 differences within 3 steps.
+EQUIV = ['--test-nsteps', '4', '--lr', '0.002', '--scheduler', 'constant', '--label-smoothing', '0.1', '--wd', '0',
+         '--log-interval', '1', '--chkpt']
+
+
+def summary_of(out):
+    with open(os.path.join(out, 'summary.json')) as f:
+        return json.load(f)
+
+
+def records_of(out):
+    with open(os.path.join(out, 'metrics.jsonl')) as f:
+        return [json.loads(line) for line in f]
+
+
+def reference_weights(cache_dir, micro_batches, steps=4, b=8, lr=0.002):
+    """Independent single-process reference: torchvision resnet18, torch's DistributedSampler order; each
+    optimizer step sums the gradients of `micro_batches` (list of shard ranks) with the loss divided by
+    their number, i.e. the gradient mean DDP computes. BatchNorm sees each micro-batch alone, as on a rank."""
+    root = os.path.join(cache_dir, 'synthetic-v1-c4-n24-v6-s0')
+    _, train, _ = D.scan_imagefolder(root)
+    ds = D.ImageFolderDataset(train, D.TrainTransform(32), seed=123)
+    torch.manual_seed(123)
+    model = torchvision.models.resnet18(num_classes=4)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    crit = nn.CrossEntropyLoss(label_smoothing=0.1)
+    world = len(micro_batches)
+    orders = []
+    for r in micro_batches:
+        s = torch.utils.data.distributed.DistributedSampler(range(len(ds)), num_replicas=world, rank=r,
+                                                            shuffle=True, seed=123)
+        s.set_epoch(0)
+        orders.append(list(s))
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
+    model.train()
+    for step in range(steps):
+        opt.zero_grad()
+        for order in orders:
+            items = [ds[(i, 0)] for i in order[step * b:(step + 1) * b]]
+            x = (torch.stack([im for im, _ in items]).float() - mean) / std
+            y = torch.tensor([label for _, label in items])
+            (crit(model(x), y) / world).backward()
+        opt.step()
+    return {k: v for k, v in model.state_dict().items() if 'running' not in k and 'num_batches' not in k}
+
+
+def test_two_ranks_equal_gradient_accumulation(tmp_path, cache_dir):
+    out = tmp_path / 'ddp'
+    run_main(tmp_path / 'warm', cache_dir, '--test-nsteps', '1')  # generate the dataset outside the timed launch
+    p = torchrun(2, *TINY, '--cache-dir', cache_dir, '--output-dir', out, *EQUIV, '--metric-step', '2',
+                 '--metric-sync-log', '--nccl-debug')
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = torch.load(out / 'checkpoint.pt', weights_only=False)['model']
+    ref = reference_weights(cache_dir, micro_batches=[0, 1])
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-4, atol=5e-5, msg=k)  # measured: 7e-6
+    # The comparison is sensitive: one plain batch of 16 (BatchNorm over 16) lands elsewhere.
+    plain = reference_weights(cache_dir, micro_batches=[0], b=16)
+    assert max((plain[k] - got[k]).abs().max().item() for k in ref) > 5e-3  # measured: 0.024
+
+    s = summary_of(out)
+    assert (s['status'], s['world_size'], s['global_batch']) == ('completed', 2, 16)
+    t = s['timing']
+    assert [r['rank'] for r in t['ranks']] == [0, 1] and all(r['steps'] == 4 for r in t['ranks'])
+    medians = [r['step_median_s'] for r in t['ranks']]
+    assert t['slowest_step_median_s'] == max(medians) and t['rank_skew'] == pytest.approx(
+        max(medians) / min(medians) - 1)
+    n_params = sum(p.numel() for p in torchvision.models.resnet18(num_classes=4).parameters())
+    assert s['communication']['gradient_bytes_per_step'] == 4 * n_params
+    # torchmetrics' sync: after it every rank holds the mean of the ranks' own values (equal batch sizes)
+    syncs = [r for r in records_of(out) if r['type'] == 'metric_sync']
+    assert [r['step'] for r in syncs] == [2, 4]
+    ranks = syncs[0]['ranks']
+    assert ranks[0]['after'] == ranks[1]['after']
+    assert ranks[0]['after']['loss'] == pytest.approx((ranks[0]['before']['loss'] + ranks[1]['before']['loss']) / 2)
+    assert ranks[0]['after']['top1'] == pytest.approx((ranks[0]['before']['top1'] + ranks[1]['before']['top1']) / 2)
+    assert 'Before metric compute CPU1' in p.stdout
+    # --nccl-debug: each rank's stdout, with the course's step markers, next to the run
+    for r in (0, 1):
+        log = (out / f'nccl.rank{r}.log').read_text()
+        assert [f'Train step {k} - rank {r}' in log for k in range(5)] == [True] * 5
+        assert f'Validation - rank {r}' in log
+
+
+def test_exact_validation_at_any_world_size(tmp_path, cache_dir):
+    """25 validation images: not divisible by 2 or 3; DistributedSampler would evaluate 26 and 27."""
+    five = ['--synthetic-classes', '5', '--synthetic-val-per-class', '5', '--val-batch-size', '4']
+    run_main(tmp_path / 'train', cache_dir, *five, '--test-nsteps', '4', '--chkpt', '--lr', '0.01')
+    ckpt = tmp_path / 'train' / 'checkpoint.pt'
+    evals = {1: run_main(tmp_path / 'w1', cache_dir, *five, '--evaluate', '--resume', ckpt)[0]}
+    p = torchrun(2, *TINY, *five, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'w2', '--evaluate',
+                 '--resume', ckpt)
+    assert p.returncode == 0, p.stderr[-3000:]
+    evals[2] = summary_of(tmp_path / 'w2')
+    procs = srun_like(3, *TINY, *five, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'w3', '--evaluate',
+                      '--resume', ckpt, log_dir=tmp_path)
+    assert wait_all(procs) == [0, 0, 0], (tmp_path / 'rank0.err').read_text()[-3000:]
+    evals[3] = summary_of(tmp_path / 'w3')
+    for w, s in evals.items():
+        assert (s['status'], s['mode'], s['world_size']) == ('completed', 'evaluate', w)
+        assert s['val']['images'] == 25, w
+        assert s['val']['top1'] == evals[1]['val']['top1'], w
+        assert s['val']['loss'] == pytest.approx(evals[1]['val']['loss'], rel=1e-5), w
+    # at world size 3 the shards are 9/8/8 images: 3, 2 and 2 batches of 4
+    assert [r['rank'] for r in evals[3]['timing']['ranks']] == [0, 1, 2]
+    assert evals[3]['val']['batches'] == 3
+
+
+def test_unused_parameters_get_a_sentence_then_train_with_the_flag(tmp_path, cache_dir):
+    heads = ['--arch', 'resnet18-heads', '--test-nsteps', '3', '--cache-dir', cache_dir]
+    procs = srun_like(2, *TINY, *heads, '--output-dir', tmp_path / 'bad', log_dir=tmp_path)
+    assert wait_all(procs) == [2, 2]
+    for r in (0, 1):
+        err = (tmp_path / f'rank{r}.err').read_text()
+        assert 'rerun with --find-unused-parameters' in err and 'Traceback' not in err, err[-2000:]
+    assert summary_of(tmp_path / 'bad')['status'] == 'failed'
+    p = torchrun(2, *TINY, *heads, '--output-dir', tmp_path / 'good', '--find-unused-parameters')
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert summary_of(tmp_path / 'good')['status'] == 'completed'
+    # stochastic depth masks branches instead of skipping them: every parameter gets a gradient
+    p = torchrun(2, *TINY, '--arch', 'resnet18-sd', '--test-nsteps', '3', '--cache-dir', cache_dir,
+                 '--output-dir', tmp_path / 'sd')
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGSTOP], ids=['killed', 'hung'])
+def test_dead_rank_ends_the_job_within_dist_timeout(tmp_path, cache_dir, sig):
+    timeout_s = 15
+    flags = ['--fake-data', '--fake-train-size', '100000', '--fake-classes', '4', '--arch', 'resnet18',
+             '--image-size', '32', '-b', '8', '--num-workers', '0', '--wandb', 'off', '--log-interval', '1',
+             '--dist-timeout', str(timeout_s / 60), '--output-dir', tmp_path / 'run']
+    procs = srun_like(2, *flags, log_dir=tmp_path)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:  # wait until training runs
+            if (tmp_path / 'run' / 'metrics.jsonl').exists() and len(records_of(tmp_path / 'run')) >= 3:
+                break
+            assert procs[0].poll() is None, (tmp_path / 'rank0.err').read_text()
+            time.sleep(0.2)
+        else:
+            pytest.fail('training did not start')
+        procs[1].send_signal(sig)
+        t0 = time.time()
+        code = procs[0].wait(timeout=timeout_s + 45)
+        elapsed = time.time() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    err = (tmp_path / 'rank0.err').read_text()
+    assert code == 4 and 'another rank died or stopped answering' in err and 'Traceback' not in err, err[-2000:]
+    assert elapsed < timeout_s + 30
+    assert summary_of(tmp_path / 'run')['status'] == 'failed'
+
+
+def test_resume_at_another_world_size_and_refused_batch_change(tmp_path, cache_dir):
+    run_main(tmp_path / 'one', cache_dir, '--test-nsteps', '3', '--chkpt', '-e', '2')
+    ckpt = tmp_path / 'one' / 'checkpoint.pt'
+    # same global batch (8) as 2 ranks x 4: allowed, continues at step 4
+    p = torchrun(2, *TINY, '-b', '4', '--cache-dir', cache_dir, '--output-dir', tmp_path / 'two', '--resume', ckpt,
+                 '--test-nsteps', '2', '-e', '2', '--log-interval', '1')
+    assert p.returncode == 0, p.stderr[-3000:]
+    steps = [r['global_step'] for r in records_of(tmp_path / 'two') if r['type'] == 'train']
+    assert steps == [4, 5]
+    # another global batch: one sentence, nothing written over
+    r = run_cli(*TINY, '-b', '4', '--cache-dir', cache_dir, '--output-dir', tmp_path / 'three', '--resume', ckpt)
+    assert r.returncode == 2 and '--allow-batch-change' in r.stderr and 'Traceback' not in r.stderr
+    assert r.stderr.count('\n') == 1
+    r = run_cli(*TINY, '-b', '4', '--cache-dir', cache_dir, '--output-dir', tmp_path / 'three', '--resume', ckpt,
+                '--allow-batch-change', '--test-nsteps', '2', '-e', '2', '--log-interval', '1')
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = [r['global_step'] for r in records_of(tmp_path / 'three') if r['type'] == 'train']
+    assert steps == [7, 8]  # 3 steps of 8 images = 24 images = 6 steps of 4
+
+
+def test_cpu_refusals_are_sentences(tmp_path, cache_dir):
+    r = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'x', '--sync-bn', '--device', 'cpu')
+    assert r.returncode == 2 and 'SyncBatchNorm does not run on CPU' in r.stderr and 'Traceback' not in r.stderr
+    r = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'x', '--evaluate')
+    assert r.returncode == 2 and '--resume PATH' in r.stderr
+    assert not (tmp_path / 'x').exists()
+
+
+def test_stdout_tee_keeps_c_and_python_output_in_order(tmp_path):
+    """NCCL writes its INFO lines with C stdio; dlojz's markers with Python. Both must land in order."""
+    code = f'''
+import ctypes, sys
+sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
+import dlojz_dist
+tee = dlojz_dist.StdoutTee({str(tmp_path / 'log')!r})
+libc = ctypes.CDLL(None)
+for i in range(3):
+    print(f'py {{i}}', flush=True)
+    libc.printf(b'c %d\\n', i)
+tee.close()
+print('after')
+'''
+    import subprocess
+    p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    expected = ['py 0', 'c 0', 'py 1', 'c 1', 'py 2', 'c 2']
+    assert (tmp_path / 'log').read_text().split('\n')[:-1] == expected
+    assert p.stdout.split('\n')[:-1] == expected + ['after']
