@@ -3,7 +3,8 @@ fast or slow.
 
     python dlojz.py --test-nsteps 20 --arch resnet18 --image-size 64 -b 16 --num-workers 2   # CPU demo
     python dlojz.py --test-nsteps 50 --amp bf16 --channels-last --data-dir /path/imagenet      # one GPU
-    srun --ntasks=1 --gres=gpu:1 --cpus-per-task=10 python dlojz.py --num-workers 10 --test    # one SLURM task
+    torchrun --standalone --nproc_per_node 4 dlojz.py --test-nsteps 50 --amp bf16              # 4 GPUs, DDP
+    srun --ntasks-per-node=4 --gres=gpu:4 --cpus-per-task=10 python dlojz.py --num-workers 10  # SLURM, DDP
 
 Outputs go to --output-dir (default runs/<job id or timestamp>_<arch>_bs<b>): config.json,
 metrics.jsonl, summary.json, checkpoint.pt (--chkpt), profiler traces (--prof), wandb files.
@@ -20,7 +21,7 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -346,7 +347,7 @@ class Run:
     wandb: object
     steps_per_epoch: int
     global_step: int = 0
-    findlr: tuple = ([], [])
+    findlr: tuple = field(default_factory=lambda: ([], []))  # (lrs, losses) of --findlr
     norm: tuple = ()
 
     def __post_init__(self):  # created once: a host->device copy per step would be a hidden stall
