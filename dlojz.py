@@ -7,7 +7,7 @@ fast or slow.
     srun --ntasks-per-node=4 --gres=gpu:4 --cpus-per-task=10 python dlojz.py --num-workers 10  # SLURM, DDP
 
 Outputs go to --output-dir (default runs/<job id or timestamp>_<arch>_bs<b>): config.json,
-metrics.jsonl, summary.json, checkpoint.pt (--chkpt), profiler traces (--prof), wandb files.
+metrics.jsonl, summary.json, checkpoint-<step>.pt (--chkpt), profiler traces (--prof), wandb files.
 """
 import argparse
 import inspect
@@ -35,8 +35,9 @@ from dlojz_chrono import Chronometer, PowerMeter
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, DataError, build_data, loader_error_message
 import dlojz_dist
 from dlojz_dist import get_dist_info
-from dlojz_io import (SUMMARY_VERSION, JsonlWriter, UsageError, default_output_dir, host_memory, load_checkpoint,
-                      prepare_output_dir, provenance, save_checkpoint, strip_prefixes, write_json)
+from dlojz_io import (SUMMARY_VERSION, JsonlWriter, UsageError, checkpoint_path, default_output_dir, host_memory,
+                      load_checkpoint, load_latest_checkpoint, prepare_output_dir, provenance, save_checkpoint,
+                      strip_prefixes, write_json)
 
 
 class NonFiniteLoss(Exception):
@@ -82,7 +83,8 @@ def get_args_parser(add_help=True):
     g.add_argument('-b', '--batch-size', type=int, default=128, help='images per device; global batch = this x '
                    'world size')
     g.add_argument('--val-batch-size', type=int, default=250, help='validation images per device')
-    g.add_argument('--num-workers', type=int, default=8, help='DataLoader worker processes (train and val)')
+    g.add_argument('--num-workers', type=int, default=None, help='DataLoader worker processes (train and val; '
+                   'default $SLURM_CPUS_PER_TASK under SLURM, else 8)')
     g.add_argument('--persistent-workers', action=B, default=None, help='keep workers between epochs '
                    '(default: on when --num-workers > 0)')
     g.add_argument('--pin-memory', action=B, default=None, help='page-locked batches (default: on with CUDA)')
@@ -123,8 +125,13 @@ def get_args_parser(add_help=True):
     g.add_argument('--seed', type=int, default=123)
     g.add_argument('--device', choices=['auto', 'cuda', 'cpu'], default='auto')
     g.add_argument('--output-dir', default=None, help='run directory (default runs/<job id or time>_<arch>_bs<b>)')
-    g.add_argument('--chkpt', action='store_true', help='write checkpoint.pt at the end of each epoch and run')
-    g.add_argument('--resume', default=None, help='checkpoint.pt to continue from')
+    g.add_argument('--chkpt', action='store_true', help='write checkpoint-<step>.pt at the end of each epoch and run')
+    g.add_argument('--chkpt-every', type=int, default=0, help='also every N steps (implies --chkpt)')
+    g.add_argument('--keep-checkpoints', type=int, default=2, help='newest checkpoints kept in the run directory')
+    g.add_argument('--resume', default=None, help='checkpoint to continue from, or "auto": the newest readable '
+                   'checkpoint of --output-dir if there is one (what a requeued job uses)')
+    g.add_argument('--requeue', action=B, default=True, help='under SLURM, on SIGUSR2/SIGTERM: checkpoint, then '
+                   '`scontrol requeue` the job')
     g.add_argument('--allow-batch-change', action='store_true', help='--resume with another global batch size '
                    '(the position in the epoch and the LR schedule are converted in images)')
     g.add_argument('--evaluate', action='store_true', help='validation only, of the --resume checkpoint, at any '
@@ -183,7 +190,12 @@ def check_args(args):
     for name in positive:
         if getattr(args, name) <= 0:
             raise UsageError(f'--{name.replace("_", "-")} must be positive (got {getattr(args, name)}).')
-    for name in ('num_workers', 'warmup_steps', 'wd', 'warmup_epochs', 'prof_wait', 'prof_warmup'):
+    if args.num_workers is None:
+        args.num_workers = dlojz_dist.slurm_cpus_per_task() or 8
+    if args.keep_checkpoints < 1:
+        raise UsageError(f'--keep-checkpoints must be at least 1 (got {args.keep_checkpoints}).')
+    args.chkpt = args.chkpt or args.chkpt_every > 0
+    for name in ('num_workers', 'warmup_steps', 'wd', 'warmup_epochs', 'prof_wait', 'prof_warmup', 'chkpt_every'):
         if getattr(args, name) < 0:
             raise UsageError(f'--{name.replace("_", "-")} cannot be negative (got {getattr(args, name)}).')
     if args.arch not in custom_models.ARCHS:
@@ -348,6 +360,8 @@ class Run:
     steps_per_epoch: int
     global_step: int = 0
     findlr: tuple = field(default_factory=lambda: ([], []))  # (lrs, losses) of --findlr
+    stop: object = None       # dlojz_dist.StopSignal
+    preempted: bool = False
     norm: tuple = ()
 
     def __post_init__(self):  # created once: a host->device copy per step would be a hidden stall
@@ -468,6 +482,11 @@ def train_one_epoch(run, epoch, start_step, max_steps, prof):
             print0(f"Train metrics at step {step}: loss {rec['loss']:.4f} top-1 {rec['top1']:.4f} "
                    f"top-5 {rec['top5']:.4f}", dist=run.dist)
             run.log.write(**rec)
+        if args.chkpt_every and run.global_step % args.chkpt_every == 0 and run.dist.is_main:
+            save(run, epoch, step)
+        if run.stop is not None and run.stop.agreed():  # a step boundary: a consistent state to checkpoint
+            run.preempted = True
+            break
     bar.close()
     guard.check(run.global_step, force=True)
     chrono.finish()
@@ -537,6 +556,13 @@ def checkpoint_state(run, epoch, step_in_epoch):
             'global_batch': run.args.batch_size * run.dist.world_size, 'args': vars(run.args),
             'rng': {'torch': torch.get_rng_state(), 'numpy': np.random.get_state(), 'python': random.getstate(),
                     'cuda': torch.cuda.get_rng_state_all() if run.device.type == 'cuda' else None}}
+
+
+def save(run, epoch, step_in_epoch):
+    """Rank 0 only: checkpoint-<global step>.pt in the run directory, keeping the newest --keep-checkpoints."""
+    path = checkpoint_path(run.args.output_dir, run.global_step)
+    save_checkpoint(path, checkpoint_state(run, epoch, step_in_epoch), keep=run.args.keep_checkpoints)
+    return path
 
 
 def restore(run, ckpt, path):
@@ -656,6 +682,49 @@ class CommFailure(Exception):
     """A collective failed: another rank died or hung."""
 
 
+class Preempted(Exception):
+    """Stopped by SIGUSR2/SIGTERM after writing a checkpoint; `requeued` when SLURM took the job back."""
+
+    def __init__(self, msg, requeued):
+        super().__init__(msg)
+        self.requeued = requeued
+
+
+def find_resume_checkpoint(args, dist):
+    """-> (path, state) to resume from, or (None, None). Rank 0 picks the file under --resume auto so that
+    every rank loads the same one (a rank seeing a half-written file must not choose another)."""
+    if not args.resume:
+        return None, None
+    if args.resume != 'auto':
+        return args.resume, load_checkpoint(args.resume)
+    warn = lambda m: print(m, file=sys.stderr, flush=True)
+    path = dlojz_dist.on_ranks(lambda: load_latest_checkpoint(args.output_dir, warn)[0], when=dist.is_main)
+    path = dlojz_dist.broadcast_object(path)
+    if path is None:
+        print0(f'--resume auto: no checkpoint in {args.output_dir}; starting from the beginning', dist=dist)
+        return None, None
+    print0(f'--resume auto: continuing from {path}', dist=dist)
+    return path, load_checkpoint(path)
+
+
+def preempt(run, epoch, step, train, val):
+    """Every rank got here at the same step (StopSignal.agreed). Rank 0 checkpoints while the others wait,
+    the summary says 'preempted', then the SLURM job is requeued: its next start resumes with --resume auto."""
+    args, dist = run.args, run.dist
+    run.chrono.stop()
+    path = dlojz_dist.broadcast_object(dlojz_dist.on_ranks(lambda: save(run, epoch, step), when=dist.is_main))
+    why = run.stop.received or 'a signal on another rank'
+    requeued, detail = False, '--no-requeue'
+    if args.requeue:
+        requeued, detail = dlojz_dist.on_ranks(lambda: dlojz_dist.requeue(dist), when=dist.is_main) or (False, '')
+    requeued = dlojz_dist.broadcast_object(requeued)
+    msg = (f'stopped by {why} at step {run.global_step}; checkpoint {path} written. ' +
+           ('The SLURM job was requeued and will resume from it (--resume auto).' if requeued else
+            f'Not requeued ({detail}); resume with --resume {path} or --resume auto.'))
+    write_summary(run, 'preempted', train, val, msg, extra={'checkpoint': path, 'requeued': requeued})
+    raise Preempted(msg, requeued)
+
+
 def shared_output_dir(args, dist):
     """Rank 0 chooses (a timestamp would differ between ranks) and creates the run folder; all ranks agree."""
     path = dlojz_dist.on_ranks(lambda: prepare_output_dir(args.output_dir or default_output_dir(args, dist)),
@@ -700,11 +769,12 @@ def _main(args, dist, device):
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
     autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
     chrono = Chronometer(device, phases=args.timing, sync=args.sync_timing, warmup=args.warmup_steps)
+    ckpt_path, ckpt = find_resume_checkpoint(args, dist)
     log = JsonlWriter(os.path.join(args.output_dir, 'metrics.jsonl'), dist.is_main,
-                      append=bool(args.resume) and not args.evaluate)
+                      append=ckpt is not None and not args.evaluate)
     run = Run(args, dist, device, data, model, eval_model, model_without_ddp, criterion, optimizer, scheduler, scaler,
               autocast, chrono, log, None, steps_per_epoch)
-    start_epoch, start_step = restore(run, load_checkpoint(args.resume), args.resume) if args.resume else (0, 0)
+    start_epoch, start_step = restore(run, ckpt, ckpt_path) if ckpt is not None else (0, 0)
 
     gb = args.batch_size * dist.world_size
     print0(f'>>> Training on {dist.num_nodes} nodes and {dist.world_size} processes ({dist.launcher}, {device}, '
@@ -715,6 +785,7 @@ def _main(args, dist, device):
         write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
     run.wandb = build_wandb(args, dist)
     power = PowerMeter(device)
+    run.stop = dlojz_dist.StopSignal().install()
     train = val = None
     try:
         remaining = args.test_nsteps if args.test else None
@@ -732,8 +803,10 @@ def _main(args, dist, device):
                 step, train = train_one_epoch(run, epoch, first, remaining, prof)
                 if remaining is not None:
                     remaining -= step - first
+                if run.preempted:
+                    preempt(run, epoch, step, train, val)
                 if args.chkpt and not args.findlr and dist.is_main:
-                    save_checkpoint(os.path.join(args.output_dir, 'checkpoint.pt'), checkpoint_state(run, epoch, step))
+                    save(run, epoch, step)
                 if not args.findlr and (not args.test or remaining == 0 or epoch == args.epochs - 1):
                     if args.nccl_debug:
                         print(f'Validation - rank {dist.rank}', flush=True)
@@ -742,6 +815,9 @@ def _main(args, dist, device):
                     break
         power.stop()
         chrono.stop()
+    except Preempted:
+        power.stop()
+        raise
     except NonFiniteLoss as e:
         write_summary(run, 'nan', train, val, str(e), extra={'failed_step': e.step})
         raise
@@ -778,6 +854,7 @@ def _main(args, dist, device):
         raise
     finally:
         run.log.close()
+        run.stop.restore()
     extra = {}
     if args.findlr:
         extra['findlr'] = {'lr': run.findlr[0], 'loss': [float(x) for x in torch.stack(run.findlr[1]).cpu()]
@@ -841,6 +918,10 @@ def cli(argv=None):
     except CommFailure as e:
         report_error(str(e), dist)
         code = 4
+    except Preempted as e:
+        if dist is None or dist.is_main:
+            print(f'dlojz: {e}', file=sys.stderr, flush=True)
+        code = 0 if e.requeued else 5
     except KeyboardInterrupt:
         print('dlojz: interrupted', file=sys.stderr)
         code = 130

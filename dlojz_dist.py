@@ -8,7 +8,9 @@ import ctypes
 import datetime
 import os
 import re
+import signal
 import socket
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass
@@ -255,6 +257,60 @@ def is_comm_failure(exc):
     if isinstance(exc, getattr(tdist, 'DistError', ())):
         return True
     return isinstance(exc, RuntimeError) and any(p in str(exc) for p in COMM_FAILURE_PATTERNS)
+
+
+# -------------------------------------------------------------------------------------------- SLURM
+
+def slurm_cpus_per_task(environ=os.environ):
+    """CPUs SLURM gave each task (None outside SLURM): the default --num-workers there."""
+    value = environ.get('SLURM_CPUS_PER_TASK', '')
+    return int(value) if value.isdigit() else None
+
+
+class StopSignal:
+    """Preemption and time limits. SLURM sends SIGUSR2 ahead of the end (#SBATCH --signal=USR2@120) and
+    SIGTERM at the limit; the handler only sets a flag, because checkpointing inside a signal handler can
+    deadlock (Lightning #21406). The training loop asks agreed() at every step boundary.
+
+    SIGUSR2 rather than SIGUSR1: submitit moved off USR1 after it clashed with NCCL (submitit #1697)."""
+    SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+    def __init__(self):
+        self.received, self._old = None, {}
+
+    def install(self):
+        if threading.current_thread() is threading.main_thread():  # Python only allows it there
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def restore(self):
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old = {}
+
+    def agreed(self):
+        """True on every rank as soon as one rank got a signal: a MAX all-reduce on the host (gloo), so no
+        rank stops or checkpoints alone and no GPU work is waited for."""
+        if not (tdist.is_available() and tdist.is_initialized()):
+            return self.received is not None
+        flag = torch.tensor([0 if self.received is None else 1])
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=_CPU_GROUP)
+        return bool(flag.item())
+
+
+def requeue(dist):
+    """Put this SLURM job back in the queue (`scontrol requeue`); -> (done, why not)."""
+    if dist.launcher != 'slurm' or not dist.job_id:
+        return False, 'not running under srun'
+    try:
+        r = subprocess.run(['scontrol', 'requeue', dist.job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, f'scontrol failed: {e}'
+    return r.returncode == 0, r.stderr.strip() or r.stdout.strip()
 
 
 # -------------------------------------------------------------------------------------------- --nccl-debug

@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -136,29 +137,87 @@ def provenance(device, dist):
     return prov
 
 
-def save_checkpoint(path, state):
-    """Write a checkpoint atomically: temp file in the same folder, fsync, rename."""
+CHECKPOINT_RE = re.compile(r'checkpoint-(\d+)\.pt$')
+
+
+def checkpoint_path(run_dir, global_step):
+    return os.path.join(run_dir, f'checkpoint-{global_step:08d}.pt')
+
+
+def list_checkpoints(run_dir):
+    """Complete checkpoints of a run directory (temp files excluded), oldest first."""
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return []
+    found = sorted((int(m.group(1)), n) for n in names if (m := CHECKPOINT_RE.fullmatch(n)))
+    return [os.path.join(run_dir, n) for _, n in found]
+
+
+def save_checkpoint(path, state, keep=None):
+    """Write a checkpoint atomically (temp file in the same folder, fsync, rename), then keep only the
+    newest `keep` checkpoints of the folder. A crash at any point leaves the previous ones intact."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix='.checkpoint-', suffix='.tmp')
     try:
         with os.fdopen(fd, 'wb') as f:
+            if _fault('kill-in-checkpoint'):
+                _die_half_written(f, state)
             torch.save(state, f)
         _fsync_replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+    if keep:
+        for old in list_checkpoints(os.path.dirname(path) or '.')[:-keep]:
+            os.remove(old)
+
+
+_FAULT_COUNT = {}
+
+
+def _fault(name):
+    """Fault injection for the crash tests only: DLOJZ_FAULT=<name>:<n> fires at the n-th occurrence."""
+    spec = os.environ.get('DLOJZ_FAULT', '')
+    if not spec.startswith(name + ':'):
+        return False
+    _FAULT_COUNT[name] = _FAULT_COUNT.get(name, 0) + 1
+    return _FAULT_COUNT[name] == int(spec.split(':')[1])
+
+
+def _die_half_written(f, state):
+    """SIGKILL this process halfway through writing a checkpoint, as a node failure would."""
+    import io
+    import signal
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    f.write(buf.getvalue()[:buf.tell() // 2])
+    f.flush()
+    os.fsync(f.fileno())
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def load_checkpoint(path):
     if not os.path.isfile(path):
-        raise UsageError(f'checkpoint {path} does not exist; pass --resume with the path of a checkpoint.pt '
-                         f'written by --chkpt.')
+        raise UsageError(f'checkpoint {path} does not exist; pass --resume with the path of a checkpoint-*.pt '
+                         f'written by --chkpt, or --resume auto.')
     try:
         # weights_only=False: the checkpoint holds our own args namespace and RNG states, written by us.
         return torch.load(path, map_location='cpu', weights_only=False)
     except Exception as e:
         raise UsageError(f'checkpoint {path} cannot be read ({type(e).__name__}); it may be truncated, '
                          f'resume from another checkpoint.') from None
+
+
+def load_latest_checkpoint(run_dir, warn=print):
+    """--resume auto: the newest checkpoint of run_dir that loads; an unreadable one (truncated by a crash)
+    is skipped with a warning. -> (path, state), or (None, None) when there is none."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            return path, load_checkpoint(path)
+        except UsageError as e:
+            warn(f'dlojz: warning: {e} Trying the previous one.')
+    return None, None
 
 
 def strip_prefixes(state_dict):

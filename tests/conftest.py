@@ -93,3 +93,12 @@ def wait_all(procs, timeout=300):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def latest(run_dir):
+    """The newest checkpoint-<step>.pt of a run directory."""
+    from dlojz_io import list_checkpoints
+    import pathlib
+    found = list_checkpoints(str(run_dir))
+    assert found, f'no checkpoint in {run_dir}'
+    return pathlib.Path(found[-1])

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torchvision
 
 import dlojz_data as D
-from conftest import TINY, run_cli, run_main, srun_like, torchrun, wait_all
+from conftest import TINY, latest, run_cli, run_main, srun_like, torchrun, wait_all
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD
 
 # The equivalence run: SGD with momentum at a constant LR. The LR is small because at this tiny batch
@@ -79,7 +79,7 @@ def test_two_ranks_equal_gradient_accumulation(tmp_path, cache_dir):
     p = torchrun(2, *TINY, '--cache-dir', cache_dir, '--output-dir', out, *EQUIV, '--metric-step', '2',
                  '--metric-sync-log', '--nccl-debug')
     assert p.returncode == 0, p.stderr[-3000:]
-    got = torch.load(out / 'checkpoint.pt', weights_only=False)['model']
+    got = torch.load(latest(out), weights_only=False)['model']
     ref = reference_weights(cache_dir, micro_batches=[0, 1])
     for k, v in ref.items():
         torch.testing.assert_close(got[k], v, rtol=1e-4, atol=5e-5, msg=k)  # measured: 7e-6
@@ -115,7 +115,7 @@ def test_exact_validation_at_any_world_size(tmp_path, cache_dir):
     """25 validation images: not divisible by 2 or 3; DistributedSampler would evaluate 26 and 27."""
     five = ['--synthetic-classes', '5', '--synthetic-val-per-class', '5', '--val-batch-size', '4']
     run_main(tmp_path / 'train', cache_dir, *five, '--test-nsteps', '4', '--chkpt', '--lr', '0.01')
-    ckpt = tmp_path / 'train' / 'checkpoint.pt'
+    ckpt = latest(tmp_path / 'train')
     evals = {1: run_main(tmp_path / 'w1', cache_dir, *five, '--evaluate', '--resume', ckpt)[0]}
     p = torchrun(2, *TINY, *five, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'w2', '--evaluate',
                  '--resume', ckpt)
@@ -185,7 +185,7 @@ def test_dead_rank_ends_the_job_within_dist_timeout(tmp_path, cache_dir, sig):
 
 def test_resume_at_another_world_size_and_refused_batch_change(tmp_path, cache_dir):
     run_main(tmp_path / 'one', cache_dir, '--test-nsteps', '3', '--chkpt', '-e', '2')
-    ckpt = tmp_path / 'one' / 'checkpoint.pt'
+    ckpt = latest(tmp_path / 'one')
     # same global batch (8) as 2 ranks x 4: allowed, continues at step 4
     p = torchrun(2, *TINY, '-b', '4', '--cache-dir', cache_dir, '--output-dir', tmp_path / 'two', '--resume', ckpt,
                  '--test-nsteps', '2', '-e', '2', '--log-interval', '1')

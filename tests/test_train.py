@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dlojz
-from conftest import TINY, run_cli, run_main
+from conftest import TINY, latest, run_cli, run_main
 
 
 def losses(records):
@@ -54,10 +54,10 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, cache_dir):
     _, full = run_main(tmp_path / 'full', cache_dir, '-e', '2', '--log-interval', '1')
     _, first = run_main(tmp_path / 'part', cache_dir, '-e', '2', '--test-nsteps', '18', '--chkpt',
                         '--log-interval', '1')
-    ckpt = torch.load(tmp_path / 'part' / 'checkpoint.pt', weights_only=False)
+    ckpt = torch.load(latest(tmp_path / 'part'), weights_only=False)
     assert (ckpt['epoch'], ckpt['step_in_epoch'], ckpt['global_step']) == (1, 6, 18)  # mid-epoch 2
     _, second = run_main(tmp_path / 'resumed', cache_dir, '-e', '2', '--log-interval', '1',
-                         '--resume', tmp_path / 'part' / 'checkpoint.pt')
+                         '--resume', latest(tmp_path / 'part'))
     ref, a, b = losses(full), losses(first), losses(second)
     assert sorted(ref) == list(range(1, 25)) and sorted(b) == list(range(19, 25))
     assert [a[k] for k in range(1, 19)] == [ref[k] for k in range(1, 19)]
@@ -133,7 +133,7 @@ def sha(path):
 def test_resume_errors_and_nan_keep_existing_files(capsys, tmp_path, cache_dir):
     out = tmp_path / 'run'
     run_main(out, cache_dir, '--test-nsteps', '3', '--chkpt')
-    ckpt = out / 'checkpoint.pt'
+    ckpt = latest(out)
     before = sha(ckpt)
     code, line = err(capsys, *TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'other', '--test-nsteps', 2,
                      '--arch', 'resnet34', '--resume', ckpt)
@@ -188,8 +188,8 @@ def test_compile_on_cpu(tmp_path, cache_dir):
     t = s['timing']
     assert s['status'] == 'completed'
     assert t['first_steps'][0]['step'] > 5 * t['stats']['step']['median']
-    keys = torch.load(tmp_path / 'checkpoint.pt', weights_only=False)['model'].keys()
+    keys = torch.load(latest(tmp_path), weights_only=False)['model'].keys()
     assert not any(k.startswith('_orig_mod.') for k in keys)
     import torchvision
     torchvision.models.resnet18(num_classes=4).load_state_dict(
-        torch.load(tmp_path / 'checkpoint.pt', weights_only=False)['model'])
+        torch.load(latest(tmp_path), weights_only=False)['model'])
