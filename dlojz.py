@@ -716,7 +716,8 @@ def preempt(run, epoch, step, train, val):
     why = run.stop.received or 'a signal on another rank'
     requeued, detail = False, '--no-requeue'
     if args.requeue:
-        requeued, detail = dlojz_dist.on_ranks(lambda: dlojz_dist.requeue(dist), when=dist.is_main) or (False, '')
+        requeued, detail = dlojz_dist.on_ranks(lambda: dlojz_dist.requeue(dist, run.stop.received),
+                                               when=dist.is_main) or (False, '')
     requeued = dlojz_dist.broadcast_object(requeued)
     msg = (f'stopped by {why} at step {run.global_step}; checkpoint {path} written. ' +
            ('The SLURM job was requeued and will resume from it (--resume auto).' if requeued else

@@ -302,8 +302,14 @@ class StopSignal:
         return bool(flag.item())
 
 
-def requeue(dist):
-    """Put this SLURM job back in the queue (`scontrol requeue`); -> (done, why not)."""
+def requeue(dist, signal_name=None):
+    """Put this SLURM job back in the queue (`scontrol requeue`); -> (done, why not).
+
+    Only on SIGUSR2, the warning the scripts ask for (--signal=USR2@120). SIGTERM comes both from the time
+    limit and from scancel, and the job state does not tell them apart while the signal is delivered
+    (measured: a cancelled job got requeued); after SIGTERM dlojz checkpoints and the user resubmits."""
+    if signal_name != 'SIGUSR2':
+        return False, f'{signal_name} may be a cancellation; resubmit the job to continue'
     if dist.launcher != 'slurm' or not dist.job_id:
         return False, 'not running under srun'
     try:

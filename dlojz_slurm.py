@@ -1,0 +1,162 @@
+"""The slurm/ batch scripts and a submit helper, from one source (in the spirit of the course's
+gpu_jobs_submitter).
+
+    python dlojz_slurm.py --machine a100 --gpus 16 --dry-run -- --amp bf16 -b 256   # print the script
+    python dlojz_slurm.py --machine a100 --gpus 16 -- --amp bf16 -b 256            # sbatch it, print the id
+    python dlojz_slurm.py --write                                                   # regenerate slurm/*.slurm
+
+Scripts are run from the repository root (`sbatch slurm/<script> [dlojz flags]`); the flags after the
+script name are forwarded to dlojz.py and win over the script's own.
+"""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Node shapes. Jean Zay: V100 nodes 4 GPUs/40 cores (gpu_p13, -C v100-32g), A100 nodes 8 GPUs/64 cores
+# (-C a100), H100 nodes 4 GPUs/96 cores (-C h100); reference/course.md §6 and IDRIS's documentation.
+MACHINES = {
+    'v100': dict(site='jz', title='Jean Zay V100 (32 GB)', gpus_per_node=4, cpus_per_task=10, constraint='v100-32g',
+                 modules=['pytorch-gpu/py3/2.4.0'], account='xyz@v100'),
+    'a100': dict(site='jz', title='Jean Zay A100', gpus_per_node=8, cpus_per_task=8, constraint='a100',
+                 modules=['arch/a100', 'pytorch-gpu/py3/2.4.0'], account='xyz@a100'),
+    'h100': dict(site='jz', title='Jean Zay H100', gpus_per_node=4, cpus_per_task=24, constraint='h100',
+                 modules=['arch/h100', 'pytorch-gpu/py3/2.4.0'], account='xyz@h100'),
+    'generic': dict(site='generic', title='a generic GPU cluster (Alliance Canada, JSC...)', gpus_per_node=4,
+                    cpus_per_task=8, constraint=None, modules=None, account='def-xyz'),
+    'cpu': dict(site='cpu', title='CPU nodes (gloo)', gpus_per_node=0, cpus_per_task=2, constraint=None,
+                modules=None, account=None),
+}
+# (machine, GPUs) of the scripts in slurm/: one GPU, one full node, two nodes.
+SHIPPED = [(m, g) for m in ('v100', 'a100', 'h100')
+           for g in (1, MACHINES[m]['gpus_per_node'], 2 * MACHINES[m]['gpus_per_node'])] + [('generic', 4), ('cpu', 0)]
+
+
+def script_name(machine, gpus):
+    if machine == 'cpu':
+        return 'cpu.slurm'
+    prefix = 'jz-' if MACHINES[machine]['site'] == 'jz' else ''
+    return f'{prefix}{machine}-{gpus}gpu.slurm'
+
+
+def shape(machine, gpus):
+    """-> (nodes, tasks per node): one task per GPU, whole nodes beyond one node."""
+    cap = MACHINES[machine]['gpus_per_node']
+    if machine == 'cpu':
+        return 1, 1
+    if gpus < 1 or (gpus > cap and gpus % cap):
+        raise ValueError(f'{gpus} GPUs on {machine} nodes of {cap} GPUs: ask for at most {cap}, or a multiple of it.')
+    return max(1, gpus // cap), min(gpus, cap)
+
+
+def render(machine, gpus, time_limit='02:00:00'):
+    m = MACHINES[machine]
+    nodes, per_node = shape(machine, gpus)
+    name = script_name(machine, gpus)[:-len('.slurm')]
+    tasks = nodes * per_node
+    what = 'CPU only, one task' if machine == 'cpu' else \
+        f'{gpus} GPU(s) = {nodes} node(s) x {per_node} GPU(s), one task per GPU'
+    opts = [(f'--job-name=dlojz-{name}', 'name in squeue and in the log file names'),
+            (f'--output=slurm/log/%x_%j_{nodes}nodes_{tasks}tasks.out', '%x job name, %j job id'),
+            (f'--error=slurm/log/%x_%j_{nodes}nodes_{tasks}tasks.err', 'stderr, same name'),
+            ('--open-mode=append', 'a requeued job appends to the same logs'),
+            (f'--nodes={nodes}', 'nodes'),
+            (f'--ntasks-per-node={per_node}', 'one task per GPU: each task drives one GPU')]
+    if machine != 'cpu':
+        opts.append((f'--gres=gpu:{per_node}', 'GPUs per node'))
+    opts += [(f'--cpus-per-task={m["cpus_per_task"]}', 'cores per task: dlojz uses them as DataLoader workers'),
+             ('--hint=nomultithread', 'physical cores only, no hyperthreads'),
+             (f'--time={time_limit}', 'ADAPT: wall-time limit (requeue continues longer runs)')]
+    if m['constraint']:
+        opts.append((f'--constraint={m["constraint"]}', f'the {machine.upper()} partition'))
+    if m['site'] == 'jz':
+        opts += [(f'--account={m["account"]}', f'ADAPT: your project (idrproj), with the @{machine} suffix'),
+                 ('#--qos=qos_gpu-dev', 'ADAPT: uncomment for short development jobs')]
+    elif m['account']:
+        opts += [(f'#--account={m["account"]}', 'ADAPT: your allocation'),
+                 ('#--partition=gpu', 'ADAPT: your GPU partition, if not the default')]
+    else:
+        opts.append(('#--partition=cpu', 'ADAPT: your CPU partition, if not the default'))
+    opts += [('--signal=USR2@120', 'SIGUSR2 120 s before the limit: dlojz checkpoints and requeues'),
+             ('--requeue', 'allow that requeue (and requeue after preemption)')]
+    L = ['#!/bin/bash',
+         f'# dlojz on {m["title"]}: {what}.',
+         f'# Submit from the repository root:  sbatch slurm/{name}.slurm [dlojz flags, e.g. --test-nsteps 50]',
+         '# Generated by `python dlojz_slurm.py --write`: change the generator, or the lines marked ADAPT.']
+    # a leading '#' in the option makes a commented-out '##SBATCH' line
+    L += [(f'##SBATCH {o[1:]:<44}' if o.startswith('#') else f'#SBATCH {o:<45}') + f'# {c}' for o, c in opts]
+    L.append('')
+    if m['site'] == 'jz':
+        L += ['module purge                              # ADAPT: the software environment']
+        L += [f'module load {mod}' + ('  # A100/H100 nodes have their own module tree' if mod.startswith('arch/') else
+                                      '  # ADAPT: version') for mod in m['modules']]
+    else:
+        L += ['source "${DLOJZ_VENV:-.venv}/bin/activate"  # ADAPT: the virtual environment with requirements.txt']
+    L += ['',
+          'set -x',
+          'srun python -u dlojz.py \\',
+          '    --resume auto \\',
+          '    --chkpt \\']
+    if machine == 'cpu':
+        L.append('    --device cpu \\')
+    L += ['    "$@"', '']
+    return '\n'.join(L)
+
+
+def write_all(folder=os.path.join(HERE, 'slurm')):
+    os.makedirs(os.path.join(folder, 'log'), exist_ok=True)
+    written = []
+    for machine, gpus in SHIPPED:
+        path = os.path.join(folder, script_name(machine, gpus))
+        with open(path, 'w') as f:
+            f.write(render(machine, gpus))
+        written.append(path)
+    return written
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--machine', choices=sorted(MACHINES), default='a100')
+    p.add_argument('--gpus', type=int, default=1, help='GPUs in all (a multiple of the node size beyond one node)')
+    p.add_argument('--time', default='02:00:00', help='wall-time limit, HH:MM:SS')
+    p.add_argument('--dry-run', action='store_true', help='print the script instead of submitting it')
+    p.add_argument('--write', action='store_true', help='regenerate the scripts of slurm/')
+    p.add_argument('dlojz_flags', nargs=argparse.REMAINDER, help='flags for dlojz.py (after --)')
+    args = p.parse_args(argv)
+    if args.write:
+        for path in write_all():
+            print(path)
+        return 0
+    try:
+        text = render(args.machine, args.gpus, args.time)
+    except ValueError as e:
+        print(f'dlojz_slurm: error: {e}', file=sys.stderr)
+        return 2
+    flags = [f for f in args.dlojz_flags if f != '--']
+    if args.dry_run:
+        print(text, end='')
+        print(f'# would run: sbatch <this script> {" ".join(flags)}')
+        return 0
+    os.makedirs(os.path.join(HERE, 'slurm', 'log'), exist_ok=True)
+    with tempfile.NamedTemporaryFile('w', suffix='.slurm', dir=os.path.join(HERE, 'slurm'), delete=False) as f:
+        f.write(text)
+    try:
+        r = subprocess.run(['sbatch', '--parsable', f.name, *flags], capture_output=True, text=True, cwd=HERE)
+    except OSError:
+        print('dlojz_slurm: error: sbatch not found; run this on a SLURM login node, or use --dry-run.',
+              file=sys.stderr)
+        return 2
+    finally:
+        os.remove(f.name)  # sbatch has its own copy once submitted
+    if r.returncode != 0:
+        print(f'dlojz_slurm: error: sbatch refused the job: {r.stderr.strip()}', file=sys.stderr)
+        return 2
+    print(r.stdout.strip().split(';')[0])
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""slurm/: the shipped scripts are exactly what dlojz_slurm renders (one source of truth), every #SBATCH
+line says why, one task per GPU, flags forwarded, and the submit helper's dry run and shape rules.
+
+Run: python -m pytest -q tests/test_slurm_scripts.py
+"""
+import os
+import re
+
+import pytest
+
+import dlojz_slurm as S
+from conftest import ROOT
+
+
+@pytest.mark.parametrize('machine,gpus', S.SHIPPED)
+def test_shipped_script_is_the_generator_output(machine, gpus):
+    path = os.path.join(ROOT, 'slurm', S.script_name(machine, gpus))
+    with open(path) as f:
+        assert f.read() == S.render(machine, gpus), f'{path} is stale: run python dlojz_slurm.py --write'
+
+
+@pytest.mark.parametrize('machine,gpus', S.SHIPPED)
+def test_script_shape_and_comments(machine, gpus):
+    text = S.render(machine, gpus)
+    sbatch = [line for line in text.splitlines() if line.startswith('#SBATCH')]
+    assert all(re.search(r'\S\s+# \S', line) for line in sbatch), 'every #SBATCH line carries a comment'
+    opts = dict(re.match(r'#SBATCH --([\w-]+)=?(\S*)', line).groups() for line in sbatch)
+    nodes, per_node = int(opts['nodes']), int(opts['ntasks-per-node'])
+    if machine != 'cpu':
+        assert opts['gres'] == f'gpu:{per_node}' and nodes * per_node == gpus  # one task per GPU
+        assert per_node <= S.MACHINES[machine]['gpus_per_node']
+    assert opts['hint'] == 'nomultithread' and opts['signal'] == 'USR2@120' and 'requeue' in opts
+    assert opts['output'] == f'slurm/log/%x_%j_{nodes}nodes_{nodes * per_node}tasks.out'
+    assert 'srun python -u dlojz.py \\' in text and text.rstrip().endswith('"$@"')
+    assert '--resume auto' in text and 'ADAPT' in text
+    if S.MACHINES[machine]['site'] == 'jz':
+        assert f'--constraint={S.MACHINES[machine]["constraint"]}' in text and 'module load' in text
+
+
+def test_expected_scripts_exist():
+    names = sorted(os.listdir(os.path.join(ROOT, 'slurm')))
+    for n in ('cpu.slurm', 'generic-4gpu.slurm', 'jz-v100-1gpu.slurm', 'jz-v100-4gpu.slurm', 'jz-v100-8gpu.slurm',
+              'jz-a100-1gpu.slurm', 'jz-a100-8gpu.slurm', 'jz-a100-16gpu.slurm', 'jz-h100-1gpu.slurm',
+              'jz-h100-4gpu.slurm', 'jz-h100-8gpu.slurm'):
+        assert n in names
+
+
+def test_helper_dry_run_and_shape_errors(capsys):
+    assert S.main(['--machine', 'a100', '--gpus', '16', '--dry-run', '--', '--amp', 'bf16']) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(S.render('a100', 16)) and out.rstrip().endswith('sbatch <this script> --amp bf16')
+    assert S.main(['--machine', 'v100', '--gpus', '6', '--dry-run']) == 2
+    assert 'a multiple of it' in capsys.readouterr().err
+    assert S.shape('v100', 2) == (1, 2) and S.shape('h100', 12) == (3, 4)
