@@ -5,6 +5,7 @@ fast or slow.
     python dlojz.py --test-nsteps 50 --amp bf16 --channels-last --data-dir /path/imagenet      # one GPU
     torchrun --standalone --nproc_per_node 4 dlojz.py --test-nsteps 50 --amp bf16              # 4 GPUs, DDP
     srun --ntasks-per-node=4 --gres=gpu:4 --cpus-per-task=10 python dlojz.py --num-workers 10  # SLURM, DDP
+    sbatch slurm/jz-a100-8gpu.slurm --amp bf16 -b 256                      # batch job, requeued on SIGUSR2
 
 Outputs go to --output-dir (default runs/<job id or timestamp>_<arch>_bs<b>): config.json,
 metrics.jsonl, summary.json, checkpoint-<step>.pt (--chkpt), profiler traces (--prof), wandb files.

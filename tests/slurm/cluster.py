@@ -96,7 +96,7 @@ class Cluster:
             lines.append(f'NodeName={node} NodeHostname={hostname} NodeAddr=127.0.0.1 Port={6818 + 10 * i} CPUs=64 '
                          f'Boards=1 SocketsPerBoard=1 CoresPerSocket=64 ThreadsPerCore=1 RealMemory=256000 '
                          f'Gres=gpu:8 Features=v100-32g,a100,h100 State=UNKNOWN')
-        lines.append(f'PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP')
+        lines.append('PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP')
         with open(self.conf, 'w') as f:
             f.write('\n'.join(lines) + '\n')
         with open(os.path.join(d, 'gres.conf'), 'w') as f:
