@@ -513,6 +513,8 @@ def evaluate(run, epoch, max_batches=None):
     sums the states of all ranks in compute(), so every image counts once whatever the world size."""
     model, chrono = run.eval_model, run.chrono
     model.eval()
+    if run.args.nccl_debug:  # comm_profiler marker: the collectives that follow belong to validation
+        print(f'Validation - rank {run.dist.rank}', flush=True)
     dlojz_dist.broadcast_buffers_(run.model_without_ddp)  # rank 0's BatchNorm statistics, as in its checkpoint
     n_classes = len(run.data.classes)
     acc1 = MulticlassAccuracy(n_classes, top_k=1, average='micro', validate_args=False).to(run.device)
@@ -699,13 +701,13 @@ def find_resume_checkpoint(args, dist):
     if args.resume != 'auto':
         return args.resume, load_checkpoint(args.resume)
     warn = lambda m: print(m, file=sys.stderr, flush=True)
-    path = dlojz_dist.on_ranks(lambda: load_latest_checkpoint(args.output_dir, warn)[0], when=dist.is_main)
-    path = dlojz_dist.broadcast_object(path)
+    found = dlojz_dist.on_ranks(lambda: load_latest_checkpoint(args.output_dir, warn), when=dist.is_main)
+    path = dlojz_dist.broadcast_object(found[0] if found else None)
     if path is None:
         print0(f'--resume auto: no checkpoint in {args.output_dir}; starting from the beginning', dist=dist)
         return None, None
     print0(f'--resume auto: continuing from {path}', dist=dist)
-    return path, load_checkpoint(path)
+    return path, found[1] if dist.is_main else load_checkpoint(path)  # rank 0 has already read it
 
 
 def preempt(run, epoch, step, train, val):
@@ -794,8 +796,6 @@ def _main(args, dist, device):
         chrono.start()
         power.start()
         if args.evaluate:
-            if args.nccl_debug:
-                print(f'Validation - rank {dist.rank}', flush=True)
             val = evaluate(run, max(0, start_epoch - 1) if start_step == 0 else start_epoch,
                            max_batches=20 if args.test else None)
         with build_profiler(args, device) if not args.evaluate else nullcontext(None) as prof:
@@ -810,8 +810,6 @@ def _main(args, dist, device):
                 if args.chkpt and not args.findlr and dist.is_main:
                     save(run, epoch, step)
                 if not args.findlr and (not args.test or remaining == 0 or epoch == args.epochs - 1):
-                    if args.nccl_debug:
-                        print(f'Validation - rank {dist.rank}', flush=True)
                     val = evaluate(run, epoch, max_batches=20 if args.test else None)
                 if remaining == 0:
                     break
@@ -848,7 +846,7 @@ def _main(args, dist, device):
         if dist.distributed and dlojz_dist.is_comm_failure(e):
             timeout = f'{args.dist_timeout:g} min' if args.dist_timeout else "PyTorch's default timeout"
             msg = (f'a collective failed on rank {dist.rank} at step {run.global_step + 1}: another rank died or '
-                   f'stopped answering ({dlojz_dist._first_line(e)[:160]}); look for the first error in the other '
+                   f'stopped answering ({dlojz_dist.first_line(e)[:160]}); look for the first error in the other '
                    f'ranks\' output (waits are bounded by --dist-timeout, now {timeout}).')
             write_summary(run, 'failed', train, val, msg, extra=failed)
             raise CommFailure(msg) from None

@@ -160,7 +160,7 @@ def setup(dist, device, timeout_min=None):
         tdist.init_process_group(backend, init_method='env://', rank=dist.rank, world_size=dist.world_size, **kw)
     except (RuntimeError, ValueError) as e:  # DistStoreError/DistNetworkError are RuntimeErrors
         raise UsageError(f'rank {dist.rank} could not join the process group at {dist.master_addr}:'
-                         f'{dist.master_port} ({_first_line(e)}); check that every task started and that the port '
+                         f'{dist.master_port} ({first_line(e)}); check that every task started and that the port '
                          f'is free (--dist-timeout bounds this wait).') from None
     # NCCL collectives need GPU tensors; host-side objects go through a gloo group so that they never
     # touch the GPU (and never initialise NCCL before --nccl-debug's log is in place).
@@ -224,7 +224,7 @@ def on_ranks(fn, when=True):
 
 def _user_message(e):
     return str(e) if isinstance(e, UsageError) or type(e).__name__ in ('DataError', 'BadImageError') else \
-        f'{type(e).__name__}: {_first_line(e)}'
+        f'{type(e).__name__}: {first_line(e)}'
 
 
 def all_reduce_(tensor, op='sum'):
@@ -242,7 +242,7 @@ def broadcast_buffers_(module, src=0):
             tdist.broadcast(b, src=src)
 
 
-def _first_line(e):
+def first_line(e):
     text = str(e).strip().splitlines()
     return (text[0] if text else type(e).__name__)[:300]
 
