@@ -1,0 +1,359 @@
+"""dlojz_report: the report reads real run directories and its numbers are the runs' own.
+
+Run directories come from real tiny CPU runs of dlojz.py made once per session (a DataLoader trial,
+a batch-size sweep, world sizes 1 and 2 with checkpoints and --metric-sync-log, --findlr, a NaN run
+and a run killed mid-checkpoint); NCCL logs, which need GPUs, are written here in NCCL's own line
+format with hand-counted bytes. Expected values come from the summaries, numpy or torchvision, never
+from dlojz_report itself.
+
+    python -m pytest -q tests/test_report.py
+"""
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+from conftest import run_cli, run_main, torchrun, TINY
+import dlojz_report
+from dlojz_report import bn_view, collect_runs, comm_view, fit_line, lr_suggestion, parse_nccl, smooth, sweeps
+
+STEPS = ['--test-nsteps', '6', '--log-interval', '2']
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory, cache_dir):
+    """name -> run directory, made by dlojz itself."""
+    root = tmp_path_factory.mktemp('runs')
+    d = {}
+
+    def make(name, *flags):
+        d[name] = root / name
+        run_main(d[name], cache_dir, *STEPS, *flags)
+
+    # a small DataLoader trial (pinned memory is refused on CPU, so workers and persistence vary)
+    make('w0', '--num-workers', '0')
+    make('w1', '--num-workers', '1')
+    make('w2', '--num-workers', '2')
+    make('w2np', '--num-workers', '2', '--no-persistent-workers')  # persistent is the default with workers
+    for b in (4, 6, 10):  # not a doubling series
+        d[f'b{b}'] = root / 'sweep' / f'b{b}'
+        run_main(d[f'b{b}'], cache_dir, '--test-nsteps', '4', '-b', b, '--lr', '0.01')
+    sync = ['--chkpt', '--metric-sync-log', '--metric-step', '2']
+    make('ws1', *sync)
+    d['ws2'] = root / 'ws2'
+    p = torchrun(2, *TINY, '--cache-dir', cache_dir, '--output-dir', d['ws2'], *STEPS, *sync)
+    assert p.returncode == 0, p.stderr[-3000:]
+    make('findlr', '--findlr', '--test-nsteps', '12')
+    d['nan'] = root / 'nan'
+    p = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', d['nan'], *STEPS, '--lr', '1e4')
+    assert p.returncode == 3, p.stderr[-2000:]
+    d['nan_stderr'] = p.stderr
+    d['crash'] = root / 'crash'  # killed while writing its second checkpoint: no summary.json
+    p = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', d['crash'], *STEPS, '--chkpt-every', '2',
+                env={'DLOJZ_FAULT': 'kill-in-checkpoint:2'})
+    assert p.returncode == -9, p.stderr[-2000:]
+    return d
+
+
+def summary(path):
+    with open(os.path.join(path, 'summary.json')) as f:
+        return json.load(f)
+
+
+def report(tmp_path, *paths, args=()):
+    out = tmp_path / 'report'
+    code = dlojz_report.cli([str(p) for p in paths] + ['--out', str(out)] + list(args))
+    return code, out
+
+
+def read_csv(path):
+    import csv
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def check_figures(out):
+    """Every figure the report links exists and is a non-trivial PNG."""
+    text = (out / 'report.md').read_text()
+    names = re.findall(r'!\[[^\]]*\]\(([^)]+\.png)\)', text)
+    for n in names:
+        data = (out / n).read_bytes()
+        assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 5000, n
+    return names
+
+
+def test_dataloader_trial_table_matches_summaries(runs, tmp_path, capsys):
+    trial = [runs[n] for n in ('w0', 'w1', 'w2', 'w2np')]
+    code, out = report(tmp_path, *trial)
+    assert code == 0
+    rows = read_csv(out / 'comparison.csv')
+    flags = [c for c in rows[0] if c not in dlojz_report.METRICS and c not in ('run', 'status')]
+    # only what differs, as resolved by dlojz (prefetch 2 with workers, none without); paths never
+    assert flags == ['num_workers', 'persistent_workers', 'prefetch_factor']
+    by_run = {r['run']: r for r in rows}
+    for name in ('w0', 'w1', 'w2', 'w2np'):
+        s, row = summary(runs[name]), by_run[name]
+        per, warm = s['timing']['per_step'], s['timing']['warmup_steps']
+        load = statistics.fmean(d + h for d, h in zip(per['data'][warm:], per['h2d'][warm:]))
+        assert float(row['load_ms']) == pytest.approx(load * 1e3, rel=1e-9)
+        assert float(row['step_ms']) == pytest.approx(statistics.median(per['step'][warm:]) * 1e3, rel=1e-9)
+        assert float(row['train_img_s']) == pytest.approx(8 / statistics.median(per['step'][warm:]), rel=1e-9)
+        assert float(row['host_mem_gib']) == s['memory']['host_peak_rss_bytes'] / 2 ** 30
+        assert float(row['top1']) == s['val']['top1']
+        assert row['num_workers'] == str(s['config']['num_workers'])
+    img_s = [float(r['train_img_s']) for r in rows]
+    assert img_s == sorted(img_s, reverse=True)  # default sort: train throughput, best first
+    printed = capsys.readouterr().out
+    assert 'num_workers' in printed and f"{float(rows[0]['train_img_s']):.1f}" in printed
+    assert (out / 'comparison.png').exists() and 'timeline-w0.png' in check_figures(out)
+    assert '## Problems' not in (out / 'report.md').read_text()
+
+
+def test_sort_column_and_bad_column(runs, tmp_path, capsys):
+    code, out = report(tmp_path, runs['w0'], runs['w2'], args=['--sort', 'load_ms'])
+    rows = read_csv(out / 'comparison.csv')
+    assert code == 0 and [float(r['load_ms']) for r in rows] == sorted(float(r['load_ms']) for r in rows)
+    code, _ = report(tmp_path, runs['w0'], runs['w2'], args=['--sort', 'speed'])
+    err = capsys.readouterr().err
+    assert code == 2 and '--sort speed is not a column' in err and 'Traceback' not in err
+
+
+def test_fit_recovers_a_known_line_from_non_doubling_batch_sizes():
+    batches = [3, 7, 12, 20, 33]
+    fixed, per_image = 1.75e9, 2.5e7
+    a, b = fit_line(batches, [fixed + per_image * x for x in batches])
+    assert a == pytest.approx(fixed, rel=1e-9) and b == pytest.approx(per_image, rel=1e-9)
+    # the course's two-point formula M = m2 - (b2/b1)(m2 - m1) is only right for b2 = 2 b1; here it is not
+    m1, m2 = fixed + per_image * 7, fixed + per_image * 12
+    assert abs((m2 - 12 / 7 * (m2 - m1)) - fixed) > 1e7
+    assert fit_line([4, 4], [1.0, 2.0]) is None
+
+
+def test_batch_size_sweep_from_real_runs(runs, tmp_path):
+    oom = tmp_path / 'b16'  # what dlojz writes on CUDA out of memory (a CPU run cannot be made to OOM here)
+    shutil.copytree(runs['b10'], oom)
+    s = summary(oom)
+    s.update(status='oom', error='out of memory', failed_step=1, timing={}, val=None)
+    s['config']['batch_size'] = 16
+    (oom / 'summary.json').write_text(json.dumps(s))
+    found = sweeps(collect_runs([runs['b4'], runs['b6'], runs['b10'], oom])[0])
+    assert len(found) == 1
+    rows = found[0]['rows']
+    assert [r['batch'] for r in rows] == [4, 6, 10, 16] and rows[-1]['status'] == 'oom'
+    mems = [summary(runs[f'b{b}'])['memory']['host_peak_rss_bytes'] for b in (4, 6, 10)]
+    assert [r['mem_bytes'] for r in rows[:3]] == mems
+    slope, intercept = np.polyfit([4, 6, 10], mems, 1)  # the OOM run is left out of the fit
+    assert found[0]['fit'] == pytest.approx((intercept, slope), rel=1e-6)
+    code, out = report(tmp_path, runs['b4'], runs['b6'], runs['b10'], oom)
+    text = (out / 'report.md').read_text()
+    assert code == 0 and '## Batch-size sweep' in text and 'sweep-1.png' in check_figures(out)
+    assert 'out of memory at step 1 with batch 16 per process' in text
+
+
+def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
+    code, out = report(tmp_path, runs['ws1'], runs['ws2'])
+    t1 = summary(runs['ws1'])['timing']['train_throughput']
+    t2 = summary(runs['ws2'])['timing']['train_throughput']
+    [s] = dlojz_report.scalings(collect_runs([runs['ws1'], runs['ws2']])[0])
+    assert [r['world_size'] for r in s['rows']] == [1, 2] and [r['global_batch'] for r in s['rows']] == [8, 16]
+    assert s['rows'][1]['efficiency'] == pytest.approx(t2 / t1 / 2)
+    text = (out / 'report.md').read_text()
+    assert code == 0 and '## Scaling' in text and 'scaling-1.png' in check_figures(out)
+    assert '## Diff' in text and '| run | world_size | 1 | 2 |' in text
+
+
+def test_batchnorm_view_covers_every_batchnorm(runs):
+    bn = bn_view(collect_runs([runs['ws1'], runs['ws2']])[0])
+    for name in ('ws1', 'ws2'):  # reference: torchvision's own modules, loaded with the checkpoint
+        model = torchvision.models.resnet18(num_classes=4)
+        ckpt = torch.load(sorted(runs[name].glob('checkpoint-*.pt'))[-1], map_location='cpu', weights_only=False)
+        model.load_state_dict(ckpt['model'])
+        modules = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d)}
+        assert bn['layers'] == list(modules) and 'layer2.0.downsample.1' in bn['layers'] and len(modules) == 20
+        for layer, m in modules.items():
+            got = bn['runs'][name][layer]
+            assert got['running_mean'] == pytest.approx(m.running_mean.mean().item(), abs=1e-7)
+            assert got['running_var'] == pytest.approx(m.running_var.mean().item(), rel=1e-6)
+            assert got['weight'] == pytest.approx(m.weight.mean().item(), abs=1e-7)
+    assert bn['runs']['ws1'] != bn['runs']['ws2']
+
+
+def test_metric_sync_log_from_two_ranks(runs, tmp_path):
+    rows = dlojz_report.metric_sync_rows(collect_runs([runs['ws2']])[0][0])
+    logged = {r['global_step']: r for r in map(json.loads, (runs['ws2'] / 'metrics.jsonl').read_text().splitlines())
+              if r['type'] == 'train_metrics'}
+    assert sorted({r['step'] for r in rows}) == [2, 4, 6] and sorted({r['rank'] for r in rows}) == [0, 1]
+    for step in (2, 4, 6):
+        at = [r for r in rows if r['step'] == step]
+        assert {r['loss_after'] for r in at} == {logged[step]['loss']}  # synced: what rank 0 logged
+        assert len({r['loss_before'] for r in at}) == 2  # each rank saw only its own batches
+        assert statistics.fmean(r['loss_before'] for r in at) == pytest.approx(logged[step]['loss'], rel=1e-5)
+    code, out = report(tmp_path, runs['ws2'])
+    assert 'every rank holds the same values: yes (3 syncs)' in (out / 'report.md').read_text()
+
+
+def test_lr_finder_smoothing_and_suggestion(runs, tmp_path):
+    assert smooth([1.0, 2.0], beta=0.5) == pytest.approx([1.0, 5 / 3])  # (0.5·1)/0.5, (0.25+1)/0.75
+    lrs = [10 ** (-6 + i * 0.25) for i in range(25)]  # 1e-6 .. 1
+    losses = [0.1 * (math.log10(lr) + 3) ** 2 + 1 for lr in lrs]  # minimum at lr = 1e-3, at most 1.9
+    losses[-3:] = [50, float('nan'), float('inf')]  # divergence
+    sm, cut, at_min, suggested = lr_suggestion(lrs, losses, beta=0.0)
+    assert at_min == pytest.approx(1e-3) and suggested == pytest.approx(1e-4) and cut == 22
+    code, out = report(tmp_path, runs['findlr'])
+    s = summary(runs['findlr'])
+    text = (out / 'report.md').read_text()
+    assert code == 0 and f"{len(s['findlr']['lr'])} steps from lr 1e-08" in text and 'lrfind-findlr.png' in \
+        check_figures(out)
+
+
+
+def test_failed_and_crashed_runs_get_a_verdict(runs, tmp_path, capsys):
+    step = int(re.search(r'at step (\d+)', runs['nan_stderr']).group(1))  # what dlojz told the user
+    broken = tmp_path / 'broken'  # a summary cut in the middle of writing (not dlojz's atomic write: a copy)
+    shutil.copytree(runs['w0'], broken)
+    (broken / 'summary.json').write_text((runs['w0'] / 'summary.json').read_text()[:500])
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    code, out = report(tmp_path, runs['nan'], runs['crash'], broken, empty)
+    printed = capsys.readouterr()
+    assert code == 0 and 'Traceback' not in printed.err
+    assert f'nan: NaN loss at step {step}' in printed.out
+    last = [json.loads(l) for l in (runs['crash'] / 'metrics.jsonl').read_text().splitlines()][-1]['global_step']
+    assert f'crash: incomplete: no summary.json' in printed.out and f'last logged step {last}' in printed.out
+    assert 'newest checkpoint checkpoint-00000002.pt' in printed.out  # the second one died half-written
+    text = (out / 'report.md').read_text()
+    assert 'summary.json is unreadable' in text and f'skipped {empty}' in printed.out
+    assert '## Problems' not in text
+
+
+def test_older_and_newer_summaries(runs, tmp_path):
+    old = tmp_path / 'old'
+    shutil.copytree(runs['w1'], old)
+    s = summary(old)
+    for key in ('version', 'num_nodes', 'mode', 'energy', 'provenance'):
+        s.pop(key)
+    s['timing'].pop('per_step')
+    (old / 'summary.json').write_text(json.dumps(s))
+    new = tmp_path / 'new'
+    shutil.copytree(runs['w2'], new)
+    s = summary(new)
+    s.update(version=99, future_section={'x': 1})
+    s['timing']['future_key'] = [1, 2]
+    (new / 'summary.json').write_text(json.dumps(s))
+    code, out = report(tmp_path, old, new)
+    text = (out / 'report.md').read_text()
+    assert code == 0 and '## Problems' not in text and 'version 99, newer than this report' in text
+    assert float(read_csv(out / 'comparison.csv')[0]['train_img_s']) > 0
+
+
+def test_diff_and_usage_errors(runs, tmp_path, capsys):
+    assert dlojz_report.cli(['diff', str(runs['w0']), str(runs['w2np'])]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r'config\s+num_workers\s+0\s+2', out) and 'persistent_workers' in out
+    assert 'output_dir' not in out
+    assert dlojz_report.cli(['diff', str(runs['w0'])]) == 2
+    assert dlojz_report.cli([str(tmp_path / 'nowhere')]) == 2
+    err = capsys.readouterr().err
+    assert 'does not exist' in err and 'Traceback' not in err
+
+
+# ------------------------------------------------------------------------------------------------- NCCL
+
+def resnet18_params():
+    return sum(p.numel() for p in torchvision.models.resnet18(num_classes=4).parameters())
+
+
+def coll(rank, op, opcount, count, dtype, comm, nranks=2):
+    return (f'node1:{4100 + rank}:{4200 + rank} [{rank}] NCCL INFO {op}: opCount {opcount:x} sendbuff 0x7f2a1c000000 '
+            f'recvbuff 0x7f2a1c000000 count {count} datatype {dtype} op 0 root 0 comm {comm} [nranks={nranks}] '
+            f'stream 0x55d0c8a1e0f0')
+
+
+def nccl_log(rank, steps=3):
+    """One rank's --nccl-debug log, as dlojz's tee writes it: markers, NCCL INIT and COLL lines, noise."""
+    comm = f'0x55d0c8{rank}0a0b0'
+    n = resnet18_params()
+    buckets = [n - 2_000_000 - 262_144, 2_000_000, 262_144]  # DDP buckets: sizes add up to the parameters
+    lines = ['Train step 0 - rank %d' % rank,
+             f'node1:{4100 + rank}:{4100 + rank} [{rank}] NCCL INFO Bootstrap : Using eth0:10.0.0.1<0>',
+             f'node1:{4100 + rank}:{4300 + rank} [{rank}] NCCL INFO comm {comm} rank {rank} nranks 2 cudaDev {rank} '
+             f'nvmlDev {rank} busId 1000 commId 0x6b1d2c3e4f - Init COMPLETE']
+    ops = [('Broadcast', n, 7), ('Broadcast', 20, 4)]  # initial weights fp32; BN counters int64
+    lines += [coll(rank, op, i, c, t, comm) for i, (op, c, t) in enumerate(ops)]
+    k = len(ops)
+    for s in range(1, steps + 1):
+        lines.append(f'Train step {s} - rank {rank}')
+        lines.append('epoch 1/1 step %d/12 loss 1.2 lr 0.1 | step 10.0 ms' % s)  # dlojz's own print
+        for c in buckets:
+            lines.append(coll(rank, 'AllReduce', k, c, 7, comm))
+            k += 1
+        lines.append(coll(rank, 'AllReduce', k, 1000, 9, comm))  # a bf16 op
+        k += 1
+        if s == 2:  # a metric sync: torchmetrics all-gathers one fp32 and one int64
+            lines += [coll(rank, 'AllGather', k, 3, 7, comm), coll(rank, 'AllGather', k + 1, 1, 4, comm)]
+            k += 2
+    lines.append(f'Validation - rank {rank}')
+    lines += [coll(rank, 'AllReduce', k, 5, 6, comm), coll(rank, 'AllGather', k + 1, 7, 1, comm),
+              coll(rank, 'Broadcast', k + 2, 4, 42, comm)]  # float16, uint8, and a datatype NCCL may add later
+    return lines
+
+
+def test_nccl_bytes_from_count_and_datatype(tmp_path):
+    n = resnet18_params()
+    ops = parse_nccl(nccl_log(1), file_rank=1)
+    assert {o['rank'] for o in ops} == {1}
+    by = lambda phase, op: sum(o['bytes'] for o in ops if o['phase'] == phase and o['op'] == op)
+    assert by('init', 'Broadcast') == 4 * n + 8 * 20
+    for s in (1, 2, 3):
+        assert by(f'step {s}', 'AllReduce') == 4 * n + 2 * 1000
+    assert by('step 2', 'AllGather') == 3 * 4 + 1 * 8 and by('step 1', 'AllGather') == 0
+    assert by('valid', 'AllReduce') == 5 * 2 and by('valid', 'AllGather') == 7
+    assert [o['bytes'] for o in ops if o['dtype'] == 'type 42'] == [None]
+
+    run_dir = tmp_path / 'ddp'  # a run directory around the logs, summary from a real-looking estimate
+    run_dir.mkdir()
+    for r in (0, 1):
+        (run_dir / f'nccl.rank{r}.log').write_text('\n'.join(nccl_log(r)) + '\n')
+    (run_dir / 'summary.json').write_text(json.dumps({'version': 1, 'status': 'completed', 'world_size': 2,
+                                                      'config': {'batch_size': 8},
+                                                      'communication': {'gradient_bytes_per_step': 4 * n}}))
+    c = comm_view(collect_runs([run_dir])[0][0])
+    assert c['ranks'] == [0, 1] and c['consistent'] and c['steps'] == [1, 2, 3]
+    assert c['table'][('train', 'AllReduce')] == {'calls': 12, 'bytes': 3 * (4 * n + 2000)}
+    assert c['table'][('train', 'AllGather')] == {'calls': 2, 'bytes': 20}
+    assert c['allreduce_per_step'] == 4 * n + 2000 and c['unknown_dtypes'] == ['type 42']
+    code, out = report(tmp_path, run_dir)
+    text = (out / 'report.md').read_text()
+    assert code == 0 and '## Communication (NCCL)' in text and 'All ranks issued the same collectives' in text
+    assert 'comm-ddp.png' in check_figures(out)
+
+
+def test_nccl_interleaved_ranks_in_one_log():
+    """The course's setting: every rank in one stdout; ranks come from the Init COMPLETE comm map."""
+    a, b = nccl_log(0, steps=2), nccl_log(1, steps=2)
+    mixed = [line for pair in zip(a, b) for line in pair] + a[len(b):] + b[len(a):]
+    ops = parse_nccl(mixed)
+    for rank in (0, 1):
+        mine = [o for o in ops if o['rank'] == rank]
+        assert [o['phase'] for o in mine] == [o['phase'] for o in parse_nccl(nccl_log(rank, steps=2), rank)]
+    assert sum(o['bytes'] or 0 for o in ops if o['phase'] == 'step 2' and o['op'] == 'AllGather') == 2 * 20
+
+
+def test_ranks_that_differ_are_flagged(tmp_path):
+    run_dir = tmp_path / 'skew'
+    run_dir.mkdir()
+    (run_dir / 'nccl.rank0.log').write_text('\n'.join(nccl_log(0, steps=3)))
+    (run_dir / 'nccl.rank1.log').write_text('\n'.join(nccl_log(1, steps=2)))
+    (run_dir / 'config.json').write_text('{"batch_size": 8}')
+    c = comm_view(collect_runs([run_dir])[0][0])
+    assert not c['consistent']
+    code, out = report(tmp_path, run_dir)
+    text = (out / 'report.md').read_text()
+    assert code == 0 and '**Ranks differ**' in text and 'incomplete: no summary.json' in text
