@@ -222,11 +222,33 @@ def comparison(runs, sort='train_img_s'):
     columns = ['run', 'status'] + flags + METRICS
     if sort not in columns:
         raise ReportError(f'--sort {sort} is not a column of this comparison; choose one of {", ".join(columns)}.')
-    present = [row for row in rows if row[sort] is not None]
-    missing = [row for row in rows if row[sort] is None]  # runs without the figure go last, in input order
-    key = lambda row: (0, row[sort]) if isinstance(row[sort], (int, float)) else (1, str(row[sort]))
-    present.sort(key=key, reverse=sort in HIGHER_IS_BETTER)
-    return columns, present + missing
+    return columns, sort_rows(rows, sort)
+
+
+def sort_rows(rows, col):
+    """Best first; rows without the value go last, in input order."""
+    present = [row for row in rows if row.get(col) is not None]
+    key = lambda row: (0, row[col]) if isinstance(row[col], (int, float)) else (1, str(row[col]))
+    present.sort(key=key, reverse=col in HIGHER_IS_BETTER)
+    return present + [row for row in rows if row.get(col) is None]
+
+
+def by_config(columns, rows, sort):
+    """Repeated runs of one configuration (same values of the differing flags) -> one row of medians over
+    the completed runs, or None when no configuration was repeated."""
+    flags = [c for c in columns if c not in METRICS and c not in ('run', 'status')]
+    groups = {}
+    for row in rows:
+        if row['status'] == 'completed':
+            groups.setdefault(tuple(json.dumps(row[f], default=str) for f in flags), []).append(row)
+    if all(len(g) < 2 for g in groups.values()):
+        return None
+    out = []
+    for g in groups.values():
+        med = {m: statistics.median(v) if (v := [row[m] for row in g if row[m] is not None]) else None
+               for m in METRICS}
+        out.append({'runs': len(g), **{f: g[0][f] for f in flags}, **med})
+    return ['runs'] + flags + METRICS, sort_rows(out, sort if sort not in ('run', 'status') else 'train_img_s')
 
 
 def fit_line(xs, ys):
@@ -578,8 +600,9 @@ def plot_comparison(columns, rows, out):
     if not rows:
         return None
     p = plt()
-    flags = [c for c in columns if c not in METRICS and c not in ('run', 'status')]
-    labels = [r['run'] + ('\n' + ', '.join(f'{k}={fmt(r[k], k)}' for k in flags[:3]) if flags else '') for r in rows]
+    flags = [c for c in columns if c not in METRICS and c not in ('run', 'status', 'runs')]
+    name = lambda r: r['run'] if 'run' in r else f"median of {r['runs']} run{'s' * (r['runs'] > 1)}"
+    labels = [name(r) + ('\n' + ', '.join(f'{k}={fmt(r[k], k)}' for k in flags[:3]) if flags else '') for r in rows]
     fig, ax = p.subplots(figsize=(8, 1 + 0.55 * len(rows)))
     y = range(len(rows))[::-1]
     load = [r['load_ms'] or 0 for r in rows]
@@ -768,6 +791,13 @@ def dashboard(run, out):
     return md
 
 
+def write_csv(path, columns, rows):
+    with open(path, 'w', newline='') as f:
+        w = csv.DictWriter(f, columns)
+        w.writeheader()
+        w.writerows(rows)
+
+
 def section(title, builder, problems):
     """A section that fails on odd input becomes a sentence in the report, never a traceback."""
     try:
@@ -782,10 +812,7 @@ def build_report(runs, out, sort='train_img_s', comm_steps=10, skipped=()):
     os.makedirs(out, exist_ok=True)
     problems = []
     columns, rows = comparison(runs, sort)
-    with open(os.path.join(out, 'comparison.csv'), 'w', newline='') as f:
-        w = csv.DictWriter(f, columns)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(out, 'comparison.csv'), columns, rows)
     md = ['# dlojz report', '',
           f'{len(runs)} run(s), generated {datetime.datetime.now():%Y-%m-%d %H:%M} by `dlojz_report.py`.', '']
     md += [f'*Skipped (not a dlojz run directory): {p}*' for p in skipped] + ([''] if skipped else [])
@@ -793,7 +820,12 @@ def build_report(runs, out, sort='train_img_s', comm_steps=10, skipped=()):
     md += ['## Comparison', '', f'Sorted by `{sort}`, best first; also in [comparison.csv](comparison.csv). '
            f'Flags shown are those that differ between the runs. {HELP_COLUMNS}', '']
     md += md_table(shown(columns, rows), rows) + ['']
-    png = section('comparison figure', lambda: plot_comparison(columns, rows, out), problems)
+    per_config = by_config(columns, rows, sort)
+    if per_config:
+        md += ['Per configuration, median of the completed runs (the machine is noisy: compare these):', '']
+        md += md_table(shown(*per_config), per_config[1]) + ['']
+        write_csv(os.path.join(out, 'comparison-by-config.csv'), *per_config)
+    png = section('comparison figure', lambda: plot_comparison(*(per_config or (columns, rows)), out), problems)
     if isinstance(png, str):
         md += [f'![comparison]({png})', '']
 
@@ -977,6 +1009,10 @@ def main(argv=None):
         raise ReportError(f'cannot create the report folder {args.out} ({e.strerror}); pass a writable --out.')
     columns, rows, problems = build_report(runs, args.out, args.sort, args.comm_steps, skipped)
     print('\n'.join(text_table(shown(columns, rows), rows)))
+    per_config = by_config(columns, rows, args.sort)
+    if per_config:
+        print('\nMedian per configuration:')
+        print('\n'.join(text_table(shown(*per_config), per_config[1])))
     for r in runs:
         if r.status != 'completed':
             print(f'{r.name}: {verdict(r)}')

@@ -39,6 +39,7 @@ def runs(tmp_path_factory, cache_dir):
 
     # a small DataLoader trial (pinned memory is refused on CPU, so workers and persistence vary)
     make('w0', '--num-workers', '0')
+    make('w0b', '--num-workers', '0')  # a repeat: the report gives medians per configuration
     make('w1', '--num-workers', '1')
     make('w2', '--num-workers', '2')
     make('w2np', '--num-workers', '2', '--no-persistent-workers')  # persistent is the default with workers
@@ -90,7 +91,7 @@ def check_figures(out):
 
 
 def test_dataloader_trial_table_matches_summaries(runs, tmp_path, capsys):
-    trial = [runs[n] for n in ('w0', 'w1', 'w2', 'w2np')]
+    trial = [runs[n] for n in ('w0', 'w1', 'w2', 'w2np', 'w0b')]
     code, out = report(tmp_path, *trial)
     assert code == 0
     rows = read_csv(out / 'comparison.csv')
@@ -110,6 +111,10 @@ def test_dataloader_trial_table_matches_summaries(runs, tmp_path, capsys):
         assert row['num_workers'] == str(s['config']['num_workers'])
     img_s = [float(r['train_img_s']) for r in rows]
     assert img_s == sorted(img_s, reverse=True)  # default sort: train throughput, best first
+    per_config = {(r['num_workers'], r['persistent_workers']): r for r in read_csv(out / 'comparison-by-config.csv')}
+    assert len(per_config) == 4 and per_config[('0', '')]['runs'] == '2' and per_config[('1', 'True')]['runs'] == '1'
+    repeats = [summary(runs[n])['timing']['train_throughput'] for n in ('w0', 'w0b')]
+    assert float(per_config[('0', '')]['train_img_s']) == pytest.approx(sum(repeats) / 2, rel=1e-12)
     printed = capsys.readouterr().out
     assert 'num_workers' in printed and f"{float(rows[0]['train_img_s']):.1f}" in printed
     assert (out / 'comparison.png').exists() and 'timeline-w0.png' in check_figures(out)
@@ -226,7 +231,7 @@ def test_failed_and_crashed_runs_get_a_verdict(runs, tmp_path, capsys):
     assert code == 0 and 'Traceback' not in printed.err
     assert f'nan: NaN loss at step {step}' in printed.out
     last = [json.loads(l) for l in (runs['crash'] / 'metrics.jsonl').read_text().splitlines()][-1]['global_step']
-    assert f'crash: incomplete: no summary.json' in printed.out and f'last logged step {last}' in printed.out
+    assert 'crash: incomplete: no summary.json' in printed.out and f'last logged step {last}' in printed.out
     assert 'newest checkpoint checkpoint-00000002.pt' in printed.out  # the second one died half-written
     text = (out / 'report.md').read_text()
     assert 'summary.json is unreadable' in text and f'skipped {empty}' in printed.out
