@@ -164,7 +164,8 @@ def verdict(run):
                 f"{os.path.basename(ckpts[-1]) if ckpts else 'none'}")
     status, step, error = run.status, run.get('failed_step'), run.get('error')
     if status == 'completed':
-        return 'completed'
+        mode = run.get('mode')
+        return 'completed' + (f' ({mode} run)' if mode and mode != 'train' else '')
     what = {'nan': 'NaN loss', 'oom': 'out of memory', 'failed': 'failed', 'crashed': 'crashed',
             'interrupted': 'interrupted', 'preempted': 'preempted'}.get(status, status)
     where = f' at step {step}' if step is not None else ''
@@ -571,19 +572,19 @@ def plot_timeline(run, out):
     if not per.get('step'):
         return None
     p = plt()
-    n = len(per['step'])
+    n, step = len(per['step']), per['step']
     fig, ax = p.subplots(figsize=(max(6, min(16, 0.25 * n + 4)), 3.5))
+    bars, names = {ph: per[ph] for ph in PHASES if per.get(ph)}, {}
+    if set(bars) <= {'data'}:  # --no-timing: only the data wait and the step were timed
+        data = per.get('data') or [0.0] * n
+        bars = {'data': data, 'other': [s - (d or 0) for s, d in zip(step, data)]}
+        names = {'other': 'rest of the step (--no-timing)'}
     bottom = [0.0] * n
-    phases = [ph for ph in PHASES if per.get(ph)] or ['data']
-    if not any(per.get(ph) for ph in PHASES[1:]):  # --no-timing: data wait and the rest of the step
-        per = {'data': per.get('data') or [0.0] * n,
-               'other': [s - (d or 0) for s, d in zip(per['step'], per.get('data') or [0.0] * n)]}
-        phases = ['data', 'other']
-    for ph in phases:
-        vals = [max(0.0, v or 0.0) * 1e3 for v in per[ph]]  # 'other' < 0 on GPU when the wait overlapped work
-        ax.bar(range(1, n + 1), vals, bottom=bottom, color=COLORS[ph], label=ph, width=0.85)
+    for ph, values in bars.items():
+        vals = [max(0.0, v or 0.0) * 1e3 for v in values]  # 'other' < 0 on GPU when the wait overlapped work
+        ax.bar(range(1, n + 1), vals, bottom=bottom, color=COLORS[ph], label=names.get(ph, ph), width=0.85)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.plot(range(1, n + 1), [s * 1e3 for s in per['step']], 'k.', ms=4, label='step (wall)')
+    ax.plot(range(1, n + 1), [s * 1e3 for s in step], 'k.', ms=4, label='step (wall)')
     warm = run.get('timing', 'warmup_steps') or 0
     if warm:
         ax.axvspan(0.5, warm + 0.5, color='0.9', zorder=0, label='warm-up (excluded)')
@@ -1007,7 +1008,10 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:
         raise ReportError(f'cannot create the report folder {args.out} ({e.strerror}); pass a writable --out.')
-    columns, rows, problems = build_report(runs, args.out, args.sort, args.comm_steps, skipped)
+    try:
+        columns, rows, problems = build_report(runs, args.out, args.sort, args.comm_steps, skipped)
+    except OSError as e:
+        raise ReportError(f'cannot write the report into {args.out} ({e.strerror or e}); pass a writable --out.')
     print('\n'.join(text_table(shown(columns, rows), rows)))
     per_config = by_config(columns, rows, args.sort)
     if per_config:
