@@ -808,6 +808,133 @@ def section(title, builder, problems):
         return [f'*{title} could not be built: {type(e).__name__}: {e}*', '']
 
 
+def md_sweeps(runs, out):
+    """GPU_underthehood: memory and throughput vs batch size."""
+    lines = []
+    for i, s in enumerate(sweeps(runs), 1):
+        lines += [f'### {s["label"]}, {s["world_size"]} process(es)', '', f'Memory: {s["memory"]}.', '']
+        lines += md_table(['run', 'batch', 'status', 'mem_gib', 'gpu_img_s', 'train_img_s', 'mean_w'],
+                          [{**row, 'mem_gib': row['mem_bytes'] / GiB if row['mem_bytes'] is not None else None}
+                           for row in s['rows']]) + ['']
+        if s['fit']:
+            a, b = s['fit']
+            lines += [f'Least-squares line over the {sum(r["status"] == "completed" for r in s["rows"])} '
+                      f'completed runs: memory = {a / GiB:.3f} GiB (fixed: model, gradients, optimizer state, '
+                      f'workspace) + {b / 2**20:.2f} MiB per image.', '']
+        lines += [f'![batch-size sweep]({plot_sweep(s, i, out)})', '']
+    return ['## Batch-size sweep', ''] + lines if lines else []
+
+
+def md_scaling(runs, out):
+    """img/s and efficiency vs world size."""
+    lines = []
+    for i, s in enumerate(scalings(runs), 1):
+        lines += [f'### {s["label"]}', '']
+        lines += md_table(['world_size', 'runs', 'global_batch', 'train_img_s', 'speedup', 'efficiency'],
+                          s['rows']) + ['', f'![scaling]({plot_scaling(s, i, out)})', '']
+    return ['## Scaling', '', 'Median train img/s of the runs at each world size; efficiency = speedup / '
+            '(processes / smallest processes).', ''] + lines if lines else []
+
+
+def md_communication(runs, out, comm_steps):
+    """comm_profiler: NCCL collectives from the nccl.rank<r>.log files."""
+    lines = []
+    for r in runs:
+        c = comm_view(r, comm_steps)
+        if c is None:
+            continue
+        lines += [f'### {r.name}', '']
+        if not c['ops']:
+            lines += [f"{c['logs']} nccl.rank*.log file(s) but no NCCL collective line: the run used gloo "
+                      f"(CPU), or NCCL_DEBUG=INFO with NCCL_DEBUG_SUBSYS=COLL was not in effect.", '']
+            continue
+        ranks, n_steps = c['ranks'], len(c['steps'])
+        table = [{'phase': k, 'op': op, 'calls': v['calls'], 'bytes': v['bytes'],
+                  'calls_per_step': v['calls'] / n_steps if k == 'train' and n_steps else None,
+                  'bytes_per_step': v['bytes'] / n_steps if k == 'train' and n_steps else None}
+                 for (k, op), v in sorted(c['table'].items(), key=lambda kv: (['init', 'train', 'valid'].index(
+                     kv[0][0]) if kv[0][0] in ('init', 'train', 'valid') else 3, kv[0][1]))]
+        lines += [f"Rank {ranks[0]}, {n_steps} training steps; bytes = count × datatype size as handed to NCCL "
+                  f"(an AllGather receives nranks times this).", '']
+        lines += md_table(['phase', 'op', 'calls', 'bytes', 'calls_per_step', 'bytes_per_step'], table) + ['']
+        lines += [('All ranks issued the same collectives: ' + ', '.join(
+            f'rank {k} {v[0]} ops / {v[1]:,} B' for k, v in c['per_rank'].items())) if c['consistent'] else
+            ('**Ranks differ** (a rank running other collectives hangs the job): ' + ', '.join(
+                f'rank {k} {v[0]} ops / {v[1]:,} B' for k, v in c['per_rank'].items())), '']
+        if c['allreduce_per_step'] is not None and c['estimate']:
+            lines += [f"Gradient AllReduce per step: {c['allreduce_per_step']:,.0f} B measured (median) vs "
+                      f"{c['estimate']:,} B expected (4 B per trainable parameter).", '']
+        if c['unknown_dtypes']:
+            lines += [f"Unknown NCCL datatypes, bytes not counted: {', '.join(c['unknown_dtypes'])}.", '']
+        lines += [f'![communication]({plot_comm(r, c, out)})', '']
+    return ['## Communication (NCCL)', ''] + lines if lines else []
+
+
+def md_batchnorm(runs, out):
+    """BatchNorm_view: the newest checkpoint of each run."""
+    bn = bn_view(runs)
+    if bn is None:
+        return []
+    lines = ['## BatchNorm view', '']
+    lines += [f'*{n}*' for n in bn['notes']]
+    if not bn['runs']:
+        return lines + ['']
+    lines += [f"Mean of each BatchNorm tensor, {len(bn['layers'])} layers (downsample included), from "
+              + ', '.join(f'{k}: {v}' for k, v in bn['checkpoints'].items()) + '.', '']
+    if len(bn['runs']) > 1:
+        rows_bn = []
+        for stat in BN_STATS:
+            spread = [(max(v[l][stat] for v in bn['runs'].values() if l in v and stat in v[l]) -
+                       min(v[l][stat] for v in bn['runs'].values() if l in v and stat in v[l]), l)
+                      for l in bn['layers'] if all(l in v and stat in v[l] for v in bn['runs'].values())]
+            d, layer = max(spread) if spread else (None, None)
+            rows_bn.append({'stat': stat, 'max_diff': d, 'layer': layer})
+        lines += md_table(['stat', 'max_diff', 'layer'], rows_bn, ['statistic', 'largest difference between '
+                          'runs', 'at layer']) + ['']
+    with open(os.path.join(out, 'batchnorm.csv'), 'w', newline='') as f:
+        w = csv.writer(f)
+        w.writerow(['run', 'layer'] + list(BN_STATS))
+        for name, layers in bn['runs'].items():
+            for l, v in layers.items():
+                w.writerow([name, l] + [v.get(s) for s in BN_STATS])
+    return lines + ['Per layer values: [batchnorm.csv](batchnorm.csv).', '', f'![BatchNorm]({plot_bn(bn, out)})',
+                    '']
+
+
+def md_metric_sync(runs):
+    """metric_compute_log: per-rank values before and after the sync."""
+    lines = []
+    for r in runs:
+        rows_s = metric_sync_rows(r)
+        if rows_s:
+            steps = {}
+            for row in rows_s:
+                steps.setdefault(row['step'], set()).add((row['loss_after'], row['top1_after']))
+            agree = all(len(v) == 1 for v in steps.values())
+            lines += [f'### {r.name}', '', f"After compute() every rank holds the same values: "
+                      f"{'yes' if agree else '**no**'} ({len(steps)} syncs).", '']
+            lines += md_table(['step', 'rank', 'loss_before', 'loss_after', 'top1_before', 'top1_after'],
+                              rows_s) + ['']
+    return ['## Metric sync log', '', 'Per-rank training metrics before (local) and after (synced) '
+            'torchmetrics compute(), from `--metric-sync-log`.', ''] + lines if lines else []
+
+
+def md_lr_finder(runs, out):
+    """lrfind_plot: smoothed loss vs LR and a suggestion."""
+    lines = []
+    for r in runs:
+        fl = r.get('findlr')
+        if not fl or not fl.get('lr'):
+            continue
+        lrs, losses = fl['lr'], [v if v is not None else float('nan') for v in fl['loss']]
+        sm, cut, at_min, suggested = lr_suggestion(lrs, losses)
+        lines += [f'### {r.name}', '', f"{len(lrs)} steps from lr {lrs[0]:.3g} to {lrs[-1]:.3g}; smoothed loss "
+                  f"lowest at lr {at_min:.3g}; **suggested lr {suggested:.3g}** (a tenth of that)." if suggested else
+                  f"{len(lrs)} steps: the smoothed loss is not finite from the start, no suggestion.", '',
+                  f'![LR finder]({plot_lr(r, lrs, losses, sm, cut or len(lrs), suggested, out)})', '']
+    return ['## LR finder', ''] + lines if lines else []
+
+
 def build_report(runs, out, sort='train_img_s', comm_steps=10, skipped=()):
     """Write out/report.md, figures and comparison.csv. -> (comparison columns, rows, problems)."""
     os.makedirs(out, exist_ok=True)
@@ -833,127 +960,12 @@ def build_report(runs, out, sort='train_img_s', comm_steps=10, skipped=()):
     md += ['## Runs', '']
     for r in runs:
         md += section(f'dashboard of {r.name}', lambda r=r: dashboard(r, out), problems)
-
-    def sweep_md():
-        lines = []
-        for i, s in enumerate(sweeps(runs), 1):
-            lines += [f'### {s["label"]}, {s["world_size"]} process(es)', '', f'Memory: {s["memory"]}.', '']
-            lines += md_table(['run', 'batch', 'status', 'mem_gib', 'gpu_img_s', 'train_img_s', 'mean_w'],
-                              [{**row, 'mem_gib': row['mem_bytes'] / GiB if row['mem_bytes'] is not None else None}
-                               for row in s['rows']]) + ['']
-            if s['fit']:
-                a, b = s['fit']
-                lines += [f'Least-squares line over the {sum(r["status"] == "completed" for r in s["rows"])} '
-                          f'completed runs: memory = {a / GiB:.3f} GiB (fixed: model, gradients, optimizer state, '
-                          f'workspace) + {b / 2**20:.2f} MiB per image.', '']
-            lines += [f'![batch-size sweep]({plot_sweep(s, i, out)})', '']
-        return ['## Batch-size sweep', ''] + lines if lines else []
-    md += section('batch-size sweep', sweep_md, problems)
-
-    def scaling_md():
-        lines = []
-        for i, s in enumerate(scalings(runs), 1):
-            lines += [f'### {s["label"]}', '']
-            lines += md_table(['world_size', 'runs', 'global_batch', 'train_img_s', 'speedup', 'efficiency'],
-                              s['rows']) + ['', f'![scaling]({plot_scaling(s, i, out)})', '']
-        return ['## Scaling', '', 'Median train img/s of the runs at each world size; efficiency = speedup / '
-                '(processes / smallest processes).', ''] + lines if lines else []
-    md += section('scaling', scaling_md, problems)
-
-    def comm_md():
-        lines = []
-        for r in runs:
-            c = comm_view(r, comm_steps)
-            if c is None:
-                continue
-            lines += [f'### {r.name}', '']
-            if not c['ops']:
-                lines += [f"{c['logs']} nccl.rank*.log file(s) but no NCCL collective line: the run used gloo "
-                          f"(CPU), or NCCL_DEBUG=INFO with NCCL_DEBUG_SUBSYS=COLL was not in effect.", '']
-                continue
-            ranks, n_steps = c['ranks'], len(c['steps'])
-            table = [{'phase': k, 'op': op, 'calls': v['calls'], 'bytes': v['bytes'],
-                      'calls_per_step': v['calls'] / n_steps if k == 'train' and n_steps else None,
-                      'bytes_per_step': v['bytes'] / n_steps if k == 'train' and n_steps else None}
-                     for (k, op), v in sorted(c['table'].items(), key=lambda kv: (['init', 'train', 'valid'].index(
-                         kv[0][0]) if kv[0][0] in ('init', 'train', 'valid') else 3, kv[0][1]))]
-            lines += [f"Rank {ranks[0]}, {n_steps} training steps; bytes = count × datatype size as handed to NCCL "
-                      f"(an AllGather receives nranks times this).", '']
-            lines += md_table(['phase', 'op', 'calls', 'bytes', 'calls_per_step', 'bytes_per_step'], table) + ['']
-            lines += [('All ranks issued the same collectives: ' + ', '.join(
-                f'rank {k} {v[0]} ops / {v[1]:,} B' for k, v in c['per_rank'].items())) if c['consistent'] else
-                ('**Ranks differ** (a rank running other collectives hangs the job): ' + ', '.join(
-                    f'rank {k} {v[0]} ops / {v[1]:,} B' for k, v in c['per_rank'].items())), '']
-            if c['allreduce_per_step'] is not None and c['estimate']:
-                lines += [f"Gradient AllReduce per step: {c['allreduce_per_step']:,.0f} B measured (median) vs "
-                          f"{c['estimate']:,} B expected (4 B per trainable parameter).", '']
-            if c['unknown_dtypes']:
-                lines += [f"Unknown NCCL datatypes, bytes not counted: {', '.join(c['unknown_dtypes'])}.", '']
-            lines += [f'![communication]({plot_comm(r, c, out)})', '']
-        return ['## Communication (NCCL)', ''] + lines if lines else []
-    md += section('communication', comm_md, problems)
-
-    def bn_md():
-        bn = bn_view(runs)
-        if bn is None:
-            return []
-        lines = ['## BatchNorm view', '']
-        lines += [f'*{n}*' for n in bn['notes']]
-        if not bn['runs']:
-            return lines + ['']
-        lines += [f"Mean of each BatchNorm tensor, {len(bn['layers'])} layers (downsample included), from "
-                  + ', '.join(f'{k}: {v}' for k, v in bn['checkpoints'].items()) + '.', '']
-        if len(bn['runs']) > 1:
-            rows_bn = []
-            for stat in BN_STATS:
-                spread = [(max(v[l][stat] for v in bn['runs'].values() if l in v and stat in v[l]) -
-                           min(v[l][stat] for v in bn['runs'].values() if l in v and stat in v[l]), l)
-                          for l in bn['layers'] if all(l in v and stat in v[l] for v in bn['runs'].values())]
-                d, layer = max(spread) if spread else (None, None)
-                rows_bn.append({'stat': stat, 'max_diff': d, 'layer': layer})
-            lines += md_table(['stat', 'max_diff', 'layer'], rows_bn, ['statistic', 'largest difference between '
-                              'runs', 'at layer']) + ['']
-        with open(os.path.join(out, 'batchnorm.csv'), 'w', newline='') as f:
-            w = csv.writer(f)
-            w.writerow(['run', 'layer'] + list(BN_STATS))
-            for name, layers in bn['runs'].items():
-                for l, v in layers.items():
-                    w.writerow([name, l] + [v.get(s) for s in BN_STATS])
-        return lines + ['Per layer values: [batchnorm.csv](batchnorm.csv).', '', f'![BatchNorm]({plot_bn(bn, out)})',
-                        '']
-    md += section('BatchNorm view', bn_md, problems)
-
-    def sync_md():
-        lines = []
-        for r in runs:
-            rows_s = metric_sync_rows(r)
-            if rows_s:
-                steps = {}
-                for row in rows_s:
-                    steps.setdefault(row['step'], set()).add((row['loss_after'], row['top1_after']))
-                agree = all(len(v) == 1 for v in steps.values())
-                lines += [f'### {r.name}', '', f"After compute() every rank holds the same values: "
-                          f"{'yes' if agree else '**no**'} ({len(steps)} syncs).", '']
-                lines += md_table(['step', 'rank', 'loss_before', 'loss_after', 'top1_before', 'top1_after'],
-                                  rows_s) + ['']
-        return ['## Metric sync log', '', 'Per-rank training metrics before (local) and after (synced) '
-                'torchmetrics compute(), from `--metric-sync-log`.', ''] + lines if lines else []
-    md += section('metric sync log', sync_md, problems)
-
-    def lr_md():
-        lines = []
-        for r in runs:
-            fl = r.get('findlr')
-            if not fl or not fl.get('lr'):
-                continue
-            lrs, losses = fl['lr'], [v if v is not None else float('nan') for v in fl['loss']]
-            sm, cut, at_min, suggested = lr_suggestion(lrs, losses)
-            lines += [f'### {r.name}', '', f"{len(lrs)} steps from lr {lrs[0]:.3g} to {lrs[-1]:.3g}; smoothed loss "
-                      f"lowest at lr {at_min:.3g}; **suggested lr {suggested:.3g}** (a tenth of that)." if suggested else
-                      f"{len(lrs)} steps: the smoothed loss is not finite from the start, no suggestion.", '',
-                      f'![LR finder]({plot_lr(r, lrs, losses, sm, cut or len(lrs), suggested, out)})', '']
-        return ['## LR finder', ''] + lines if lines else []
-    md += section('LR finder', lr_md, problems)
+    md += section('batch-size sweep', lambda: md_sweeps(runs, out), problems)
+    md += section('scaling', lambda: md_scaling(runs, out), problems)
+    md += section('communication', lambda: md_communication(runs, out, comm_steps), problems)
+    md += section('BatchNorm view', lambda: md_batchnorm(runs, out), problems)
+    md += section('metric sync log', lambda: md_metric_sync(runs), problems)
+    md += section('LR finder', lambda: md_lr_finder(runs, out), problems)
 
     if len(runs) == 2:
         md += ['## Diff', '', f'`{runs[0].name}` vs `{runs[1].name}`:', '']
