@@ -622,27 +622,27 @@ def plot_comparison(columns, rows, out):
 def plot_sweep(s, i, out):
     p = plt()
     fig, (a1, a2) = p.subplots(1, 2, figsize=(11, 4))
-    xs = [str(r['batch']) for r in s['rows']]
+    xs = [r['batch'] for r in s['rows']]  # a numeric axis: the fit is a straight line over any batch sizes
+    width = 0.6 * min((b - a for a, b in zip(xs, xs[1:])), default=1)
     mem = [(r['mem_bytes'] or 0) / GiB for r in s['rows']]
-    colors = ['#d62728' if r['status'] == 'oom' else '#1f77b4' for r in s['rows']]
-    a1.bar(xs, mem, color=colors)
-    for x, r in zip(xs, s['rows']):
+    a1.bar(xs, mem, width=width, color=['#d62728' if r['status'] == 'oom' else '#1f77b4' for r in s['rows']])
+    for x, m, r in zip(xs, mem, s['rows']):
         if r['status'] == 'oom':
-            a1.text(x, 0, 'OOM', ha='center', va='bottom', color='#d62728', fontweight='bold')
+            a1.annotate('OOM', (x, m), ha='center', va='bottom', color='#d62728', fontweight='bold')
     if s['fit']:
         a, b = s['fit']
-        a1.plot(xs, [(a + b * r['batch']) / GiB for r in s['rows']], 'k--', lw=1,
+        a1.plot([0, max(xs)], [a / GiB, (a + b * max(xs)) / GiB], 'k--', lw=1,
                 label=f'fit: {a / GiB:.3f} GiB + {b / 2**20:.2f} MiB/image')
-        a1.axhline(a / GiB, color='0.4', lw=1, ls=':', label=f'fixed (model) term {a / GiB:.3f} GiB')
     if s['device_memory_bytes']:
         a1.axhline(s['device_memory_bytes'] / GiB, color='#d62728', ls=':', label=f"{s['device']} memory")
+    a1.set_xticks(xs)
     a1.set_xlabel('batch size per process')
-    a1.set_ylabel('GiB')
-    a1.set_title(s['memory'][:40])
-    a1.legend(fontsize=7)
+    a1.set_ylabel(f"GiB, {s['memory'].split(' (')[0]}")
+    a1.legend(fontsize=7, loc='lower right')
     ok = [(x, r) for x, r in zip(xs, s['rows']) if r['gpu_img_s']]
     a2.plot([x for x, _ in ok], [r['gpu_img_s'] for _, r in ok], 'g-o', label='GPU throughput (compute)')
     a2.plot([x for x, _ in ok], [r['train_img_s'] for _, r in ok], 'g--o', label='train throughput')
+    a2.set_xticks(xs)
     a2.set_xlabel('batch size per process')
     a2.set_ylabel('images/s')
     a2.legend(fontsize=7)
@@ -684,6 +684,7 @@ def plot_comm(run, c, out):
         a1.bar(phases, vals, bottom=bottom, color=cmap(j % 10), label=t)
         bottom = [b + v for b, v in zip(bottom, vals)]
     a1.set_yscale('symlog', linthresh=1)
+    a1.set_ylim(bottom=0)
     a1.set_ylabel(f'bytes (rank {c["ranks"][0]})')
     a1.set_title(f'{run.name}: NCCL collectives per phase, total {sum(o["bytes"] or 0 for o in r0):,} bytes')
     a1.legend(fontsize=7)
@@ -692,6 +693,8 @@ def plot_comm(run, c, out):
              (o['phase'] in phases)]
     a2.bar(range(len(small)), [o['bytes'] or 0 for o in small], color=[cmap(types.index(o['op']) % 10) for o in small])
     a2.set_xticks(range(len(small)), [o['phase'] for o in small], fontsize=6, rotation=90)
+    a2.set_yscale('symlog', linthresh=1)  # 4-byte metric syncs next to kilobyte buffers
+    a2.set_ylim(bottom=0)
     a2.set_ylabel('bytes')
     a2.set_title(f'zoom: the {len(small)} ops under {ZOOM_BYTES // 1024} KiB, in order (colour = type)')
     return save_fig(fig, out, f'comm-{slug(run.name)}.png')
