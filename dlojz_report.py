@@ -789,6 +789,18 @@ def dashboard(run, out):
                f"{t.get('clock')} clock; phase sum error {fmt(t.get('phase_sum_error'))}:", '']
         md += md_table(['phase', 'median_ms', 'mean_ms', 'std_ms', 'p90_ms', 'share_pct'], phase_rows,
                        ['phase', 'median ms', 'mean ms', 'std ms', 'p90 ms', 'share of steps %']) + ['']
+    ranks = [r for r in t.get('ranks') or [] if isinstance(r, dict)]
+    if ranks:  # stragglers and per-GPU memory (the course's pipe_memory)
+        md += ['Per rank:', '']
+        md += md_table(['rank', 'host', 'step_ms', 'data_ms', 'host_mem_gib', 'gpu_mem_gib', 'energy_j'], [{
+            'rank': r.get('rank'), 'host': r.get('host'),
+            'step_ms': r['step_median_s'] * 1e3 if r.get('step_median_s') is not None else None,
+            'data_ms': r['data_mean_s'] * 1e3 if r.get('data_mean_s') is not None else None,
+            'host_mem_gib': r['host_peak_rss_bytes'] / GiB if r.get('host_peak_rss_bytes') is not None else None,
+            'gpu_mem_gib': r['gpu_max_allocated_bytes'] / GiB if r.get('gpu_max_allocated_bytes') is not None else None,
+            'energy_j': r.get('energy_j')} for r in ranks],
+            ['rank', 'host', 'median step ms', 'mean data wait ms', 'host peak GiB', 'GPU max allocated GiB',
+             'energy J']) + ['']
     png = plot_timeline(run, out)
     if png:
         md += [f'![timeline of {run.name}]({png})', '']

@@ -171,6 +171,29 @@ def test_batch_size_sweep_from_real_runs(runs, tmp_path):
     assert 'out of memory at step 1 with batch 16 per process' in text
 
 
+def test_sweep_of_gpu_runs_uses_gpu_memory_and_the_gpu_size(runs, tmp_path):
+    """The GPU fields as dlojz writes them on CUDA, put into real CPU run directories (no GPU here)."""
+    dirs = []
+    for b in (4, 6, 10):
+        d = tmp_path / f'gpu-b{b}'
+        shutil.copytree(runs[f'b{b}'], d)
+        s = summary(d)
+        s['memory'].update(gpu_max_allocated_bytes=3_000_000_000 + 90_000_000 * b, gpu_max_reserved_bytes=4e9)
+        s['provenance'].update(device='cuda', device_name='NVIDIA A100-SXM4-80GB', gpu_total_memory_bytes=85_100_000_000)
+        s['energy'] = {'available': True, 'peak_w': 300.0, 'mean_w': 250.0, 'energy_j': 10.0 * b,
+                       'joules_per_image': 0.5}
+        (d / 'summary.json').write_text(json.dumps(s))
+        dirs.append(d)
+    [sw] = sweeps(collect_runs(dirs)[0])
+    assert sw['memory'] == 'GPU max allocated' and sw['device_memory_bytes'] == 85_100_000_000
+    assert sw['fit'] == pytest.approx((3e9, 9e7), rel=1e-9)
+    assert [r['mean_w'] for r in sw['rows']] == [250.0] * 3
+    code, out = report(tmp_path, *dirs)
+    text = (out / 'report.md').read_text()
+    assert code == 0 and 'memory = 2.794 GiB' in text and '85.83 MiB per image' in text  # 3e9 B, 9e7 B
+    assert read_csv(out / 'comparison.csv')[0]['j_per_img'] == '0.5' and 'peak 300.0 W, mean 250.0 W' in text
+
+
 def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
     code, out = report(tmp_path, runs['ws1'], runs['ws2'])
     t1 = summary(runs['ws1'])['timing']['train_throughput']
@@ -181,6 +204,8 @@ def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
     text = (out / 'report.md').read_text()
     assert code == 0 and '## Scaling' in text and 'scaling-1.png' in check_figures(out)
     assert '## Diff' in text and '| run | world_size | 1 | 2 |' in text
+    for r in summary(runs['ws2'])['timing']['ranks']:  # the per-rank table of the dashboard
+        assert f"| {r['rank']} | {r['host']} | {r['step_median_s'] * 1e3:.1f} |" in text
 
 
 def test_batchnorm_view_covers_every_batchnorm(runs):
