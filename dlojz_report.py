@@ -22,12 +22,12 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 
+from dlojz_chrono import PHASES
 from dlojz_io import SUMMARY_VERSION, list_checkpoints, load_checkpoint, strip_prefixes, UsageError
 
 # Config keys that name places, not what was measured: they always differ between runs.
 PATH_KEYS = {'output_dir', 'cache_dir', 'resume'}
 DERIVED_KEYS = {'findlr_upper'}  # set from --lr by dlojz's check_args: differs exactly when lr does
-PHASES = ('data', 'h2d', 'forward', 'backward', 'optimizer', 'other')
 COLORS = {'data': '#d62728', 'h2d': '#ff7f0e', 'forward': '#1f77b4', 'backward': '#2ca02c',
           'optimizer': '#9467bd', 'other': '#7f7f7f'}
 GiB = 2 ** 30
@@ -100,9 +100,9 @@ def load_run(path):
     if run.summary is not None and isinstance(version, int) and version > SUMMARY_VERSION:
         run.notes.append(f'summary.json is version {version}, newer than this report ({SUMMARY_VERSION}): '
                          f'fields it does not know are ignored')
-    bad = 0
+    bad, metrics = 0, os.path.join(path, 'metrics.jsonl')
     try:
-        with open(os.path.join(path, 'metrics.jsonl')) as f:
+        with open(metrics) as f:
             for line in f:
                 try:
                     rec = json.loads(line)
@@ -111,8 +111,9 @@ def load_run(path):
                     continue
                 if isinstance(rec, dict):
                     run.records.append(rec)
-    except OSError:
-        pass
+    except OSError as e:
+        if os.path.exists(metrics):  # absent is normal before the first log line; unreadable is said
+            run.notes.append(f'metrics.jsonl is unreadable ({e.strerror})')
     if bad:
         run.notes.append(f'{bad} unreadable line(s) in metrics.jsonl (cut by a crash?)')
     return run
@@ -362,6 +363,9 @@ def parse_nccl(lines, file_rank=None):
                         'bytes': int(count) * size if size else None,
                         'nranks': int(nranks) if nranks else None})
     return ops
+
+
+PHASE_ORDER = {'init': 0, 'train': 1, 'valid': 2}
 
 
 def phase_kind(phase):
@@ -867,15 +871,13 @@ def md_communication(runs, out, comm_steps):
         table = [{'phase': k, 'op': op, 'calls': v['calls'], 'bytes': v['bytes'],
                   'calls_per_step': v['calls'] / n_steps if k == 'train' and n_steps else None,
                   'bytes_per_step': v['bytes'] / n_steps if k == 'train' and n_steps else None}
-                 for (k, op), v in sorted(c['table'].items(), key=lambda kv: (['init', 'train', 'valid'].index(
-                     kv[0][0]) if kv[0][0] in ('init', 'train', 'valid') else 3, kv[0][1]))]
+                 for (k, op), v in sorted(c['table'].items(), key=lambda kv: (PHASE_ORDER.get(kv[0][0], 3), kv[0][1]))]
         lines += [f"Rank {ranks[0]}, {n_steps} training steps; bytes = count × datatype size as handed to NCCL "
                   f"(an AllGather receives nranks times this).", '']
         lines += md_table(['phase', 'op', 'calls', 'bytes', 'calls_per_step', 'bytes_per_step'], table) + ['']
-        lines += [('All ranks issued the same collectives: ' + ', '.join(
-            f'rank {k} {v[0]} ops / {v[1]:,} B' for k, v in c['per_rank'].items())) if c['consistent'] else
-            ('**Ranks differ** (a rank running other collectives hangs the job): ' + ', '.join(
-                f'rank {k} {v[0]} ops / {v[1]:,} B' for k, v in c['per_rank'].items())), '']
+        per_rank = ', '.join(f'rank {k} {n} ops / {b:,} B' for k, (n, b) in c['per_rank'].items())
+        lines += [('All ranks issued the same collectives: ' if c['consistent'] else
+                   '**Ranks differ** (a rank running other collectives hangs the job): ') + per_rank, '']
         if c['allreduce_per_step'] is not None and c['estimate']:
             lines += [f"Gradient AllReduce per step: {c['allreduce_per_step']:,.0f} B measured (median) vs "
                       f"{c['estimate']:,} B expected (4 B per trainable parameter).", '']
