@@ -394,11 +394,13 @@ def comm_view(run, max_steps=10):
         row['bytes'] += o['bytes'] or 0
     per_rank = {r: (sum(1 for o in ops if o['rank'] == r), sum(o['bytes'] or 0 for o in ops if o['rank'] == r))
                 for r in ranks}
-    allreduce = [sum(o['bytes'] or 0 for o in r0 if o['phase'] == f'step {s}' and o['op'] == 'AllReduce')
-                 for s in steps]
+    allreduce = dict.fromkeys(steps, 0)  # one pass: a --nccl-debug log of a long run has many ops
+    for o in r0:
+        if o['op'] == 'AllReduce' and o['phase'].startswith('step'):
+            allreduce[int(o['phase'].split()[1])] += o['bytes'] or 0
     return {'ops': ops, 'logs': len(logs), 'ranks': ranks, 'steps': steps, 'table': table, 'per_rank': per_rank,
             'consistent': len(set(per_rank.values())) == 1, 'shown_steps': steps[:max_steps],
-            'allreduce_per_step': statistics.median(allreduce) if allreduce else None,
+            'allreduce_per_step': statistics.median(allreduce.values()) if allreduce else None,
             'estimate': run.get('communication', 'gradient_bytes_per_step'),
             'unknown_dtypes': sorted({o['dtype'] for o in ops if o['bytes'] is None})}
 
