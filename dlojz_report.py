@@ -37,6 +37,11 @@ class ReportError(Exception):
     """A user error: one sentence saying what is wrong and what to do."""
 
 
+def scaled(v, factor):
+    """v * factor (a unit change: s -> ms, bytes -> GiB), None stays None."""
+    return v * factor if v is not None else None
+
+
 def dig(d, *keys):
     """d[k1][k2]... or None when a level is missing or not a dict (older or partial summaries)."""
     for k in keys:
@@ -182,13 +187,12 @@ def numbers(run):
     load = None
     if dig(st, 'data', 'mean') is not None:  # mean of data + h2d = the '>>> Loading performance' avg
         load = st['data']['mean'] + (dig(st, 'h2d', 'mean') or 0.0)
-    ms = lambda s: s * 1e3 if s is not None else None
-    gib = lambda b: b / GiB if b is not None else None
     return {
-        'load_ms': ms(load), 'compute_ms': ms(dig(st, 'compute', 'median')), 'step_ms': ms(dig(st, 'step', 'median')),
+        'load_ms': scaled(load, 1e3), 'compute_ms': scaled(dig(st, 'compute', 'median'), 1e3),
+        'step_ms': scaled(dig(st, 'step', 'median'), 1e3),
         'train_img_s': t.get('train_throughput'), 'gpu_img_s': t.get('gpu_throughput'),
-        'host_mem_gib': gib(m.get('host_peak_rss_bytes')),
-        'gpu_mem_gib': gib(m.get('gpu_max_allocated_bytes_any_rank') or m.get('gpu_max_allocated_bytes')),
+        'host_mem_gib': scaled(m.get('host_peak_rss_bytes'), 1 / GiB),
+        'gpu_mem_gib': scaled(m.get('gpu_max_allocated_bytes_any_rank') or m.get('gpu_max_allocated_bytes'), 1 / GiB),
         'j_per_img': e.get('joules_per_image_all_ranks') or e.get('joules_per_image'),
         'top1': dig(run.summary, 'val', 'top1'),
     }
@@ -314,8 +318,9 @@ def scalings(runs):
     for g in group_runs(runs, set()):
         by_ws = {}
         for r in g:
-            if r.status == 'completed' and numbers(r)['train_img_s']:
-                by_ws.setdefault(r.world_size, []).append(numbers(r)['train_img_s'])
+            img_s = numbers(r)['train_img_s']
+            if r.status == 'completed' and img_s:
+                by_ws.setdefault(r.world_size, []).append(img_s)
         if len(by_ws) < 2:
             continue
         base_ws = min(by_ws)
@@ -800,10 +805,9 @@ def dashboard(run, out):
         md += ['Per rank:', '']
         md += md_table(['rank', 'host', 'step_ms', 'data_ms', 'host_mem_gib', 'gpu_mem_gib', 'energy_j'], [{
             'rank': r.get('rank'), 'host': r.get('host'),
-            'step_ms': r['step_median_s'] * 1e3 if r.get('step_median_s') is not None else None,
-            'data_ms': r['data_mean_s'] * 1e3 if r.get('data_mean_s') is not None else None,
-            'host_mem_gib': r['host_peak_rss_bytes'] / GiB if r.get('host_peak_rss_bytes') is not None else None,
-            'gpu_mem_gib': r['gpu_max_allocated_bytes'] / GiB if r.get('gpu_max_allocated_bytes') is not None else None,
+            'step_ms': scaled(r.get('step_median_s'), 1e3), 'data_ms': scaled(r.get('data_mean_s'), 1e3),
+            'host_mem_gib': scaled(r.get('host_peak_rss_bytes'), 1 / GiB),
+            'gpu_mem_gib': scaled(r.get('gpu_max_allocated_bytes'), 1 / GiB),
             'energy_j': r.get('energy_j')} for r in ranks],
             ['rank', 'host', 'median step ms', 'mean data wait ms', 'host peak GiB', 'GPU max allocated GiB',
              'energy J']) + ['']
@@ -835,7 +839,7 @@ def md_sweeps(runs, out):
     for i, s in enumerate(sweeps(runs), 1):
         lines += [f'### {s["label"]}, {s["world_size"]} process(es)', '', f'Memory: {s["memory"]}.', '']
         lines += md_table(['run', 'batch', 'status', 'mem_gib', 'gpu_img_s', 'train_img_s', 'mean_w'],
-                          [{**row, 'mem_gib': row['mem_bytes'] / GiB if row['mem_bytes'] is not None else None}
+                          [{**row, 'mem_gib': scaled(row['mem_bytes'], 1 / GiB)}
                            for row in s['rows']]) + ['']
         if s['fit']:
             a, b = s['fit']
@@ -955,7 +959,8 @@ def md_lr_finder(runs, out):
 
 
 def build_report(runs, out, sort='train_img_s', comm_steps=10, skipped=()):
-    """Write out/report.md, figures and comparison.csv. -> (comparison columns, rows, problems)."""
+    """Write out/report.md, figures and comparison.csv. -> (comparison columns, rows, per-config medians or
+    None, problems)."""
     os.makedirs(out, exist_ok=True)
     problems = []
     columns, rows = comparison(runs, sort)
@@ -995,7 +1000,7 @@ def build_report(runs, out, sort='train_img_s', comm_steps=10, skipped=()):
         md += ['## Problems', ''] + [f'- {p}' for p in problems] + ['']
     with open(os.path.join(out, 'report.md'), 'w') as f:
         f.write('\n'.join(md))
-    return columns, rows, problems
+    return columns, rows, per_config, problems
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
@@ -1035,16 +1040,11 @@ def main(argv=None):
         return diff_main(argv[1:])
     args = get_args_parser().parse_args(argv)
     runs, skipped = collect_runs(args.runs)
-    try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        raise ReportError(f'cannot create the report folder {args.out} ({e.strerror}); pass a writable --out.')
-    try:
-        columns, rows, problems = build_report(runs, args.out, args.sort, args.comm_steps, skipped)
+    try:  # a folder that cannot be created or written, or --out naming a file
+        columns, rows, per_config, problems = build_report(runs, args.out, args.sort, args.comm_steps, skipped)
     except OSError as e:
         raise ReportError(f'cannot write the report into {args.out} ({e.strerror or e}); pass a writable --out.')
     print('\n'.join(text_table(shown(columns, rows), rows)))
-    per_config = by_config(columns, rows, args.sort)
     if per_config:
         print('\nMedian per configuration:')
         print('\n'.join(text_table(shown(*per_config), per_config[1])))
