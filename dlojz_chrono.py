@@ -57,8 +57,10 @@ class Chronometer:
         self.start_time = datetime.datetime.now()
 
     def stop(self):
+        """End of the timed run (idempotent: the first call counts)."""
         self.finish()
-        self.stop_time = datetime.datetime.now()
+        if self.stop_time is None:
+            self.stop_time = datetime.datetime.now()
 
     def iterate(self, iterable, max_steps=None):
         """Yield batches from `iterable`, timing the wait for each and closing each step when the
@@ -220,6 +222,7 @@ class PowerMeter:
         self.available, self.samples, self.period = False, [], period
         self.energy_j = None
         self._stop = threading.Event()
+        self._thread = None
         dev = torch.device(device)
         if dev.type != 'cuda':
             return
@@ -254,7 +257,8 @@ class PowerMeter:
         self._thread.start()
 
     def stop(self):
-        if not self.available:
+        """Idempotent: every exit path of a run calls it."""
+        if self._thread is None or self._stop.is_set():
             return
         self._stop.set()
         self._thread.join()

@@ -26,15 +26,13 @@ from PIL import Image, ImageDraw, ImageFile
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
+from dlojz_errors import DataError
+
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, never silently half-grey
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 IMG_EXTENSIONS = ('.jpeg', '.jpg', '.png', '.bmp', '.webp')
 SYNTH_VERSION = 1  # bump when the generator changes so old caches are not reused
-
-
-class DataError(Exception):
-    """A problem with the user's data that ends the run with one sentence."""
 
 
 class BadImageError(DataError):
@@ -424,13 +422,3 @@ def build_data(args, dist, log=print, on_ranks=None):
                                              sampler=ShardSampler(len(val_set), dist.rank, dist.world_size),
                                              drop_last=False, **loader_kwargs(args))
     return Data(source, classes, train_loader, val_loader, train_set, len(train_set), len(val_set))
-
-
-def loader_error_message(exc):
-    """The user sentence from an exception that may have crossed a DataLoader worker boundary."""
-    text = str(exc).strip().splitlines()
-    last = text[-1] if text else ''
-    for prefix in ('dlojz_data.BadImageError: ', 'BadImageError: ', 'dlojz_data.DataError: '):
-        if last.startswith(prefix):
-            return last[len(prefix):]
-    return last

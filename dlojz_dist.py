@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from dlojz_io import UsageError
+from dlojz_errors import DlojzError, UsageError, first_line
 
 
 @dataclass(frozen=True)
@@ -223,7 +223,7 @@ def on_ranks(fn, when=True):
 
 
 def _user_message(e):
-    return str(e) if isinstance(e, UsageError) or type(e).__name__ in ('DataError', 'BadImageError') else \
+    return str(e) if isinstance(e, DlojzError) else \
         f'{type(e).__name__}: {first_line(e)}'
 
 
@@ -240,23 +240,6 @@ def broadcast_buffers_(module, src=0):
     if tdist.is_available() and tdist.is_initialized():
         for b in module.buffers():
             tdist.broadcast(b, src=src)
-
-
-def first_line(e):
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:300]
-
-
-COMM_FAILURE_PATTERNS = ('Connection reset by peer', 'Connection closed by peer', 'Timed out waiting',
-                         'Broken pipe', 'NCCL communicator was aborted', 'Watchdog caught collective',
-                         'DistBackendError', 'ProcessGroupNCCL', 'ProcessGroupGloo')
-
-
-def is_comm_failure(exc):
-    """A collective that failed because another rank died or hung (gloo raises a plain RuntimeError)."""
-    if isinstance(exc, getattr(tdist, 'DistError', ())):
-        return True
-    return isinstance(exc, RuntimeError) and any(p in str(exc) for p in COMM_FAILURE_PATTERNS)
 
 
 # -------------------------------------------------------------------------------------------- SLURM

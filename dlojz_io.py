@@ -1,4 +1,4 @@
-"""Run directory, JSON outputs, provenance and atomic checkpoints for dlojz."""
+"""Run directory, console and metrics logger, JSON outputs, provenance and atomic checkpoints for dlojz."""
 import datetime
 import hashlib
 import json
@@ -12,11 +12,9 @@ import tempfile
 
 import torch
 
+from dlojz_errors import UsageError
+
 SUMMARY_VERSION = 1
-
-
-class UsageError(Exception):
-    """A user error: the message is one sentence saying what is wrong and what to do."""
 
 
 def default_output_dir(args, dist):
@@ -58,21 +56,82 @@ def _json_default(o):
     return repr(o)
 
 
-class JsonlWriter:
-    """metrics.jsonl: one object per line, flushed per line so a crashed run keeps what it logged."""
+class Console:
+    """print() on rank 0 only. On a terminal it goes through tqdm, so that a progress bar is not torn, and
+    bar() draws one; elsewhere (batch jobs, pipes, tests) tqdm is not even imported."""
 
-    def __init__(self, path, enabled=True, append=False):
-        # A resumed run continues its log; a fresh run in a reused folder starts a new one.
-        self.f = open(path, 'a' if append else 'w') if enabled else None
+    def __init__(self, enabled=True, tty=None):
+        self.enabled = enabled
+        self.tty = enabled and (sys.stdout.isatty() if tty is None else tty)
 
-    def write(self, **record):
-        if self.f:
-            self.f.write(json.dumps(record, default=_json_default) + '\n')
-            self.f.flush()
+    def __call__(self, msg):
+        if not self.enabled:
+            return
+        if self.tty:
+            from tqdm import tqdm
+            tqdm.write(str(msg))
+        else:
+            print(msg)
+        sys.stdout.flush()
+
+    def bar(self, total, desc):
+        if not self.tty:
+            return _NoBar()
+        from tqdm import tqdm
+        return tqdm(total=total, leave=False, desc=desc)
+
+
+class _NoBar:
+    def update(self, n=1):
+        return None
 
     def close(self):
-        if self.f:
+        return None
+
+
+class Logger:
+    """One record, emitted once, to three places on rank 0: a console line, metrics.jsonl (one JSON object
+    per line, flushed per line so that a crashed run keeps what it logged) and wandb.
+
+    lines: record type -> function(record) -> console text (types without one are not printed);
+    wandb: a wandb run or None; it gets the record's numbers as '<type>/<key>' at step global_step."""
+    NOT_METRICS = {'type', 'epoch', 'step', 'global_step'}
+
+    def __init__(self, path, console, append=False, lines=None, wandb=None):
+        # A resumed run continues its log; a fresh run in a reused folder starts a new one.
+        self.console = console
+        self.f = open(path, 'a' if append else 'w') if console.enabled else None
+        self.lines = lines or {}
+        self.wandb = wandb
+
+    def print(self, msg):
+        self.console(msg)
+
+    def bar(self, total, desc):
+        return self.console.bar(total, desc)
+
+    def log(self, **record):
+        if self.f is None:
+            return
+        self.f.write(json.dumps(record, default=_json_default) + '\n')
+        self.f.flush()
+        line = self.lines.get(record['type'])
+        if line:
+            self.console(line(record))
+        if self.wandb is not None:
+            numbers = {f"{record['type']}/{k}": v for k, v in record.items()
+                       if k not in self.NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if numbers:
+                self.wandb.log(numbers, step=record.get('global_step'))
+
+    def close(self, exit_code=0):
+        """Idempotent: every exit path calls it."""
+        if self.f is not None:
             self.f.close()
+            self.f = None
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=exit_code)
+            self.wandb = None
 
 
 def host_memory():

@@ -313,9 +313,10 @@ def sweep(runs):
 
 
 def scalings(runs):
-    """Same config at several world sizes -> img/s vs processes and efficiency vs linear scaling."""
+    """Same config at several world sizes -> img/s vs processes and efficiency vs linear scaling. The LR may
+    differ: by default dlojz scales it with the global batch (linear scaling rule)."""
     out = []
-    for g in group_runs(runs, set()):
+    for g in group_runs(runs, {'lr'}):
         by_ws = {}
         for r in g:
             img_s = numbers(r)['train_img_s']

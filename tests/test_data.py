@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 import dlojz_data as D
+from dlojz_errors import loader_error_message
 
 CLASSES, TRAIN, VAL = 3, 6, 2
 
@@ -100,8 +101,8 @@ def test_bad_image_stops_with_its_name_or_is_skipped_and_counted(synth, tmp_path
     loader = torch.utils.data.DataLoader(strict, batch_size=len(train), num_workers=1)
     with pytest.raises(D.BadImageError) as e:
         next(iter(loader))
-    assert 'train_0001_00002.JPEG' in D.loader_error_message(e.value)
-    assert D.loader_error_message(e.value).startswith('cannot decode image')
+    assert 'train_0001_00002.JPEG' in loader_error_message(e.value)
+    assert loader_error_message(e.value).startswith('cannot decode image')
 
 
 def test_augmentation_is_per_sample_and_worker_independent(synth):

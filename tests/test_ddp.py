@@ -82,10 +82,12 @@ def test_two_ranks_equal_gradient_accumulation(tmp_path, cache_dir):
     got = torch.load(latest(out), weights_only=False)['model']
     ref = reference_weights(cache_dir, micro_batches=[0, 1])
     for k, v in ref.items():
-        torch.testing.assert_close(got[k], v, rtol=1e-4, atol=5e-5, msg=k)  # measured: 7e-6
+        # measured max |diff|: 7e-6 on torch 2.15, 5.6e-5 on 2.14.1 (gloo and oneDNN summation orders differ
+        # between versions); 5e-4 is 10x the worst seen and still 48x below the plain-batch gap checked below
+        torch.testing.assert_close(got[k], v, rtol=0, atol=5e-4, msg=k)
     # The comparison is sensitive: one plain batch of 16 (BatchNorm over 16) lands elsewhere.
     plain = reference_weights(cache_dir, micro_batches=[0], b=16)
-    assert max((plain[k] - got[k]).abs().max().item() for k in ref) > 5e-3  # measured: 0.024
+    assert max((plain[k] - got[k]).abs().max().item() for k in ref) > 1e-2  # measured: 0.024
 
     s = summary_of(out)
     assert (s['status'], s['world_size'], s['global_batch']) == ('completed', 2, 16)

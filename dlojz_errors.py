@@ -1,0 +1,125 @@
+"""How a dlojz run ends when it does not complete: one family of exceptions, each carrying the status
+that summary.json records and the exit code, and one function (`translate`) that turns the outside
+world's exceptions (out of memory, torch.compile, DDP's reducer, a dead peer, a DataLoader worker's
+error, Ctrl-C) into them. Anything it does not recognise is a bug: status 'crashed', traceback kept.
+
+    status        exit  when
+    failed          2   a user error: bad flags, data, checkpoint, compile, unused parameters
+    oom             2   CUDA out of memory
+    nan             3   the loss became NaN or infinite
+    failed          4   another rank died or stopped answering
+    preempted     5 / 0 SIGUSR2/SIGTERM: checkpoint written (0 when SLURM requeued the job)
+    interrupted   130   Ctrl-C
+    crashed         1   anything else (a bug: the traceback is printed)
+"""
+
+
+class DlojzError(Exception):
+    """An end of run that is not a crash. The message is one sentence for the user; `extra` goes into
+    summary.json (failed_step, checkpoint, ...)."""
+    status = 'failed'
+    exit_code = 2
+    label = 'error'  # stderr line: 'dlojz: error: <message>'; None: 'dlojz: <message>'
+
+    def __init__(self, msg='', **extra):  # one positional argument: DataLoader workers re-raise as cls(msg)
+        super().__init__(msg)
+        self.extra = extra
+
+
+class UsageError(DlojzError):
+    """A user error: what is wrong and what to do."""
+
+
+class DataError(DlojzError):
+    """A problem with the user's data (missing folder, undecodable image)."""
+
+
+class OutOfMemory(DlojzError):
+    status = 'oom'
+
+
+class NonFiniteLoss(DlojzError):
+    status, exit_code = 'nan', 3
+
+    def __init__(self, step):
+        super().__init__(f'the loss became NaN or infinite at step {step}; training stopped there and no '
+                         f'checkpoint was written after it; lower --lr, use --amp bf16/off, or check the data.',
+                         failed_step=step)
+
+
+class CommFailure(DlojzError):
+    exit_code = 4
+
+
+class Preempted(DlojzError):
+    """Stopped by SIGUSR2/SIGTERM at a step boundary, after writing a checkpoint (training) or keeping the
+    curve so far (--findlr). Exit 0 when SLURM requeued the job: the job is not over."""
+    status, label = 'preempted', None
+
+    def __init__(self, msg, requeued=False, **extra):
+        super().__init__(msg, requeued=requeued, **extra)
+        self.exit_code = 0 if requeued else 5
+
+
+class Interrupted(DlojzError):
+    status, exit_code, label = 'interrupted', 130, None
+
+
+def first_line(e):
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]
+
+
+COMM_FAILURE_PATTERNS = ('Connection reset by peer', 'Connection closed by peer', 'Timed out waiting',
+                         'Broken pipe', 'NCCL communicator was aborted', 'Watchdog caught collective',
+                         'DistBackendError', 'ProcessGroupNCCL', 'ProcessGroupGloo')
+
+
+def is_comm_failure(exc):
+    """A collective that failed because another rank died or hung (gloo raises a plain RuntimeError)."""
+    import torch.distributed as tdist
+    if isinstance(exc, getattr(tdist, 'DistError', ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(p in str(exc) for p in COMM_FAILURE_PATTERNS)
+
+
+def loader_error_message(exc):
+    """The user sentence from an exception that may have crossed a DataLoader worker boundary (the worker's
+    traceback is in the message; its last line is the original exception)."""
+    text = str(exc).strip().splitlines()
+    last = text[-1] if text else ''
+    for prefix in ('dlojz_data.BadImageError: ', 'BadImageError: ', 'dlojz_errors.DataError: ', 'DataError: '):
+        if last.startswith(prefix):
+            return last[len(prefix):]
+    return last
+
+
+def translate(e, args, rank=0, distributed=False, step=0):
+    """The DlojzError that `e`, raised while running step `step` (1-based), stands for; None for a crash.
+    Facts come in as arguments so that every row of the table above is tested without a GPU or a peer."""
+    import torch
+    failed = {'failed_step': step}
+    if isinstance(e, DlojzError):
+        if isinstance(e, DataError):  # from a worker: keep the sentence, drop the worker's traceback
+            return DataError(loader_error_message(e), **{**failed, **e.extra})
+        if not isinstance(e, (NonFiniteLoss, Preempted)):
+            e.extra = {**failed, **e.extra}
+        return e
+    if isinstance(e, KeyboardInterrupt):
+        return Interrupted('interrupted', **failed)
+    if isinstance(e, torch.OutOfMemoryError):
+        return OutOfMemory(f'out of memory at step {step} with batch size {args.batch_size}; lower -b, or use '
+                           f'--amp bf16/--grad-checkpointing.', **failed)
+    if args.compile and type(e).__module__.startswith(('torch._dynamo', 'torch._inductor')):
+        return UsageError(f'torch.compile failed ({type(e).__name__}: {first_line(e)[:200]}); rerun with '
+                          f'--no-compile or another --compile-mode.', **failed)
+    if isinstance(e, RuntimeError) and 'find_unused_parameters' in str(e):  # DDP's reducer error
+        return UsageError(f'--arch {args.arch} leaves some parameters without a gradient in a step (e.g. the '
+                          f'classifier heads not chosen) and DDP cannot finish its gradient all-reduce; rerun '
+                          f'with --find-unused-parameters.', **failed)
+    if distributed and is_comm_failure(e):
+        timeout = f'{args.dist_timeout:g} min' if args.dist_timeout else "PyTorch's default timeout"
+        return CommFailure(f'a collective failed on rank {rank} at step {step}: another rank died or stopped '
+                           f'answering ({first_line(e)[:160]}); look for the first error in the other ranks\' '
+                           f'output (waits are bounded by --dist-timeout, now {timeout}).', **failed)
+    return None

@@ -1,0 +1,128 @@
+"""A run's state and its checkpoints: where the loop is (Progress), what a checkpoint holds, which one
+--resume picks, whether this run can continue it, and putting it back. The files themselves (atomic
+writes, listing, pruning) are dlojz_io's."""
+import random
+import sys
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import dlojz_dist
+from dlojz_errors import Preempted, UsageError
+from dlojz_io import (SUMMARY_VERSION, checkpoint_path, load_checkpoint, load_latest_checkpoint, save_checkpoint,
+                      strip_prefixes)
+
+
+@dataclass
+class Progress:
+    """Where the loop is, and its latest results."""
+    epoch: int = 0
+    step: int = 0          # steps done in this epoch
+    global_step: int = 0
+    train: dict = None     # the last epoch's training metrics
+    val: dict = None       # the last validation
+
+    def advance(self):
+        self.step += 1
+        self.global_step += 1
+
+
+def checkpoint_state(run, progress):
+    epoch, step = progress.epoch, progress.step
+    if step >= run.steps_per_epoch:  # the end of an epoch is the start of the next
+        epoch, step = epoch + 1, 0
+    return {'version': SUMMARY_VERSION, 'arch': run.args.arch, 'num_classes': len(run.data.classes),
+            'model': strip_prefixes(run.model_without_ddp.state_dict()), 'optimizer': run.optimizer.state_dict(),
+            'scheduler': run.scheduler.state_dict(), 'scaler': run.scaler.state_dict(), 'epoch': epoch,
+            'step_in_epoch': step, 'global_step': progress.global_step, 'global_batch': run.global_batch,
+            'args': vars(run.args),
+            'rng': {'torch': torch.get_rng_state(), 'numpy': np.random.get_state(), 'python': random.getstate(),
+                    'cuda': torch.cuda.get_rng_state_all() if run.device.type == 'cuda' else None}}
+
+
+def save(run, progress):
+    """Rank 0 only: checkpoint-<global step>.pt in the run directory, keeping the newest --keep-checkpoints."""
+    path = checkpoint_path(run.args.output_dir, progress.global_step)
+    save_checkpoint(path, checkpoint_state(run, progress), keep=run.args.keep_checkpoints)
+    return path
+
+
+def find_resume_checkpoint(args, dist, say):
+    """-> (path, state) to resume from, or (None, None). Rank 0 picks the file under --resume auto so that
+    every rank loads the same one (a rank seeing a half-written file must not choose another)."""
+    if not args.resume:
+        return None, None
+    if args.resume != 'auto':
+        return args.resume, load_checkpoint(args.resume)
+    warn = lambda m: print(m, file=sys.stderr, flush=True)
+    found = dlojz_dist.on_ranks(lambda: load_latest_checkpoint(args.output_dir, warn), when=dist.is_main)
+    path = dlojz_dist.broadcast_object(found[0] if found else None)
+    if path is None:
+        say(f'--resume auto: no checkpoint in {args.output_dir}; starting from the beginning')
+        return None, None
+    say(f'--resume auto: continuing from {path}')
+    return path, found[1] if dist.is_main else load_checkpoint(path)  # rank 0 has already read it
+
+
+def check_checkpoint(args, ckpt, path, num_classes, global_batch, world_size):
+    """Refuse a checkpoint this run cannot continue, before anything is written."""
+    if ckpt.get('arch') != args.arch or ckpt.get('num_classes') != num_classes:
+        raise UsageError(f"checkpoint {path} holds {ckpt.get('arch')} with {ckpt.get('num_classes')} classes but "
+                         f"this run is --arch {args.arch} with {num_classes} classes; pass the same --arch and "
+                         f"data, or another checkpoint.")
+    old = ckpt['global_batch']
+    if old != global_batch and not args.allow_batch_change and not args.evaluate:
+        hint = f'-b {old // world_size} to keep it, ' if old % world_size == 0 else ''
+        raise UsageError(f'checkpoint {path} was trained with a global batch of {old} images but this run has '
+                         f'{global_batch} (-b {args.batch_size} x {world_size} processes); use {hint}or pass '
+                         f'--allow-batch-change to continue with the new one.')
+
+
+def restore(run, ckpt):
+    """Load a checkpoint (already checked) into the run; -> the Progress to continue from."""
+    run.model_without_ddp.load_state_dict(ckpt['model'])
+    progress = Progress(epoch=ckpt['epoch'], step=ckpt['step_in_epoch'], global_step=ckpt['global_step'])
+    if run.args.evaluate:
+        return progress
+    run.optimizer.load_state_dict(ckpt['optimizer'])
+    run.scaler.load_state_dict(ckpt['scaler'])
+    torch.set_rng_state(ckpt['rng']['torch'])
+    np.random.set_state(ckpt['rng']['numpy'])
+    random.setstate(ckpt['rng']['python'])
+    if ckpt['rng']['cuda'] is not None and run.device.type == 'cuda':
+        torch.cuda.set_rng_state_all(ckpt['rng']['cuda'])
+    old, gb = ckpt['global_batch'], run.global_batch
+    if old == gb:
+        run.scheduler.load_state_dict(ckpt['scheduler'])
+        return progress
+    # Another global batch: keep the position in images. The step restarts at the batch holding the first
+    # image not yet seen; the LR schedule (built for the new batch) is advanced to the same fraction of the run.
+    progress.global_step = ckpt['global_step'] * old // gb
+    progress.step = min(ckpt['step_in_epoch'] * old // gb, run.steps_per_epoch)
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
+        warnings.simplefilter('ignore')
+        for _ in range(progress.global_step):
+            run.scheduler.step()
+    run.log.print(f'Resuming with global batch {gb} instead of {old}: step {progress.global_step}, epoch position '
+                  f'{progress.step}')
+    return progress
+
+
+def preempt(run, progress):
+    """Every rank got here at the same step (StopSignal.agreed). Rank 0 checkpoints while the others wait,
+    then the SLURM job is requeued: its next start resumes with --resume auto. Ends in Preempted."""
+    args, dist = run.args, run.dist
+    run.chrono.stop()
+    path = dlojz_dist.broadcast_object(dlojz_dist.on_ranks(lambda: save(run, progress), when=dist.is_main))
+    why = run.stop.received or 'a signal on another rank'
+    requeued, detail = False, '--no-requeue'
+    if args.requeue:
+        requeued, detail = dlojz_dist.on_ranks(lambda: dlojz_dist.requeue(dist, run.stop.received),
+                                               when=dist.is_main) or (False, '')
+    requeued = dlojz_dist.broadcast_object(requeued)
+    raise Preempted(f'stopped by {why} at step {progress.global_step}; checkpoint {path} written. ' +
+                    ('The SLURM job was requeued and will resume from it (--resume auto).' if requeued else
+                     f'Not requeued ({detail}); resume with --resume {path} or --resume auto.'),
+                    requeued=requeued, checkpoint=path)

@@ -1,0 +1,114 @@
+"""summary.json and the closing '>>>' lines of a dlojz run: timing, memory, energy, per-rank reports
+and the gradient all-reduce estimate, from a run (what dlojz.py built) and its progress (where the loop
+stopped). Every rank calls write_summary; rank 0 writes the file."""
+import math
+import os
+import socket
+
+import torch
+
+import dlojz_dist
+from dlojz_io import SUMMARY_VERSION, host_memory, provenance, write_json
+
+
+def write_summary(run, progress, status, error=None, power=None, extra=None):
+    """On a completed run this gathers every rank's timings (a collective); after a failure other ranks may
+    be gone, so nothing is gathered then."""
+    args, dist, gb = run.args, run.dist, run.global_batch
+    cuda = run.device.type == 'cuda'
+    timing = run.chrono.summary(gb, run.steps_per_epoch, len(run.data.val_loader))
+    energy = power.summary(gb * len(run.chrono.steps)) if power else None
+    summary = {
+        'version': SUMMARY_VERSION, 'status': status, 'error': error, 'config': vars(args),
+        'provenance': provenance(run.device, dist),
+        'world_size': dist.world_size, 'num_nodes': dist.num_nodes, 'global_batch': gb,
+        'mode': 'evaluate' if args.evaluate else 'findlr' if args.findlr else 'train',
+        'data': {'source': run.data.source.kind, 'root': run.data.source.root, 'reason': run.data.source.reason,
+                 'classes': len(run.data.classes), 'train_images': run.data.n_train, 'val_images': run.data.n_val,
+                 'batches_per_epoch': run.steps_per_epoch, 'bad_images_skipped': run.data.bad_images},
+        'timing': timing,
+        'memory': {**host_memory(),
+                   'gpu_max_allocated_bytes': torch.cuda.max_memory_allocated(run.device) if cuda else None,
+                   'gpu_max_reserved_bytes': torch.cuda.max_memory_reserved(run.device) if cuda else None},
+        'energy': energy,
+        'global_step': progress.global_step, 'train': progress.train, 'val': progress.val, **(extra or {}),
+    }
+    if dist.distributed:
+        summary['communication'] = communication_estimate(args.bucket_cap_mb, run.model_without_ddp,
+                                                          dist.world_size)
+        if status == 'completed':
+            ranks = dlojz_dist.all_gather_object(rank_report(run, power))
+            timing.update(ranks_summary(ranks))
+            summary['memory']['gpu_max_allocated_bytes_any_rank'] = max(
+                (r['gpu_max_allocated_bytes'] or 0 for r in ranks), default=0) if cuda else None
+            if energy and all(r['energy_j'] is not None for r in ranks):
+                total = sum(r['energy_j'] for r in ranks)
+                energy.update(energy_j_all_ranks=total,
+                              joules_per_image_all_ranks=total / max(1, gb * len(run.chrono.steps)))
+    if dist.is_main:
+        write_json(os.path.join(args.output_dir, 'summary.json'), summary)
+    return summary
+
+
+def rank_report(run, power):
+    """This rank's timing, memory and energy; gathered from every rank at the end of a completed run."""
+    st, cuda = run.chrono.stats(), run.device.type == 'cuda'
+    step, data = st.get('step'), st.get('data')
+    return {'rank': run.dist.rank, 'host': socket.gethostname(), 'steps': len(run.chrono.steps),
+            'step_median_s': step['median'] if step else None, 'step_mean_s': step['mean'] if step else None,
+            'data_mean_s': data['mean'] if data else None, 'val_time_s': run.chrono.val_time,
+            'gpu_max_allocated_bytes': torch.cuda.max_memory_allocated(run.device) if cuda else None,
+            'host_peak_rss_bytes': host_memory()['host_peak_rss_bytes'],
+            'energy_j': power.energy_j if power else None}
+
+
+def ranks_summary(ranks):
+    """Straggler view: slowest and fastest rank by median step time, and the skew between them."""
+    timed = [r for r in ranks if r['step_median_s']]
+    if not timed:
+        return {'ranks': ranks}
+    slow = max(timed, key=lambda r: r['step_median_s'])
+    fast = min(timed, key=lambda r: r['step_median_s'])
+    return {'ranks': ranks, 'slowest_rank': slow['rank'], 'fastest_rank': fast['rank'],
+            'slowest_step_median_s': slow['step_median_s'], 'fastest_step_median_s': fast['step_median_s'],
+            'rank_skew': slow['step_median_s'] / fast['step_median_s'] - 1}
+
+
+def communication_estimate(bucket_cap_mb, model, world_size):
+    """Gradient all-reduce volume per step: 4 bytes per trainable parameter (gradients are fp32 even under
+    AMP, the parameters being fp32), sent in DDP buckets: a first 1 MiB bucket, then --bucket-cap-mb ones."""
+    grad_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    first, cap = 2 ** 20, bucket_cap_mb * 2 ** 20
+    buckets = 1 + math.ceil(max(0, grad_bytes - first) / cap)
+    return {'gradient_bytes_per_step': grad_bytes, 'bucket_cap_mb': bucket_cap_mb, 'buckets_estimate': buckets,
+            # a ring all-reduce sends (and receives) 2 (W-1)/W of the buffer per rank
+            'ring_bytes_per_rank_per_step': 2 * (world_size - 1) / world_size * grad_bytes}
+
+
+def final_lines(summary, chrono, steps_per_epoch):
+    """The course's '>>>' lines (Chronometer's) and dlojz's own, from the summary just written."""
+    lines = chrono.display_lines(steps_per_epoch)
+    t = summary['timing']
+    if t.get('gpu_throughput'):
+        lines.append(f">>> Train throughput: {t['train_throughput']:.2f} images/second; GPU throughput: "
+                     f"{t['gpu_throughput']:.2f} images/second; epoch time estimate: "
+                     f"{t['epoch_time_estimate_s']:.1f} s")
+    if t.get('rank_skew') is not None:
+        lines.append(f">>> Step time per rank (median): fastest rank {t['fastest_rank']} "
+                     f"{t['fastest_step_median_s'] * 1e3:.1f} ms, slowest rank {t['slowest_rank']} "
+                     f"{t['slowest_step_median_s'] * 1e3:.1f} ms (skew {t['rank_skew'] * 100:.1f} %)")
+    c = summary.get('communication')
+    if c:
+        lines.append(f">>> Gradient all-reduce per step: {c['gradient_bytes_per_step'] / 2**20:.1f} MiB in about "
+                     f"{c['buckets_estimate']} buckets of <= {c['bucket_cap_mb']:g} MiB")
+    e = summary['energy']
+    if e and e['peak_w'] is not None:
+        per_image = f" ({e['joules_per_image']:.3f} J/image)" if e['joules_per_image'] is not None else ''
+        lines.append(f">>> Peak Power during training: {e['peak_w']:.1f} W; energy {e['energy_j']:.1f} J{per_image}")
+    m = summary['memory']
+    if m['gpu_max_allocated_bytes'] is not None:
+        lines.append(f">>> Max Memory Allocated {m['gpu_max_allocated_bytes']} Bytes (reserved "
+                     f"{m['gpu_max_reserved_bytes']} Bytes)")
+    lines.append(f">>> Host peak memory (VmHWM): {m['host_peak_rss_bytes']} Bytes")
+    lines.append(f"Run written to {summary['config']['output_dir']}")
+    return lines
