@@ -6,10 +6,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import dlojz
 
-import dlojz  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Small enough for a CPU test, big enough that a ResNet-18 learns it in a few dozen steps.
 TINY = ['--synthetic-classes', '4', '--synthetic-train-per-class', '24', '--synthetic-val-per-class', '6',
@@ -38,11 +37,18 @@ def run_cli(*flags, env=None, timeout=300):
                           capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT)
 
 
-# ------------------------------------------------------------------------------------ multi-process launches
-# dlojz reads RANK/SLURM_* itself; the test process must not look launched even when pytest runs in a job.
-for _name in [k for k in os.environ if k.startswith('SLURM_') or k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK')]:
-    del os.environ[_name]
+@pytest.fixture(scope='session', autouse=True)
+def not_launched():
+    """dlojz reads RANK/SLURM_* itself; the test process must not look launched even when pytest runs inside
+    a job or under torchrun. Restored at the end of the session."""
+    names = [k for k in os.environ if k.startswith('SLURM_') or k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK',
+                                                                      'LOCAL_WORLD_SIZE')]
+    saved = {k: os.environ.pop(k) for k in names}
+    yield
+    os.environ.update(saved)
 
+
+# ------------------------------------------------------------------------------------ multi-process launches
 DLOJZ = os.path.join(ROOT, 'dlojz.py')
 
 

@@ -51,6 +51,7 @@ def test_exact_phases_steps_and_other():
              [{'h2d': 0.01, 'forward': 0.1 * k, 'backward': 0.2 * k, 'optimizer': 0.05} for k in (1, 2, 3)]
     drive(chrono, clock, waits, phases, other=0.04)
     assert len(chrono.steps) == 4
+    assert sum(r['step'] for r in chrono.steps) == pytest.approx(clock.t)  # the steps tile all the time spent
     for rec, w, ph in zip(chrono.steps, waits, phases):
         assert rec['data'] == pytest.approx(w)
         for name, dt in ph.items():
@@ -134,20 +135,18 @@ def test_describe_nearest_rank_p90():
     assert describe([]) is None
 
 
-def test_real_clock_phase_sum_on_cpu():
-    """With the real host clock, steps tile the loop's wall time (independent perf_counter)."""
-    import time
+def test_real_clock_phases_fit_in_their_step():
+    """With the real host clock, each step holds its phases and 'other' is what is left (never negative on
+    CPU, where every phase is a host interval)."""
     chrono = Chronometer('cpu', warmup=0)
-    x = torch.randn(384, 384)  # a few ms per step, so fixed costs of the generator are small
-    t0 = time.perf_counter()
-    for _ in chrono.iterate(range(20)):
+    x = torch.randn(256, 256)
+    for _ in chrono.iterate(range(10)):
         with chrono.phase('forward'):
             y = x @ x
         with chrono.phase('backward'):
             y = y @ x
-    wall = time.perf_counter() - t0
-    total = sum(r['step'] for r in chrono.steps)
-    assert abs(total - wall) / wall < 0.02
+    for r in chrono.steps:
+        assert r['step'] >= r['data'] + r['forward'] + r['backward'] and r['other'] >= 0
     assert chrono.summary(1)['phase_sum_error'] < 1e-9
 
 
@@ -159,20 +158,29 @@ def test_power_meter_unavailable_on_cpu():
                               'joules_per_image': None}
 
 
-def test_overhead_per_step_is_microseconds():
-    """The Chronometer's own cost per step (iterate + four phases, host clock) on an empty loop. A
-    ResNet-50 step is >= 100 ms on a GPU at usual batch sizes, so 1 % would be 1000 us; we require 100 us."""
-    import time
-    chrono = Chronometer('cpu', warmup=0)
-    n = 5000
-    t0 = time.perf_counter()
+class CountingClock:
+    def __init__(self):
+        self.reads = 0
+
+    def __call__(self):
+        self.reads += 1
+        return float(self.reads)
+
+
+@pytest.mark.parametrize('phases, reads_per_step', [(True, 3 + 2 * 4), (False, 3)])
+def test_cost_per_step_is_a_few_clock_reads(phases, reads_per_step, monkeypatch):
+    """The Chronometer's own cost, counted rather than timed (a busy machine cannot change a count): per
+    step, the wait for the batch (2 reads) and the end of the step (1), plus 2 per phase when phases are on;
+    on CPU no CUDA call at all. Measured: 13.9 us per step with phases, 2.7 us without (BENCHMARKS.md)."""
+    monkeypatch.setattr(torch.cuda, 'synchronize', lambda *a: pytest.fail('synchronize on CPU'))
+    monkeypatch.setattr(torch.cuda, 'Event', lambda *a, **k: pytest.fail('CUDA event on CPU'))
+    clock = CountingClock()
+    chrono = Chronometer('cpu', phases=phases, warmup=0, clock=clock)
+    n, entered = 50, 0
     for _ in chrono.iterate(range(n)):
         for name in ('h2d', 'forward', 'backward', 'optimizer'):
             with chrono.phase(name):
-                pass
-    per_step = (time.perf_counter() - t0) / n
-    t0 = time.perf_counter()
-    for _ in range(n):
-        pass
-    bare = (time.perf_counter() - t0) / n
-    assert per_step - bare < 100e-6, per_step
+                entered += 1
+    chrono.finish()
+    assert entered == 4 * n
+    assert clock.reads == n * reads_per_step + 1  # + the read that finds the loader exhausted
