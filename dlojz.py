@@ -14,7 +14,6 @@ Reading order: flags -> builders -> train_step and the loops (train, LR sweep, v
 -> main. How a run ends is in dlojz_errors.py, what it writes at the end in dlojz_summary.py.
 """
 import argparse
-import inspect
 import itertools
 import math
 import os
@@ -33,7 +32,7 @@ from torchmetrics import SumMetric
 
 import custom_models
 import dlojz_dist
-from dlojz_chrono import Chronometer, PowerMeter
+from dlojz_chrono import Chronometer, PowerMeter, profiler
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
 from dlojz_errors import DlojzError, Interrupted, Preempted, UsageError, translate
@@ -279,16 +278,7 @@ def build_model(args, num_classes, device, dist):
     model = model.to(device, memory_format=memory_format)
     if dist.distributed and args.sync_bn:  # before the DDP wrap, as DDP must see the final modules
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    train_model = model
-    if dist.distributed:
-        ddp = nn.parallel.DistributedDataParallel
-        # PyTorch >= 2.15 renamed broadcast_buffers (same meaning for the per-forward broadcast)
-        buffers = 'forward_sync_buffers' if 'forward_sync_buffers' in inspect.signature(ddp).parameters else \
-            'broadcast_buffers'
-        train_model = ddp(model, device_ids=[device.index] if device.type == 'cuda' else None,
-                          find_unused_parameters=args.find_unused_parameters, bucket_cap_mb=args.bucket_cap_mb,
-                          static_graph=args.static_graph, gradient_as_bucket_view=args.gradient_as_bucket_view,
-                          **{buffers: args.broadcast_buffers})
+    train_model = dlojz_dist.wrap_ddp(model, device, args) if dist.distributed else model
     eval_model = model
     if args.compile:  # DDP first, then compile: dynamo's DDPOptimizer keeps communication overlapped
         mode = None if args.compile_mode == 'default' else args.compile_mode
@@ -320,17 +310,6 @@ def build_optimization(args, model, steps_per_epoch, total_steps):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     scaler = torch.amp.GradScaler('cuda', enabled=args.amp == 'fp16')
     return criterion, optimizer, scheduler, scaler
-
-
-def build_profiler(args, device):
-    if not args.prof:
-        return nullcontext(None)
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
-                                                          if device.type == 'cuda' else [])
-    return torch.profiler.profile(
-        activities=activities, profile_memory=True,
-        schedule=torch.profiler.schedule(wait=args.prof_wait, warmup=args.prof_warmup, active=args.prof_active, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(os.path.join(args.output_dir, 'profiler')))
 
 
 def build_wandb(args, dist):
@@ -654,7 +633,8 @@ def _main(args, dist, device):
         elif args.findlr:
             extra['findlr'] = find_lr(run, progress)
         else:
-            with build_profiler(args, device) as prof:
+            with profiler(device, os.path.join(args.output_dir, 'profiler'), args.prof_wait, args.prof_warmup,
+                          args.prof_active) if args.prof else nullcontext() as prof:
                 train(run, progress, prof)
         run.chrono.stop()
         power.stop()

@@ -1,5 +1,6 @@
-"""Chronometer: splits every training step into data wait, host->device copy, forward, backward,
-optimizer and "other", without stalling the GPU.
+"""Measurement tools: the Chronometer, which splits every training step into data wait, host->device
+copy, forward, backward, optimizer and "other" without stalling the GPU; the PowerMeter (NVML energy and
+power); the --prof torch.profiler.
 
     chrono = Chronometer(device, phases=True)
     for images, labels in chrono.iterate(loader, max_steps):
@@ -274,3 +275,15 @@ class PowerMeter:
         per_image = self.energy_j / images if (self.energy_j is not None and images) else None
         return {'available': self.available, 'peak_w': peak, 'mean_w': mean, 'energy_j': self.energy_j,
                 'joules_per_image': per_image}
+
+
+def profiler(device, trace_dir, wait, warmup, active):
+    """--prof: torch.profiler over `active` training steps after `wait` + `warmup` (the loop calls
+    prof.step() once per step), traces for TensorBoard/Perfetto in trace_dir."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.device(device).type == 'cuda':
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(
+        activities=activities, profile_memory=True,
+        schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir))

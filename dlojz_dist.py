@@ -6,6 +6,7 @@ the helpers below, which are no-ops in a single process.
 """
 import ctypes
 import datetime
+import inspect
 import os
 import re
 import signal
@@ -177,6 +178,19 @@ def _check_distinct_gpus(dist, device):
             raise UsageError(f'ranks {seen[key]} and {rank} share GPU {key[1]} on {key[0]}; start one task per GPU '
                              f'(as many tasks per node as --gres=gpu:N, with each task seeing its own GPU).')
         seen[key] = rank
+
+
+def wrap_ddp(model, device, args):
+    """DistributedDataParallel with dlojz's DDP flags (--find-unused-parameters, --bucket-cap-mb,
+    --static-graph, --gradient-as-bucket-view, --broadcast-buffers)."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    # PyTorch >= 2.15 renamed broadcast_buffers (same meaning: rank 0's buffers sent before every forward)
+    buffers = 'forward_sync_buffers' if 'forward_sync_buffers' in inspect.signature(ddp).parameters else \
+        'broadcast_buffers'
+    return ddp(model, device_ids=[device.index] if device.type == 'cuda' else None,
+               find_unused_parameters=args.find_unused_parameters, bucket_cap_mb=args.bucket_cap_mb,
+               static_graph=args.static_graph, gradient_as_bucket_view=args.gradient_as_bucket_view,
+               **{buffers: args.broadcast_buffers})
 
 
 def cleanup():
