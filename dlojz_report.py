@@ -10,6 +10,11 @@ comparison.csv next to it; the comparison table is also printed.
     python dlojz_report.py runs/*                          # every section that applies to these runs
     python dlojz_report.py runs/* --sort load_ms --out trials
     python dlojz_report.py diff runs/a runs/b              # configuration differences of two runs
+
+The file reads top-down: loading run directories, what the views share (numbers, tables, figures), then
+one block per view — its computation, its figure and its Markdown together — and VIEWS, the list the
+report is built from: each view is a function of the Report (runs, output folder, options) returning its
+Markdown lines.
 """
 import argparse
 import csv
@@ -23,11 +28,12 @@ import sys
 from dataclasses import dataclass, field
 
 from dlojz_chrono import PHASES
-from dlojz_io import SUMMARY_VERSION, list_checkpoints, load_checkpoint, strip_prefixes, UsageError
+from dlojz_errors import UsageError
+from dlojz_io import SUMMARY_VERSION, list_checkpoints, load_checkpoint, strip_prefixes
 
 # Config keys that name places, not what was measured: they always differ between runs.
 PATH_KEYS = {'output_dir', 'cache_dir', 'resume'}
-DERIVED_KEYS = {'findlr_upper'}  # set from --lr by dlojz's check_args: differs exactly when lr does
+DERIVED_KEYS = {'findlr_upper'}  # written by dlojz before --lr held the sweep's upper end: follows lr
 COLORS = {'data': '#d62728', 'h2d': '#ff7f0e', 'forward': '#1f77b4', 'backward': '#2ca02c',
           'optimizer': '#9467bd', 'other': '#7f7f7f'}
 GiB = 2 ** 30
@@ -51,7 +57,7 @@ def dig(d, *keys):
     return d
 
 
-# ------------------------------------------------------------------------------------------- run directories
+# ------------------------------------------------------------------------------------ run directories
 
 @dataclass
 class RunDir:
@@ -153,7 +159,7 @@ def collect_runs(paths):
     return runs, skipped
 
 
-# ------------------------------------------------------------------------------------------------ numbers
+# -------------------------------------------------------------------------------- shared by the views
 
 def last_record(run, kind):
     recs = [r for r in run.records if r.get('type') == kind]
@@ -200,7 +206,109 @@ def numbers(run):
 
 METRICS = ['load_ms', 'compute_ms', 'step_ms', 'train_img_s', 'gpu_img_s', 'host_mem_gib', 'gpu_mem_gib',
            'j_per_img', 'top1']
+
+
 HIGHER_IS_BETTER = {'train_img_s', 'gpu_img_s', 'top1'}  # sorted best first: these descending, others ascending
+
+
+FORMATS = {'top1': '.4f', 'top1_before': '.4f', 'top1_after': '.4f', 'loss_before': '.4f', 'loss_after': '.4f',
+           'speedup': '.2f', 'efficiency': '.1%', 'j_per_img': '.3f', 'host_mem_gib': '.2f', 'gpu_mem_gib': '.2f',
+           'mem_gib': '.3f', 'max_diff': '.3g'}
+
+
+MEASURED = ('_ms', '_img_s', '_w', '_pct', '_step')  # column suffixes of timings, rates and averages
+
+
+def fmt(v, col=''):
+    """A cell: measured figures rounded for reading, flag values as given (0.1 stays 0.1)."""
+    if v is None:
+        return '—'
+    if isinstance(v, bool):
+        return 'on' if v else 'off'
+    if isinstance(v, float):
+        if col in FORMATS:
+            return format(v, FORMATS[col])
+        if col.endswith(MEASURED) or not col:
+            return f'{v:.1f}' if abs(v) >= 10 else f'{v:.2f}' if abs(v) >= 0.01 else f'{v:.3g}'
+        return f'{v:g}'
+    if isinstance(v, int) and col in ('bytes', 'calls'):
+        return f'{v:,}'
+    return str(v)
+
+
+def md_table(columns, rows, headers=None):
+    headers = headers or columns
+    lines = ['| ' + ' | '.join(headers) + ' |', '|' + '|'.join('---' for _ in columns) + '|']
+    lines += ['| ' + ' | '.join(fmt(row.get(c), c).replace('|', '/') for c in columns) + ' |' for row in rows]
+    return lines
+
+
+def text_table(columns, rows):
+    cells = [columns] + [[fmt(row.get(c), c) for c in columns] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    return ['  '.join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
+
+
+def shown(columns, rows):
+    """Drop measured columns that no run has (e.g. GPU memory and energy on CPU runs) from the display."""
+    return [c for c in columns if c not in METRICS or any(row.get(c) is not None for row in rows)]
+
+
+def hms(seconds):
+    if seconds is None:
+        return '—'
+    return f'{seconds:.1f} s' if seconds < 60 else str(datetime.timedelta(seconds=round(seconds)))
+
+
+def gib(b):
+    return f'{b / GiB:.2f} GiB' if b is not None else '—'
+
+
+def write_csv(path, columns, rows):
+    with open(path, 'w', newline='') as f:
+        w = csv.DictWriter(f, columns)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plt():
+    import matplotlib
+    matplotlib.use('Agg')  # headless: login nodes have no display
+    import matplotlib.pyplot
+    return matplotlib.pyplot
+
+
+def save_fig(fig, out, name):
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, name), dpi=100)
+    plt().close(fig)
+    return name
+
+
+def slug(name):
+    return re.sub(r'[^A-Za-z0-9._-]+', '_', name).strip('_') or 'run'
+
+
+def group_runs(runs, ignore):
+    """Runs whose config is equal apart from `ignore` (and paths), in first-seen order."""
+    groups = {}
+    for r in runs:
+        if not r.config:
+            continue
+        key = json.dumps({k: v for k, v in r.config.items() if k not in PATH_KEYS | set(ignore)}, sort_keys=True,
+                         default=str)
+        groups.setdefault(key, []).append(r)
+    return list(groups.values())
+
+
+def label(run):
+    c = run.config
+    return (f"{c.get('arch')} {c.get('image_size')} px, amp {c.get('amp')}, channels-last "
+            f"{'on' if c.get('channels_last') else 'off'}, {c.get('optimizer')}")
+
+
+# ----------------------------------------------------------------------------------- view: comparison
+
 HELP_COLUMNS = ('load_ms: mean data wait + host-to-device copy per step; compute_ms: median step without the data '
                 'wait; step_ms: median step; train_img_s = global batch / median step; gpu_img_s = global batch '
                 '/ median compute; host_mem_gib: peak RSS (VmHWM) of rank 0; gpu_mem_gib: max allocated (any '
@@ -257,356 +365,6 @@ def by_config(columns, rows, sort):
     return ['runs'] + flags + METRICS, sort_rows(out, sort if sort not in ('run', 'status') else 'train_img_s')
 
 
-def fit_line(xs, ys):
-    """Least-squares y = a + b·x -> (a, b). The course's formula assumed doubling batch sizes; this takes any."""
-    n = len(xs)
-    if n < 2 or len(set(xs)) < 2:
-        return None
-    mx, my = sum(xs) / n, sum(ys) / n
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
-
-
-def group_runs(runs, ignore):
-    """Runs whose config is equal apart from `ignore` (and paths), in first-seen order."""
-    groups = {}
-    for r in runs:
-        if not r.config:
-            continue
-        key = json.dumps({k: v for k, v in r.config.items() if k not in PATH_KEYS | set(ignore)}, sort_keys=True,
-                         default=str)
-        groups.setdefault(key, []).append(r)
-    return list(groups.values())
-
-
-def label(run):
-    c = run.config
-    return (f"{c.get('arch')} {c.get('image_size')} px, amp {c.get('amp')}, channels-last "
-            f"{'on' if c.get('channels_last') else 'off'}, {c.get('optimizer')}")
-
-
-def sweeps(runs):
-    """Batch-size sweeps: same config but the batch size (and the LR, often scaled with it), same world size."""
-    out = []
-    for g in group_runs(runs, {'batch_size', 'lr'}):
-        for ws in sorted({r.world_size for r in g}):
-            s = sorted((r for r in g if r.world_size == ws), key=lambda r: r.batch_size)
-            if len({r.batch_size for r in s}) >= 2:
-                out.append(sweep(s))
-    return out
-
-
-def sweep(runs):
-    gpu = any(r.get('memory', 'gpu_max_allocated_bytes') is not None for r in runs)
-    key = 'gpu_max_allocated_bytes' if gpu else 'host_peak_rss_bytes'
-    rows = []
-    for r in runs:
-        n = numbers(r)
-        rows.append({'run': r.name, 'batch': r.batch_size, 'status': r.status, 'mem_bytes': r.get('memory', key),
-                     'gpu_img_s': n['gpu_img_s'], 'train_img_s': n['train_img_s'], 'mean_w': r.get('energy', 'mean_w')})
-    ok = [row for row in rows if row['status'] == 'completed' and row['mem_bytes'] is not None]
-    fit = fit_line([row['batch'] for row in ok], [row['mem_bytes'] for row in ok])
-    total = next((t for r in runs if (t := r.get('provenance', 'gpu_total_memory_bytes'))), None)
-    return {'label': label(runs[0]), 'world_size': runs[0].world_size, 'memory': 'GPU max allocated' if gpu else
-            'host peak RSS (CPU run: model, activations and the process itself)', 'rows': rows, 'fit': fit,
-            'device_memory_bytes': total, 'device': runs[0].get('provenance', 'device_name')}
-
-
-def scalings(runs):
-    """Same config at several world sizes -> img/s vs processes and efficiency vs linear scaling. The LR may
-    differ: by default dlojz scales it with the global batch (linear scaling rule)."""
-    out = []
-    for g in group_runs(runs, {'lr'}):
-        by_ws = {}
-        for r in g:
-            img_s = numbers(r)['train_img_s']
-            if r.status == 'completed' and img_s:
-                by_ws.setdefault(r.world_size, []).append(img_s)
-        if len(by_ws) < 2:
-            continue
-        base_ws = min(by_ws)
-        base = statistics.median(by_ws[base_ws])
-        rows = [{'world_size': ws, 'runs': len(v), 'global_batch': ws * g[0].batch_size,
-                 'train_img_s': statistics.median(v), 'speedup': statistics.median(v) / base,
-                 'efficiency': statistics.median(v) / base / (ws / base_ws)} for ws, v in sorted(by_ws.items())]
-        out.append({'label': label(g[0]) + f', {g[0].batch_size} images per process', 'rows': rows})
-    return out
-
-
-# ---------------------------------------------------------------------------------------- NCCL communication
-
-# ncclDataType_t (nccl.h): value -> (name, bytes per element).
-NCCL_DTYPES = {0: ('int8', 1), 1: ('uint8', 1), 2: ('int32', 4), 3: ('uint32', 4), 4: ('int64', 8), 5: ('uint64', 8),
-               6: ('float16', 2), 7: ('float32', 4), 8: ('float64', 8), 9: ('bfloat16', 2), 10: ('float8e4m3', 1),
-               11: ('float8e5m2', 1)}
-# "host:pid:tid [0] NCCL INFO AllReduce: opCount 1b sendbuff 0x.. recvbuff 0x.. count 237184 datatype 7 op 0
-#  root 0 comm 0x7f0c741162f0 [nranks=2] stream 0x.."  (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL)
-COLL_RE = re.compile(r'\[(\d+)\] NCCL INFO (\w+): opCount (\w+) .*?\bcount (\d+) datatype (\d+)(?:.*?\bcomm (\S+))?'
-                     r'(?:.*?\[nranks=(\d+)\])?')
-# "host:pid:tid [0] NCCL INFO comm 0x55d6 rank 3 nranks 4 cudaDev 0 busId 7000 commId 0x.. - Init COMPLETE"
-INIT_RE = re.compile(r'NCCL INFO comm (\S+) rank (\d+) nranks (\d+).*Init COMPLETE')
-# dlojz's markers (--nccl-debug): "Train step k - rank r" before step k (0: initialisation), "Validation - rank r".
-MARK_RE = re.compile(r'(?:Train step (\d+)|(Validation)) - rank (\d+)\s*$')
-
-
-def parse_nccl(lines, file_rank=None):
-    """NCCL collective lines -> list of ops, each tagged with the phase ('init', 'step k', 'valid') its rank
-    was in. The rank of an op is its communicator's global rank (Init COMPLETE lines), else file_rank."""
-    comm_rank, phase, ops = {}, {}, []
-    for line in lines:
-        if (m := MARK_RE.search(line)):
-            step, valid, rank = m.groups()
-            phase[int(rank)] = 'valid' if valid else 'init' if step == '0' else f'step {int(step)}'
-        elif (m := INIT_RE.search(line)):
-            comm_rank[m.group(1)] = int(m.group(2))
-        elif (m := COLL_RE.search(line)):
-            local, op, opcount, count, dtype, comm, nranks = m.groups()
-            rank = comm_rank.get(comm, file_rank if file_rank is not None else int(local))
-            name, size = NCCL_DTYPES.get(int(dtype), (f'type {dtype}', None))
-            ops.append({'rank': rank, 'phase': phase.get(rank, 'init'), 'op': op, 'opcount': int(opcount, 16),
-                        'count': int(count), 'dtype': name,
-                        # bytes handed to NCCL per rank (an AllGather receives nranks times this)
-                        'bytes': int(count) * size if size else None,
-                        'nranks': int(nranks) if nranks else None})
-    return ops
-
-
-PHASE_ORDER = {'init': 0, 'train': 1, 'valid': 2}
-
-
-def phase_kind(phase):
-    return 'train' if phase.startswith('step') else phase
-
-
-def comm_view(run, max_steps=10):
-    """The run's nccl.rank<r>.log files -> tables of collectives by phase and type, or None without logs."""
-    logs = sorted((int(m.group(1)), os.path.join(run.path, n)) for n in os.listdir(run.path)
-                  if (m := re.fullmatch(r'nccl\.rank(\d+)\.log', n)))
-    if not logs:
-        return None
-    ops = []
-    for rank, path in logs:
-        with open(path, errors='replace') as f:
-            ops.extend(parse_nccl(f, rank))
-    if not ops:
-        return {'ops': [], 'logs': len(logs)}
-    ranks = sorted({o['rank'] for o in ops})
-    r0 = [o for o in ops if o['rank'] == ranks[0]]
-    steps = sorted({int(o['phase'].split()[1]) for o in r0 if o['phase'].startswith('step')})
-    table = {}
-    for o in r0:
-        row = table.setdefault((phase_kind(o['phase']), o['op']), {'calls': 0, 'bytes': 0})
-        row['calls'] += 1
-        row['bytes'] += o['bytes'] or 0
-    per_rank = {r: (sum(1 for o in ops if o['rank'] == r), sum(o['bytes'] or 0 for o in ops if o['rank'] == r))
-                for r in ranks}
-    allreduce = dict.fromkeys(steps, 0)  # one pass: a --nccl-debug log of a long run has many ops
-    for o in r0:
-        if o['op'] == 'AllReduce' and o['phase'].startswith('step'):
-            allreduce[int(o['phase'].split()[1])] += o['bytes'] or 0
-    return {'ops': ops, 'logs': len(logs), 'ranks': ranks, 'steps': steps, 'table': table, 'per_rank': per_rank,
-            'consistent': len(set(per_rank.values())) == 1, 'shown_steps': steps[:max_steps],
-            'allreduce_per_step': statistics.median(allreduce.values()) if allreduce else None,
-            'estimate': run.get('communication', 'gradient_bytes_per_step'),
-            'unknown_dtypes': sorted({o['dtype'] for o in ops if o['bytes'] is None})}
-
-
-# ------------------------------------------------------------------------------------------ BatchNorm, LR, sync
-
-BN_STATS = ('running_mean', 'running_var', 'weight', 'bias')
-
-
-def bn_layers(state_dict):
-    """Every BatchNorm layer (one with a running_mean: downsample.1 included, which the course's 'bn' name
-    filter missed) -> {layer: {stat: mean of the tensor}}, in state-dict order."""
-    out = {}
-    for k in state_dict:
-        if k.endswith('.running_mean'):
-            layer = k[:-len('.running_mean')]
-            out[layer] = {s: float(state_dict[f'{layer}.{s}'].float().mean()) for s in BN_STATS
-                          if f'{layer}.{s}' in state_dict}
-    return out
-
-
-def checkpoint_weights(path):
-    """A dlojz checkpoint (dict with 'model') or a bare state dict (the course's) -> state dict, unprefixed.
-    Checkpoints are unpickled in full: read only your own."""
-    state = load_checkpoint(path)
-    sd = state.get('model', state) if isinstance(state, dict) else {}
-    return strip_prefixes(sd)
-
-
-def bn_view(runs):
-    """-> {'layers': [...], 'runs': {name: {layer: stats}}, 'checkpoints': {name: path}} or None."""
-    per_run, paths, notes = {}, {}, []
-    for r in runs:
-        ckpts = list_checkpoints(r.path)
-        if not ckpts:
-            continue
-        try:
-            per_run[r.name] = bn_layers(checkpoint_weights(ckpts[-1]))
-            paths[r.name] = os.path.basename(ckpts[-1])
-        except UsageError as e:
-            notes.append(f'{r.name}: {e}')
-    if not per_run:
-        return None if not notes else {'layers': [], 'runs': {}, 'checkpoints': {}, 'notes': notes}
-    layers = list(dict.fromkeys(l for v in per_run.values() for l in v))
-    return {'layers': layers, 'runs': per_run, 'checkpoints': paths, 'notes': notes}
-
-
-def smooth(values, beta=0.98):
-    """Exponential moving average with bias correction (the course's lrfind smoothing)."""
-    avg, out = 0.0, []
-    for i, v in enumerate(values, 1):
-        avg = beta * avg + (1 - beta) * v
-        out.append(avg / (1 - beta ** i))
-    return out
-
-
-def lr_suggestion(lrs, losses, beta=0.98):
-    """-> (smoothed, cut, lr at the minimum smoothed loss, suggested lr = that / 10). The curve is cut where the
-    smoothed loss passes 4x its minimum so far (diverged) or stops being finite."""
-    sm = smooth(losses, beta)
-    cut = len(sm)
-    for i, v in enumerate(sm):
-        if not math.isfinite(v) or (i and v > 4 * min(sm[:i])):
-            cut = i
-            break
-    if cut == 0:
-        return sm, 0, None, None
-    i_min = min(range(cut), key=sm.__getitem__)
-    return sm, cut, lrs[i_min], lrs[i_min] / 10
-
-
-def metric_sync_rows(run):
-    rows = []
-    for rec in run.records:
-        if rec.get('type') != 'metric_sync':
-            continue
-        for r in rec.get('ranks') or []:
-            before, after = r.get('before') or {}, r.get('after') or {}
-            rows.append({'step': rec.get('global_step'), 'rank': r.get('rank'),
-                         'loss_before': before.get('loss'), 'loss_after': after.get('loss'),
-                         'top1_before': before.get('top1'), 'top1_after': after.get('top1')})
-    return rows
-
-
-def config_diff(a, b):
-    """-> [(section, key, value in a, value in b)] for config and provenance entries that differ."""
-    out = []
-    for section, da, db in (('config', a.config, b.config),
-                            ('provenance', a.get('provenance') or {}, b.get('provenance') or {})):
-        for k in sorted(set(da) | set(db)):
-            if k in ('output_dir', 'time') or da.get(k) == db.get(k):
-                continue
-            out.append((section, k, da.get(k, '—'), db.get(k, '—')))
-    if a.world_size != b.world_size:
-        out.append(('run', 'world_size', a.world_size, b.world_size))
-    return out
-
-
-# -------------------------------------------------------------------------------------------------- tables
-
-FORMATS = {'top1': '.4f', 'top1_before': '.4f', 'top1_after': '.4f', 'loss_before': '.4f', 'loss_after': '.4f',
-           'speedup': '.2f', 'efficiency': '.1%', 'j_per_img': '.3f', 'host_mem_gib': '.2f', 'gpu_mem_gib': '.2f',
-           'mem_gib': '.3f', 'max_diff': '.3g'}
-MEASURED = ('_ms', '_img_s', '_w', '_pct', '_step')  # column suffixes of timings, rates and averages
-
-
-def fmt(v, col=''):
-    """A cell: measured figures rounded for reading, flag values as given (0.1 stays 0.1)."""
-    if v is None:
-        return '—'
-    if isinstance(v, bool):
-        return 'on' if v else 'off'
-    if isinstance(v, float):
-        if col in FORMATS:
-            return format(v, FORMATS[col])
-        if col.endswith(MEASURED) or not col:
-            return f'{v:.1f}' if abs(v) >= 10 else f'{v:.2f}' if abs(v) >= 0.01 else f'{v:.3g}'
-        return f'{v:g}'
-    if isinstance(v, int) and col in ('bytes', 'calls'):
-        return f'{v:,}'
-    return str(v)
-
-
-def md_table(columns, rows, headers=None):
-    headers = headers or columns
-    lines = ['| ' + ' | '.join(headers) + ' |', '|' + '|'.join('---' for _ in columns) + '|']
-    lines += ['| ' + ' | '.join(fmt(row.get(c), c).replace('|', '/') for c in columns) + ' |' for row in rows]
-    return lines
-
-
-def text_table(columns, rows):
-    cells = [columns] + [[fmt(row.get(c), c) for c in columns] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    return ['  '.join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
-
-
-def shown(columns, rows):
-    """Drop measured columns that no run has (e.g. GPU memory and energy on CPU runs) from the display."""
-    return [c for c in columns if c not in METRICS or any(row.get(c) is not None for row in rows)]
-
-
-def hms(seconds):
-    if seconds is None:
-        return '—'
-    return f'{seconds:.1f} s' if seconds < 60 else str(datetime.timedelta(seconds=round(seconds)))
-
-
-def gib(b):
-    return f'{b / GiB:.2f} GiB' if b is not None else '—'
-
-
-# ------------------------------------------------------------------------------------------------- figures
-
-def plt():
-    import matplotlib
-    matplotlib.use('Agg')  # headless: login nodes have no display
-    import matplotlib.pyplot
-    return matplotlib.pyplot
-
-
-def save_fig(fig, out, name):
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, name), dpi=100)
-    plt().close(fig)
-    return name
-
-
-def slug(name):
-    return re.sub(r'[^A-Za-z0-9._-]+', '_', name).strip('_') or 'run'
-
-
-def plot_timeline(run, out):
-    """turbo_profiler: per-step stacked phases; a loader-bound run shows tall red (data) bars."""
-    per = run.get('timing', 'per_step') or {}
-    if not per.get('step'):
-        return None
-    p = plt()
-    n, step = len(per['step']), per['step']
-    fig, ax = p.subplots(figsize=(max(6, min(16, 0.25 * n + 4)), 3.5))
-    bars, names = {ph: per[ph] for ph in PHASES if per.get(ph)}, {}
-    if set(bars) <= {'data'}:  # --no-timing: only the data wait and the step were timed
-        data = per.get('data') or [0.0] * n
-        bars = {'data': data, 'other': [s - (d or 0) for s, d in zip(step, data)]}
-        names = {'other': 'rest of the step (--no-timing)'}
-    bottom = [0.0] * n
-    for ph, values in bars.items():
-        vals = [max(0.0, v or 0.0) * 1e3 for v in values]  # 'other' < 0 on GPU when the wait overlapped work
-        ax.bar(range(1, n + 1), vals, bottom=bottom, color=COLORS[ph], label=names.get(ph, ph), width=0.85)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.plot(range(1, n + 1), [s * 1e3 for s in step], 'k.', ms=4, label='step (wall)')
-    warm = run.get('timing', 'warmup_steps') or 0
-    if warm:
-        ax.axvspan(0.5, warm + 0.5, color='0.9', zorder=0, label='warm-up (excluded)')
-    ax.set_xlabel('training step')
-    ax.set_ylabel('ms')
-    ax.set_title(f'{run.name}: time per step by phase ({run.get("timing", "clock") or "?"} clock)')
-    ax.legend(fontsize=7, ncol=4, loc='upper right')
-    return save_fig(fig, out, f'timeline-{slug(run.name)}.png')
-
-
 def plot_comparison(columns, rows, out):
     """DataLoader trials at a glance: loading vs compute per step, labelled with train img/s."""
     rows = [r for r in rows if r['step_ms'] is not None]
@@ -631,116 +389,25 @@ def plot_comparison(columns, rows, out):
     return save_fig(fig, out, 'comparison.png')
 
 
-def plot_sweep(s, i, out):
-    p = plt()
-    fig, (a1, a2) = p.subplots(1, 2, figsize=(11, 4))
-    xs = [r['batch'] for r in s['rows']]  # a numeric axis: the fit is a straight line over any batch sizes
-    width = 0.6 * min((b - a for a, b in zip(xs, xs[1:])), default=1)
-    mem = [(r['mem_bytes'] or 0) / GiB for r in s['rows']]
-    a1.bar(xs, mem, width=width, color=['#d62728' if r['status'] == 'oom' else '#1f77b4' for r in s['rows']])
-    for x, m, r in zip(xs, mem, s['rows']):
-        if r['status'] == 'oom':
-            a1.annotate('OOM', (x, m), ha='center', va='bottom', color='#d62728', fontweight='bold')
-    if s['fit']:
-        a, b = s['fit']
-        a1.plot([0, max(xs)], [a / GiB, (a + b * max(xs)) / GiB], 'k--', lw=1,
-                label=f'fit: {a / GiB:.3f} GiB + {b / 2**20:.2f} MiB/image')
-    if s['device_memory_bytes']:
-        a1.axhline(s['device_memory_bytes'] / GiB, color='#d62728', ls=':', label=f"{s['device']} memory")
-    a1.set_xticks(xs)
-    a1.set_xlabel('batch size per process')
-    a1.set_ylabel(f"GiB, {s['memory'].split(' (')[0]}")
-    a1.legend(fontsize=7, loc='lower right')
-    ok = [(x, r) for x, r in zip(xs, s['rows']) if r['gpu_img_s']]
-    a2.plot([x for x, _ in ok], [r['gpu_img_s'] for _, r in ok], 'g-o', label='GPU throughput (compute)')
-    a2.plot([x for x, _ in ok], [r['train_img_s'] for _, r in ok], 'g--o', label='train throughput')
-    a2.set_xticks(xs)
-    a2.set_xlabel('batch size per process')
-    a2.set_ylabel('images/s')
-    a2.legend(fontsize=7)
-    fig.suptitle(s['label'], fontsize=9)
-    return save_fig(fig, out, f'sweep-{i}.png')
+def comparison_view(rep):
+    """The DataLoader-trials table: one row per run, medians per configuration when runs repeat one."""
+    columns, rows = comparison(rep.runs, rep.sort)
+    rep.table = columns, rows
+    write_csv(os.path.join(rep.out, 'comparison.csv'), columns, rows)
+    md = ['## Comparison', '', f'Sorted by `{rep.sort}`, best first; also in [comparison.csv](comparison.csv). '
+          f'Flags shown are those that differ between the runs. {HELP_COLUMNS}', '']
+    md += md_table(shown(columns, rows), rows) + ['']
+    rep.per_config = by_config(columns, rows, rep.sort)
+    if rep.per_config:
+        md += ['Per configuration, median of the completed runs (the machine is noisy: compare these):', '']
+        md += md_table(shown(*rep.per_config), rep.per_config[1]) + ['']
+        write_csv(os.path.join(rep.out, 'comparison-by-config.csv'), *rep.per_config)
+    png = guarded('comparison figure', lambda: plot_comparison(*(rep.per_config or (columns, rows)), rep.out),
+                  rep.problems)
+    return md + ([f'![comparison]({png})', ''] if isinstance(png, str) else [])
 
 
-def plot_scaling(s, i, out):
-    p = plt()
-    fig, (a1, a2) = p.subplots(1, 2, figsize=(10, 3.5))
-    ws = [r['world_size'] for r in s['rows']]
-    a1.plot(ws, [r['train_img_s'] for r in s['rows']], 'b-o', label='measured')
-    base = s['rows'][0]
-    a1.plot(ws, [base['train_img_s'] * w / base['world_size'] for w in ws], 'k:', label='linear')
-    a1.set_xlabel('processes (GPUs)')
-    a1.set_ylabel('train images/s')
-    a1.legend(fontsize=7)
-    a2.bar([str(w) for w in ws], [r['efficiency'] * 100 for r in s['rows']])
-    a2.axhline(100, color='k', ls=':')
-    a2.set_xlabel('processes (GPUs)')
-    a2.set_ylabel('efficiency vs linear (%)')
-    fig.suptitle(s['label'], fontsize=9)
-    return save_fig(fig, out, f'scaling-{i}.png')
-
-
-ZOOM_BYTES = 64 * 1024  # below this an op is "small": metric syncs, BN buffer broadcasts, NaN guards
-
-
-def plot_comm(run, c, out):
-    p = plt()
-    r0 = [o for o in c['ops'] if o['rank'] == c['ranks'][0]]
-    phases = ['init'] + [f'step {s}' for s in c['shown_steps']] + ['valid']
-    types = sorted({o['op'] for o in r0})
-    cmap = p.get_cmap('tab10')
-    fig, (a1, a2) = p.subplots(2, 1, figsize=(12, 6.5))
-    bottom = [0.0] * len(phases)
-    for j, t in enumerate(types):
-        vals = [sum(o['bytes'] or 0 for o in r0 if o['phase'] == ph and o['op'] == t) for ph in phases]
-        a1.bar(phases, vals, bottom=bottom, color=cmap(j % 10), label=t)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    a1.set_yscale('symlog', linthresh=1)
-    a1.set_ylim(bottom=0)
-    a1.set_ylabel(f'bytes (rank {c["ranks"][0]})')
-    a1.set_title(f'{run.name}: NCCL collectives per phase, total {sum(o["bytes"] or 0 for o in r0):,} bytes')
-    a1.legend(fontsize=7)
-    a1.tick_params(axis='x', labelsize=7, rotation=45)
-    small = [o for o in sorted(r0, key=lambda o: o['opcount']) if (o['bytes'] or 0) < ZOOM_BYTES and
-             (o['phase'] in phases)]
-    a2.bar(range(len(small)), [o['bytes'] or 0 for o in small], color=[cmap(types.index(o['op']) % 10) for o in small])
-    a2.set_xticks(range(len(small)), [o['phase'] for o in small], fontsize=6, rotation=90)
-    a2.set_yscale('symlog', linthresh=1)  # 4-byte metric syncs next to kilobyte buffers
-    a2.set_ylim(bottom=0)
-    a2.set_ylabel('bytes')
-    a2.set_title(f'zoom: the {len(small)} ops under {ZOOM_BYTES // 1024} KiB, in order (colour = type)')
-    return save_fig(fig, out, f'comm-{slug(run.name)}.png')
-
-
-def plot_bn(bn, out):
-    p = plt()
-    fig, axes = p.subplots(2, 2, figsize=(13, 7))
-    x = range(len(bn['layers']))
-    for ax, stat in zip(axes.flat, BN_STATS):
-        for name, layers in bn['runs'].items():
-            ax.plot(x, [layers.get(l, {}).get(stat, float('nan')) for l in bn['layers']], '-o', ms=3, label=name)
-        ax.set_title(f'mean of {stat}')
-        ax.set_xticks(list(x), bn['layers'], rotation=90, fontsize=5)
-    axes.flat[0].legend(fontsize=7)
-    return save_fig(fig, out, 'batchnorm.png')
-
-
-def plot_lr(run, lrs, losses, sm, cut, suggested, out):
-    p = plt()
-    fig, ax = p.subplots(figsize=(7, 3.5))
-    ax.plot(lrs[:cut], losses[:cut], color='#9ecae1', lw=1, label='loss')
-    ax.plot(lrs[:cut], sm[:cut], color='navy', label='smoothed (EMA 0.98)')
-    if suggested:
-        ax.axvline(suggested, color='#d62728', ls='--', label=f'suggested lr {suggested:.3g}')
-    ax.set_xscale('log')
-    ax.set_xlabel('learning rate')
-    ax.set_ylabel('training loss')
-    ax.set_title(f'{run.name}: LR range test')
-    ax.legend(fontsize=7)
-    return save_fig(fig, out, f'lrfind-{slug(run.name)}.png')
-
-
-# -------------------------------------------------------------------------------------------------- report
+# ----------------------------------------------------------------- view: run dashboards and timelines
 
 def dashboard(run, out):
     """controle_technique: one section per run."""
@@ -818,24 +485,116 @@ def dashboard(run, out):
     return md
 
 
-def write_csv(path, columns, rows):
-    with open(path, 'w', newline='') as f:
-        w = csv.DictWriter(f, columns)
-        w.writeheader()
-        w.writerows(rows)
+def plot_timeline(run, out):
+    """turbo_profiler: per-step stacked phases; a loader-bound run shows tall red (data) bars."""
+    per = run.get('timing', 'per_step') or {}
+    if not per.get('step'):
+        return None
+    p = plt()
+    n, step = len(per['step']), per['step']
+    fig, ax = p.subplots(figsize=(max(6, min(16, 0.25 * n + 4)), 3.5))
+    bars, names = {ph: per[ph] for ph in PHASES if per.get(ph)}, {}
+    if set(bars) <= {'data'}:  # --no-timing: only the data wait and the step were timed
+        data = per.get('data') or [0.0] * n
+        bars = {'data': data, 'other': [s - (d or 0) for s, d in zip(step, data)]}
+        names = {'other': 'rest of the step (--no-timing)'}
+    bottom = [0.0] * n
+    for ph, values in bars.items():
+        vals = [max(0.0, v or 0.0) * 1e3 for v in values]  # 'other' < 0 on GPU when the wait overlapped work
+        ax.bar(range(1, n + 1), vals, bottom=bottom, color=COLORS[ph], label=names.get(ph, ph), width=0.85)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.plot(range(1, n + 1), [s * 1e3 for s in step], 'k.', ms=4, label='step (wall)')
+    warm = run.get('timing', 'warmup_steps') or 0
+    if warm:
+        ax.axvspan(0.5, warm + 0.5, color='0.9', zorder=0, label='warm-up (excluded)')
+    ax.set_xlabel('training step')
+    ax.set_ylabel('ms')
+    ax.set_title(f'{run.name}: time per step by phase ({run.get("timing", "clock") or "?"} clock)')
+    ax.legend(fontsize=7, ncol=4, loc='upper right')
+    return save_fig(fig, out, f'timeline-{slug(run.name)}.png')
 
 
-def section(title, builder, problems):
-    """A section that fails on odd input becomes a sentence in the report, never a traceback."""
-    try:
-        return builder()
-    except Exception as e:  # noqa: BLE001 - a report of many runs must survive one bad run
-        problems.append(f'{title}: {type(e).__name__}: {e}')
-        return [f'*{title} could not be built: {type(e).__name__}: {e}*', '']
+def dashboards_view(rep):
+    """controle_technique and turbo_profiler, one section per run (one odd run does not stop the others)."""
+    md = ['## Runs', '']
+    for r in rep.runs:
+        md += guarded(f'dashboard of {r.name}', lambda r=r: dashboard(r, rep.out), rep.problems)
+    return md
 
 
-def md_sweeps(runs, out):
+# ----------------------------------------------------------------------------- view: batch-size sweep
+
+def fit_line(xs, ys):
+    """Least-squares y = a + b·x -> (a, b). The course's formula assumed doubling batch sizes; this takes any."""
+    n = len(xs)
+    if n < 2 or len(set(xs)) < 2:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def sweeps(runs):
+    """Batch-size sweeps: same config but the batch size (and the LR, often scaled with it), same world size."""
+    out = []
+    for g in group_runs(runs, {'batch_size', 'lr'}):
+        for ws in sorted({r.world_size for r in g}):
+            s = sorted((r for r in g if r.world_size == ws), key=lambda r: r.batch_size)
+            if len({r.batch_size for r in s}) >= 2:
+                out.append(sweep(s))
+    return out
+
+
+def sweep(runs):
+    gpu = any(r.get('memory', 'gpu_max_allocated_bytes') is not None for r in runs)
+    key = 'gpu_max_allocated_bytes' if gpu else 'host_peak_rss_bytes'
+    rows = []
+    for r in runs:
+        n = numbers(r)
+        rows.append({'run': r.name, 'batch': r.batch_size, 'status': r.status, 'mem_bytes': r.get('memory', key),
+                     'gpu_img_s': n['gpu_img_s'], 'train_img_s': n['train_img_s'], 'mean_w': r.get('energy', 'mean_w')})
+    ok = [row for row in rows if row['status'] == 'completed' and row['mem_bytes'] is not None]
+    fit = fit_line([row['batch'] for row in ok], [row['mem_bytes'] for row in ok])
+    total = next((t for r in runs if (t := r.get('provenance', 'gpu_total_memory_bytes'))), None)
+    return {'label': label(runs[0]), 'world_size': runs[0].world_size, 'memory': 'GPU max allocated' if gpu else
+            'host peak RSS (CPU run: model, activations and the process itself)', 'rows': rows, 'fit': fit,
+            'device_memory_bytes': total, 'device': runs[0].get('provenance', 'device_name')}
+
+
+def plot_sweep(s, i, out):
+    p = plt()
+    fig, (a1, a2) = p.subplots(1, 2, figsize=(11, 4))
+    xs = [r['batch'] for r in s['rows']]  # a numeric axis: the fit is a straight line over any batch sizes
+    width = 0.6 * min((b - a for a, b in zip(xs, xs[1:])), default=1)
+    mem = [(r['mem_bytes'] or 0) / GiB for r in s['rows']]
+    a1.bar(xs, mem, width=width, color=['#d62728' if r['status'] == 'oom' else '#1f77b4' for r in s['rows']])
+    for x, m, r in zip(xs, mem, s['rows']):
+        if r['status'] == 'oom':
+            a1.annotate('OOM', (x, m), ha='center', va='bottom', color='#d62728', fontweight='bold')
+    if s['fit']:
+        a, b = s['fit']
+        a1.plot([0, max(xs)], [a / GiB, (a + b * max(xs)) / GiB], 'k--', lw=1,
+                label=f'fit: {a / GiB:.3f} GiB + {b / 2**20:.2f} MiB/image')
+    if s['device_memory_bytes']:
+        a1.axhline(s['device_memory_bytes'] / GiB, color='#d62728', ls=':', label=f"{s['device']} memory")
+    a1.set_xticks(xs)
+    a1.set_xlabel('batch size per process')
+    a1.set_ylabel(f"GiB, {s['memory'].split(' (')[0]}")
+    a1.legend(fontsize=7, loc='lower right')
+    ok = [(x, r) for x, r in zip(xs, s['rows']) if r['gpu_img_s']]
+    a2.plot([x for x, _ in ok], [r['gpu_img_s'] for _, r in ok], 'g-o', label='GPU throughput (compute)')
+    a2.plot([x for x, _ in ok], [r['train_img_s'] for _, r in ok], 'g--o', label='train throughput')
+    a2.set_xticks(xs)
+    a2.set_xlabel('batch size per process')
+    a2.set_ylabel('images/s')
+    a2.legend(fontsize=7)
+    fig.suptitle(s['label'], fontsize=9)
+    return save_fig(fig, out, f'sweep-{i}.png')
+
+
+def sweep_view(rep):
     """GPU_underthehood: memory and throughput vs batch size."""
+    runs, out = rep.runs, rep.out
     lines = []
     for i, s in enumerate(sweeps(runs), 1):
         lines += [f'### {s["label"]}, {s["world_size"]} process(es)', '', f'Memory: {s["memory"]}.', '']
@@ -851,8 +610,50 @@ def md_sweeps(runs, out):
     return ['## Batch-size sweep', ''] + lines if lines else []
 
 
-def md_scaling(runs, out):
+# -------------------------------------------------------------------------------------- view: scaling
+
+def scalings(runs):
+    """Same config at several world sizes -> img/s vs processes and efficiency vs linear scaling. The LR may
+    differ: by default dlojz scales it with the global batch (linear scaling rule)."""
+    out = []
+    for g in group_runs(runs, {'lr'}):
+        by_ws = {}
+        for r in g:
+            img_s = numbers(r)['train_img_s']
+            if r.status == 'completed' and img_s:
+                by_ws.setdefault(r.world_size, []).append(img_s)
+        if len(by_ws) < 2:
+            continue
+        base_ws = min(by_ws)
+        base = statistics.median(by_ws[base_ws])
+        rows = [{'world_size': ws, 'runs': len(v), 'global_batch': ws * g[0].batch_size,
+                 'train_img_s': statistics.median(v), 'speedup': statistics.median(v) / base,
+                 'efficiency': statistics.median(v) / base / (ws / base_ws)} for ws, v in sorted(by_ws.items())]
+        out.append({'label': label(g[0]) + f', {g[0].batch_size} images per process', 'rows': rows})
+    return out
+
+
+def plot_scaling(s, i, out):
+    p = plt()
+    fig, (a1, a2) = p.subplots(1, 2, figsize=(10, 3.5))
+    ws = [r['world_size'] for r in s['rows']]
+    a1.plot(ws, [r['train_img_s'] for r in s['rows']], 'b-o', label='measured')
+    base = s['rows'][0]
+    a1.plot(ws, [base['train_img_s'] * w / base['world_size'] for w in ws], 'k:', label='linear')
+    a1.set_xlabel('processes (GPUs)')
+    a1.set_ylabel('train images/s')
+    a1.legend(fontsize=7)
+    a2.bar([str(w) for w in ws], [r['efficiency'] * 100 for r in s['rows']])
+    a2.axhline(100, color='k', ls=':')
+    a2.set_xlabel('processes (GPUs)')
+    a2.set_ylabel('efficiency vs linear (%)')
+    fig.suptitle(s['label'], fontsize=9)
+    return save_fig(fig, out, f'scaling-{i}.png')
+
+
+def scaling_view(rep):
     """img/s and efficiency vs world size."""
+    runs, out = rep.runs, rep.out
     lines = []
     for i, s in enumerate(scalings(runs), 1):
         lines += [f'### {s["label"]}', '']
@@ -862,8 +663,125 @@ def md_scaling(runs, out):
             '(processes / smallest processes).', ''] + lines if lines else []
 
 
-def md_communication(runs, out, comm_steps):
+# --------------------------------------------------------------------------- view: NCCL communication
+
+# ncclDataType_t (nccl.h): value -> (name, bytes per element).
+NCCL_DTYPES = {0: ('int8', 1), 1: ('uint8', 1), 2: ('int32', 4), 3: ('uint32', 4), 4: ('int64', 8), 5: ('uint64', 8),
+               6: ('float16', 2), 7: ('float32', 4), 8: ('float64', 8), 9: ('bfloat16', 2), 10: ('float8e4m3', 1),
+               11: ('float8e5m2', 1)}
+
+
+# "host:pid:tid [0] NCCL INFO AllReduce: opCount 1b sendbuff 0x.. recvbuff 0x.. count 237184 datatype 7 op 0
+#  root 0 comm 0x7f0c741162f0 [nranks=2] stream 0x.."  (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL)
+COLL_RE = re.compile(r'\[(\d+)\] NCCL INFO (\w+): opCount (\w+) .*?\bcount (\d+) datatype (\d+)(?:.*?\bcomm (\S+))?'
+                     r'(?:.*?\[nranks=(\d+)\])?')
+
+
+# "host:pid:tid [0] NCCL INFO comm 0x55d6 rank 3 nranks 4 cudaDev 0 busId 7000 commId 0x.. - Init COMPLETE"
+INIT_RE = re.compile(r'NCCL INFO comm (\S+) rank (\d+) nranks (\d+).*Init COMPLETE')
+
+
+# dlojz's markers (--nccl-debug): "Train step k - rank r" before step k (0: initialisation), "Validation - rank r".
+MARK_RE = re.compile(r'(?:Train step (\d+)|(Validation)) - rank (\d+)\s*$')
+
+
+def parse_nccl(lines, file_rank=None):
+    """NCCL collective lines -> list of ops, each tagged with the phase ('init', 'step k', 'valid') its rank
+    was in. The rank of an op is its communicator's global rank (Init COMPLETE lines), else file_rank."""
+    comm_rank, phase, ops = {}, {}, []
+    for line in lines:
+        if (m := MARK_RE.search(line)):
+            step, valid, rank = m.groups()
+            phase[int(rank)] = 'valid' if valid else 'init' if step == '0' else f'step {int(step)}'
+        elif (m := INIT_RE.search(line)):
+            comm_rank[m.group(1)] = int(m.group(2))
+        elif (m := COLL_RE.search(line)):
+            local, op, opcount, count, dtype, comm, nranks = m.groups()
+            rank = comm_rank.get(comm, file_rank if file_rank is not None else int(local))
+            name, size = NCCL_DTYPES.get(int(dtype), (f'type {dtype}', None))
+            ops.append({'rank': rank, 'phase': phase.get(rank, 'init'), 'op': op, 'opcount': int(opcount, 16),
+                        'count': int(count), 'dtype': name,
+                        # bytes handed to NCCL per rank (an AllGather receives nranks times this)
+                        'bytes': int(count) * size if size else None,
+                        'nranks': int(nranks) if nranks else None})
+    return ops
+
+
+PHASE_ORDER = {'init': 0, 'train': 1, 'valid': 2}
+
+
+def phase_kind(phase):
+    return 'train' if phase.startswith('step') else phase
+
+
+def comm_view(run, max_steps=10):
+    """The run's nccl.rank<r>.log files -> tables of collectives by phase and type, or None without logs."""
+    logs = sorted((int(m.group(1)), os.path.join(run.path, n)) for n in os.listdir(run.path)
+                  if (m := re.fullmatch(r'nccl\.rank(\d+)\.log', n)))
+    if not logs:
+        return None
+    ops = []
+    for rank, path in logs:
+        with open(path, errors='replace') as f:
+            ops.extend(parse_nccl(f, rank))
+    if not ops:
+        return {'ops': [], 'logs': len(logs)}
+    ranks = sorted({o['rank'] for o in ops})
+    r0 = [o for o in ops if o['rank'] == ranks[0]]
+    steps = sorted({int(o['phase'].split()[1]) for o in r0 if o['phase'].startswith('step')})
+    table = {}
+    for o in r0:
+        row = table.setdefault((phase_kind(o['phase']), o['op']), {'calls': 0, 'bytes': 0})
+        row['calls'] += 1
+        row['bytes'] += o['bytes'] or 0
+    per_rank = {r: (sum(1 for o in ops if o['rank'] == r), sum(o['bytes'] or 0 for o in ops if o['rank'] == r))
+                for r in ranks}
+    allreduce = dict.fromkeys(steps, 0)  # one pass: a --nccl-debug log of a long run has many ops
+    for o in r0:
+        if o['op'] == 'AllReduce' and o['phase'].startswith('step'):
+            allreduce[int(o['phase'].split()[1])] += o['bytes'] or 0
+    return {'ops': ops, 'logs': len(logs), 'ranks': ranks, 'steps': steps, 'table': table, 'per_rank': per_rank,
+            'consistent': len(set(per_rank.values())) == 1, 'shown_steps': steps[:max_steps],
+            'allreduce_per_step': statistics.median(allreduce.values()) if allreduce else None,
+            'estimate': run.get('communication', 'gradient_bytes_per_step'),
+            'unknown_dtypes': sorted({o['dtype'] for o in ops if o['bytes'] is None})}
+
+
+ZOOM_BYTES = 64 * 1024  # below this an op is "small": metric syncs, BN buffer broadcasts, NaN guards
+
+
+def plot_comm(run, c, out):
+    p = plt()
+    r0 = [o for o in c['ops'] if o['rank'] == c['ranks'][0]]
+    phases = ['init'] + [f'step {s}' for s in c['shown_steps']] + ['valid']
+    types = sorted({o['op'] for o in r0})
+    cmap = p.get_cmap('tab10')
+    fig, (a1, a2) = p.subplots(2, 1, figsize=(12, 6.5))
+    bottom = [0.0] * len(phases)
+    for j, t in enumerate(types):
+        vals = [sum(o['bytes'] or 0 for o in r0 if o['phase'] == ph and o['op'] == t) for ph in phases]
+        a1.bar(phases, vals, bottom=bottom, color=cmap(j % 10), label=t)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    a1.set_yscale('symlog', linthresh=1)
+    a1.set_ylim(bottom=0)
+    a1.set_ylabel(f'bytes (rank {c["ranks"][0]})')
+    a1.set_title(f'{run.name}: NCCL collectives per phase, total {sum(o["bytes"] or 0 for o in r0):,} bytes')
+    a1.legend(fontsize=7)
+    a1.tick_params(axis='x', labelsize=7, rotation=45)
+    small = [o for o in sorted(r0, key=lambda o: o['opcount']) if (o['bytes'] or 0) < ZOOM_BYTES and
+             (o['phase'] in phases)]
+    a2.bar(range(len(small)), [o['bytes'] or 0 for o in small], color=[cmap(types.index(o['op']) % 10) for o in small])
+    a2.set_xticks(range(len(small)), [o['phase'] for o in small], fontsize=6, rotation=90)
+    a2.set_yscale('symlog', linthresh=1)  # 4-byte metric syncs next to kilobyte buffers
+    a2.set_ylim(bottom=0)
+    a2.set_ylabel('bytes')
+    a2.set_title(f'zoom: the {len(small)} ops under {ZOOM_BYTES // 1024} KiB, in order (colour = type)')
+    return save_fig(fig, out, f'comm-{slug(run.name)}.png')
+
+
+def communication_view(rep):
     """comm_profiler: NCCL collectives from the nccl.rank<r>.log files."""
+    runs, out, comm_steps = rep.runs, rep.out, rep.comm_steps
     lines = []
     for r in runs:
         c = comm_view(r, comm_steps)
@@ -894,8 +812,65 @@ def md_communication(runs, out, comm_steps):
     return ['## Communication (NCCL)', ''] + lines if lines else []
 
 
-def md_batchnorm(runs, out):
+# ------------------------------------------------------------------------------------ view: BatchNorm
+
+BN_STATS = ('running_mean', 'running_var', 'weight', 'bias')
+
+
+def bn_layers(state_dict):
+    """Every BatchNorm layer (one with a running_mean: downsample.1 included, which the course's 'bn' name
+    filter missed) -> {layer: {stat: mean of the tensor}}, in state-dict order."""
+    out = {}
+    for k in state_dict:
+        if k.endswith('.running_mean'):
+            layer = k[:-len('.running_mean')]
+            out[layer] = {s: float(state_dict[f'{layer}.{s}'].float().mean()) for s in BN_STATS
+                          if f'{layer}.{s}' in state_dict}
+    return out
+
+
+def checkpoint_weights(path):
+    """A dlojz checkpoint (dict with 'model') or a bare state dict (the course's) -> state dict, unprefixed.
+    Checkpoints are unpickled in full: read only your own."""
+    state = load_checkpoint(path)
+    sd = state.get('model', state) if isinstance(state, dict) else {}
+    return strip_prefixes(sd)
+
+
+def bn_view(runs):
+    """-> {'layers': [...], 'runs': {name: {layer: stats}}, 'checkpoints': {name: path}} or None."""
+    per_run, paths, notes = {}, {}, []
+    for r in runs:
+        ckpts = list_checkpoints(r.path)
+        if not ckpts:
+            continue
+        try:
+            per_run[r.name] = bn_layers(checkpoint_weights(ckpts[-1]))
+            paths[r.name] = os.path.basename(ckpts[-1])
+        except UsageError as e:
+            notes.append(f'{r.name}: {e}')
+    if not per_run:
+        return None if not notes else {'layers': [], 'runs': {}, 'checkpoints': {}, 'notes': notes}
+    layers = list(dict.fromkeys(l for v in per_run.values() for l in v))
+    return {'layers': layers, 'runs': per_run, 'checkpoints': paths, 'notes': notes}
+
+
+def plot_bn(bn, out):
+    p = plt()
+    fig, axes = p.subplots(2, 2, figsize=(13, 7))
+    x = range(len(bn['layers']))
+    for ax, stat in zip(axes.flat, BN_STATS):
+        for name, layers in bn['runs'].items():
+            ax.plot(x, [layers.get(l, {}).get(stat, float('nan')) for l in bn['layers']], '-o', ms=3, label=name)
+        ax.set_title(f'mean of {stat}')
+        ax.set_xticks(list(x), bn['layers'], rotation=90, fontsize=5)
+    axes.flat[0].legend(fontsize=7)
+    return save_fig(fig, out, 'batchnorm.png')
+
+
+def batchnorm_view(rep):
     """BatchNorm_view: the newest checkpoint of each run."""
+    runs, out = rep.runs, rep.out
     bn = bn_view(runs)
     if bn is None:
         return []
@@ -925,8 +900,24 @@ def md_batchnorm(runs, out):
                     '']
 
 
-def md_metric_sync(runs):
+# ------------------------------------------------------------------------------ view: metric sync log
+
+def metric_sync_rows(run):
+    rows = []
+    for rec in run.records:
+        if rec.get('type') != 'metric_sync':
+            continue
+        for r in rec.get('ranks') or []:
+            before, after = r.get('before') or {}, r.get('after') or {}
+            rows.append({'step': rec.get('global_step'), 'rank': r.get('rank'),
+                         'loss_before': before.get('loss'), 'loss_after': after.get('loss'),
+                         'top1_before': before.get('top1'), 'top1_after': after.get('top1')})
+    return rows
+
+
+def metric_sync_view(rep):
     """metric_compute_log: per-rank values before and after the sync."""
+    runs = rep.runs
     lines = []
     for r in runs:
         rows_s = metric_sync_rows(r)
@@ -943,8 +934,50 @@ def md_metric_sync(runs):
             'torchmetrics compute(), from `--metric-sync-log`.', ''] + lines if lines else []
 
 
-def md_lr_finder(runs, out):
+# ------------------------------------------------------------------------------------ view: LR finder
+
+def smooth(values, beta=0.98):
+    """Exponential moving average with bias correction (the course's lrfind smoothing)."""
+    avg, out = 0.0, []
+    for i, v in enumerate(values, 1):
+        avg = beta * avg + (1 - beta) * v
+        out.append(avg / (1 - beta ** i))
+    return out
+
+
+def lr_suggestion(lrs, losses, beta=0.98):
+    """-> (smoothed, cut, lr at the minimum smoothed loss, suggested lr = that / 10). The curve is cut where the
+    smoothed loss passes 4x its minimum so far (diverged) or stops being finite."""
+    sm = smooth(losses, beta)
+    cut = len(sm)
+    for i, v in enumerate(sm):
+        if not math.isfinite(v) or (i and v > 4 * min(sm[:i])):
+            cut = i
+            break
+    if cut == 0:
+        return sm, 0, None, None
+    i_min = min(range(cut), key=sm.__getitem__)
+    return sm, cut, lrs[i_min], lrs[i_min] / 10
+
+
+def plot_lr(run, lrs, losses, sm, cut, suggested, out):
+    p = plt()
+    fig, ax = p.subplots(figsize=(7, 3.5))
+    ax.plot(lrs[:cut], losses[:cut], color='#9ecae1', lw=1, label='loss')
+    ax.plot(lrs[:cut], sm[:cut], color='navy', label='smoothed (EMA 0.98)')
+    if suggested:
+        ax.axvline(suggested, color='#d62728', ls='--', label=f'suggested lr {suggested:.3g}')
+    ax.set_xscale('log')
+    ax.set_xlabel('learning rate')
+    ax.set_ylabel('training loss')
+    ax.set_title(f'{run.name}: LR range test')
+    ax.legend(fontsize=7)
+    return save_fig(fig, out, f'lrfind-{slug(run.name)}.png')
+
+
+def lr_finder_view(rep):
     """lrfind_plot: smoothed loss vs LR and a suggestion."""
+    runs, out = rep.runs, rep.out
     lines = []
     for r in runs:
         fl = r.get('findlr')
@@ -954,57 +987,87 @@ def md_lr_finder(runs, out):
         sm, cut, at_min, suggested = lr_suggestion(lrs, losses)
         lines += [f'### {r.name}', '', f"{len(lrs)} steps from lr {lrs[0]:.3g} to {lrs[-1]:.3g}; smoothed loss "
                   f"lowest at lr {at_min:.3g}; **suggested lr {suggested:.3g}** (a tenth of that)." if suggested else
-                  f"{len(lrs)} steps: the smoothed loss is not finite from the start, no suggestion.", '',
-                  f'![LR finder]({plot_lr(r, lrs, losses, sm, cut or len(lrs), suggested, out)})', '']
+                  f"{len(lrs)} steps: the smoothed loss is not finite from the start, no suggestion.", '']
+        if fl.get('stopped'):  # dlojz stops a sweep when the loss diverges
+            lines += [f"The sweep ended: {fl['stopped']}.", '']
+        lines += [f'![LR finder]({plot_lr(r, lrs, losses, sm, cut or len(lrs), suggested, out)})', '']
     return ['## LR finder', ''] + lines if lines else []
 
 
-def build_report(runs, out, sort='train_img_s', comm_steps=10, skipped=()):
-    """Write out/report.md, figures and comparison.csv. -> (comparison columns, rows, per-config medians or
-    None, problems)."""
-    os.makedirs(out, exist_ok=True)
-    problems = []
-    columns, rows = comparison(runs, sort)
-    write_csv(os.path.join(out, 'comparison.csv'), columns, rows)
+# ----------------------------------------------------------------------------------------- view: diff
+
+def config_diff(a, b):
+    """-> [(section, key, value in a, value in b)] for config and provenance entries that differ."""
+    out = []
+    for section, da, db in (('config', a.config, b.config),
+                            ('provenance', a.get('provenance') or {}, b.get('provenance') or {})):
+        for k in sorted(set(da) | set(db)):
+            if k in ('output_dir', 'time') or da.get(k) == db.get(k):
+                continue
+            out.append((section, k, da.get(k, '—'), db.get(k, '—')))
+    if a.world_size != b.world_size:
+        out.append(('run', 'world_size', a.world_size, b.world_size))
+    return out
+
+
+def diff_view(rep):
+    if len(rep.runs) != 2:
+        return []
+    a, b = rep.runs
+    return ['## Diff', '', f'`{a.name}` vs `{b.name}`:', ''] + md_table(
+        ['section', 'key', 'a', 'b'], [dict(zip(('section', 'key', 'a', 'b'), d)) for d in config_diff(a, b)],
+        ['', 'key', a.name, b.name]) + ['']
+
+
+# ----------------------------------------------------------------------------------------- the report
+
+@dataclass
+class Report:
+    """What every view is given: the runs, where to write and the options. A view returns its Markdown
+    lines ([] when it does not apply) and may leave results here for the command line (the table)."""
+    runs: list
+    out: str
+    sort: str = 'train_img_s'
+    comm_steps: int = 10
+    skipped: tuple = ()
+    problems: list = field(default_factory=list)
+    table: tuple = None       # comparison (columns, rows), printed by main
+    per_config: tuple = None  # medians per repeated configuration, or None
+
+
+VIEWS = [('comparison', comparison_view), ('run dashboards', dashboards_view), ('batch-size sweep', sweep_view),
+         ('scaling', scaling_view), ('communication', communication_view), ('BatchNorm view', batchnorm_view),
+         ('metric sync log', metric_sync_view), ('LR finder', lr_finder_view), ('diff', diff_view)]
+
+
+def guarded(title, build, problems):
+    """A part that fails on odd input becomes a sentence in the report, never a traceback. A user error
+    (ReportError: a bad --sort) still stops the command."""
+    try:
+        return build()
+    except ReportError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a report of many runs must survive one bad run
+        problems.append(f'{title}: {type(e).__name__}: {e}')
+        return [f'*{title} could not be built: {type(e).__name__}: {e}*', '']
+
+
+def build_report(rep):
+    """Write rep.out/report.md with its figures and CSV files, one view after the other; -> rep."""
+    os.makedirs(rep.out, exist_ok=True)
     md = ['# dlojz report', '',
-          f'{len(runs)} run(s), generated {datetime.datetime.now():%Y-%m-%d %H:%M} by `dlojz_report.py`.', '']
-    md += [f'*Skipped (not a dlojz run directory): {p}*' for p in skipped] + ([''] if skipped else [])
-
-    md += ['## Comparison', '', f'Sorted by `{sort}`, best first; also in [comparison.csv](comparison.csv). '
-           f'Flags shown are those that differ between the runs. {HELP_COLUMNS}', '']
-    md += md_table(shown(columns, rows), rows) + ['']
-    per_config = by_config(columns, rows, sort)
-    if per_config:
-        md += ['Per configuration, median of the completed runs (the machine is noisy: compare these):', '']
-        md += md_table(shown(*per_config), per_config[1]) + ['']
-        write_csv(os.path.join(out, 'comparison-by-config.csv'), *per_config)
-    png = section('comparison figure', lambda: plot_comparison(*(per_config or (columns, rows)), out), problems)
-    if isinstance(png, str):
-        md += [f'![comparison]({png})', '']
-
-    md += ['## Runs', '']
-    for r in runs:
-        md += section(f'dashboard of {r.name}', lambda r=r: dashboard(r, out), problems)
-    md += section('batch-size sweep', lambda: md_sweeps(runs, out), problems)
-    md += section('scaling', lambda: md_scaling(runs, out), problems)
-    md += section('communication', lambda: md_communication(runs, out, comm_steps), problems)
-    md += section('BatchNorm view', lambda: md_batchnorm(runs, out), problems)
-    md += section('metric sync log', lambda: md_metric_sync(runs), problems)
-    md += section('LR finder', lambda: md_lr_finder(runs, out), problems)
-
-    if len(runs) == 2:
-        md += ['## Diff', '', f'`{runs[0].name}` vs `{runs[1].name}`:', '']
-        md += md_table(['section', 'key', 'a', 'b'], [dict(zip(('section', 'key', 'a', 'b'), d))
-                                                      for d in config_diff(*runs)], ['', 'key', runs[0].name,
-                                                                                     runs[1].name]) + ['']
-    if problems:
-        md += ['## Problems', ''] + [f'- {p}' for p in problems] + ['']
-    with open(os.path.join(out, 'report.md'), 'w') as f:
+          f'{len(rep.runs)} run(s), generated {datetime.datetime.now():%Y-%m-%d %H:%M} by `dlojz_report.py`.', '']
+    md += [f'*Skipped (not a dlojz run directory): {p}*' for p in rep.skipped] + ([''] if rep.skipped else [])
+    for title, view in VIEWS:
+        md += guarded(title, lambda view=view: view(rep), rep.problems)
+    if rep.problems:
+        md += ['## Problems', ''] + [f'- {p}' for p in rep.problems] + ['']
+    with open(os.path.join(rep.out, 'report.md'), 'w') as f:
         f.write('\n'.join(md))
-    return columns, rows, per_config, problems
+    return rep
 
 
-# ---------------------------------------------------------------------------------------------------- CLI
+# --------------------------------------------------------------------------------------- command line
 
 def get_args_parser():
     p = argparse.ArgumentParser(description='Report on dlojz run directories: Markdown + PNG figures + CSV.',
@@ -1042,19 +1105,20 @@ def main(argv=None):
     args = get_args_parser().parse_args(argv)
     runs, skipped = collect_runs(args.runs)
     try:  # a folder that cannot be created or written, or --out naming a file
-        columns, rows, per_config, problems = build_report(runs, args.out, args.sort, args.comm_steps, skipped)
+        rep = build_report(Report(runs, args.out, args.sort, args.comm_steps, skipped))
     except OSError as e:
         raise ReportError(f'cannot write the report into {args.out} ({e.strerror or e}); pass a writable --out.')
-    print('\n'.join(text_table(shown(columns, rows), rows)))
-    if per_config:
+    if rep.table:
+        print('\n'.join(text_table(shown(*rep.table), rep.table[1])))
+    if rep.per_config:
         print('\nMedian per configuration:')
-        print('\n'.join(text_table(shown(*per_config), per_config[1])))
+        print('\n'.join(text_table(shown(*rep.per_config), rep.per_config[1])))
     for r in runs:
         if r.status != 'completed':
             print(f'{r.name}: {verdict(r)}')
     for p in skipped:
         print(f'skipped {p}: not a dlojz run directory')
-    for p in problems:
+    for p in rep.problems:
         print(f'problem: {p}', file=sys.stderr)
     print(f'Report written to {os.path.join(args.out, "report.md")}')
 

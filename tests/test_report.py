@@ -250,6 +250,7 @@ def test_lr_finder_smoothing_and_suggestion(runs, tmp_path):
     text = (out / 'report.md').read_text()
     assert code == 0 and f"{len(s['findlr']['lr'])} steps from lr 1e-08" in text and 'lrfind-findlr.png' in \
         check_figures(out)
+    assert f"The sweep ended: {s['findlr']['stopped']}." in text
 
 
 
