@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn as nn
-from torchmetrics import SumMetric
 
 import custom_models
 import dlojz_dist
@@ -171,8 +170,8 @@ def get_args_parser(add_help=True):
     g.add_argument('--dist-debug', action='store_true', help='TORCH_DISTRIBUTED_DEBUG=DETAIL')
     g = p.add_argument_group('logging and profiling')
     g.add_argument('--log-interval', type=I, default=10, help='steps between log lines')
-    g.add_argument('--metric-step', type=I, default=100, help='steps between train accuracy computations (a '
-                   'collective: torchmetrics gathers every rank\'s state)')
+    g.add_argument('--metric-step', type=I, default=100, help='steps between train accuracy computations (one '
+                   'all-reduce of every rank\'s sums)')
     g.add_argument('--metric-sync-log', action='store_true', help='print and record each rank\'s train metrics '
                    'before and after the sync at every --metric-step')
     g.add_argument('--wandb', choices=['off', 'offline', 'online'], default=None, help='default: offline for full '
@@ -448,7 +447,6 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
     run.model.train()
     run.guard.reset(progress.global_step)
     meters = Meters(len(run.data.classes), run.device)
-    local = Meters(len(run.data.classes), run.device, sync=False) if args.metric_sync_log else None
     window = torch.zeros((), device=run.device)  # loss summed since the last log line, read there only
     t_log, stopped = time.perf_counter(), False
     bar = run.log.bar(min(run.steps_per_epoch - first, max_steps or run.steps_per_epoch), f'epoch {progress.epoch + 1}')
@@ -460,15 +458,13 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
         progress.advance()
         window += loss
         meters.update(loss, output, labels)
-        if local is not None:
-            local.update(loss, output, labels)
         bar.update()
         if prof is not None:
             prof.step()
         if progress.step % args.log_interval == 0 or progress.step == run.steps_per_epoch:
             t_log = log_train(run, progress, lr, window, t_log)
         if progress.step % args.metric_step == 0:
-            log_train_metrics(run, progress, meters, local)
+            log_train_metrics(run, progress, meters)
         if args.chkpt_every and progress.global_step % args.chkpt_every == 0:
             run.guard.check()  # every rank, before rank 0 saves: never checkpoint weights a NaN reached
             if run.dist.is_main:
@@ -498,14 +494,14 @@ def log_train(run, progress, lr, window, t_last):
     return now
 
 
-def log_train_metrics(run, progress, meters, local=None):
-    """Every rank: compute() gathers the metric states of all ranks. With --metric-sync-log, each rank's own
-    values before the sync are printed too (the course's metric_compute_log)."""
-    before = local.compute() if local else None
+def log_train_metrics(run, progress, meters):
+    """Every rank: compute() adds up the meters of all ranks. With --metric-sync-log, each rank's own values
+    before the sync are printed and recorded too (the course's metric_compute_log)."""
+    before = meters.compute(sync=False) if run.args.metric_sync_log else None
     after = meters.compute()
     run.log.log(type='train_metrics', epoch=progress.epoch + 1, step=progress.step,
                 global_step=progress.global_step, **after)
-    if local is None:
+    if before is None:
         return
     name = f"{'GPU' if run.device.type == 'cuda' else 'CPU'}{run.dist.rank}"
     for when, v in (('Before', before), ('After', after)):
@@ -559,26 +555,24 @@ def find_lr(run, progress, beta=0.98, explode=4.0):
 
 @torch.inference_mode()
 def evaluate(run, epoch, global_step, max_batches=None):
-    """Exact validation: each rank evaluates its own unpadded shard of the validation set and torchmetrics
-    sums the states of all ranks in compute(), so every image counts once whatever the world size."""
+    """Exact validation: each rank evaluates its own unpadded shard of the validation set and the meters of
+    all ranks are added up, so every image counts once whatever the world size."""
     model, chrono = run.eval_model, run.chrono
     model.eval()
     if run.args.nccl_debug:  # comm_profiler marker: the collectives that follow belong to validation
         print(f'Validation - rank {run.dist.rank}', flush=True)
     dlojz_dist.broadcast_buffers_(run.model_without_ddp)  # rank 0's BatchNorm statistics, as in its checkpoint
-    meters, images, batches = Meters(len(run.data.classes), run.device), SumMetric().to(run.device), 0
+    meters, batches = Meters(len(run.data.classes), run.device), 0
     with chrono.validation():
         for x, labels in itertools.islice(run.data.val_loader, max_batches):
             x, labels = to_device(x, labels, run)
             with run.autocast:
                 output = model(x)
                 loss = run.criterion(output, labels)
-            meters.update(loss, output, labels, weight=labels.numel())
-            images.update(labels.numel())
+            meters.update(loss, output, labels)
             batches += 1
         # compute() is a collective; inside the timed block so that waiting for slower ranks counts
-        res = dict(type='val', epoch=epoch + 1, global_step=global_step, **meters.compute(),
-                   images=int(images.compute().item()), batches=batches)
+        res = dict(type='val', epoch=epoch + 1, global_step=global_step, **meters.compute(), batches=batches)
     chrono.val_batches = batches
     res['time_s'] = chrono.val_time
     run.log.log(**res)

@@ -1,8 +1,6 @@
 """What the training loop measures about learning, on the device and without a host sync per step:
-loss and accuracy meters (torchmetrics, shared by training and validation) and the non-finite-loss guard."""
+loss and accuracy meters (shared by training and validation) and the non-finite-loss guard."""
 import torch
-from torchmetrics import MeanMetric
-from torchmetrics.classification import MulticlassAccuracy
 
 import dlojz_dist
 from dlojz_errors import NonFiniteLoss
@@ -39,22 +37,30 @@ class NonFiniteGuard:
 
 
 class Meters:
-    """Mean loss, top-1 and top-5 on the device, for training and validation. compute() reads them; with
-    sync (the default) on several ranks it is a collective: torchmetrics gathers every rank's state."""
+    """Per-image mean loss, top-1 and top-5 for training and validation, kept as four sums on the device
+    (loss x images, top-1 hits, top-5 hits, images): an update is a few kernels with no host sync and no
+    host-to-device copy. compute() reads the sums once; with sync (the default) the sums of every rank are
+    added first, in one all-reduce, so every image counts once whatever the world size and whatever the size
+    of each batch (a last batch of 10 weighs 10 images, not one batch). The contract is torchmetrics':
+    update() is local, compute() is global; compute(sync=False) gives the rank's own values."""
 
-    def __init__(self, num_classes, device, sync=True):
-        acc = lambda k: MulticlassAccuracy(num_classes, top_k=k, average='micro', validate_args=False,
-                                           sync_on_compute=sync).to(device)
-        self.top1, self.top5 = acc(1), acc(min(5, num_classes))
-        self.loss = MeanMetric(nan_strategy='disable', sync_on_compute=sync).to(device)
+    def __init__(self, num_classes, device):
+        self.k = min(5, num_classes)
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
 
-    def update(self, loss, output, labels, weight=1.0):
-        self.loss.update(loss, weight=weight)
-        self.top1.update(output, labels)
-        self.top5.update(output, labels)
+    def update(self, loss, output, labels):
+        """loss: the batch's mean loss (0-d tensor); output: (n, classes) logits; labels: (n,)."""
+        n = labels.shape[0]
+        hits = output.detach().topk(self.k, dim=1).indices == labels[:, None]  # (n, k): at most one True a row
+        self.sums[0] += loss.detach().double() * n
+        self.sums[1] += hits[:, 0].sum()
+        self.sums[2] += hits.sum()
+        self.sums[3] += n
 
-    def compute(self):
-        if not self.loss.update_count:
+    def compute(self, sync=True):
+        """-> {'loss', 'top1', 'top5', 'images'}, or {} before any update (on every rank when synced)."""
+        sums = dlojz_dist.all_reduce_(self.sums.clone()) if sync else self.sums
+        loss, top1, top5, n = sums.tolist()
+        if n == 0:
             return {}
-        return {'loss': self.loss.compute().item(), 'top1': self.top1.compute().item(),
-                'top5': self.top5.compute().item()}
+        return {'loss': loss / n, 'top1': top1 / n, 'top5': top5 / n, 'images': int(n)}

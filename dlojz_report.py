@@ -931,7 +931,7 @@ def metric_sync_view(rep):
             lines += md_table(['step', 'rank', 'loss_before', 'loss_after', 'top1_before', 'top1_after'],
                               rows_s) + ['']
     return ['## Metric sync log', '', 'Per-rank training metrics before (local) and after (synced) '
-            'torchmetrics compute(), from `--metric-sync-log`.', ''] + lines if lines else []
+            'the meters\' compute(), from `--metric-sync-log`.', ''] + lines if lines else []
 
 
 # ------------------------------------------------------------------------------------ view: LR finder

@@ -98,7 +98,7 @@ def test_two_ranks_equal_gradient_accumulation(tmp_path, cache_dir):
         max(medians) / min(medians) - 1)
     n_params = sum(p.numel() for p in torchvision.models.resnet18(num_classes=4).parameters())
     assert s['communication']['gradient_bytes_per_step'] == 4 * n_params
-    # torchmetrics' sync: after it every rank holds the mean of the ranks' own values (equal batch sizes)
+    # the meters' sync: after it every rank holds the mean of the ranks' own values (equal batch sizes)
     syncs = [r for r in records_of(out) if r['type'] == 'metric_sync']
     assert [r['step'] for r in syncs] == [2, 4]
     ranks = syncs[0]['ranks']

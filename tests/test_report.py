@@ -345,7 +345,7 @@ def nccl_log(rank, steps=3):
             k += 1
         lines.append(coll(rank, 'AllReduce', k, 1000, 9, comm))  # a bf16 op
         k += 1
-        if s == 2:  # a metric sync: torchmetrics all-gathers one fp32 and one int64
+        if s == 2:  # a metric sync as torchmetrics does it: all-gathers of one fp32 and one int64
             lines += [coll(rank, 'AllGather', k, 3, 7, comm), coll(rank, 'AllGather', k + 1, 1, 4, comm)]
             k += 2
     lines.append(f'Validation - rank {rank}')

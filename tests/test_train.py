@@ -68,6 +68,31 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, cache_dir):
     assert final_res['loss'] == final_ref['loss'] and final_res['top1'] == final_ref['top1']
 
 
+def test_validation_is_the_mean_over_images(tmp_path, cache_dir):
+    """24 validation images in batches of 16 and 8: the loss and top-1 are per-image means, as torchvision's
+    model computes them on torchvision's own ImageFolder pipeline, not means of batch means."""
+    import torchvision
+    from torchvision import transforms as T
+    from dlojz_data import IMAGENET_MEAN, IMAGENET_STD
+    s, _ = run_main(tmp_path, cache_dir, '--test-nsteps', '3', '--chkpt')
+    model = torchvision.models.resnet18(num_classes=4)
+    model.load_state_dict(torch.load(latest(tmp_path), weights_only=False)['model'])
+    model.eval()
+    root = os.path.join(s['data']['root'], 'val')
+    ds = torchvision.datasets.ImageFolder(root, T.Compose([T.Resize(36), T.CenterCrop(32), T.PILToTensor()]))
+    x = torch.stack([img for img, _ in ds]).float()
+    y = torch.tensor([label for _, label in ds])
+    x = (x - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255) / (torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255)
+    with torch.no_grad():
+        logits = model(x)
+    losses = torch.nn.functional.cross_entropy(logits, y, label_smoothing=0.1, reduction='none')
+    assert s['val']['images'] == 24 and s['val']['batches'] == 2
+    assert s['val']['loss'] == pytest.approx(losses.mean().item(), rel=1e-5)
+    assert s['val']['top1'] == pytest.approx((logits.argmax(1) == y).float().mean().item())
+    batch_means = (losses[:16].mean() + losses[16:].mean()).item() / 2
+    assert abs(batch_means - losses.mean().item()) > 1e-3  # the check can tell the two apart
+
+
 def test_losses_do_not_depend_on_worker_count(tmp_path, cache_dir):
     _, zero = run_main(tmp_path / 'w0', cache_dir, '--test-nsteps', '3', '--log-interval', '1')
     _, two = run_main(tmp_path / 'w2', cache_dir, '--test-nsteps', '3', '--log-interval', '1', '--num-workers', '2')
