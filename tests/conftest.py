@@ -21,6 +21,13 @@ def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp('cache'))
 
 
+@pytest.fixture(scope='session')
+def two_epochs(tmp_path_factory, cache_dir):
+    """The reference run several tests compare with: the tiny config, 2 epochs (24 steps), a log line per
+    step. -> (summary, metrics records)."""
+    return run_main(tmp_path_factory.mktemp('two-epochs'), cache_dir, '-e', '2', '--log-interval', '1')
+
+
 def run_main(out_dir, cache_dir, *flags):
     """Run dlojz.main in-process and return (summary dict, metrics records)."""
     argv = TINY + ['--cache-dir', cache_dir, '--output-dir', str(out_dir)] + [str(f) for f in flags]

@@ -21,8 +21,9 @@ import torch
 import torch.nn as nn
 import torchvision
 
+import dlojz
 import dlojz_data as D
-from conftest import TINY, latest, run_cli, run_main, srun_like, torchrun, wait_all
+from conftest import TINY, latest, run_main, srun_like, torchrun, wait_all
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD
 
 # The equivalence run: SGD with momentum at a constant LR. The LR is small because at this tiny batch
@@ -73,13 +74,20 @@ def reference_weights(cache_dir, micro_batches, steps=4, b=8, lr=0.002):
     return {k: v for k, v in model.state_dict().items() if 'running' not in k and 'num_batches' not in k}
 
 
-def test_two_ranks_equal_gradient_accumulation(tmp_path, cache_dir):
-    out = tmp_path / 'ddp'
-    run_main(tmp_path / 'warm', cache_dir, '--test-nsteps', '1')  # generate the dataset outside the timed launch
+@pytest.fixture(scope='module')
+def two_ranks(tmp_path_factory, cache_dir):
+    """One torchrun launch of 2 ranks x 8 images for 4 steps, with --metric-sync-log and --nccl-debug.
+    -> (run directory, the launch's CompletedProcess)."""
+    out = tmp_path_factory.mktemp('ddp') / 'run'
+    run_main(out.parent / 'warm', cache_dir, '--test-nsteps', '1')  # the dataset exists before the launch
     p = torchrun(2, *TINY, '--cache-dir', cache_dir, '--output-dir', out, *EQUIV, '--metric-step', '2',
                  '--metric-sync-log', '--nccl-debug')
     assert p.returncode == 0, p.stderr[-3000:]
-    got = torch.load(latest(out), weights_only=False)['model']
+    return out, p
+
+
+def test_two_ranks_equal_gradient_accumulation(two_ranks, cache_dir):
+    got = torch.load(latest(two_ranks[0]), weights_only=False)['model']
     ref = reference_weights(cache_dir, micro_batches=[0, 1])
     for k, v in ref.items():
         # measured max |diff|: 7e-6 on torch 2.15, 5.6e-5 on 2.14.1 (gloo and oneDNN summation orders differ
@@ -89,7 +97,9 @@ def test_two_ranks_equal_gradient_accumulation(tmp_path, cache_dir):
     plain = reference_weights(cache_dir, micro_batches=[0], b=16)
     assert max((plain[k] - got[k]).abs().max().item() for k in ref) > 1e-2  # measured: 0.024
 
-    s = summary_of(out)
+
+def test_per_rank_timings_and_allreduce_estimate(two_ranks):
+    s = summary_of(two_ranks[0])
     assert (s['status'], s['world_size'], s['global_batch']) == ('completed', 2, 16)
     t = s['timing']
     assert [r['rank'] for r in t['ranks']] == [0, 1] and all(r['steps'] == 4 for r in t['ranks'])
@@ -98,7 +108,11 @@ def test_two_ranks_equal_gradient_accumulation(tmp_path, cache_dir):
         max(medians) / min(medians) - 1)
     n_params = sum(p.numel() for p in torchvision.models.resnet18(num_classes=4).parameters())
     assert s['communication']['gradient_bytes_per_step'] == 4 * n_params
-    # the meters' sync: after it every rank holds the mean of the ranks' own values (equal batch sizes)
+
+
+def test_metric_sync_gives_every_rank_the_mean(two_ranks):
+    """After the sync every rank holds the mean of the ranks' own values (equal batch sizes)."""
+    out, p = two_ranks
     syncs = [r for r in records_of(out) if r['type'] == 'metric_sync']
     assert [r['step'] for r in syncs] == [2, 4]
     ranks = syncs[0]['ranks']
@@ -106,9 +120,11 @@ def test_two_ranks_equal_gradient_accumulation(tmp_path, cache_dir):
     assert ranks[0]['after']['loss'] == pytest.approx((ranks[0]['before']['loss'] + ranks[1]['before']['loss']) / 2)
     assert ranks[0]['after']['top1'] == pytest.approx((ranks[0]['before']['top1'] + ranks[1]['before']['top1']) / 2)
     assert 'Before metric compute CPU1' in p.stdout
-    # --nccl-debug: each rank's stdout, with the course's step markers, next to the run
+
+
+def test_nccl_debug_logs_each_rank_with_step_markers(two_ranks):
     for r in (0, 1):
-        log = (out / f'nccl.rank{r}.log').read_text()
+        log = (two_ranks[0] / f'nccl.rank{r}.log').read_text()
         assert [f'Train step {k} - rank {r}' in log for k in range(5)] == [True] * 5
         assert f'Validation - rank {r}' in log
 
@@ -137,20 +153,28 @@ def test_exact_validation_at_any_world_size(tmp_path, cache_dir):
     assert evals[3]['val']['batches'] == 3
 
 
-def test_unused_parameters_get_a_sentence_then_train_with_the_flag(tmp_path, cache_dir):
-    heads = ['--arch', 'resnet18-heads', '--test-nsteps', '3', '--cache-dir', cache_dir]
-    procs = srun_like(2, *TINY, *heads, '--output-dir', tmp_path / 'bad', log_dir=tmp_path)
+HEADS = ['--arch', 'resnet18-heads', '--test-nsteps', '3']
+
+
+def test_unused_parameters_get_a_sentence(tmp_path, cache_dir):
+    procs = srun_like(2, *TINY, *HEADS, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'bad', log_dir=tmp_path)
     assert wait_all(procs) == [2, 2]
     for r in (0, 1):
         err = (tmp_path / f'rank{r}.err').read_text()
         assert 'rerun with --find-unused-parameters' in err and 'Traceback' not in err, err[-2000:]
     assert summary_of(tmp_path / 'bad')['status'] == 'failed'
-    p = torchrun(2, *TINY, *heads, '--output-dir', tmp_path / 'good', '--find-unused-parameters')
+
+
+def test_unused_parameters_train_with_the_flag(tmp_path, cache_dir):
+    p = torchrun(2, *TINY, *HEADS, '--cache-dir', cache_dir, '--output-dir', tmp_path, '--find-unused-parameters')
     assert p.returncode == 0, p.stderr[-3000:]
-    assert summary_of(tmp_path / 'good')['status'] == 'completed'
-    # stochastic depth masks branches instead of skipping them: every parameter gets a gradient
+    assert summary_of(tmp_path)['global_step'] == 3
+
+
+def test_stochastic_depth_needs_no_unused_parameter_flag(tmp_path, cache_dir):
+    """It masks branches instead of skipping them: every parameter gets a gradient."""
     p = torchrun(2, *TINY, '--arch', 'resnet18-sd', '--test-nsteps', '3', '--cache-dir', cache_dir,
-                 '--output-dir', tmp_path / 'sd')
+                 '--output-dir', tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
 
 
@@ -183,31 +207,43 @@ def test_dead_rank_ends_the_job_within_dist_timeout(tmp_path, cache_dir, sig):
     assert summary_of(tmp_path / 'run')['status'] == 'failed'
 
 
-def test_resume_at_another_world_size_and_refused_batch_change(tmp_path, cache_dir):
-    run_main(tmp_path / 'one', cache_dir, '--test-nsteps', '3', '--chkpt', '-e', '2')
-    ckpt = latest(tmp_path / 'one')
-    # same global batch (8) as 2 ranks x 4: allowed, continues at step 4
-    p = torchrun(2, *TINY, '-b', '4', '--cache-dir', cache_dir, '--output-dir', tmp_path / 'two', '--resume', ckpt,
+@pytest.fixture(scope='module')
+def three_steps(tmp_path_factory, cache_dir):
+    """A checkpoint after 3 steps of 8 images (of 2 epochs)."""
+    out = tmp_path_factory.mktemp('three-steps')
+    run_main(out, cache_dir, '--test-nsteps', '3', '--chkpt', '-e', '2')
+    return latest(out)
+
+
+def test_resume_at_another_world_size(tmp_path, cache_dir, three_steps):
+    """Same global batch (8) as 2 ranks x 4: allowed, continues at step 4."""
+    p = torchrun(2, *TINY, '-b', '4', '--cache-dir', cache_dir, '--output-dir', tmp_path, '--resume', three_steps,
                  '--test-nsteps', '2', '-e', '2', '--log-interval', '1')
     assert p.returncode == 0, p.stderr[-3000:]
-    steps = [r['global_step'] for r in records_of(tmp_path / 'two') if r['type'] == 'train']
-    assert steps == [4, 5]
-    # another global batch: one sentence, nothing written over
-    r = run_cli(*TINY, '-b', '4', '--cache-dir', cache_dir, '--output-dir', tmp_path / 'three', '--resume', ckpt)
-    assert r.returncode == 2 and '--allow-batch-change' in r.stderr and 'Traceback' not in r.stderr
-    assert r.stderr.count('\n') == 1
-    r = run_cli(*TINY, '-b', '4', '--cache-dir', cache_dir, '--output-dir', tmp_path / 'three', '--resume', ckpt,
-                '--allow-batch-change', '--test-nsteps', '2', '-e', '2', '--log-interval', '1')
-    assert r.returncode == 0, r.stderr[-2000:]
-    steps = [r['global_step'] for r in records_of(tmp_path / 'three') if r['type'] == 'train']
+    assert [r['global_step'] for r in records_of(tmp_path) if r['type'] == 'train'] == [4, 5]
+
+
+def test_another_global_batch_is_refused(tmp_path, cache_dir, three_steps, capsys):
+    code = dlojz.cli([*TINY, '-b', '4', '--cache-dir', cache_dir, '--output-dir', str(tmp_path / 'run'), '--resume',
+                      str(three_steps)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count('\n') == 1 and '--allow-batch-change' in err and 'Traceback' not in err
+    assert list((tmp_path / 'run').iterdir()) == []  # refused before anything was written
+
+
+def test_another_global_batch_with_the_flag_keeps_the_position_in_images(tmp_path, cache_dir, three_steps):
+    run_main(tmp_path, cache_dir, '-b', '4', '--resume', three_steps, '--allow-batch-change', '--test-nsteps', '2',
+             '-e', '2', '--log-interval', '1')
+    steps = [r['global_step'] for r in records_of(tmp_path) if r['type'] == 'train']
     assert steps == [7, 8]  # 3 steps of 8 images = 24 images = 6 steps of 4
 
 
-def test_cpu_refusals_are_sentences(tmp_path, cache_dir):
-    r = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'x', '--sync-bn', '--device', 'cpu')
-    assert r.returncode == 2 and 'SyncBatchNorm does not run on CPU' in r.stderr and 'Traceback' not in r.stderr
-    r = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'x', '--evaluate')
-    assert r.returncode == 2 and '--resume PATH' in r.stderr
+@pytest.mark.parametrize('flags, words', [(['--sync-bn', '--device', 'cpu'], 'SyncBatchNorm does not run on CPU'),
+                                          (['--evaluate'], '--resume PATH')])
+def test_cpu_refusals_are_sentences(tmp_path, cache_dir, capsys, flags, words):
+    code = dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(tmp_path / 'x'), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count('\n') == 1 and words in err
     assert not (tmp_path / 'x').exists()
 
 

@@ -51,8 +51,8 @@ def test_short_run_beats_chance(tmp_path, cache_dir):
     assert max(v['top1'] for v in val[-2:]) > 0.5  # chance is 0.25 with 4 classes
 
 
-def test_resume_reproduces_uninterrupted_losses(tmp_path, cache_dir):
-    _, full = run_main(tmp_path / 'full', cache_dir, '-e', '2', '--log-interval', '1')
+def test_resume_reproduces_uninterrupted_losses(tmp_path, cache_dir, two_epochs):
+    full = two_epochs[1]
     _, first = run_main(tmp_path / 'part', cache_dir, '-e', '2', '--test-nsteps', '18', '--chkpt',
                         '--log-interval', '1')
     ckpt = torch.load(latest(tmp_path / 'part'), weights_only=False)
@@ -156,23 +156,38 @@ def sha(path):
     return hashlib.sha256(open(path, 'rb').read()).hexdigest()
 
 
-def test_resume_errors_and_nan_keep_existing_files(capsys, tmp_path, cache_dir):
+@pytest.fixture
+def trained(tmp_path, cache_dir):
+    """A run folder holding a checkpoint, and the checkpoint's hash (nothing may write over it)."""
     out = tmp_path / 'run'
     run_main(out, cache_dir, '--test-nsteps', '3', '--chkpt')
-    ckpt = latest(out)
-    before = sha(ckpt)
+    return out, latest(out), sha(latest(out))
+
+
+def test_checkpoint_of_another_arch_is_refused(capsys, tmp_path, cache_dir, trained):
+    out, ckpt, before = trained
     code, line = err(capsys, *TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'other', '--test-nsteps', 2,
                      '--arch', 'resnet34', '--resume', ckpt)
     assert code == 2 and 'holds resnet18' in line and '--arch resnet34' in line
-    # a huge learning rate makes the loss overflow; the run stops at that step and keeps the checkpoint
+    assert sha(ckpt) == before
+
+
+def test_nan_stops_the_run_and_keeps_the_checkpoint(capsys, cache_dir, trained):
+    """A huge learning rate makes the loss overflow: the run stops at that step, logs no non-finite loss
+    and writes no checkpoint after it."""
+    out, ckpt, before = trained
     code, line = err(capsys, *TINY, '--cache-dir', cache_dir, '--output-dir', out, '--test-nsteps', 10,
                      '--chkpt', '--lr', '1e30', '--scheduler', 'constant')
     assert code == 3 and 'NaN or infinite at step' in line
     summary = json.load(open(out / 'summary.json'))
     assert summary['status'] == 'nan' and 1 <= summary['failed_step'] <= 10
-    assert sha(ckpt) == before
-    recs = [json.loads(l) for l in open(out / 'metrics.jsonl')]
-    assert all(math.isfinite(r['loss']) for r in recs if r['type'] == 'train')  # no non-finite step was logged
+    assert sha(ckpt) == before and [p.name for p in out.glob('checkpoint-*.pt')] == [ckpt.name]
+    recs = [json.loads(line) for line in open(out / 'metrics.jsonl')]
+    assert all(math.isfinite(r['loss']) for r in recs if r['type'] == 'train')
+
+
+def test_truncated_checkpoint_is_one_sentence(capsys, tmp_path, cache_dir, trained):
+    out, ckpt, before = trained
     truncated = tmp_path / 'truncated.pt'
     truncated.write_bytes(ckpt.read_bytes()[:1000])
     code, line = err(capsys, *TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'x', '--test-nsteps', 2,
@@ -181,18 +196,25 @@ def test_resume_errors_and_nan_keep_existing_files(capsys, tmp_path, cache_dir):
     assert sha(ckpt) == before
 
 
-def test_bad_image_stops_or_is_skipped(capsys, tmp_path, cache_dir):
+@pytest.fixture
+def bad_data(tmp_path, cache_dir):
+    """A copy of the tiny dataset with one undecodable training image."""
     import shutil
     src = [os.path.join(cache_dir, d) for d in os.listdir(cache_dir) if d.startswith('synthetic')][0]
     root = tmp_path / 'data'
     shutil.copytree(src, root)
-    bad = root / 'train' / 'n00000002' / 'train_0002_00001.JPEG'
-    bad.write_bytes(b'\xff\xd8\xff\xe0 not really a jpeg')
-    args = [*TINY, '--data-dir', root, '-b', '96', '--test-nsteps', 1, '--num-workers', 1]
-    code, line = err(capsys, *args, '--output-dir', tmp_path / 'strict')
+    (root / 'train' / 'n00000002' / 'train_0002_00001.JPEG').write_bytes(b'\xff\xd8\xff\xe0 not really a jpeg')
+    return [*TINY, '--data-dir', root, '-b', '96', '--test-nsteps', 1, '--num-workers', 1]
+
+
+def test_bad_image_stops_with_its_name(capsys, tmp_path, bad_data):
+    code, line = err(capsys, *bad_data, '--output-dir', tmp_path / 'strict')
     assert code == 2 and 'train_0002_00001.JPEG' in line and '--skip-bad-images' in line
     assert json.load(open(tmp_path / 'strict' / 'summary.json'))['status'] == 'failed'
-    assert dlojz.cli([str(a) for a in args] + ['--output-dir', str(tmp_path / 'lenient'), '--skip-bad-images']) == 0
+
+
+def test_bad_image_is_skipped_and_counted(tmp_path, bad_data):
+    assert dlojz.cli([str(a) for a in bad_data] + ['--output-dir', str(tmp_path / 'lenient'), '--skip-bad-images']) == 0
     assert json.load(open(tmp_path / 'lenient' / 'summary.json'))['data']['bad_images_skipped'] == 1
 
 
@@ -202,8 +224,13 @@ def test_cli_subprocess_prints_course_lines(tmp_path, cache_dir):
     for line in ('>>> Training complete in:', '>>> Training performance time: min', '>>> Loading performance time',
                  '>>> Validation time:', '>>> Number of batch per epoch: 12'):
         assert line in p.stdout
-    p = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path, '-b', '-1')
-    assert p.returncode == 2 and 'Traceback' not in p.stderr and p.stderr.count('\n') == 1
+
+
+def test_cli_bad_flag_is_one_line(tmp_path):
+    p = run_cli('--output-dir', tmp_path, '-b', '-1')
+    assert p.returncode == 2 and p.stderr == 'dlojz: error: -b/--batch-size must be positive (got -1); see python ' \
+        'dlojz.py --help.\n' and p.stdout == ''
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
 def test_compile(tmp_path, cache_dir, monkeypatch):
