@@ -639,8 +639,7 @@ def _main(args, dist, device):
         return summary
     except BaseException as e:
         err = translate(e, args, dist.rank, dist.distributed, progress.global_step + 1)
-        run.chrono.stop()
-        power.stop()
+        power.stop()  # not chrono.stop(): its GPU synchronise may raise again after a CUDA error
         status, msg = (err.status, str(err)) if err else ('crashed', f'{type(e).__name__}: {e}')
         write_summary(run, progress, status, msg, power,
                       extra=err.extra if err else {'failed_step': progress.global_step + 1})
@@ -649,7 +648,6 @@ def _main(args, dist, device):
             raise
         raise err from None
     finally:
-        power.stop()
         run.stop.restore()
         run.log.close(code)
 
