@@ -35,8 +35,8 @@ from dlojz_chrono import Chronometer, PowerMeter, profiler
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
 from dlojz_errors import DlojzError, Interrupted, Preempted, UsageError, translate
-from dlojz_metrics import Meters, NonFiniteGuard
-from dlojz_io import Console, Logger, default_output_dir, host_memory, prepare_output_dir, write_json
+from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
+from dlojz_io import Console, Logger, default_output_dir, prepare_output_dir, write_json
 from dlojz_state import Progress, check_checkpoint, find_resume_checkpoint, preempt, restore, save
 from dlojz_summary import final_lines, write_summary
 
@@ -198,9 +198,10 @@ def pick_device(choice, dist):
     return torch.device('cuda', torch.cuda.current_device())
 
 
-def check_args(args, device, world_size=1):
+def check_args(args, device, world_size=1, capability=None):
     """Refuse flag combinations that mean nothing and resolve the defaults that depend on other flags, on
-    the device or on the world size. The parser has already checked each value's type and range."""
+    the device or on the world size. The parser has already checked each value's type and range.
+    capability: the GPU's (major, minor) compute capability (default: asked from CUDA)."""
     if args.test_nsteps is not None:
         args.test = True
     elif args.test:
@@ -236,9 +237,13 @@ def check_args(args, device, world_size=1):
             (args.compile and not (shutil.which('cc') or shutil.which('gcc')),
              '--compile on CPU needs a C compiler (cc/gcc) on PATH; install one or drop --compile.')]
     else:
-        bf16 = torch.cuda.is_bf16_supported()
-        refusals.append((args.amp == 'bf16' and not bf16, f'--amp bf16 is not supported on '
-                         f'{torch.cuda.get_device_name(device)}; use --amp fp16.'))
+        # cuDNN runs bf16 convolutions natively from sm80 (Ampere) on; torch.cuda.is_bf16_supported() also
+        # counts emulation, which on a V100 (sm70) sends every convolution down a slow path.
+        major, minor = capability or torch.cuda.get_device_capability(device)
+        bf16 = (major, minor) >= (8, 0)
+        refusals.append((args.amp == 'bf16' and not bf16, f'--amp bf16 needs a GPU of compute capability 8.0 or '
+                         f'more (A100, H100); this one is {major}.{minor} (V100: 7.0) and would emulate it slowly; '
+                         f'use --amp fp16.'))
         args.amp = ('bf16' if bf16 else 'fp16') if args.amp == 'auto' else args.amp
     for refused, sentence in refusals:
         if refused:
@@ -286,15 +291,19 @@ def build_model(args, num_classes, device, dist):
     return train_model, eval_model, model
 
 
-def build_optimization(args, model, steps_per_epoch, total_steps):
+def build_optimization(args, model, steps_per_epoch, total_steps, device):
     """-> (criterion, optimizer, scheduler, scaler); model: the plain module (its parameters are the
     DDP/compiled model's)."""
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     lr = 1e-8 if args.findlr else args.lr
+    # On a GPU the fused kernels update every parameter in a few launches, and take fp16's loss scale and
+    # inf flag as device tensors: GradScaler.step then skips its per-step found_inf.item() synchronisation.
+    fused = {'fused': True} if device.type == 'cuda' else {}
     if args.optimizer == 'sgd':
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.mom, weight_decay=args.wd)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.mom, weight_decay=args.wd, **fused)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(args.mom, 0.999), weight_decay=args.wd)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(args.mom, 0.999), weight_decay=args.wd,
+                                      **fused)
     if args.findlr:  # geometric sweep from 1e-8 to --lr over every step of the run
         mult = (args.lr / 1e-8) ** (1 / max(1, total_steps - 1))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: mult ** s)
@@ -351,6 +360,8 @@ class Run:
     autocast: object              # torch.autocast, or nullcontext with --amp off
     norm: tuple                   # ImageNet mean and std x 255 on the device, (1, 3, 1, 1): made once
     chrono: Chronometer
+    power: PowerMeter             # NVML energy: whole run, and steady training windows for J/image
+    memory: PeakMemory            # peak memory, reset after the warm-up steps
     guard: NonFiniteGuard
     stop: dlojz_dist.StopSignal
     log: Logger
@@ -368,17 +379,20 @@ def build_run(args, dist, device, say):
     steps_per_epoch = len(data.train_loader)
     total_steps = args.epochs * steps_per_epoch
     total_steps = min(args.test_nsteps, total_steps) if args.test else total_steps
-    criterion, optimizer, scheduler, scaler = build_optimization(args, plain, steps_per_epoch, total_steps)
+    criterion, optimizer, scheduler, scaler = build_optimization(args, plain, steps_per_epoch, total_steps, device)
     global_batch = args.batch_size * dist.world_size
     ckpt_path, ckpt = find_resume_checkpoint(args, dist, say)
     if ckpt is not None:
         check_checkpoint(args, ckpt, ckpt_path, len(data.classes), global_batch, dist.world_size)
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
+    chrono = Chronometer(device, phases=args.timing, sync=args.sync_timing, warmup=args.warmup_steps)
+    power, memory = PowerMeter(device), PeakMemory(device)
+    chrono.on_steady += [memory.reset, power.window_start]  # once the warm-up steps are over
     run = Run(args=args, dist=dist, device=device, data=data, model=model, eval_model=eval_model,
               model_without_ddp=plain, criterion=criterion, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
               autocast=torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext(),
               norm=tuple(torch.tensor(v, device=device).view(1, 3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD)),
-              chrono=Chronometer(device, phases=args.timing, sync=args.sync_timing, warmup=args.warmup_steps),
+              chrono=chrono, power=power, memory=memory,
               # a non-finite loss is looked for every step on CPU (free) and every --log-interval steps on a
               # GPU (a sync); the LR sweep reads its loss every step anyway and stops on its own
               guard=NonFiniteGuard(device, 0 if args.findlr else 1 if device.type == 'cpu' else args.log_interval,
@@ -397,10 +411,10 @@ def to_device(images, labels, run):
     """uint8 NCHW batch -> normalised float on the device (normalising here is 4x less PCIe traffic)."""
     nb = run.args.non_blocking
     mean, std = run.norm
-    images = (images.to(run.device, non_blocking=nb).float() - mean) / std
-    if run.args.channels_last:
+    images = images.to(run.device, non_blocking=nb)
+    if run.args.channels_last:  # reorder the uint8 batch (1 byte per value), not a float copy of it
         images = images.contiguous(memory_format=torch.channels_last)
-    return images, labels.to(run.device, non_blocking=nb)
+    return (images.float() - mean) / std, labels.to(run.device, non_blocking=nb)
 
 
 def train_step(run, images, labels):
@@ -449,6 +463,9 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
     meters = Meters(len(run.data.classes), run.device)
     window = torch.zeros((), device=run.device)  # loss summed since the last log line, read there only
     t_log, stopped = time.perf_counter(), False
+    steady_before = len(run.chrono.steady)
+    if run.chrono.steady:  # past the warm-up (a later epoch): this epoch's steps count for J/image
+        run.power.window_start()
     bar = run.log.bar(min(run.steps_per_epoch - first, max_steps or run.steps_per_epoch), f'epoch {progress.epoch + 1}')
     for images, labels in run.chrono.iterate(run.data.train_loader, max_steps):
         if args.nccl_debug:  # the course's comm_profiler marker: tags the NCCL lines that follow
@@ -475,6 +492,7 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
     bar.close()
     run.guard.check()
     run.chrono.finish()
+    run.power.window_stop(args.batch_size * (len(run.chrono.steady) - steady_before))
     progress.train = {'steps_run': progress.step - first, **meters.compute()}
     return stopped
 
@@ -485,8 +503,7 @@ def log_train(run, progress, lr, window, t_last):
     data_s, n = run.chrono.interval()
     now = time.perf_counter()
     step_s = (now - t_last) / n
-    mem = torch.cuda.max_memory_allocated(run.device) if run.device.type == 'cuda' else \
-        host_memory()['host_peak_rss_bytes']
+    mem = run.memory.peak()
     run.log.log(type='train', epoch=progress.epoch + 1, step=progress.step, global_step=progress.global_step,
                 loss=window.item() / n, lr=lr, step_ms=step_s * 1e3, data_ms=data_s * 1e3,
                 img_s=run.global_batch / step_s if step_s else None, mem_bytes=mem)
@@ -616,7 +633,7 @@ def _main(args, dist, device):
     print_header(run)
     if dist.is_main:
         write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
-    power, extra, code = PowerMeter(device), {}, 1
+    power, extra, code = run.power, {}, 1
     run.stop.install()
     try:
         run.chrono.start()
@@ -632,7 +649,7 @@ def _main(args, dist, device):
                 train(run, progress, prof)
         run.chrono.stop()
         power.stop()
-        summary = write_summary(run, progress, 'completed', power=power, extra=extra)
+        summary = write_summary(run, progress, 'completed', extra=extra)
         for line in final_lines(summary, run.chrono, run.steps_per_epoch):
             run.log.print(line)
         code = 0
@@ -641,7 +658,7 @@ def _main(args, dist, device):
         err = translate(e, args, dist.rank, dist.distributed, progress.global_step + 1)
         power.stop()  # not chrono.stop(): its GPU synchronise may raise again after a CUDA error
         status, msg = (err.status, str(err)) if err else ('crashed', f'{type(e).__name__}: {e}')
-        write_summary(run, progress, status, msg, power,
+        write_summary(run, progress, status, msg,
                       extra=err.extra if err else {'failed_step': progress.global_step + 1})
         code = err.exit_code if err else 1
         if err is None:

@@ -7,16 +7,24 @@ power); the --prof torch.profiler.
         with chrono.phase('h2d'): ...
         with chrono.phase('forward'): ...
 
-- Data wait and the whole step are host-clock intervals: the step runs from asking the loader for a
-  batch to asking for the next one, so the steps of a run tile its wall time.
-- GPU phases are CUDA events recorded on the current stream and read once they have completed
-  (event.query(), no synchronisation); a host clock around queued kernels would time the launch queue.
-  With sync=True (--sync-timing) each phase boundary synchronises and the host clock is used instead.
-- "other" = step - data - named phases: the bookkeeping between phases (scheduler, metrics, logging).
-  On the GPU without --sync-timing the named phases are GPU time while data and step are host time, so
-  "other" can be negative when the loader wait overlapped queued GPU work; it is reported, not hidden.
+Two clocks, never mixed in one subtraction:
+- The host clock times the data wait (asking the loader for a batch until it is there) and the whole step
+  (from asking for a batch to asking for the next one), so the steps of a run tile its wall time.
+- On a GPU (without --sync-timing) the device clock times the step's work: a CUDA event pair around the
+  step, from the moment the batch is in hand to the end of the step, and one pair per phase. They are read
+  once they have completed (event.query(), no synchronisation). "compute" is the step pair's span: the
+  time the GPU spent on the step's work. Host step minus data wait would be kernel-launch time whenever the
+  loader wait overlaps queued GPU work, i.e. in exactly the loader-bound runs this tool exists to diagnose.
+  On CPU (and with --sync-timing, which synchronises at each phase boundary) compute = step - data wait.
+- "other" is the step's time outside the named phases (scheduler, metrics, logging), measured on the
+  compute clock. The phase check compares the named phases with the step span, two independent
+  measurements: the named phases can never exceed their step, so `phase_sum_error` > 0 means a timing bug.
+- `device_busy` = sum of compute / sum of host steps over the steady window, and the verdict `bound`:
+  'compute' (the device is busy >= 90% of the time), else 'loader' when the data wait covers at least half
+  of the idle time, else 'host' (Python, launches or synchronisations starve the device).
 - The first `warmup` steps (worker start-up, cudnn autotune, compilation) are reported separately and
-  left out of the statistics.
+  left out of the statistics; `on_steady` callbacks run once, before the first steady step asks for its
+  batch (peak-memory reset, start of the energy window).
 """
 import datetime
 import math
@@ -29,6 +37,7 @@ import torch
 
 PHASES = ('data', 'h2d', 'forward', 'backward', 'optimizer', 'other')
 GPU_PHASES = ('h2d', 'forward', 'backward', 'optimizer')
+BUSY = 0.9  # device busy at least this fraction of the wall time: compute-bound
 
 
 def describe(values):
@@ -41,13 +50,28 @@ def describe(values):
             'p90': p90, 'std': statistics.pstdev(s) if len(s) > 1 else 0.0}
 
 
+class CudaTimeline:
+    """The device as the Chronometer sees it: events recorded on the current stream, and a synchronise.
+    Tests give the Chronometer a fake asynchronous device with the same three calls instead."""
+
+    def event(self):
+        return torch.cuda.Event(enable_timing=True)
+
+    def synchronize(self):
+        torch.cuda.synchronize()
+
+
 class Chronometer:
-    def __init__(self, device, phases=True, sync=False, warmup=1, clock=time.perf_counter):
+    def __init__(self, device, phases=True, sync=False, warmup=1, clock=time.perf_counter, timeline=None):
         self.cuda = torch.device(device).type == 'cuda'
         self.phases_on, self.sync, self.warmup, self.clock = phases, sync, warmup, clock
-        self.steps = []        # completed records: {'data': s, 'step': s, 'h2d': s, ...}
-        self._pending = []     # records whose CUDA events may not have completed yet
+        self.timeline = timeline or (CudaTimeline() if self.cuda else None)
+        self.events = self.cuda and not sync  # device clock for compute and phases
+        self.on_steady = []    # callables run once, before the first steady step
+        self.steps = []        # completed records: {'data': s, 'step': s, 'compute': s, 'h2d': s, ...}
+        self._pending = []     # records whose events may not have completed yet
         self._current = None
+        self._begun = 0        # steps begun, over every iterate() call
         self._interval = []    # data-wait seconds of the steps begun since the last interval() call
         self.val_time = None
         self.val_batches = 0
@@ -63,19 +87,30 @@ class Chronometer:
         if self.stop_time is None:
             self.stop_time = datetime.datetime.now()
 
+    def _event(self):
+        e = self.timeline.event()
+        e.record()
+        return e
+
     def iterate(self, iterable, max_steps=None):
         """Yield batches from `iterable`, timing the wait for each and closing each step when the
         next batch is asked for. Stops after max_steps batches (None: exhaust the iterable)."""
         it = iter(iterable)
         n = 0
         while max_steps is None or n < max_steps:
+            if self._begun == self.warmup:
+                for fn in self.on_steady:
+                    fn()
             t0 = self.clock()
             try:
                 batch = next(it)
             except StopIteration:
                 return
             self._current = {'t0': t0, 'data': self.clock() - t0, 'events': []}
+            if self.events:  # the step's work starts now, on the device's clock
+                self._current['span'] = self._event()
             self._interval.append(self._current['data'])
+            self._begun += 1
             n += 1
             yield batch
             self._end_step()
@@ -83,6 +118,8 @@ class Chronometer:
     def _end_step(self):
         rec = self._current
         self._current = None
+        if self.events:
+            rec['span'] = (rec['span'], self._event())
         rec['step'] = self.clock() - rec.pop('t0')
         self._pending.append(rec)
         self._resolve(block=False)
@@ -90,19 +127,17 @@ class Chronometer:
     @contextmanager
     def _timed_phase(self, name):
         rec = self._current
-        if self.cuda and not self.sync:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        if self.events:
+            start = self._event()
             yield
-            end.record()
-            rec['events'].append((name, start, end))
+            rec['events'].append((name, start, self._event()))
         else:
             if self.sync and self.cuda:
-                torch.cuda.synchronize()
+                self.timeline.synchronize()
             t = self.clock()
             yield
             if self.sync and self.cuda:
-                torch.cuda.synchronize()
+                self.timeline.synchronize()
             rec[name] = rec.get(name, 0.0) + self.clock() - t
 
     def phase(self, name):
@@ -111,16 +146,22 @@ class Chronometer:
         return self._timed_phase(name)
 
     def _resolve(self, block):
-        if block and self.cuda and self._pending:
-            torch.cuda.synchronize()
+        if block and self.events and self._pending:
+            self.timeline.synchronize()
         while self._pending:
             rec = self._pending[0]
-            if self.cuda and not block and not all(end.query() for _, _, end in rec['events']):
-                return  # the GPU has not reached this step yet; try again next step
+            if self.events and not block and not (rec['span'][1].query() and
+                                                  all(end.query() for _, _, end in rec['events'])):
+                return  # the GPU has not reached the end of this step yet; try again next step
             for name, start, end in rec.pop('events'):
                 rec[name] = rec.get(name, 0.0) + start.elapsed_time(end) / 1e3  # ms -> s
+            if self.events:
+                start, end = rec.pop('span')
+                rec['compute'] = start.elapsed_time(end) / 1e3
+            else:
+                rec['compute'] = rec['step'] - rec['data']
             if self.phases_on:
-                rec['other'] = rec['step'] - rec['data'] - sum(rec.get(p, 0.0) for p in GPU_PHASES)
+                rec['other'] = rec['compute'] - sum(rec.get(p, 0.0) for p in GPU_PHASES)
             self.steps.append(rec)
             self._pending.pop(0)
 
@@ -140,41 +181,50 @@ class Chronometer:
     @contextmanager
     def validation(self):
         if self.cuda:
-            torch.cuda.synchronize()
+            self.timeline.synchronize()
         t = self.clock()
         yield
         if self.cuda:
-            torch.cuda.synchronize()
+            self.timeline.synchronize()
         self.val_time = self.clock() - t
 
     # ---------------------------------------------------------------- results
+    @property
+    def steady(self):
+        return self.steps[self.warmup:]
+
     def stats(self):
-        steady = self.steps[self.warmup:]
-        keys = ['step', 'data'] + (list(PHASES[1:]) if self.phases_on else [])
-        out = {k: describe([r.get(k, 0.0) for r in steady]) for k in keys}
-        out['compute'] = describe([r['step'] - r['data'] for r in steady])
-        return out
+        keys = ['step', 'data', 'compute'] + (list(PHASES[1:]) if self.phases_on else [])
+        return {k: describe([r.get(k, 0.0) for r in self.steady]) for k in keys}
 
     def summary(self, global_batch, batches_per_epoch=None, val_batches_total=None):
         """The dict written to summary.json['timing']."""
-        st = self.stats()
-        steady = self.steps[self.warmup:]
+        st, steady = self.stats(), self.steady
         res = {'steps': len(self.steps), 'warmup_steps': min(self.warmup, len(self.steps)),
                'sync_timing': self.sync, 'phase_timing': self.phases_on,
                'clock': ('host+sync' if self.sync else 'cuda-events') if self.cuda else 'host',
                'first_steps': self.steps[:self.warmup],
                'stats': st,
-               'per_step': {k: [r.get(k) for r in self.steps] for k in (['step'] + list(PHASES))
+               'per_step': {k: [r.get(k) for r in self.steps] for k in ['step', 'compute', *PHASES]
                             if any(k in r for r in self.steps)}}
         if st['step'] is not None:
             compute, step = st['compute']['median'], st['step']['median']
             res['gpu_throughput'] = global_batch / compute if compute > 0 else None
             res['train_throughput'] = global_batch / step if step > 0 else None
             total = sum(r['step'] for r in steady)
+            busy = sum(r['compute'] for r in steady)
+            data = sum(r['data'] for r in steady)
             res['steady_images_per_s'] = global_batch * len(steady) / total if total > 0 else None
-            if self.phases_on:
-                parts = sum(sum(r.get(p, 0.0) for p in PHASES) for r in steady)
-                res['phase_sum_error'] = abs(parts - total) / total if total > 0 else None
+            if total > 0:
+                res['device_busy'] = busy / total
+                res['data_share'] = data / total
+                res['bound'] = 'compute' if busy >= BUSY * total else                     'loader' if data >= (total - busy) / 2 else 'host'
+                res['compute_headroom'] = step / compute if compute > 0 else None  # speed-up if nothing waited
+            if self.phases_on and busy > 0:
+                named = sum(r.get(p, 0.0) for r in steady for p in GPU_PHASES)
+                # the named phases lie inside their step span; measured apart, their sum can exceed it
+                # only through a timing bug (overlapping phases, events on another stream)
+                res['phase_sum_error'] = max(0.0, named - busy) / busy
                 res['phase_share'] = {p: sum(r.get(p, 0.0) for r in steady) / total for p in PHASES}
             if batches_per_epoch:
                 res['epoch_time_estimate_s'] = step * batches_per_epoch
@@ -195,7 +245,7 @@ class Chronometer:
         if st['compute']:
             c = st['compute']
             lines.append(f">>> Training performance time: min {c['min']} avg {c['median']} seconds (+/- {c['std']})")
-            load = describe([r['data'] + r.get('h2d', 0.0) for r in self.steps[self.warmup:]])
+            load = describe([r['data'] + r.get('h2d', 0.0) for r in self.steady])
             lines.append(f">>> Loading performance time: min {load['min']} avg {load['mean']} seconds "
                          f"(+/- {load['std']})")
             for name, key in (('Forward', 'forward'), ('Backward', 'backward'), ('Optimizer', 'optimizer')):
@@ -211,31 +261,61 @@ class Chronometer:
         return lines
 
 
+def _hex(uuid):
+    """'GPU-5f0b5c3e-...' (NVML), '5f0b5c3e-...' (torch) or bytes -> '5f0b5c3e...' for comparison."""
+    text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    return text.lower().removeprefix('gpu-').removeprefix('mig-').replace('-', '')
+
+
+def nvml_handle(nvml, props):
+    """The NVML handle of the GPU whose torch device properties are `props`, or (None, why).
+
+    NVML numbers GPUs in PCI order and ignores CUDA_VISIBLE_DEVICES, while CUDA numbers the visible ones
+    (fastest first by default), so a CUDA index is not an NVML index: match the UUID, else the PCI address
+    (a MIG instance has its own UUID but its parent's PCI address: the parent's energy is then shared)."""
+    handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+    want = _hex(props.uuid)
+    for h in handles:
+        if _hex(nvml.nvmlDeviceGetUUID(h)) == want:
+            return h, None
+    for h in handles:
+        pci = nvml.nvmlDeviceGetPciInfo(h)
+        if (pci.domain, pci.bus, pci.device) == (props.pci_domain_id, props.pci_bus_id, props.pci_device_id):
+            return h, None
+    return None, f'no NVML device has the UUID or PCI address of CUDA device {props.name}'
+
+
 class PowerMeter:
     """GPU power and energy through NVML, off the hot path.
 
-    Energy comes from the board's cumulative counter (nvmlDeviceGetTotalEnergyConsumption, mJ) read
-    at start and stop; peak and mean power from a background thread sampling nvmlDeviceGetPowerUsage
-    (mW) every `period` seconds. Unavailable (CPU, no driver, no nvidia-ml-py): all fields None.
+    Energy comes from the board's cumulative counter (nvmlDeviceGetTotalEnergyConsumption, mJ): over the
+    whole run (start to stop) and over the steady training windows (window_start/window_stop around the
+    steps after warm-up, excluding validation, compilation and start-up), which is what J/image divides.
+    Peak and mean power come from a background thread sampling nvmlDeviceGetPowerUsage (mW) every `period`
+    seconds. Unavailable (CPU, no driver, no nvidia-ml-py, GPU not found): every field None, never guessed.
+    `nvml` and `props` replace pynvml and torch's device properties in tests.
     """
 
-    def __init__(self, device, period=0.1):
+    def __init__(self, device, period=0.1, nvml=None, props=None, synchronize=None):
         self.available, self.samples, self.period = False, [], period
-        self.energy_j = None
+        self.energy_j, self.why = None, 'not a CUDA device'
+        self.train_energy_j, self.train_images, self._window = 0.0, 0, None
         self._stop = threading.Event()
         self._thread = None
         dev = torch.device(device)
         if dev.type != 'cuda':
             return
+        self._synchronize = synchronize or torch.cuda.synchronize
         try:
-            import pynvml
-            pynvml.nvmlInit()
-            index = dev.index if dev.index is not None else torch.cuda.current_device()
-            self._nvml = pynvml
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            self.available = True
-        except Exception:  # no NVML on this machine: power is reported as unavailable, never guessed
-            return
+            if nvml is None:
+                import pynvml as nvml
+            nvml.nvmlInit()
+            props = props or torch.cuda.get_device_properties(dev)
+            self._nvml = nvml
+            self._handle, self.why = nvml_handle(nvml, props)
+            self.available = self._handle is not None
+        except Exception as e:  # no NVML on this machine: power is reported as unavailable, never guessed
+            self.why = f'NVML unavailable ({type(e).__name__}: {e})'
 
     def _energy_mj(self):
         try:
@@ -257,10 +337,28 @@ class PowerMeter:
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
+    def window_start(self):
+        """Training steps after warm-up begin. One synchronisation, so that the warm-up's queued GPU work
+        is not counted (once per epoch, outside any timed step)."""
+        if self._thread is not None and self._window is None and not self._stop.is_set():
+            self._synchronize()
+            self._window = self._energy_mj()
+
+    def window_stop(self, images):
+        """The steady training steps since window_start, `images` images in all, have completed (the caller
+        has synchronised)."""
+        if self._window is None:
+            return
+        e1, e0, self._window = self._energy_mj(), self._window, None
+        if e0 is not None and e1 is not None:
+            self.train_energy_j += (e1 - e0) / 1e3
+            self.train_images += images
+
     def stop(self):
         """Idempotent: every exit path of a run calls it."""
         if self._thread is None or self._stop.is_set():
             return
+        self._window = None  # a window still open (an error inside the loop) is not counted
         self._stop.set()
         self._thread.join()
         e1, seconds = self._energy_mj(), time.perf_counter() - self._t0
@@ -269,12 +367,14 @@ class PowerMeter:
         elif self.samples:  # no energy counter (pre-Volta boards): integrate the samples
             self.energy_j = statistics.fmean(self.samples) * seconds
 
-    def summary(self, images):
+    def summary(self):
         peak = max(self.samples) if self.samples else None
         mean = statistics.fmean(self.samples) if self.samples else None
-        per_image = self.energy_j / images if (self.energy_j is not None and images) else None
-        return {'available': self.available, 'peak_w': peak, 'mean_w': mean, 'energy_j': self.energy_j,
-                'joules_per_image': per_image}
+        per_image = self.train_energy_j / self.train_images if self.train_images else None
+        return {'available': self.available, 'why_unavailable': None if self.available else self.why,
+                'peak_w': peak, 'mean_w': mean, 'energy_j': self.energy_j,
+                'train_energy_j': self.train_energy_j if self.train_images else None,
+                'train_images': self.train_images, 'joules_per_image': per_image}
 
 
 def profiler(device, trace_dir, wait, warmup, active):

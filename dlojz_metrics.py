@@ -1,9 +1,11 @@
 """What the training loop measures about learning, on the device and without a host sync per step:
-loss and accuracy meters (shared by training and validation) and the non-finite-loss guard."""
+loss and accuracy meters (shared by training and validation), the non-finite-loss guard, and the peak
+memory a steady step needs."""
 import torch
 
 import dlojz_dist
 from dlojz_errors import NonFiniteLoss
+from dlojz_io import host_memory
 
 
 class NonFiniteGuard:
@@ -64,3 +66,37 @@ class Meters:
         if n == 0:
             return {}
         return {'loss': loss / n, 'top1': top1 / n, 'top5': top5 / n, 'images': int(n)}
+
+
+class PeakMemory:
+    """Peak memory of this process: the CUDA caching allocator's on a GPU, the resident set (VmHWM) on CPU.
+    reset() once the warm-up steps are over, so that cudnn's benchmark trials, compilation and start-up do
+    not count: the batch-size sweep reads what a steady step needs. `cuda` replaces torch.cuda in tests."""
+
+    def __init__(self, device, cuda=torch.cuda, clear_refs='/proc/self/clear_refs'):
+        self.device, self.gpu, self.cuda, self.clear_refs = device, device.type == 'cuda', cuda, clear_refs
+        self.reset_done = False
+
+    def reset(self):
+        if self.gpu:
+            self.cuda.reset_peak_memory_stats(self.device)
+        else:
+            try:  # Linux: '5' resets the peak resident set size of the process (proc(5), clear_refs)
+                with open(self.clear_refs, 'w') as f:
+                    f.write('5')
+            except OSError:  # not Linux, or not allowed: the peak then includes the warm-up
+                return
+        self.reset_done = True
+
+    def summary(self):
+        """Bytes: {'host_peak_rss_bytes', 'host_rss_bytes', 'gpu_max_allocated_bytes', 'gpu_max_reserved_bytes',
+        'peak_after_warmup'}."""
+        return {**host_memory(),
+                'gpu_max_allocated_bytes': self.cuda.max_memory_allocated(self.device) if self.gpu else None,
+                'gpu_max_reserved_bytes': self.cuda.max_memory_reserved(self.device) if self.gpu else None,
+                'peak_after_warmup': self.reset_done}
+
+    def peak(self):
+        """The figure the log line shows: GPU max allocated, or host peak RSS on CPU."""
+        s = self.summary()
+        return s['gpu_max_allocated_bytes'] if self.gpu else s['host_peak_rss_bytes']

@@ -5,19 +5,18 @@ import math
 import os
 import socket
 
-import torch
-
 import dlojz_dist
-from dlojz_io import SUMMARY_VERSION, host_memory, provenance, write_json
+from dlojz_io import SUMMARY_VERSION, provenance, write_json
 
 
-def write_summary(run, progress, status, error=None, power=None, extra=None):
+def write_summary(run, progress, status, error=None, extra=None):
     """On a completed run this gathers every rank's timings (a collective); after a failure other ranks may
-    be gone, so nothing is gathered then."""
+    be gone, so nothing is gathered then. Energy per image is this GPU's energy over the steady training
+    steps divided by the images this rank trained on in them."""
     args, dist, gb = run.args, run.dist, run.global_batch
     cuda = run.device.type == 'cuda'
     timing = run.chrono.summary(gb, run.steps_per_epoch, len(run.data.val_loader))
-    energy = power.summary(gb * len(run.chrono.steps)) if power else None
+    energy = run.power.summary()
     summary = {
         'version': SUMMARY_VERSION, 'status': status, 'error': error, 'config': vars(args),
         'provenance': provenance(run.device, dist),
@@ -27,9 +26,7 @@ def write_summary(run, progress, status, error=None, power=None, extra=None):
                  'classes': len(run.data.classes), 'train_images': run.data.n_train, 'val_images': run.data.n_val,
                  'batches_per_epoch': run.steps_per_epoch, 'bad_images_skipped': run.data.bad_images},
         'timing': timing,
-        'memory': {**host_memory(),
-                   'gpu_max_allocated_bytes': torch.cuda.max_memory_allocated(run.device) if cuda else None,
-                   'gpu_max_reserved_bytes': torch.cuda.max_memory_reserved(run.device) if cuda else None},
+        'memory': run.memory.summary(),
         'energy': energy,
         'global_step': progress.global_step, 'train': progress.train, 'val': progress.val, **(extra or {}),
     }
@@ -37,29 +34,31 @@ def write_summary(run, progress, status, error=None, power=None, extra=None):
         summary['communication'] = communication_estimate(args.bucket_cap_mb, run.model_without_ddp,
                                                           dist.world_size)
         if status == 'completed':
-            ranks = dlojz_dist.all_gather_object(rank_report(run, power))
+            ranks = dlojz_dist.all_gather_object(rank_report(run))
             timing.update(ranks_summary(ranks))
             summary['memory']['gpu_max_allocated_bytes_any_rank'] = max(
                 (r['gpu_max_allocated_bytes'] or 0 for r in ranks), default=0) if cuda else None
-            if energy and all(r['energy_j'] is not None for r in ranks):
-                total = sum(r['energy_j'] for r in ranks)
-                energy.update(energy_j_all_ranks=total,
-                              joules_per_image_all_ranks=total / max(1, gb * len(run.chrono.steps)))
+            if all(r['energy_j'] is not None for r in ranks):
+                energy['energy_j_all_ranks'] = sum(r['energy_j'] for r in ranks)
+            if all(r['train_images'] for r in ranks):
+                energy['joules_per_image_all_ranks'] = sum(r['train_energy_j'] for r in ranks) / \
+                    sum(r['train_images'] for r in ranks)
     if dist.is_main:
         write_json(os.path.join(args.output_dir, 'summary.json'), summary)
     return summary
 
 
-def rank_report(run, power):
+def rank_report(run):
     """This rank's timing, memory and energy; gathered from every rank at the end of a completed run."""
-    st, cuda = run.chrono.stats(), run.device.type == 'cuda'
+    st, memory = run.chrono.stats(), run.memory.summary()
     step, data = st.get('step'), st.get('data')
     return {'rank': run.dist.rank, 'host': socket.gethostname(), 'steps': len(run.chrono.steps),
             'step_median_s': step['median'] if step else None, 'step_mean_s': step['mean'] if step else None,
             'data_mean_s': data['mean'] if data else None, 'val_time_s': run.chrono.val_time,
-            'gpu_max_allocated_bytes': torch.cuda.max_memory_allocated(run.device) if cuda else None,
-            'host_peak_rss_bytes': host_memory()['host_peak_rss_bytes'],
-            'energy_j': power.energy_j if power else None}
+            'gpu_max_allocated_bytes': memory['gpu_max_allocated_bytes'],
+            'host_peak_rss_bytes': memory['host_peak_rss_bytes'],
+            'energy_j': run.power.energy_j, 'train_energy_j': run.power.train_energy_j,
+            'train_images': run.power.train_images}
 
 
 def ranks_summary(ranks):
@@ -93,6 +92,10 @@ def final_lines(summary, chrono, steps_per_epoch):
         lines.append(f">>> Train throughput: {t['train_throughput']:.2f} images/second; GPU throughput: "
                      f"{t['gpu_throughput']:.2f} images/second; epoch time estimate: "
                      f"{t['epoch_time_estimate_s']:.1f} s")
+    if t.get('bound'):
+        device = 'GPU' if t['clock'] == 'cuda-events' else 'compute'
+        lines.append(f">>> Bound by: {t['bound']} ({device} busy {t['device_busy']:.0%} of the steady steps, data wait "
+                     f"{t['data_share']:.0%}; with no waiting the steps would be {t['compute_headroom']:.2f}x faster)")
     if t.get('rank_skew') is not None:
         lines.append(f">>> Step time per rank (median): fastest rank {t['fastest_rank']} "
                      f"{t['fastest_step_median_s'] * 1e3:.1f} ms, slowest rank {t['slowest_rank']} "
@@ -104,7 +107,8 @@ def final_lines(summary, chrono, steps_per_epoch):
     e = summary['energy']
     if e and e['peak_w'] is not None:
         per_image = f" ({e['joules_per_image']:.3f} J/image)" if e['joules_per_image'] is not None else ''
-        lines.append(f">>> Peak Power during training: {e['peak_w']:.1f} W; energy {e['energy_j']:.1f} J{per_image}")
+        energy = f"; energy {e['energy_j']:.1f} J" if e['energy_j'] is not None else ''
+        lines.append(f">>> Peak Power during training: {e['peak_w']:.1f} W{energy}{per_image}")
     m = summary['memory']
     if m['gpu_max_allocated_bytes'] is not None:
         lines.append(f">>> Max Memory Allocated {m['gpu_max_allocated_bytes']} Bytes (reserved "

@@ -1,14 +1,20 @@
 """Chronometer arithmetic with an injected clock: exact per-phase times, warm-up exclusion, statistics,
 phases that add up to the step, and the course's '>>>' lines parsed the way controle_technique parses them.
+On a fake asynchronous GPU (a device timeline on the same fake clock): compute and GPU throughput come from
+the device's clock in loader-bound and GPU-bound runs, nothing synchronises between steps, and the phase
+check fails when phases overlap. The PowerMeter on a fake NVML: the GPU found by UUID whatever
+CUDA_VISIBLE_DEVICES says, and J/image over the steady training steps only.
 
 Run: python -m pytest -q tests/test_chrono.py
 """
 import statistics
+import time
 
 import pytest
 import torch
 
 from dlojz_chrono import Chronometer, PowerMeter, describe
+from dlojz_summary import final_lines
 
 
 class FakeClock:
@@ -90,7 +96,7 @@ def test_phases_off_records_only_host_times():
     clock = FakeClock()
     chrono = Chronometer('cpu', phases=False, warmup=0, clock=clock)
     drive(chrono, clock, [0.1, 0.1], [{'forward': 1.0}] * 2)
-    assert set(chrono.steps[0]) == {'data', 'step'}
+    assert set(chrono.steps[0]) == {'data', 'step', 'compute'}
     assert chrono.stats()['compute']['median'] == pytest.approx(1.0)
 
 
@@ -154,8 +160,9 @@ def test_power_meter_unavailable_on_cpu():
     p = PowerMeter('cpu')
     p.start()
     p.stop()
-    assert p.summary(100) == {'available': False, 'peak_w': None, 'mean_w': None, 'energy_j': None,
-                              'joules_per_image': None}
+    assert p.summary() == {'available': False, 'why_unavailable': 'not a CUDA device', 'peak_w': None,
+                           'mean_w': None, 'energy_j': None, 'train_energy_j': None, 'train_images': 0,
+                           'joules_per_image': None}
 
 
 class CountingClock:
@@ -184,3 +191,219 @@ def test_cost_per_step_is_a_few_clock_reads(phases, reads_per_step, monkeypatch)
     chrono.finish()
     assert entered == 4 * n
     assert clock.reads == n * reads_per_step + 1  # + the read that finds the loader exhausted
+
+
+# ------------------------------------------------------------------------------ a fake asynchronous GPU
+
+class FakeGPU:
+    """A device timeline on the fake host clock: work launched at host time t starts when the device has
+    finished what was queued before it; an event completes when the device reaches it. Like CUDA, reading
+    an event that has not completed raises, and the host blocks when more than `depth` seconds of work are
+    queued (the launch queue is finite)."""
+
+    def __init__(self, clock, depth=0.3):
+        self.clock, self.depth, self.free_at, self.syncs = clock, depth, 0.0, 0
+
+    def launch(self, seconds):
+        self.free_at = max(self.free_at, self.clock.t) + seconds
+        if self.free_at - self.clock.t > self.depth:  # the launch blocks until the queue has room
+            self.clock.t = self.free_at - self.depth
+
+    def event(self):
+        return FakeEvent(self)
+
+    def synchronize(self):
+        self.syncs += 1
+        self.clock.t = max(self.clock.t, self.free_at)
+
+
+class FakeEvent:
+    def __init__(self, gpu):
+        self.gpu, self.at = gpu, None
+
+    def record(self):
+        self.at = max(self.gpu.free_at, self.gpu.clock.t)  # reached once the work queued before it is done
+
+    def query(self):
+        return self.gpu.clock.t >= self.at
+
+    def elapsed_time(self, end):
+        if not (self.query() and end.query()):
+            raise RuntimeError('cudaErrorNotReady: event not completed')
+        return (end.at - self.at) * 1e3
+
+
+GPU_WORK = {'h2d': 0.005, 'forward': 0.035, 'backward': 0.065, 'optimizer': 0.005}  # 110 ms per step
+LAUNCH = 0.001  # host seconds to launch each phase's kernels
+
+
+def drive_gpu(chrono, clock, gpu, wait, steps):
+    """A training loop on the fake GPU: the loader makes the host wait `wait` s per batch; each phase costs
+    the host LAUNCH s and queues its GPU_WORK. -> synchronisations seen during the loop."""
+    for _ in chrono.iterate(SlowLoader(clock, [wait] * steps)):
+        for name, work in GPU_WORK.items():
+            with chrono.phase(name):
+                clock.advance(LAUNCH)
+                gpu.launch(work)
+    during = gpu.syncs
+    chrono.finish()
+    return during
+
+
+def test_loader_bound_gpu_throughput_comes_from_the_device_clock():
+    """The issue's simulation: 110 ms of GPU work per step of 128 images, the loader at 1 000 img/s. Host
+    step minus data wait is 4 ms of launches (32 000 img/s); the device clock gives the true ~1 150."""
+    clock = FakeClock()
+    gpu = FakeGPU(clock)
+    chrono = Chronometer('cuda', warmup=1, clock=clock, timeline=gpu)
+    assert drive_gpu(chrono, clock, gpu, wait=0.128, steps=20) == 0  # no synchronisation between steps
+    s = chrono.summary(global_batch=128)
+    true = 128 / sum(GPU_WORK.values())
+    assert s['clock'] == 'cuda-events'
+    assert s['gpu_throughput'] == pytest.approx(true, rel=0.02)  # launch latency of the first phase: 1 ms
+    assert s['train_throughput'] == pytest.approx(128 / (0.128 + 4 * LAUNCH), rel=1e-6)
+    assert s['bound'] == 'loader' and s['device_busy'] == pytest.approx(0.111 / 0.132, rel=0.01)
+    for rec in chrono.steady:
+        assert rec['forward'] == pytest.approx(0.035) and rec['backward'] == pytest.approx(0.065)
+        assert rec['other'] >= -1e-12  # the named phases lie inside the step's span
+    assert s['phase_sum_error'] == pytest.approx(0.0, abs=1e-9)
+    assert gpu.syncs == 1  # finish()
+
+
+def test_gpu_bound_run_is_compute_bound():
+    clock = FakeClock()
+    gpu = FakeGPU(clock)
+    chrono = Chronometer('cuda', warmup=1, clock=clock, timeline=gpu)
+    assert drive_gpu(chrono, clock, gpu, wait=0.002, steps=60) == 0
+    s = chrono.summary(global_batch=128)
+    assert s['gpu_throughput'] == pytest.approx(128 / 0.110, rel=1e-6)  # queued work: no launch gap
+    assert s['bound'] == 'compute' and s['device_busy'] > 0.9
+    assert s['train_throughput'] == pytest.approx(128 / 0.110, rel=0.01)  # the host is throttled by the queue
+
+
+def test_phase_check_fails_when_phases_overlap():
+    """The check compares two measurements: phases nested in each other count twice and exceed the step."""
+    clock = FakeClock()
+    chrono = Chronometer('cpu', warmup=0, clock=clock)
+    for _ in chrono.iterate(SlowLoader(clock, [0.1] * 3)):
+        with chrono.phase('forward'):
+            with chrono.phase('backward'):
+                clock.advance(1.0)
+    chrono.finish()
+    assert chrono.summary(1)['phase_sum_error'] == pytest.approx(1.0)
+
+
+def test_sync_timing_uses_the_host_clock_and_synchronises_at_phase_boundaries():
+    clock = FakeClock()
+    gpu = FakeGPU(clock)
+    chrono = Chronometer('cuda', sync=True, warmup=0, clock=clock, timeline=gpu)
+    drive_gpu(chrono, clock, gpu, wait=0.128, steps=3)
+    s = chrono.summary(global_batch=128)
+    assert s['clock'] == 'host+sync' and gpu.syncs == 3 * 2 * len(GPU_WORK)
+    assert chrono.steps[-1]['forward'] == pytest.approx(LAUNCH + 0.035)
+
+
+def test_on_steady_runs_once_after_warmup():
+    clock = FakeClock()
+    chrono = Chronometer('cpu', warmup=2, clock=clock)
+    seen = []
+    chrono.on_steady.append(lambda: seen.append(len(chrono.steps)))
+    for epoch in range(2):  # over two epochs: once in all
+        for _ in chrono.iterate(SlowLoader(clock, [0.1] * 3)):
+            clock.advance(1.0)
+    assert seen == [2]
+
+
+# ------------------------------------------------------------------------------ a fake NVML
+
+class FakeNVML:
+    """Four GPUs in PCI order; each has a UUID, a PCI address and an energy counter (mJ) the test moves."""
+
+    class PciInfo:
+        def __init__(self, bus):
+            self.domain, self.bus, self.device = 0, bus, 0
+
+    def __init__(self):
+        self.uuids = [f'GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd' for i in range(4)]
+        self.energy = [0, 0, 0, 0]
+        self.power_mw = [100_000, 200_000, 300_000, 400_000]
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 4
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetUUID(self, h):
+        return self.uuids[h]
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return self.PciInfo(0x10 + h)
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        return self.energy[h]
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return self.power_mw[h]
+
+
+class Props:
+    """torch.cuda.get_device_properties of the one GPU visible with CUDA_VISIBLE_DEVICES=2: CUDA index 0,
+    NVML index 2. torch prints UUIDs without NVML's 'GPU-' prefix."""
+    name = 'Fake A100'
+    uuid = '00000002-aaaa-bbbb-cccc-dddddddddddd'
+    pci_domain_id, pci_bus_id, pci_device_id = 0, 0x12, 0
+
+
+def test_power_meter_opens_the_visible_gpu_by_uuid(monkeypatch):
+    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '2')
+    nvml = FakeNVML()
+    p = PowerMeter('cuda:0', nvml=nvml, props=Props(), synchronize=lambda: None)
+    assert p.available and p._handle == 2  # by CUDA index it would be NVML's GPU 0
+
+
+def test_power_meter_falls_back_to_the_pci_address():
+    class MIG(Props):
+        uuid = 'MIG-ffffffff-0000-1111-2222-333333333333'  # a MIG instance: its parent has the PCI address
+    p = PowerMeter('cuda:0', nvml=FakeNVML(), props=MIG(), synchronize=lambda: None)
+    assert p.available and p._handle == 2
+
+
+def test_power_meter_says_why_when_the_gpu_is_not_found():
+    class Other(Props):
+        uuid, pci_bus_id = '99999999-0000-0000-0000-000000000000', 0x99
+    s = PowerMeter('cuda:0', nvml=FakeNVML(), props=Other(), synchronize=lambda: None).summary()
+    assert not s['available'] and 'Fake A100' in s['why_unavailable'] and s['joules_per_image'] is None
+
+
+def test_joules_per_image_counts_steady_training_only():
+    """Run energy 8 J: 1 J of warm-up and compilation, 5 J over the steady steps (10 images), 2 J of
+    validation. J/image is 5 J / 10 images, not 8 / 10."""
+    nvml, syncs = FakeNVML(), []
+    p = PowerMeter('cuda:0', nvml=nvml, props=Props(), synchronize=lambda: syncs.append(1), period=0.001)
+    p.start()
+    nvml.energy[2] += 1000
+    p.window_start()
+    nvml.energy[2] += 5000
+    p.window_stop(images=10)
+    nvml.energy[2] += 2000
+    time.sleep(0.01)
+    p.stop()
+    s = p.summary()
+    assert s['energy_j'] == pytest.approx(8.0) and s['train_energy_j'] == pytest.approx(5.0)
+    assert s['joules_per_image'] == pytest.approx(0.5) and s['peak_w'] == pytest.approx(300.0)
+    assert syncs == [1]  # the warm-up's queued work is waited for once, outside the timed steps
+
+
+def test_evaluate_with_nvml_ends_with_its_lines():
+    """An --evaluate run on a GPU: power sampled, no training window. The closing lines must not fail on a
+    J/image of None (it ended in a traceback after the summary)."""
+    summary = {'timing': {}, 'config': {'output_dir': 'x'},
+               'energy': {'peak_w': 250.0, 'energy_j': 12.0, 'joules_per_image': None},
+               'memory': {'gpu_max_allocated_bytes': 2 ** 30, 'gpu_max_reserved_bytes': 2 ** 31,
+                          'host_peak_rss_bytes': 2 ** 30}}
+    lines = final_lines(summary, Chronometer('cpu'), 10)
+    assert any('Peak Power during training: 250.0 W; energy 12.0 J' in line for line in lines)

@@ -101,7 +101,13 @@ class FakePower:
     def stop(self):
         self.stopped = True
 
-    def summary(self, images):
+    def window_start(self):
+        pass
+
+    def window_stop(self, images):
+        pass
+
+    def summary(self):
         return {'available': False, 'peak_w': None, 'mean_w': None, 'energy_j': None, 'joules_per_image': None}
 
 

@@ -1,0 +1,124 @@
+"""GPU behaviour proven on CPU through seams (no GPU is lent to this project's machines):
+
+- precision by compute capability: --amp auto picks fp16 on a V100 (sm70), bf16 from sm80; --amp bf16 on
+  sm70 is refused with a sentence (torch.cuda.is_bf16_supported() counts emulation, which cuDNN runs slowly);
+- fp16's GradScaler without a host synchronisation per step: fused optimizers take the scale and the inf
+  flag as tensors (counted with a dispatch mode that sees every .item());
+- peak memory reset after the warm-up steps (a fake torch.cuda; on CPU the resident set's peak, VmHWM).
+
+Run: python -m pytest -q tests/test_gpu_seams.py
+"""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dlojz
+from dlojz_errors import UsageError
+from dlojz_metrics import PeakMemory
+
+GPU = torch.device('cuda', 0)  # a device object only: nothing runs on it
+
+
+def resolved_on(capability, *argv):
+    return dlojz.check_args(dlojz.get_args_parser().parse_args(list(argv)), GPU, 1, capability=capability)
+
+
+@pytest.mark.parametrize('capability, expected', [((7, 0), 'fp16'), ((7, 5), 'fp16'), ((8, 0), 'bf16'),
+                                                  ((9, 0), 'bf16')])
+def test_amp_auto_follows_the_compute_capability(capability, expected):
+    assert resolved_on(capability).amp == expected
+
+
+def test_amp_bf16_on_a_v100_is_a_sentence():
+    with pytest.raises(UsageError, match=r'compute capability 8.0 or more .* this one is 7.0 .* use --amp fp16'):
+        resolved_on((7, 0), '--amp', 'bf16')
+    assert resolved_on((7, 0), '--amp', 'fp16').amp == 'fp16'
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the operators that make the host wait for the device on a GPU: a tensor read as a Python
+    number (.item(), bool(), int()), nonzero (its output size depends on the values)."""
+    SYNCS = {'_local_scalar_dense', 'nonzero', 'is_nonzero', 'equal'}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.SYNCS:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def scaled_step(fused):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
+    loss = model(torch.randn(16, 8)).square().mean()
+    scaler.scale(loss).backward()
+    with HostSyncs() as mode:
+        scaler.step(opt)
+        scaler.update()
+    return mode.seen, model.weight.detach().clone()
+
+
+def test_fused_optimizer_spares_the_scaler_its_item():
+    plain, w_plain = scaled_step(fused=False)
+    fused, w_fused = scaled_step(fused=True)
+    assert plain.count('_local_scalar_dense') >= 1  # GradScaler reads found_inf on the host
+    assert fused == []
+    torch.testing.assert_close(w_fused, w_plain)  # the same update
+
+
+@pytest.mark.filterwarnings('ignore:torch.cuda.amp.GradScaler is enabled')
+def test_gpu_runs_build_fused_optimizers():
+    args = resolved_on((8, 0), '--amp', 'fp16')
+    for name in ('sgd', 'adamw'):
+        args.optimizer = name
+        opt = dlojz.build_optimization(args, torch.nn.Linear(2, 2), 10, 10, GPU)[1]
+        assert opt.defaults['fused'] is True, name
+    cpu = dlojz.build_optimization(args, torch.nn.Linear(2, 2), 10, 10, torch.device('cpu'))[1]
+    assert not cpu.defaults.get('fused')
+
+
+class FakeCuda:
+    def __init__(self):
+        self.allocated, self.peak, self.resets = 0, 0, 0
+
+    def alloc(self, n):
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def reset_peak_memory_stats(self, device):
+        self.resets += 1
+        self.peak = self.allocated
+
+    def max_memory_allocated(self, device):
+        return self.peak
+
+    def max_memory_reserved(self, device):
+        return self.peak
+
+
+def test_gpu_peak_memory_after_warmup_leaves_out_the_autotune_trials():
+    cuda = FakeCuda()
+    mem = PeakMemory(GPU, cuda=cuda)
+    cuda.alloc(8 << 30)   # warm-up: cudnn benchmark workspaces
+    cuda.alloc(-8 << 30)
+    mem.reset()
+    cuda.alloc(3 << 30)   # a steady step
+    s = mem.summary()
+    assert s['gpu_max_allocated_bytes'] == 3 << 30 and s['peak_after_warmup'] and cuda.resets == 1
+
+
+def test_host_peak_memory_reset_on_linux():
+    mem = PeakMemory(torch.device('cpu'))
+    block = torch.ones(512 << 20, dtype=torch.uint8)  # 512 MiB, touched
+    high = mem.peak()
+    del block
+    mem.reset()
+    if not mem.reset_done:
+        pytest.skip('/proc/self/clear_refs is not writable here')
+    assert mem.peak() < high - (256 << 20)
