@@ -117,6 +117,8 @@ def get_args_parser(add_help=True):
     g.add_argument('--channels-last', action=B, default=None, help='NHWC memory format (default: on with CUDA)')
     g.add_argument('--tf32', action=B, default=True, help='TF32 matmuls/convolutions on Ampere and newer')
     g.add_argument('--cudnn-benchmark', action=B, default=True, help='cudnn autotuning (first steps slower)')
+    g.add_argument('--deterministic', action='store_true', help='deterministic algorithms only (bit-exact reruns '
+                   'and resumes on a GPU; slower; turns --cudnn-benchmark off)')
     g.add_argument('--compile', action=B, default=False, help='torch.compile the model')
     g.add_argument('--compile-mode', default='default', choices=['default', 'reduce-overhead', 'max-autotune',
                    'max-autotune-no-cudagraphs'], help='torch.compile mode')
@@ -213,6 +215,7 @@ def check_args(args, device, world_size=1, capability=None):
     if args.num_workers is None:
         args.num_workers = dlojz_dist.slurm_cpus_per_task() or 8
     args.chkpt = args.chkpt or args.chkpt_every > 0
+    args.cudnn_benchmark = args.cudnn_benchmark and not args.deterministic
     refusals = [
         (args.arch not in custom_models.ARCHS, f'unknown --arch {args.arch}; choose one of '
                                                f'{", ".join(custom_models.ARCHS)}.'),
@@ -446,7 +449,7 @@ def train(run, progress, prof=None):
         if train_one_epoch(run, progress, remaining, prof):
             preempt(run, progress)
         remaining = remaining - (progress.step - first) if remaining is not None else None
-        if args.chkpt and run.dist.is_main:
+        if args.chkpt:
             save(run, progress)
         if not args.test or remaining == 0 or progress.epoch == args.epochs - 1:
             progress.val = evaluate(run, progress.epoch, progress.global_step, 20 if args.test else None)
@@ -484,8 +487,7 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
             log_train_metrics(run, progress, meters)
         if args.chkpt_every and progress.global_step % args.chkpt_every == 0:
             run.guard.check()  # every rank, before rank 0 saves: never checkpoint weights a NaN reached
-            if run.dist.is_main:
-                save(run, progress)
+            save(run, progress)
         if run.stop.agreed():  # a step boundary: a consistent state to checkpoint
             stopped = True
             break
@@ -601,6 +603,8 @@ def evaluate(run, epoch, global_step, max_batches=None):
 def main(args, dist=None):
     """Validate the flags, join the process group, choose the run folder, then run (see _main)."""
     dist = dist or get_dist_info()
+    if args.deterministic:  # cuBLAS reads it when its first handle is made: before any GPU matmul
+        os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
     device = pick_device(args.device, dist)
     args = check_args(args, device, dist.world_size)
     if args.dist_debug:  # read by torch.distributed when the process group starts
@@ -627,6 +631,7 @@ def _main(args, dist, device):
     """Build the run, run its mode (train, LR sweep or evaluation), and end every way it can end with a
     summary.json that says how (dlojz_errors), the power meter stopped and the logs closed."""
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    torch.use_deterministic_algorithms(args.deterministic)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
     seed_everything(args.seed)  # same seed on every rank: same initial weights, same augmentation streams
     run, progress = build_run(args, dist, device, Console(dist.is_main))

@@ -29,7 +29,19 @@ class Progress:
         self.global_step += 1
 
 
-def checkpoint_state(run, progress):
+def device_rng_state(device):
+    """This process's own GPU generator state (None on CPU). Not get_rng_state_all(): that is every visible
+    GPU's, most of which this rank never draws from."""
+    return torch.cuda.get_rng_state(device) if device.type == 'cuda' else None
+
+
+def set_device_rng_state(state, device):
+    if device.type == 'cuda':  # a GPU checkpoint resumed on CPU has no generator to restore
+        torch.cuda.set_rng_state(state, device)
+
+
+def checkpoint_state(run, progress, device_rng):
+    """device_rng: every rank's device_rng_state(), indexed by rank."""
     epoch, step = progress.epoch, progress.step
     if step >= run.steps_per_epoch:  # the end of an epoch is the start of the next
         epoch, step = epoch + 1, 0
@@ -39,13 +51,17 @@ def checkpoint_state(run, progress):
             'step_in_epoch': step, 'global_step': progress.global_step, 'global_batch': run.global_batch,
             'args': vars(run.args),
             'rng': {'torch': torch.get_rng_state(), 'numpy': np.random.get_state(), 'python': random.getstate(),
-                    'cuda': torch.cuda.get_rng_state_all() if run.device.type == 'cuda' else None}}
+                    'device': device_rng}}
 
 
 def save(run, progress):
-    """Rank 0 only: checkpoint-<global step>.pt in the run directory, keeping the newest --keep-checkpoints."""
+    """Every rank calls it: each rank's device RNG state is gathered, then rank 0 writes
+    checkpoint-<global step>.pt in the run directory, keeping the newest --keep-checkpoints. A failure on
+    rank 0 (a full disk) is raised on every rank. -> the path, on every rank."""
+    device_rng = dlojz_dist.all_gather_object(device_rng_state(run.device))
     path = checkpoint_path(run.args.output_dir, progress.global_step)
-    save_checkpoint(path, checkpoint_state(run, progress), keep=run.args.keep_checkpoints)
+    dlojz_dist.on_ranks(lambda: save_checkpoint(path, checkpoint_state(run, progress, device_rng),
+                                                keep=run.args.keep_checkpoints), when=run.dist.is_main)
     return path
 
 
@@ -91,8 +107,10 @@ def restore(run, ckpt):
     torch.set_rng_state(ckpt['rng']['torch'])
     np.random.set_state(ckpt['rng']['numpy'])
     random.setstate(ckpt['rng']['python'])
-    if ckpt['rng']['cuda'] is not None and run.device.type == 'cuda':
-        torch.cuda.set_rng_state_all(ckpt['rng']['cuda'])
+    device_rng = ckpt['rng'].get('device') or []
+    rank = run.dist.rank  # at another world size, ranks beyond the old ones keep their seeded generator
+    if rank < len(device_rng) and device_rng[rank] is not None:
+        set_device_rng_state(device_rng[rank], run.device)
     old, gb = ckpt['global_batch'], run.global_batch
     if old == gb:
         run.scheduler.load_state_dict(ckpt['scheduler'])
@@ -115,7 +133,7 @@ def preempt(run, progress):
     then the SLURM job is requeued: its next start resumes with --resume auto. Ends in Preempted."""
     args, dist = run.args, run.dist
     run.chrono.stop()
-    path = dlojz_dist.broadcast_object(dlojz_dist.on_ranks(lambda: save(run, progress), when=dist.is_main))
+    path = save(run, progress)
     why = run.stop.received or 'a signal on another rank'
     requeued, detail = False, '--no-requeue'
     if args.requeue:

@@ -73,12 +73,12 @@ def free_port(lo=20000, hi=40000):
     raise RuntimeError('no free port')
 
 
-def torchrun(n, *flags, timeout=300):
+def torchrun(n, *flags, timeout=300, script=DLOJZ, env=None):
     """`torchrun --nproc_per_node n dlojz.py FLAGS` -> CompletedProcess (text)."""
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(n), '--master_port',
-           str(free_port()), DLOJZ] + [str(f) for f in flags]
+           str(free_port()), script] + [str(f) for f in flags]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, 'OMP_NUM_THREADS': '1'})
+                          env={**os.environ, 'OMP_NUM_THREADS': '1', **(env or {})})
 
 
 def srun_like(n, *flags, log_dir):
