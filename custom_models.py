@@ -49,6 +49,9 @@ class ClassifierMixture(nn.Module):
             return 0
         return int(torch.randint(1, len(self.heads), (1,), generator=self.generator).item())
 
+    # Left out of torch.compile: the draw reads a CPU generator and a Python counter, which dynamo would guard
+    # as constants and recompile for at every step until its limit. The trunk compiles once; one eager Linear.
+    @torch.compiler.disable
     def forward(self, feat):
         return self.heads[self.choose_head()](feat)
 
@@ -128,7 +131,12 @@ def _frozen_bn_stats(module):
 
 def apply_grad_checkpointing(model):
     """Activation checkpointing of the four ResNet stages: their activations are recomputed in the
-    backward pass instead of being stored. State-dict keys are unchanged."""
+    backward pass instead of being stored. State-dict keys are unchanged.
+
+    Eager mode replays the stage in backward, BatchNorm updates included, so the replay runs with frozen
+    statistics. Under torch.compile a context_fn must return two TorchDispatchModes (a plain context manager
+    fails to compile), and none is needed: AOTAutograd applies the buffer updates once, in the forward graph
+    (tested against an uncheckpointed model with the aot_eager backend)."""
     for name in ('layer1', 'layer2', 'layer3', 'layer4'):
         stage = getattr(model, name)
         plain = stage.forward
@@ -137,6 +145,8 @@ def apply_grad_checkpointing(model):
         def forward(x, plain=plain, contexts=contexts):
             if not torch.is_grad_enabled():
                 return plain(x)
+            if torch.compiler.is_compiling():
+                return checkpoint(plain, x, use_reentrant=False)
             return checkpoint(plain, x, use_reentrant=False, context_fn=contexts)
         stage.forward = forward
     return model

@@ -288,9 +288,11 @@ def build_model(args, num_classes, device, dist):
     train_model = dlojz_dist.wrap_ddp(model, device, args) if dist.distributed else model
     eval_model = model
     if args.compile:  # DDP first, then compile: dynamo's DDPOptimizer keeps communication overlapped
-        mode = None if args.compile_mode == 'default' else args.compile_mode
-        train_model = torch.compile(train_model, mode=mode)
-        eval_model = torch.compile(model, mode=mode) if dist.distributed else train_model
+        # Static shapes: an epoch's smaller last batch gets its own graph (compiled once, outside the
+        # statistics), instead of turning every later step into a slower dynamic-shape graph.
+        kw = dict(mode=None if args.compile_mode == 'default' else args.compile_mode, dynamic=False)
+        train_model = torch.compile(train_model, **kw)
+        eval_model = torch.compile(model, **kw) if dist.distributed else train_model
     return train_model, eval_model, model
 
 
@@ -466,8 +468,8 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
     meters = Meters(len(run.data.classes), run.device)
     window = torch.zeros((), device=run.device)  # loss summed since the last log line, read there only
     t_log, stopped = time.perf_counter(), False
-    steady_before = len(run.chrono.steady)
-    if run.chrono.steady:  # past the warm-up (a later epoch): this epoch's steps count for J/image
+    images_before = run.chrono.images_after_warmup
+    if len(run.chrono.steps) >= run.chrono.warmup:  # past the warm-up (a later epoch): this epoch's steps count for J/image
         run.power.window_start()
     bar = run.log.bar(min(run.steps_per_epoch - first, max_steps or run.steps_per_epoch), f'epoch {progress.epoch + 1}')
     for images, labels in run.chrono.iterate(run.data.train_loader, max_steps):
@@ -494,7 +496,7 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
     bar.close()
     run.guard.check()
     run.chrono.finish()
-    run.power.window_stop(args.batch_size * (len(run.chrono.steady) - steady_before))
+    run.power.window_stop(run.chrono.images_after_warmup - images_before)
     progress.train = {'steps_run': progress.step - first, **meters.compute()}
     return stopped
 

@@ -24,7 +24,8 @@ Two clocks, never mixed in one subtraction:
   of the idle time, else 'host' (Python, launches or synchronisations starve the device).
 - The first `warmup` steps (worker start-up, cudnn autotune, compilation) are reported separately and
   left out of the statistics; `on_steady` callbacks run once, before the first steady step asks for its
-  batch (peak-memory reset, start of the energy window).
+  batch (peak-memory reset, start of the energy window). So are an epoch's smaller last batches: a new
+  shape re-tunes cudnn and compiles another graph, inside that step.
 """
 import datetime
 import math
@@ -48,6 +49,14 @@ def describe(values):
     p90 = s[math.ceil(0.9 * len(s)) - 1]
     return {'n': len(s), 'min': s[0], 'median': statistics.median(s), 'mean': statistics.fmean(s),
             'p90': p90, 'std': statistics.pstdev(s) if len(s) > 1 else 0.0}
+
+
+def _images(batch):
+    """Images in an (images, labels) batch, from the labels; None for anything else."""
+    try:
+        return len(batch[-1])
+    except TypeError:
+        return None
 
 
 class CudaTimeline:
@@ -106,7 +115,7 @@ class Chronometer:
                 batch = next(it)
             except StopIteration:
                 return
-            self._current = {'t0': t0, 'data': self.clock() - t0, 'events': []}
+            self._current = {'t0': t0, 'data': self.clock() - t0, 'events': [], 'images': _images(batch)}
             if self.events:  # the step's work starts now, on the device's clock
                 self._current['span'] = self._event()
             self._interval.append(self._current['data'])
@@ -191,7 +200,14 @@ class Chronometer:
     # ---------------------------------------------------------------- results
     @property
     def steady(self):
-        return self.steps[self.warmup:]
+        """The steps the statistics are made of: after the warm-up, full batches only."""
+        full = max((r['images'] for r in self.steps if r['images'] is not None), default=None)
+        return [r for r in self.steps[self.warmup:] if r['images'] == full]
+
+    @property
+    def images_after_warmup(self):
+        """Images of every step after the warm-up (partial batches included): what energy is divided by."""
+        return sum(r['images'] or 0 for r in self.steps[self.warmup:])
 
     def stats(self):
         keys = ['step', 'data', 'compute'] + (list(PHASES[1:]) if self.phases_on else [])
@@ -201,6 +217,7 @@ class Chronometer:
         """The dict written to summary.json['timing']."""
         st, steady = self.stats(), self.steady
         res = {'steps': len(self.steps), 'warmup_steps': min(self.warmup, len(self.steps)),
+               'partial_batch_steps': len(self.steps[self.warmup:]) - len(steady),
                'sync_timing': self.sync, 'phase_timing': self.phases_on,
                'clock': ('host+sync' if self.sync else 'cuda-events') if self.cuda else 'host',
                'first_steps': self.steps[:self.warmup],

@@ -96,7 +96,7 @@ def test_phases_off_records_only_host_times():
     clock = FakeClock()
     chrono = Chronometer('cpu', phases=False, warmup=0, clock=clock)
     drive(chrono, clock, [0.1, 0.1], [{'forward': 1.0}] * 2)
-    assert set(chrono.steps[0]) == {'data', 'step', 'compute'}
+    assert set(chrono.steps[0]) == {'data', 'step', 'compute', 'images'}
     assert chrono.stats()['compute']['median'] == pytest.approx(1.0)
 
 
@@ -407,3 +407,17 @@ def test_evaluate_with_nvml_ends_with_its_lines():
                           'host_peak_rss_bytes': 2 ** 30}}
     lines = final_lines(summary, Chronometer('cpu'), 10)
     assert any('Peak Power during training: 250.0 W; energy 12.0 J' in line for line in lines)
+
+
+def test_smaller_last_batch_is_left_out_of_the_statistics():
+    """A new shape re-tunes cudnn and compiles another graph inside its step: the epoch's last, smaller
+    batch is timed and counted for energy, not in the statistics."""
+    clock = FakeClock()
+    chrono = Chronometer('cpu', warmup=1, clock=clock)
+    batches = [(None, [0] * 8)] * 4 + [(None, [0] * 3)]
+    for _, labels in chrono.iterate(batches):
+        clock.advance(10.0 if len(labels) == 3 else 1.0)
+    chrono.finish()
+    s = chrono.summary(8)
+    assert s['partial_batch_steps'] == 1 and s['stats']['step']['p90'] == pytest.approx(1.0)
+    assert chrono.images_after_warmup == 3 * 8 + 3

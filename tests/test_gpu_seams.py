@@ -4,7 +4,9 @@
   sm70 is refused with a sentence (torch.cuda.is_bf16_supported() counts emulation, which cuDNN runs slowly);
 - fp16's GradScaler without a host synchronisation per step: fused optimizers take the scale and the inf
   flag as tensors (counted with a dispatch mode that sees every .item());
-- peak memory reset after the warm-up steps (a fake torch.cuda; on CPU the resident set's peak, VmHWM).
+- peak memory reset after the warm-up steps (a fake torch.cuda; on CPU the resident set's peak, VmHWM);
+- torch.compile with the aot_eager backend, graphs counted: the -heads archs compile once, and
+  --grad-checkpointing compiles and updates BatchNorm statistics once per step.
 
 Run: python -m pytest -q tests/test_gpu_seams.py
 """
@@ -12,6 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import custom_models
 import dlojz
 from dlojz_errors import UsageError
 from dlojz_metrics import PeakMemory
@@ -122,3 +125,45 @@ def test_host_peak_memory_reset_on_linux():
     if not mem.reset_done:
         pytest.skip('/proc/self/clear_refs is not writable here')
     assert mem.peak() < high - (256 << 20)
+
+
+# ------------------------------------------------------------------------------ torch.compile, counted
+# The aot_eager backend traces the graph and autograd as inductor does (dynamo's guards and recompiles are
+# the same), in seconds; what it cannot show is inductor's own kernels (tests/gpu).
+
+def compiled_steps(arch, steps=6, grad_checkpointing=False):
+    import torch._dynamo
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = custom_models.build_model(arch, 4, 0.5, 3)
+    if grad_checkpointing:
+        custom_models.apply_grad_checkpointing(model)
+    compiled = torch.compile(model, backend='aot_eager', dynamic=False)
+    x = torch.randn(4, 3, 32, 32)
+    for _ in range(steps):
+        compiled(x).sum().backward()
+    return model, torch._dynamo.utils.counters['stats']['unique_graphs']
+
+
+def test_heads_compile_once():
+    """The head draw (a CPU generator re-seeded from a Python counter) stays out of the graph: dynamo guarded
+    the counter as a constant and compiled a new graph at every step (6 in 6 steps)."""
+    _, graphs = compiled_steps('resnet18-heads')
+    assert graphs == 1
+
+
+def test_grad_checkpointing_compiles_and_updates_batchnorm_once():
+    """--compile --grad-checkpointing failed at the first step (a context_fn that is not two
+    TorchDispatchModes); compiled, the checkpointed model's BatchNorm statistics equal an uncheckpointed
+    eager model's after 3 steps (updated once per step, not again in the recompute)."""
+    model, graphs = compiled_steps('resnet18', steps=3, grad_checkpointing=True)
+    torch.manual_seed(0)
+    ref = custom_models.build_model('resnet18', 4)
+    x = torch.randn(4, 3, 32, 32)
+    for _ in range(3):
+        ref(x).sum().backward()
+    assert graphs == 1
+    for k, v in ref.state_dict().items():
+        if 'running' in k or 'num_batches' in k:
+            torch.testing.assert_close(model.state_dict()[k], v, msg=k)

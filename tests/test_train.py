@@ -240,11 +240,12 @@ def test_compile(tmp_path, cache_dir, monkeypatch):
     import torch._dynamo
     import torchvision
     real, calls = torch.compile, []
-    monkeypatch.setattr(torch, 'compile', lambda m, mode=None: calls.append(mode) or real(m, backend='aot_eager'))
+    monkeypatch.setattr(torch, 'compile', lambda m, mode=None, dynamic=None: calls.append((mode, dynamic)) or
+                        real(m, backend='aot_eager', dynamic=dynamic))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     s, _ = run_main(tmp_path, cache_dir, '--compile', '--test-nsteps', '3', '--chkpt')
-    assert calls == [None] and torch._dynamo.utils.counters['stats']['unique_graphs'] >= 1
+    assert calls == [(None, False)] and torch._dynamo.utils.counters['stats']['unique_graphs'] >= 1
     state = torch.load(latest(tmp_path), weights_only=False)['model']
     assert not any(k.startswith('_orig_mod.') for k in state)
     torchvision.models.resnet18(num_classes=4).load_state_dict(state)
