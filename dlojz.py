@@ -493,6 +493,7 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
         if run.stop.agreed():  # a step boundary: a consistent state to checkpoint
             stopped = True
             break
+    stopped = run.stop.settle() or stopped  # a signal during the last step: stop at the end of the epoch
     bar.close()
     run.guard.check()
     run.chrono.finish()
@@ -565,9 +566,11 @@ def find_lr(run, progress, beta=0.98, explode=4.0):
             break
         if run.stop.agreed():
             run.chrono.finish()
+            run.stop.settle()
             raise Preempted(f'the LR sweep was stopped by {run.stop.received or "a signal on another rank"} at '
                             f'step {progress.global_step}; its curve so far is in summary.json; run it again to '
                             f'sweep further.', findlr=curve())
+    run.stop.settle()  # the sweep ended: a signal during its last step changes nothing
     run.chrono.finish()
     run.log.print(f'LR sweep: {len(lrs)} steps, lr {lrs[0] if lrs else 1e-8:.3g} to {lrs[-1] if lrs else 1e-8:.3g}; '
                   f'stopped: {why}')

@@ -132,7 +132,7 @@ def get_dist_info(environ=os.environ):
 
 # -------------------------------------------------------------------------------------------- process group
 
-_CPU_GROUP = None  # gloo group for small host-side objects (output dir, per-rank timings); None = default
+_CPU_GROUP = None  # gloo group for host-side objects and flags (output dir, timings, stop); made by setup()
 
 
 def cuda_device_for(dist):
@@ -164,8 +164,10 @@ def setup(dist, device, timeout_min=None):
                          f'{dist.master_port} ({first_line(e)}); check that every task started and that the port '
                          f'is free (--dist-timeout bounds this wait).') from None
     # NCCL collectives need GPU tensors; host-side objects go through a gloo group so that they never
-    # touch the GPU (and never initialise NCCL before --nccl-debug's log is in place).
-    _CPU_GROUP = tdist.new_group(backend='gloo') if backend != 'gloo' else None
+    # touch the GPU (and never initialise NCCL before --nccl-debug's log is in place). Made on CPU runs too,
+    # so that CPU tests exercise the structure GPU runs use; it gets --dist-timeout as well (new_group's own
+    # default is 30 min, and every host-side collective of a GPU run waits in it).
+    _CPU_GROUP = tdist.new_group(backend='gloo', **kw)
     if device.type == 'cuda':
         _check_distinct_gpus(dist, device)
 
@@ -274,6 +276,7 @@ class StopSignal:
 
     def __init__(self):
         self.received, self._old = None, {}
+        self._work = self._flag = None  # the all-reduce started at the previous step
 
     def install(self):
         if threading.current_thread() is threading.main_thread():  # Python only allows it there
@@ -290,13 +293,24 @@ class StopSignal:
         self._old = {}
 
     def agreed(self):
-        """True on every rank as soon as one rank got a signal: a MAX all-reduce on the host (gloo), so no
-        rank stops or checkpoints alone and no GPU work is waited for."""
+        """True on every rank at the same step once one rank got a signal, so that no rank stops or
+        checkpoints alone. A MAX all-reduce on the host (gloo, no GPU work waited for), started in the
+        background at each step and read at the next: the ranks agree one step later instead of meeting
+        at a barrier every step. Call settle() when the loop ends."""
         if not (tdist.is_available() and tdist.is_initialized()):
             return self.received is not None
-        flag = torch.tensor([0 if self.received is None else 1])
-        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=_CPU_GROUP)
-        return bool(flag.item())
+        stop = self.settle()
+        self._flag = torch.tensor([0 if self.received is None else 1])
+        self._work = tdist.all_reduce(self._flag, op=tdist.ReduceOp.MAX, group=_CPU_GROUP, async_op=True)
+        return stop
+
+    def settle(self):
+        """Wait for the all-reduce in flight (every rank started it at the same step); -> its verdict."""
+        if self._work is None:
+            return False
+        self._work.wait()
+        self._work = None
+        return bool(self._flag.item())  # a CPU tensor: no device synchronisation
 
 
 def requeue(dist, signal_name=None):

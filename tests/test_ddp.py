@@ -302,3 +302,26 @@ def test_each_rank_resumes_its_own_device_rng(tmp_path, cache_dir):
                           str(latest(out))], capture_output=True, text=True, env={**os.environ, 'FAKE_RNG_LOG': log})
     assert one.returncode == 0, one.stderr[-3000:]
     assert json.load(open(f'{log}.rank0')) == [0, 5]
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """The stop flag is agreed by an all-reduce started at each step and read at the next: SIGUSR2 to rank 1
+    only stops both ranks at one step, and rank 0 checkpoints it."""
+    flags = ['--fake-data', '--fake-train-size', '100000', '--fake-classes', '4', '--arch', 'resnet18',
+             '--image-size', '32', '-b', '8', '--num-workers', '0', '--wandb', 'off', '--log-interval', '1',
+             '--output-dir', tmp_path / 'run']
+    procs = srun_like(2, *flags, log_dir=tmp_path)
+    try:
+        deadline = time.time() + 120
+        while not ((tmp_path / 'run' / 'metrics.jsonl').exists() and len(records_of(tmp_path / 'run')) >= 3):
+            assert time.time() < deadline and procs[0].poll() is None, (tmp_path / 'rank0.err').read_text()
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGUSR2)
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        wait_all(procs, timeout=1)
+    errs = [(tmp_path / f'rank{r}.err').read_text() for r in (0, 1)]
+    assert codes == [5, 5], errs
+    s = summary_of(tmp_path / 'run')
+    assert s['status'] == 'preempted' and 'stopped by a signal on another rank' in errs[0]
+    assert torch.load(s['checkpoint'], weights_only=False)['global_step'] == s['global_step']

@@ -1,14 +1,19 @@
 """get_dist_info(): the launcher seam reads torchrun first, then srun's SLURM variables (with node lists
 like jz[001-003,010] and task lists like 4(x2),3), else a single process; the batch script itself is not
-mistaken for a task, and a malformed environment is one clear UsageError.
+mistaken for a task, and a malformed environment is one clear UsageError. The gloo side group of
+host-side collectives ends a wait for a hung peer within --dist-timeout.
 
 Run: python -m pytest -q tests/test_dist.py
 """
+import os
+import time
+
 import pytest
 import torch
 
 import dlojz_dist
-from dlojz_dist import expand_nodelist, expand_tasks_per_node, get_dist_info
+from conftest import free_port
+from dlojz_dist import DistInfo, expand_nodelist, expand_tasks_per_node, get_dist_info
 from dlojz_errors import UsageError
 
 # What srun exports to task 5 of `srun --nodes 2 --ntasks-per-node 4` (values as Slurm 23 writes them).
@@ -94,3 +99,37 @@ def test_gpu_binding(monkeypatch):
     with pytest.raises(UsageError, match='only 2 GPUs are visible'):
         dlojz_dist.cuda_device_for(d3)
 
+
+
+def _side_group_rank(rank, port, result):
+    """A rank of a 2-process gloo group: rank 1 never joins the side-group collective rank 0 starts."""
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    info = DistInfo(rank=rank, world_size=2, local_world_size=2, master_port=port, launcher='torchrun')
+    dlojz_dist.setup(info, torch.device('cpu'), timeout_min=0.05)  # 3 s
+    if rank == 1:
+        time.sleep(30)
+        return
+    t = time.time()
+    try:
+        dlojz_dist.all_gather_object('rank 0 is waiting')
+        result.put(('returned', time.time() - t))
+    except RuntimeError:
+        result.put(('timed out', time.time() - t))
+
+
+def test_side_group_has_the_dist_timeout():
+    """Host-side collectives (output folder, timings, the stop flag) use a gloo side group, on CPU runs as on
+    GPU ones; it gets --dist-timeout too (new_group's own default would make a hung peer a 30 min wait)."""
+    import multiprocessing as mp
+    ctx = mp.get_context('spawn')
+    result, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_side_group_rank, args=(r, port, result)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        what, seconds = result.get(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    assert what == 'timed out' and seconds < 20, (what, seconds)

@@ -1,0 +1,167 @@
+"""The GPU benchmark matrix for BENCHMARKS.md: ResNet-50 training in fp32 and in the GPU's low precision
+(--amp auto: bf16 from sm80, fp16 below) x channels-last on/off x torch.compile on/off x in-memory fake data
+(the compute ceiling) / decoded JPEGs (the built-in synthetic dataset, or --data-dir). Each configuration is
+one `python dlojz.py --test-nsteps N ...` process; the table is read from its summary.json. The Markdown goes
+to stdout, progress to stderr:
+
+    python tests/gpu/bench.py | tee tests/gpu/last-bench.md     # 16 configurations
+    python tests/gpu/bench.py --quick                            # 2: low precision, channels-last, fake vs JPEG
+    python tests/gpu/bench.py --data-dir /path/imagenet --steps 100 --batch 256
+"""
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SYNTHETIC_CLASSES = 10  # dlojz's --synthetic-classes default
+TIMEOUT_S = 1800        # one configuration: compiling ResNet-50 can take minutes, 50 steps take seconds
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description='dlojz GPU benchmark matrix; prints a Markdown table')
+    p.add_argument('--steps', type=int, default=50, help='training steps per configuration (--test-nsteps)')
+    p.add_argument('--batch', type=int, default=128, help='images per step (-b)')
+    p.add_argument('--workers', type=int, default=min(8, os.cpu_count() or 1), help='DataLoader worker processes '
+                   '(default min(8, CPU count))')
+    p.add_argument('--out', default=None, help='folder for the run directories (default runs/bench-<time>)')
+    p.add_argument('--data-dir', default=None, help='ImageFolder dataset for the JPEG rows (default: dlojz\'s '
+                   'built-in synthetic JPEGs)')
+    p.add_argument('--quick', action='store_true', help='2 configurations: low precision, channels-last, eager, '
+                   'fake vs JPEG data')
+    return p.parse_args(argv)
+
+
+def matrix(quick):
+    """(--amp, channels-last, compile, data) of every row."""
+    if quick:
+        return [('auto', True, False, 'fake'), ('auto', True, False, 'jpeg')]
+    return list(itertools.product(('off', 'auto'), (True, False), (False, True), ('fake', 'jpeg')))
+
+
+def common_flags(opts):
+    # warm-up: worker start-up, cudnn autotuning and compilation stay out of the statistics
+    return ['--test-nsteps', opts.steps, '--arch', 'resnet50', '-b', opts.batch, '--num-workers', opts.workers,
+            '--warmup-steps', max(1, opts.steps // 10)]
+
+
+def row_flags(cfg, opts):
+    amp, nhwc, comp, data = cfg
+    flags = ['--amp', amp, '--channels-last' if nhwc else '--no-channels-last'] + (['--compile'] if comp else [])
+    if data == 'fake':
+        return flags + ['--fake-data']
+    if opts.data_dir:
+        return flags + ['--data-dir', opts.data_dir]
+    # One epoch holds every step: an epoch boundary would restart the loader's prefetching inside the timing.
+    # The first JPEG row generates these images (~110 KB each) into dlojz's --cache-dir, once.
+    return flags + ['--synthetic-train-per-class', max(64, math.ceil(opts.steps * opts.batch / SYNTHETIC_CLASSES))]
+
+
+def run_one(flags, out_dir):
+    """-> (summary or None, why it failed or None); dlojz's output in <out_dir>.log."""
+    cmd = [sys.executable, os.path.join(ROOT, 'dlojz.py'), *map(str, flags), '--output-dir', out_dir]
+    with open(f'{out_dir}.log', 'w') as log:
+        try:
+            code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=TIMEOUT_S).returncode
+        except subprocess.TimeoutExpired:
+            return None, f'no result after {TIMEOUT_S} s'
+    try:
+        with open(os.path.join(out_dir, 'summary.json')) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        summary = None
+    if code == 0 and summary and summary['status'] == 'completed':
+        return summary, None
+    with open(f'{out_dir}.log') as f:
+        lines = [line.strip() for line in f if line.strip()]
+    said = [line for line in lines if line.startswith('dlojz:')] or lines or ['no output']
+    return summary, f'exit {code}: {said[-1][:200]}'
+
+
+def label(cfg, summary, opts):
+    amp, nhwc, comp, data = cfg
+    precision = 'fp32' if amp == 'off' else summary['config']['amp'] if summary else 'bf16/fp16'
+    source = 'fake data' if data == 'fake' else 'JPEG --data-dir' if opts.data_dir else 'synthetic JPEG'
+    return ' / '.join([precision, 'channels-last' if nhwc else 'NCHW', 'compile' if comp else 'eager', source])
+
+
+def cells(summary, why, steps):
+    if why:
+        return [f'failed ({why})'.replace('|', '/')] + [''] * 5
+    t, m, e = summary['timing'], summary['memory'], summary['energy']
+    note = f" ({t['steps']} steps)" if t['steps'] < steps else ''  # a small --data-dir ends with its epoch
+    num = lambda v, fmt: '–' if v is None else format(v, fmt)
+    gib = m['gpu_max_allocated_bytes'] / 2 ** 30 if m['gpu_max_allocated_bytes'] is not None else None
+    return [num(t.get('train_throughput'), '.1f') + note, num(t.get('gpu_throughput'), '.1f'), t.get('bound', '–'),
+            num(t['device_busy'] * 100 if t.get('device_busy') is not None else None, '.0f'), num(gib, '.2f'),
+            num(e['joules_per_image'], '.3f')]
+
+
+def shown(path):
+    """A path as the reader would type it from the repository root."""
+    path = os.path.abspath(path)
+    return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
+
+
+def header(prov, opts, argv, out):
+    gpu = 'unknown GPU'
+    if prov:
+        mem = f"{prov['gpu_total_memory_bytes'] / 2 ** 30:.0f} GiB, " if prov.get('gpu_total_memory_bytes') else ''
+        gpu = f"{prov['device_name']} ({mem}sm{prov.get('compute_capability', '?')}), driver {prov.get('driver')}"
+    versions = (f"torch {prov['torch']} (CUDA {prov['cuda']}, cuDNN {prov['cudnn']})" if prov else
+                f'torch {torch.__version__}')
+    command = shlex.join(['python', shown(sys.argv[0]), *argv])
+    dlojz = shlex.join(['python', 'dlojz.py', *map(str, common_flags(opts))])
+    return [f"## {datetime.date.today().isoformat()} — {gpu}, {versions}, host {prov['host'] if prov else '?'}", '',
+            f"`{command}` (dlojz {prov['dlojz_sha'] if prov else '?'}): each row is `{dlojz} ROW FLAGS`, where "
+            f"precision is `--amp off` (fp32, TF32 on) or `--amp auto`, the layout `--channels-last` or "
+            f"`--no-channels-last`, `--compile` or not, and the data `--fake-data` or JPEGs decoded by "
+            f"{opts.workers} workers. Throughputs are global batch / median step after the warm-up steps: train "
+            f"= host step, GPU = device clock (CUDA events); device busy = GPU time / host step time; memory = max "
+            f"allocated after warm-up; J/image = NVML energy over the steady steps. Run folders: {out}.", '']
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    opts = get_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit('bench.py: PyTorch sees no CUDA GPU (torch.cuda.is_available() is False); run it on a GPU node.')
+    out = opts.out or os.path.join(ROOT, 'runs', 'bench-' + datetime.datetime.now().strftime('%Y%m%d-%H%M%S'))
+    os.makedirs(out, exist_ok=True)
+    rows, prov, failed = [], None, 0
+    configs = matrix(opts.quick)
+    for i, cfg in enumerate(configs, 1):
+        name = '_'.join(['fp32' if cfg[0] == 'off' else 'amp', 'nhwc' if cfg[1] else 'nchw',
+                         'compile' if cfg[2] else 'eager', cfg[3]])
+        t0 = time.perf_counter()
+        print(f'[{i}/{len(configs)}] {name} ...', file=sys.stderr, flush=True)
+        try:
+            summary, why = run_one([*common_flags(opts), *row_flags(cfg, opts)], os.path.join(out, name))
+        except KeyboardInterrupt:
+            print('bench.py: interrupted; the table holds the configurations that finished.', file=sys.stderr)
+            failed += 1
+            break
+        prov = prov or (summary or {}).get('provenance')
+        if why:
+            failed += 1
+        rows.append([label(cfg, summary, opts), *cells(summary, why, opts.steps)])
+        print(f'[{i}/{len(configs)}] {name}: {why or "completed"} ({time.perf_counter() - t0:.0f} s)', file=sys.stderr,
+              flush=True)
+    lines = header(prov, opts, argv, shown(out))
+    lines += ['| config | train img/s | GPU img/s | bound | device busy % | peak GPU memory GiB | J/image |',
+              '|---|---:|---:|---|---:|---:|---:|']
+    lines += ['| ' + ' | '.join(r) + ' |' for r in rows]
+    print('\n'.join(lines))
+    return 1 if failed else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""tests/gpu needs a CUDA GPU: without one, every test of this folder is skipped with the reason. The
+fixtures and helpers of tests/conftest.py (cache_dir, TINY, run_main, torchrun, latest) apply here too."""
+import gc
+import pathlib
+
+import pytest
+import torch
+
+HERE = pathlib.Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    # this hook sees the items of the whole session: mark only this folder's
+    skip = pytest.mark.skip(reason='needs a CUDA GPU (torch.cuda.is_available() is False); run bash tests/gpu/run.sh '
+                                   'on a GPU node')
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """In-process runs leave their blocks in PyTorch's caching allocator (GiB for a ResNet-50 step); the
+    torchrun and CLI runs of later tests share the GPU with this process."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()

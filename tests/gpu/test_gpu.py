@@ -1,0 +1,351 @@
+"""What only a real GPU can prove (every test here is skipped on a machine without CUDA):
+
+- mixed precision (fp16; bf16 from sm80) x channels-last x torch.compile trains: finite losses, the precision
+  asked for, a completed summary, phases that fit in their step;
+- steady training steps never make the host wait for the GPU (torch.cuda.set_sync_debug_mode('error')),
+  fp16's GradScaler with the fused optimizer included, on pinned batches copied without blocking;
+- the Chronometer's CUDA-event phases add up to the kernel time torch.profiler records (within 5 %);
+- NVML energy is positive and within the board's enforced power limit x the elapsed time;
+- torchrun with NCCL at world size 1, and 2 GPUs with --sync-bn where the node has them;
+- under --deterministic, a run resumed from a checkpoint reproduces the uninterrupted run's losses exactly;
+- the device-clock verdicts: a fake-data ResNet-50 is compute-bound; the same run behind a slow loader is
+  loader-bound, and its device clock still measures the same GPU time per step.
+
+Run: python -m pytest -q tests/gpu    (bash tests/gpu/run.sh also runs the benchmark matrix)
+"""
+import json
+import math
+import os
+import statistics
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch.autograd import DeviceType
+
+import dlojz
+import dlojz_data
+from conftest import TINY, latest, run_cli, run_main, torchrun
+from dlojz_chrono import PowerMeter
+from dlojz_io import Console
+from dlojz_metrics import Meters
+
+CUDA = ['--device', 'cuda']
+
+
+def losses(records):
+    return {r['global_step']: r['loss'] for r in records if r['type'] == 'train'}
+
+
+def read_run(out):
+    """-> (summary.json, metrics.jsonl records) of a run directory."""
+    with open(os.path.join(out, 'summary.json')) as f:
+        summary = json.load(f)
+    with open(os.path.join(out, 'metrics.jsonl')) as f:
+        return summary, [json.loads(line) for line in f]
+
+
+def skip_bf16_below_sm80(amp):
+    if amp == 'bf16' and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip('--amp bf16 needs compute capability 8.0 (dlojz refuses it below)')
+
+
+def heavy_flags():
+    """A ResNet-50 step long enough that the GPU, not Python launching kernels, sets the pace: fp32 (TF32) at
+    224 px, fake data so that the loader costs nothing, and as many images as memory allows (fp32 training keeps
+    roughly 0.1 GiB of activations per image): 256 from 70 GiB (H100, A100-80GB), 128 from 30 GiB, else 64. At
+    64 x 128 px in bf16 an H100 would finish a step in a few ms, before eager PyTorch has launched its ~1000
+    kernels: the host, not the GPU, would set the pace."""
+    memory = torch.cuda.get_device_properties(0).total_memory
+    b = 256 if memory >= 70 * 2 ** 30 else 128 if memory >= 30 * 2 ** 30 else 64
+    return [*CUDA, '--fake-data', '--arch', 'resnet50', '--amp', 'off', '-b', b, '--image-size', 224,
+            '--val-resize', 256, '--val-image-size', 224, '--val-batch-size', b, '--fake-val-size', b]
+
+
+@contextmanager
+def built(tmp_path, cache_dir, *flags):
+    """A run built in-process the way dlojz._main builds it (same backend flags, same seeding), for tests that
+    drive train_step themselves. Nothing is logged (a disabled console opens no metrics file)."""
+    argv = [str(a) for a in [*TINY, *CUDA, '--cache-dir', cache_dir, '--output-dir', tmp_path, *flags]]
+    dist = dlojz.get_dist_info()
+    device = dlojz.pick_device('cuda', dist)
+    args = dlojz.check_args(dlojz.get_args_parser().parse_args(argv), device, dist.world_size)
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    torch.use_deterministic_algorithms(args.deterministic)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
+    dlojz.seed_everything(args.seed)
+    run, _ = dlojz.build_run(args, dist, device, Console(False))
+    try:
+        yield run
+    finally:
+        run.log.close()
+
+
+# ------------------------------------------------------------------------------ precision x layout x compile
+
+CASES = [pytest.param(amp, nhwc, comp, id=f"{amp}-{'nhwc' if nhwc else 'nchw'}-{'compile' if comp else 'eager'}",
+                      marks=[pytest.mark.slow] if comp else [])  # inductor compiles train and eval graphs
+         for amp in ('fp16', 'bf16') for nhwc in (True, False) for comp in (False, True)]
+
+
+@pytest.mark.parametrize('amp, channels_last, compiled', CASES)
+def test_precision_layout_compile_train(tmp_path, cache_dir, amp, channels_last, compiled):
+    skip_bf16_below_sm80(amp)
+    if compiled:
+        import torch._dynamo
+        torch._dynamo.reset()  # earlier cases' graphs of the same forward would count against the recompile limit
+    layout = '--channels-last' if channels_last else '--no-channels-last'
+    s, recs = run_main(tmp_path, cache_dir, *CUDA, '--amp', amp, layout, *(['--compile'] if compiled else []),
+                       '--test-nsteps', 4, '--log-interval', 1)
+    assert s['status'] == 'completed' and s['provenance']['device'].startswith('cuda')
+    c = s['config']
+    assert (c['amp'], c['channels_last'], c['compile']) == (amp, channels_last, compiled)
+    train = losses(recs)
+    assert sorted(train) == [1, 2, 3, 4] and all(math.isfinite(v) for v in train.values()), train
+    assert math.isfinite(s['val']['loss'])
+    t, m = s['timing'], s['memory']
+    assert t['clock'] == 'cuda-events' and t['phase_sum_error'] < 0.01
+    assert m['gpu_max_allocated_bytes'] > 0 and m['peak_after_warmup']
+
+
+# ------------------------------------------------------------------------------ no host sync in the hot loop
+
+@pytest.mark.parametrize('amp', ['off', 'fp16', 'bf16'])
+def test_steady_steps_never_wait_for_the_gpu(tmp_path, cache_dir, amp):
+    """'error' makes every operation that blocks the host on the GPU raise: a tensor read on the host
+    (.item(), bool(), .tolist(), .cpu()), nonzero, a blocking copy. No sync had to be allowed: the loss, the
+    NaN guard and the meters stay on the device (the guard reads every --log-interval steps: never here),
+    fp16's GradScaler hands its scale and inf flag to the fused SGD as tensors, and batches are copied with
+    non_blocking=True. The mode cannot tell whether such a copy is truly asynchronous: from pageable memory
+    the host stays in cudaMemcpyAsync while the driver stages the batch through its own pinned buffer, with
+    no device sync to flag. Hence the check that the loader's batches are pinned."""
+    skip_bf16_below_sm80(amp)
+    with built(tmp_path, cache_dir, '--amp', amp, '--log-interval', 10 ** 6) as run:
+        assert run.args.pin_memory and run.args.non_blocking
+        meters = Meters(len(run.data.classes), run.device)
+        batches = run.chrono.iterate(run.data.train_loader)  # steps timed by CUDA events, as in the loop
+        for _ in range(2):  # warm-up: cudnn autotuning, allocator growth, momentum buffers, the scaler's state
+            dlojz.train_step(run, *next(batches))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode('error')
+        try:
+            for _ in range(3):  # the loader's pinning and the Chronometer's event queries run in here too
+                images, labels = next(batches)
+                assert images.is_pinned() and labels.is_pinned()
+                meters.update(*dlojz.train_step(run, images, labels))
+        finally:
+            torch.cuda.set_sync_debug_mode('default')
+        batches.close()
+        run.chrono.finish()
+        assert math.isfinite(meters.compute()['loss'])
+
+
+# ------------------------------------------------------------------------------ CUDA events vs the profiler
+
+def kernel_intervals(prof):
+    """(start, end) in µs of every CUDA kernel torch.profiler recorded.
+
+    prof.events() holds each kernel once, as a device-side event (device_type CUDA) whose time_range is the
+    kernel's own span: the same attributes in every torch from 2.4 on. The same kernel is counted again in
+    the device time of the CPU operator that launched it (device_time_total / self_device_time_total; older
+    torch names them cuda_time_total / self_cuda_time_total, kept as deprecated aliases), and key_averages()
+    has a row for the kernel and one for its operator: summing either view over all events counts kernels
+    twice. Device-side events that are not kernels: Memcpy/Memset, and GPU user annotations (record_function
+    ranges such as the optimizer's 'Optimizer.step#SGD.step' mirrored on the device timeline, spanning many
+    kernels and named as their CPU range). Recent torch (2.14) labels each event's activity_type ('kernel',
+    'gpu_memcpy', 'gpu_user_annotation'...); without it, the names tell them apart."""
+    events = prof.events()
+    cpu_names = {e.name for e in events if e.device_type == DeviceType.CPU}
+
+    def is_kernel(e):
+        kind = getattr(e, 'activity_type', None)
+        if kind:
+            return kind == 'kernel'
+        return not e.name.startswith(('Memcpy', 'Memset')) and e.name not in cpu_names
+    return [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA and is_kernel(e)]
+
+
+def busy_us(intervals):
+    """Length of the union of intervals: time the GPU ran at least one kernel. Kernels of one stream may
+    overlap a little (programmatic dependent launch on Hopper), so their durations are not simply added."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def test_phase_events_add_up_to_profiled_kernel_time(tmp_path, cache_dir):
+    """A GPU-bound step (the queue stays full, so kernels follow each other without waiting for launches):
+    the forward + backward + optimizer event times of 10 steps against the kernel time the profiler records
+    for the same steps. Tolerance 5 %: the phases also hold the gaps between kernels (1-2 µs each on a full
+    queue, ~1000 kernels in a step of 100 ms or more: 1-2 %) and any memset, and leave out the normalisation
+    and NaN-guard kernels between phases (< 1 %). A host clock around queued work, or events on another stream, are off
+    by far more (the course's host-clock forward/backward split read 5 %/95 % for a true ~1:2)."""
+    n = 10
+    with built(tmp_path, cache_dir, *heavy_flags(), '--log-interval', 10 ** 6) as run:
+        for images, labels in run.chrono.iterate(run.data.train_loader, 5):  # cudnn autotuning, allocator growth
+            dlojz.train_step(run, images, labels)
+        run.chrono.finish()
+        torch.cuda.synchronize()  # the profiler then records these n steps' kernels and nothing else
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            for images, labels in run.chrono.iterate(run.data.train_loader, n):
+                dlojz.train_step(run, images, labels)
+            run.chrono.finish()
+            torch.cuda.synchronize()
+        steps = run.chrono.steps[-n:]
+    kernels = kernel_intervals(prof)
+    if not kernels:
+        pytest.skip('torch.profiler recorded no CUDA kernel (CUPTI unavailable to this PyTorch)')
+    gpu_s = busy_us(kernels) / 1e6
+    phases_s = sum(r['forward'] + r['backward'] + r['optimizer'] for r in steps)
+    span_s = sum(r['compute'] for r in steps)
+    detail = f'{len(kernels)} kernels busy {gpu_s:.4f} s, phases {phases_s:.4f} s, step spans {span_s:.4f} s'
+    assert len(steps) == n and gpu_s <= 1.01 * span_s, detail  # every kernel ran inside its step's event pair
+    assert phases_s == pytest.approx(gpu_s, rel=0.05), detail
+
+
+# ------------------------------------------------------------------------------ NVML energy
+
+def test_nvml_energy_within_the_power_limit():
+    """~3 s of fp16 matmuls: the energy counter moves, by no more than the enforced power limit (W, from mW)
+    x the elapsed time + 10 % (boards exceed their limit only in transients), and agrees within 2x with the
+    sampled mean power x the time (a mJ/J or mW/W slip is 1000x). From Ampere on (A100 excepted) NVML's power
+    reading is a 1 s average, so the first samples lag the load: hence the loose factor."""
+    pynvml = pytest.importorskip('pynvml', reason='nvidia-ml-py is not installed')
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        pytest.skip(f'NVML cannot start ({e})')
+    meter = PowerMeter('cuda')
+    assert meter.available, meter.why
+    try:
+        limit_w = pynvml.nvmlDeviceGetEnforcedPowerLimit(meter._handle) / 1e3
+    except pynvml.NVMLError as e:
+        pytest.skip(f'this board reports no enforced power limit ({e})')
+    a = torch.randn(8192, 8192, device='cuda', dtype=torch.float16)
+    t0 = time.perf_counter()
+    meter.start()
+    while time.perf_counter() - t0 < 3.0:
+        for _ in range(10):
+            a @ a  # 1.1 TFLOP each: ~2 ms on an H100, ~30 ms on a T4
+        torch.cuda.synchronize()
+    meter.stop()
+    elapsed = time.perf_counter() - t0
+    s = meter.summary()
+    assert s['available'] and meter.energy_j > 0
+    assert meter.energy_j <= limit_w * elapsed * 1.1, (meter.energy_j, limit_w, elapsed)
+    if s['mean_w']:
+        assert 0.5 <= meter.energy_j / (s['mean_w'] * elapsed) <= 2, (meter.energy_j, s['mean_w'], elapsed)
+
+
+# ------------------------------------------------------------------------------ torchrun and NCCL
+
+def test_torchrun_one_gpu_runs_nccl_and_ddp(tmp_path, cache_dir):
+    """A launcher at world size 1 still joins an NCCL group and wraps DDP (dlojz runs 1 GPU as it runs 32).
+    Only a real NCCL communicator writes 'NCCL INFO' lines: --nccl-debug's log must hold them, after the
+    initialisation marker."""
+    p = torchrun(1, *TINY, *CUDA, '--cache-dir', cache_dir, '--output-dir', tmp_path, '--test-nsteps', 3,
+                 '--nccl-debug')
+    assert p.returncode == 0, p.stderr[-3000:]
+    s, _ = read_run(tmp_path)
+    assert s['status'] == 'completed' and s['world_size'] == 1
+    assert s['provenance']['launcher'] == 'torchrun' and 'communication' in s
+    log = (tmp_path / 'nccl.rank0.log').read_text()
+    assert 'Train step 0 - rank 0' in log and 'NCCL INFO' in log.split('Train step 0 - rank 0', 1)[1], log[-2000:]
+
+
+def test_torchrun_two_gpus_sync_bn(tmp_path, cache_dir):
+    if torch.cuda.device_count() < 2:
+        pytest.skip('needs 2 GPUs on this node')
+    import torchvision
+    p = torchrun(2, *TINY, *CUDA, '--cache-dir', cache_dir, '--output-dir', tmp_path, '--test-nsteps', 3, '--sync-bn',
+                 '--chkpt')
+    assert p.returncode == 0, p.stderr[-3000:]
+    s, _ = read_run(tmp_path)
+    assert s['status'] == 'completed' and s['world_size'] == 2 and s['config']['sync_bn']
+    assert len(s['timing']['ranks']) == 2 and s['memory']['gpu_max_allocated_bytes_any_rank'] > 0
+    # SyncBatchNorm keeps BatchNorm's state-dict keys: the checkpoint loads into a plain torchvision model
+    state = torch.load(latest(tmp_path), map_location='cpu', weights_only=False)['model']
+    torchvision.models.resnet18(num_classes=4).load_state_dict(state)
+
+
+# ------------------------------------------------------------------------------ bit-exact resume on the GPU
+
+DETERMINISTIC = [*TINY, *CUDA, '--deterministic', '-e', 2, '--log-interval', 1]
+
+
+def cli_run(out, cache_dir, *flags):
+    """One `python dlojz.py` process per run: CUBLAS_WORKSPACE_CONFIG only counts when set before CUDA starts,
+    which an in-process run after other GPU tests cannot do. -> metrics records."""
+    p = run_cli(*DETERMINISTIC, '--cache-dir', cache_dir, '--output-dir', out, *flags)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return read_run(out)[1]
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory, cache_dir):
+    """The reference: 2 epochs of 12 steps, deterministic, a log line per step."""
+    return cli_run(tmp_path_factory.mktemp('uninterrupted'), cache_dir)
+
+
+@pytest.mark.parametrize('stop', [12, 18])  # end of epoch 1; mid-epoch 2 (sampler offset, as on CPU)
+def test_resume_on_gpu_is_bit_exact(tmp_path, cache_dir, uninterrupted, stop):
+    first = cli_run(tmp_path / 'part', cache_dir, '--test-nsteps', stop, '--chkpt')
+    assert torch.load(latest(tmp_path / 'part'), map_location='cpu', weights_only=False)['global_step'] == stop
+    second = cli_run(tmp_path / 'resumed', cache_dir, '--resume', latest(tmp_path / 'part'))
+    ref, a, b = losses(uninterrupted), losses(first), losses(second)
+    assert sorted(ref) == list(range(1, 25)) and sorted(b) == list(range(stop + 1, 25))
+    assert [a[k] for k in range(1, stop + 1)] == [ref[k] for k in range(1, stop + 1)]  # GPU runs repeat at all
+    assert [b[k] for k in range(stop + 1, 25)] == [ref[k] for k in range(stop + 1, 25)]
+    final_ref = [r for r in uninterrupted if r['type'] == 'val'][-1]
+    final_res = [r for r in second if r['type'] == 'val'][-1]
+    assert (final_res['loss'], final_res['top1']) == (final_ref['loss'], final_ref['top1'])
+
+
+# ------------------------------------------------------------------------------ device-clock verdicts
+
+@pytest.fixture(scope='module')
+def gpu_bound(tmp_path_factory, cache_dir):
+    """A fake-data ResNet-50 run: nothing but the GPU sets the pace. -> summary."""
+    return run_main(tmp_path_factory.mktemp('gpu-bound'), cache_dir, *heavy_flags(), '--test-nsteps', 20,
+                    '--warmup-steps', 3)[0]
+
+
+def test_fake_data_resnet50_is_compute_bound(gpu_bound):
+    t, m, e = gpu_bound['timing'], gpu_bound['memory'], gpu_bound['energy']
+    assert gpu_bound['status'] == 'completed' and t['clock'] == 'cuda-events'
+    assert t['bound'] == 'compute' and t['device_busy'] >= 0.9, (t['bound'], t['device_busy'], t['data_share'])
+    assert t['compute_headroom'] < 1.2  # median host step / median GPU step: nothing but the GPU to wait for
+    assert t['phase_sum_error'] < 0.01
+    assert m['peak_after_warmup'] and m['gpu_max_allocated_bytes'] > 2 ** 30
+    if e['available']:
+        assert e['energy_j'] > 0 and e['train_energy_j'] > 0 and e['joules_per_image'] > 0
+
+
+def test_slow_loader_is_loader_bound_by_the_device_clock(tmp_path, cache_dir, gpu_bound, monkeypatch):
+    """The same run behind a loader that takes twice the GPU's step time per batch: the verdict is 'loader',
+    and the device clock still measures the GPU's work per step (as without the wait, within 25 %: clocks
+    ramp after idling) while host step minus data wait sees only the kernel launches, which the GPU runs
+    during the next wait."""
+    gpu_step = gpu_bound['timing']['stats']['compute']['median']
+    wait = max(0.05, 2 * gpu_step)
+    fast = dlojz_data.FakeLoader.__iter__
+
+    def slow(self):
+        for batch in fast(self):
+            time.sleep(wait)
+            yield batch
+    monkeypatch.setattr(dlojz_data.FakeLoader, '__iter__', slow)
+    s, _ = run_main(tmp_path, cache_dir, *heavy_flags(), '--test-nsteps', 8, '--warmup-steps', 2)
+    t = s['timing']
+    w, compute = t['warmup_steps'], t['stats']['compute']['median']
+    host = statistics.median(a - d for a, d in zip(t['per_step']['step'][w:], t['per_step']['data'][w:]))
+    assert s['status'] == 'completed' and t['bound'] == 'loader' and t['data_share'] > 0.5, t['bound']
+    assert t['gpu_throughput'] > 1.5 * t['train_throughput']
+    assert compute == pytest.approx(gpu_step, rel=0.25)
+    assert compute > 1.5 * host, (compute, host)
+    assert t['phase_sum_error'] < 0.01
