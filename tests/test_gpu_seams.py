@@ -7,6 +7,8 @@
 - peak memory reset after the warm-up steps (a fake torch.cuda; on CPU the resident set's peak, VmHWM);
 - torch.compile with the aot_eager backend, graphs counted: the -heads archs compile once, and
   --grad-checkpointing compiles and updates BatchNorm statistics once per step.
+- a sync detector: a training step and a validation batch read nothing from the device (no .item(), bool(),
+  nonzero, .tolist(), tensor from host data); the reads the loop is allowed are listed with their reason.
 
 Run: python -m pytest -q tests/test_gpu_seams.py
 """
@@ -167,3 +169,74 @@ def test_grad_checkpointing_compiles_and_updates_batchnorm_once():
     for k, v in ref.state_dict().items():
         if 'running' in k or 'num_batches' in k:
             torch.testing.assert_close(model.state_dict()[k], v, msg=k)
+
+
+# ------------------------------------------------------------------------------ host synchronisations, counted
+
+class DeviceReads(HostSyncs):
+    """HostSyncs plus tensors made from host data (torch.tensor(...) inside the loop would be a host->device
+    copy on a GPU), and .tolist()/.numpy(), which read a CPU tensor without any operator (on a GPU they copy
+    to the host first)."""
+    SYNCS = HostSyncs.SYNCS | {'lift_fresh', 'lift_fresh_copy'}
+
+    def __enter__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in ('tolist', 'numpy')}
+        for name, real in self.saved.items():
+            def read(t, *a, _name=name, _real=real, **kw):
+                self.seen.append(_name)
+                return _real(t, *a, **kw)
+            setattr(torch.Tensor, name, read)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, real in self.saved.items():
+            setattr(torch.Tensor, name, real)
+        return super().__exit__(*exc)
+
+
+@pytest.fixture
+def cpu_run(tmp_path, cache_dir):
+    """A run built as dlojz builds it, on CPU, with the NaN guard read every --log-interval (10) steps as on
+    a GPU (CPU runs read it every step, where it costs nothing)."""
+    from conftest import TINY
+    from dlojz_io import Console
+    argv = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(tmp_path), '--test-nsteps', '20']
+    device = torch.device('cpu')
+    args = dlojz.check_args(dlojz.get_args_parser().parse_args(argv), device)
+    dlojz.seed_everything(args.seed)
+    run, _ = dlojz.build_run(args, dlojz.get_dist_info(), device, Console(False))
+    run.guard.every = args.log_interval
+    return run
+
+
+# Where the training loop may make the host wait for the device, and why. Anything else is a defect.
+ALLOWED = {
+    'guard': 'the NaN guard reads its first bad step every --log-interval steps (never train on NaN)',
+    'log': 'the log line reads the loss summed since the previous line, every --log-interval steps',
+    'compute': 'Meters.compute(): the epoch-end and --metric-step all-reduce of the metric sums',
+}
+
+
+def test_steps_and_validation_batches_never_read_the_device(cpu_run):
+    from dlojz_metrics import Meters
+    run, meters = cpu_run, Meters(4, torch.device('cpu'))
+    batches = iter(run.data.train_loader)
+    for _ in range(2):  # global steps 0 (the guard's read) and 1
+        images, labels = next(batches)
+        meters.update(*dlojz.train_step(run, images, labels))
+    images, labels = next(batches)
+    val_images, val_labels = next(iter(run.data.val_loader))
+    with DeviceReads() as mode:
+        meters.update(*dlojz.train_step(run, images, labels))  # global step 2: no guard read
+        with torch.inference_mode():
+            x, y = dlojz.to_device(val_images, val_labels, run)
+            output = run.eval_model(x)
+            meters.update(run.criterion(output, y), output, y)
+    assert mode.seen == []
+    with DeviceReads() as mode:
+        run.guard.n = 10  # a step where the guard reads (ALLOWED['guard'])
+        dlojz.train_step(run, images, labels)
+    assert mode.seen == ['_local_scalar_dense']
+    with DeviceReads() as mode:
+        meters.compute()  # ALLOWED['compute']
+    assert mode.seen == ['tolist']  # the four sums at once
