@@ -34,7 +34,7 @@ import dlojz_dist
 from dlojz_chrono import Chronometer, PowerMeter, profiler
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
-from dlojz_errors import DlojzError, Interrupted, Preempted, UsageError, translate
+from dlojz_errors import CommFailure, DlojzError, Interrupted, Preempted, UsageError, translate
 from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
 from dlojz_io import Console, Logger, default_output_dir, prepare_output_dir, write_json
 from dlojz_state import Progress, check_checkpoint, find_resume_checkpoint, preempt, restore, save
@@ -170,6 +170,8 @@ def get_args_parser(add_help=True):
     g.add_argument('--nccl-debug', action='store_true', help='NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,COLL; each '
                    'rank\'s stdout, with step markers, is also written to <output-dir>/nccl.rank<r>.log')
     g.add_argument('--dist-debug', action='store_true', help='TORCH_DISTRIBUTED_DEBUG=DETAIL')
+    g.add_argument('--share-gpu', action='store_true', help='allow several tasks per GPU (on by itself when an '
+                   'NVIDIA MPS daemon runs; without MPS they take turns on the GPU)')
     g = p.add_argument_group('logging and profiling')
     g.add_argument('--log-interval', type=I, default=10, help='steps between log lines')
     g.add_argument('--metric-step', type=I, default=100, help='steps between train accuracy computations (one '
@@ -190,13 +192,13 @@ def get_args_parser(add_help=True):
     return p
 
 
-def pick_device(choice, dist):
+def pick_device(choice, dist, share=False):
     if choice == 'cuda' and not torch.cuda.is_available():
         raise UsageError('--device cuda was requested but PyTorch sees no CUDA GPU; use --device cpu or run on a '
                          'GPU node.')
     if choice == 'cpu' or not torch.cuda.is_available():
         return torch.device('cpu')
-    torch.cuda.set_device(dlojz_dist.cuda_device_for(dist))  # before anything allocates on the default GPU
+    torch.cuda.set_device(dlojz_dist.cuda_device_for(dist, share))  # before anything allocates on the default GPU
     return torch.device('cuda', torch.cuda.current_device())
 
 
@@ -228,6 +230,8 @@ def check_args(args, device, world_size=1, capability=None):
         (args.evaluate and not args.resume, '--evaluate validates a trained model; give its checkpoint with '
                                             '--resume PATH.'),
         (args.evaluate and args.findlr, '--evaluate and --findlr exclude each other; drop one.'),
+        (args.static_graph and args.arch.endswith('-heads'), f'--static-graph needs the same parameters used at '
+         f'every step, but {args.arch} uses a different head from step to step; drop --static-graph.'),
     ]
     cpu = device.type == 'cpu'
     if cpu:
@@ -481,7 +485,9 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
         window += loss
         meters.update(loss, output, labels)
         bar.update()
-        if prof is not None:
+        if prof is not None:  # the profiled steps, and the one that writes the trace, are slower: not counted
+            if args.prof_wait <= prof.step_num < args.prof_wait + args.prof_warmup + args.prof_active:
+                run.chrono.exclude_current()
             prof.step()
         if progress.step % args.log_interval == 0 or progress.step == run.steps_per_epoch:
             t_log = log_train(run, progress, lr, window, t_log)
@@ -610,13 +616,14 @@ def main(args, dist=None):
     dist = dist or get_dist_info()
     if args.deterministic:  # cuBLAS reads it when its first handle is made: before any GPU matmul
         os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
-    device = pick_device(args.device, dist)
+    share = args.share_gpu or dlojz_dist.mps_active()
+    device = pick_device(args.device, dist, share)
     args = check_args(args, device, dist.world_size)
     if args.dist_debug:  # read by torch.distributed when the process group starts
         os.environ['TORCH_DISTRIBUTED_DEBUG'] = 'DETAIL'
     if args.nccl_debug:
         dlojz_dist.nccl_debug_env()
-    dlojz_dist.setup(dist, device, args.dist_timeout)
+    dlojz_dist.setup(dist, device, args.dist_timeout, share)
     # Rank 0 chooses the folder (a timestamp would differ between ranks) and creates it; all ranks agree.
     args.output_dir = dlojz_dist.broadcast_object(dlojz_dist.on_ranks(
         lambda: prepare_output_dir(args.output_dir or default_output_dir(args, dist)), when=dist.is_main))
@@ -654,8 +661,10 @@ def _main(args, dist, device):
         elif args.findlr:
             extra['findlr'] = find_lr(run, progress)
         else:
+            # rank 0 only: one trace tells the story, and every rank's export would stall its own step
+            run.chrono.labels = args.prof and dist.is_main
             with profiler(device, os.path.join(args.output_dir, 'profiler'), args.prof_wait, args.prof_warmup,
-                          args.prof_active) if args.prof else nullcontext() as prof:
+                          args.prof_active) if run.chrono.labels else nullcontext() as prof:
                 train(run, progress, prof)
         run.chrono.stop()
         power.stop()
@@ -706,7 +715,7 @@ def report_error(e, dist):
 
 def cli(argv=None):
     """python dlojz.py FLAGS -> exit code (dlojz_errors lists them)."""
-    dist = None
+    dist, peer_failed = None, False
     try:
         args = get_args_parser().parse_args(argv)
         dist = get_dist_info()
@@ -720,10 +729,16 @@ def cli(argv=None):
         return e.exit_code
     except DlojzError as e:
         report_error(e, dist)
+        peer_failed = isinstance(e, CommFailure)
         return e.exit_code
     finally:
-        dlojz_dist.cleanup()
+        dlojz_dist.cleanup(peer_failed)
 
 
 if __name__ == '__main__':
-    sys.exit(cli())
+    code = cli()
+    if dlojz_dist.abandoned:  # a dead peer's NCCL group: no teardown, no destructor that could wait for it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

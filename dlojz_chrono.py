@@ -37,6 +37,9 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 PHASES = ('data', 'h2d', 'forward', 'backward', 'optimizer', 'other')
+# --prof: the course's record_function tags (solutions/dlojz1_4.py), one per phase
+LABELS = {'h2d': 'host to device copy', 'forward': 'inference and loss function', 'backward': 'gradient compute',
+          'optimizer': 'optimizer step and weights update'}
 GPU_PHASES = ('h2d', 'forward', 'backward', 'optimizer')
 BUSY = 0.9  # device busy at least this fraction of the wall time: compute-bound
 
@@ -49,6 +52,12 @@ def describe(values):
     p90 = s[math.ceil(0.9 * len(s)) - 1]
     return {'n': len(s), 'min': s[0], 'median': statistics.median(s), 'mean': statistics.fmean(s),
             'p90': p90, 'std': statistics.pstdev(s) if len(s) > 1 else 0.0}
+
+
+@contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 def _images(batch):
@@ -77,6 +86,7 @@ class Chronometer:
         self.timeline = timeline or (CudaTimeline() if self.cuda else None)
         self.events = self.cuda and not sync  # device clock for compute and phases
         self.on_steady = []    # callables run once, before the first steady step
+        self.labels = False    # --prof: each phase is also a torch.profiler record_function range
         self.steps = []        # completed records: {'data': s, 'step': s, 'compute': s, 'h2d': s, ...}
         self._pending = []     # records whose events may not have completed yet
         self._current = None
@@ -152,7 +162,15 @@ class Chronometer:
     def phase(self, name):
         if not self.phases_on or self._current is None:
             return nullcontext()
+        if self.labels:
+            return _both(self._timed_phase(name), torch.profiler.record_function(LABELS.get(name, name)))
         return self._timed_phase(name)
+
+    def exclude_current(self):
+        """Leave the current step out of the statistics (a profiled step: the profiler slows it down and
+        writes its trace inside it). It is still timed and listed."""
+        if self._current is not None:
+            self._current['excluded'] = True
 
     def _resolve(self, block):
         if block and self.events and self._pending:
@@ -202,7 +220,7 @@ class Chronometer:
     def steady(self):
         """The steps the statistics are made of: after the warm-up, full batches only."""
         full = max((r['images'] for r in self.steps if r['images'] is not None), default=None)
-        return [r for r in self.steps[self.warmup:] if r['images'] == full]
+        return [r for r in self.steps[self.warmup:] if r['images'] == full and not r.get('excluded')]
 
     @property
     def images_after_warmup(self):
@@ -216,8 +234,10 @@ class Chronometer:
     def summary(self, global_batch, batches_per_epoch=None, val_batches_total=None):
         """The dict written to summary.json['timing']."""
         st, steady = self.stats(), self.steady
+        full = max((r['images'] for r in self.steps if r['images'] is not None), default=None)
         res = {'steps': len(self.steps), 'warmup_steps': min(self.warmup, len(self.steps)),
-               'partial_batch_steps': len(self.steps[self.warmup:]) - len(steady),
+               'partial_batch_steps': sum(r['images'] != full for r in self.steps[self.warmup:]),
+               'profiled_steps': sum(bool(r.get('excluded')) for r in self.steps),
                'sync_timing': self.sync, 'phase_timing': self.phases_on,
                'clock': ('host+sync' if self.sync else 'cuda-events') if self.cuda else 'host',
                'first_steps': self.steps[:self.warmup],

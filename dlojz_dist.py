@@ -135,19 +135,28 @@ def get_dist_info(environ=os.environ):
 _CPU_GROUP = None  # gloo group for host-side objects and flags (output dir, timings, stop); made by setup()
 
 
-def cuda_device_for(dist):
+def mps_active(environ=os.environ):
+    """Whether an NVIDIA MPS daemon serves this job (its control pipe exists): then several processes may
+    share a GPU concurrently, as the Alliance Canada guide does for small models."""
+    pipes = environ.get('CUDA_MPS_PIPE_DIRECTORY', '/tmp/nvidia-mps')
+    return os.path.exists(os.path.join(pipes, 'control'))
+
+
+def cuda_device_for(dist, share=False):
     """The GPU this process drives: its local rank, or the only visible GPU when the launcher binds one
-    GPU per task (srun --gpus-per-task / --gpu-bind sets CUDA_VISIBLE_DEVICES per task)."""
+    GPU per task (srun --gpus-per-task / --gpu-bind sets CUDA_VISIBLE_DEVICES per task). More tasks than
+    GPUs only with `share` (--share-gpu, or MPS running): local rank modulo the GPUs."""
     n = torch.cuda.device_count()
     if not dist.distributed or n == 1:
         return 0
-    if dist.local_rank < n:
-        return dist.local_rank
+    if dist.local_rank < n or share:
+        return dist.local_rank % n
     raise UsageError(f'{dist.launcher} started {dist.local_world_size} tasks on {socket.gethostname()} but only {n} '
-                     f'GPUs are visible; start one task per GPU (e.g. --ntasks-per-node={n} with --gres=gpu:{n}).')
+                     f'GPUs are visible; start one task per GPU (e.g. --ntasks-per-node={n} with --gres=gpu:{n}), '
+                     f'or run NVIDIA MPS (or pass --share-gpu) to share GPUs between tasks.')
 
 
-def setup(dist, device, timeout_min=None):
+def setup(dist, device, timeout_min=None, share_gpu=False):
     """Join the process group: NCCL on CUDA, gloo on CPU. Every rank must call it."""
     global _CPU_GROUP
     if not dist.distributed:
@@ -169,16 +178,17 @@ def setup(dist, device, timeout_min=None):
     # default is 30 min, and every host-side collective of a GPU run waits in it).
     _CPU_GROUP = tdist.new_group(backend='gloo', **kw)
     if device.type == 'cuda':
-        _check_distinct_gpus(dist, device)
+        _check_distinct_gpus(dist, device, share_gpu)
 
 
-def _check_distinct_gpus(dist, device):
+def _check_distinct_gpus(dist, device, share=False):
     me = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
     seen = {}
     for rank, key in enumerate(all_gather_object(me)):
-        if key in seen:
+        if key in seen and not share:
             raise UsageError(f'ranks {seen[key]} and {rank} share GPU {key[1]} on {key[0]}; start one task per GPU '
-                             f'(as many tasks per node as --gres=gpu:N, with each task seeing its own GPU).')
+                             f'(as many tasks per node as --gres=gpu:N, with each task seeing its own GPU), or run NVIDIA MPS (or pass '
+                             f'--share-gpu) to share it.')
         seen[key] = rank
 
 
@@ -195,12 +205,23 @@ def wrap_ddp(model, device, args):
                **{buffers: args.broadcast_buffers})
 
 
-def cleanup():
-    if tdist.is_available() and tdist.is_initialized():
-        try:
-            tdist.destroy_process_group()
-        except Exception:  # a failed group may refuse to close; the process is exiting anyway
-            pass
+abandoned = False  # set by cleanup(): the process must exit without tearing the NCCL group down
+
+
+def cleanup(peer_failed=False):
+    """Leave the process group. After a peer died, NCCL's teardown (ncclCommAbort in destroy_process_group
+    or in the group's destructor) can wait forever for it (pytorch#119250, #132696): the group is abandoned
+    and the entry point exits at once with os._exit. gloo's teardown returns (tested with a killed rank)."""
+    global abandoned
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return
+    if peer_failed and tdist.get_backend() == 'nccl':
+        abandoned = True
+        return
+    try:
+        tdist.destroy_process_group()
+    except Exception:  # a failed group may refuse to close; the process is exiting anyway
+        pass
 
 
 def all_gather_object(obj):

@@ -133,3 +133,30 @@ def test_side_group_has_the_dist_timeout():
             p.kill()
             p.join()
     assert what == 'timed out' and seconds < 20, (what, seconds)
+
+
+def test_after_a_dead_peer_the_nccl_group_is_abandoned(monkeypatch):
+    """NCCL's teardown can wait forever for a dead peer: after a communication failure the group is left to
+    os._exit; a gloo group, or a run that ended normally, is destroyed."""
+    destroyed = []
+    monkeypatch.setattr(dlojz_dist.tdist, 'is_initialized', lambda: True)
+    monkeypatch.setattr(dlojz_dist.tdist, 'destroy_process_group', lambda *a: destroyed.append(1))
+    monkeypatch.setattr(dlojz_dist, 'abandoned', False)
+    for backend, peer_failed, abandoned, n in [('nccl', False, False, 1), ('gloo', True, False, 2),
+                                               ('nccl', True, True, 2)]:
+        monkeypatch.setattr(dlojz_dist.tdist, 'get_backend', lambda *a: backend)
+        dlojz_dist.cleanup(peer_failed)
+        assert (dlojz_dist.abandoned, len(destroyed)) == (abandoned, n), backend
+
+
+def test_gpu_sharing_needs_mps_or_the_flag(monkeypatch, tmp_path):
+    """The Alliance Canada guide runs several small replicas per GPU under NVIDIA MPS: local rank modulo the
+    GPUs then, refused (with the way out) otherwise."""
+    d3 = get_dist_info({**SRUN, 'SLURM_LOCALID': '3'})
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
+    with pytest.raises(UsageError, match='run NVIDIA MPS'):
+        dlojz_dist.cuda_device_for(d3)
+    assert dlojz_dist.cuda_device_for(d3, share=True) == 1
+    assert not dlojz_dist.mps_active({'CUDA_MPS_PIPE_DIRECTORY': str(tmp_path)})
+    (tmp_path / 'control').touch()
+    assert dlojz_dist.mps_active({'CUDA_MPS_PIPE_DIRECTORY': str(tmp_path)})

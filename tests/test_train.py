@@ -105,9 +105,15 @@ def test_fake_data_needs_no_files(tmp_path, cache_dir):
 
 
 def test_profiler_writes_traces(tmp_path, cache_dir):
-    run_main(tmp_path, cache_dir, '--prof', '--test-nsteps', '4', '--prof-active', '2')
+    """--prof: a trace with the course's record_function tags; the profiled steps (1 warm-up + 2 active after
+    1 waiting, the last one writing the trace) are timed but left out of the statistics."""
+    s, _ = run_main(tmp_path, cache_dir, '--prof', '--test-nsteps', '6', '--prof-active', '2')
     traces = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / 'profiler') for f in fs if 'trace' in f]
     assert traces and all(os.path.getsize(t) > 0 for t in traces)
+    text = ''.join(open(t, errors='replace').read() for t in traces)
+    assert 'gradient compute' in text and 'inference and loss function' in text
+    t = s['timing']
+    assert t['profiled_steps'] == 3 and t['stats']['step']['n'] == 6 - 1 - 3
 
 
 @pytest.mark.parametrize('arch', ['resnet18-heads', 'resnet18-sd'])
@@ -137,6 +143,7 @@ def err(capsys, *argv):
     (['--arch', 'vgg16'], 'unknown --arch'),
     (['--data-dir', '/nonexistent/imagenet'], 'does not exist'),
     (['--resume', '/nonexistent/checkpoint.pt'], 'does not exist'),
+    (['--arch', 'resnet18-heads', '--static-graph'], 'uses a different head from step to step; drop --static-graph'),
 ])
 def test_flag_errors(capsys, tmp_path, cache_dir, flags, expected):
     if torch.cuda.is_available() and ('cuda' in flags or 'fp16' in flags):
