@@ -197,6 +197,7 @@ def numbers(run):
         'load_ms': scaled(load, 1e3), 'compute_ms': scaled(dig(st, 'compute', 'median'), 1e3),
         'step_ms': scaled(dig(st, 'step', 'median'), 1e3),
         'train_img_s': t.get('train_throughput'), 'gpu_img_s': t.get('gpu_throughput'),
+        'busy_pct': scaled(t.get('device_busy'), 100), 'bound': t.get('bound'),
         'host_mem_gib': scaled(m.get('host_peak_rss_bytes'), 1 / GiB),
         'gpu_mem_gib': scaled(m.get('gpu_max_allocated_bytes_any_rank') or m.get('gpu_max_allocated_bytes'), 1 / GiB),
         'j_per_img': e.get('joules_per_image_all_ranks') or e.get('joules_per_image'),
@@ -204,8 +205,8 @@ def numbers(run):
     }
 
 
-METRICS = ['load_ms', 'compute_ms', 'step_ms', 'train_img_s', 'gpu_img_s', 'host_mem_gib', 'gpu_mem_gib',
-           'j_per_img', 'top1']
+METRICS = ['load_ms', 'compute_ms', 'step_ms', 'train_img_s', 'gpu_img_s', 'busy_pct', 'bound', 'host_mem_gib',
+           'gpu_mem_gib', 'j_per_img', 'top1']
 
 
 HIGHER_IS_BETTER = {'train_img_s', 'gpu_img_s', 'top1'}  # sorted best first: these descending, others ascending
@@ -309,9 +310,10 @@ def label(run):
 
 # ----------------------------------------------------------------------------------- view: comparison
 
-HELP_COLUMNS = ('load_ms: mean data wait + host-to-device copy per step; compute_ms: median step without the data '
-                'wait; step_ms: median step; train_img_s = global batch / median step; gpu_img_s = global batch '
-                '/ median compute; host_mem_gib: peak RSS (VmHWM) of rank 0; gpu_mem_gib: max allocated (any '
+HELP_COLUMNS = ('load_ms: mean data wait + host-to-device copy per step; compute_ms: median compute per step (GPU: '
+                'device time of the step\'s work; CPU: step without the data wait); step_ms: median step; '
+                'train_img_s = global batch / median step; gpu_img_s = global batch / median compute; busy_pct: '
+                'compute / step time over the steady steps; bound: compute, loader or host; host_mem_gib: peak RSS (VmHWM) of rank 0; gpu_mem_gib: max allocated (any '
                 'rank); j_per_img: GPU energy per image (all ranks); top1: last validation.')
 
 
@@ -359,7 +361,8 @@ def by_config(columns, rows, sort):
         return None
     out = []
     for g in groups.values():
-        med = {m: statistics.median(v) if (v := [row[m] for row in g if row[m] is not None]) else None
+        med = {m: (statistics.mode if isinstance(v[0], str) else statistics.median)(v)  # a verdict: the most common
+               if (v := [row[m] for row in g if row[m] is not None]) else None
                for m in METRICS}
         out.append({'runs': len(g), **{f: g[0][f] for f in flags}, **med})
     return ['runs'] + flags + METRICS, sort_rows(out, sort if sort not in ('run', 'status') else 'train_img_s')
@@ -425,7 +428,9 @@ def dashboard(run, out):
     e, m = run.get('energy') or {}, run.get('memory') or {}
     rows = [
         ('Train throughput', f"{fmt(n['train_img_s'])} img/s (global batch / median step)"),
-        ('GPU throughput', f"{fmt(n['gpu_img_s'])} img/s (global batch / median step without the data wait)"),
+        ('GPU throughput', f"{fmt(n['gpu_img_s'])} img/s (global batch / median compute, {t.get('clock')} clock)"),
+        ('Bound by', f"{n['bound']}: device busy {fmt(n['busy_pct'])} % of the steady steps, data wait "
+                     f"{fmt(scaled(t.get('data_share'), 100))} %" if n['bound'] else '—'),
         ('Epoch time estimate', f"{hms(t.get('epoch_time_estimate_s'))} ({dig(run.summary, 'data', 'batches_per_epoch')}"
                                 f" batches)"),
         ('Full validation estimate', hms(t.get('full_val_time_estimate_s'))),
