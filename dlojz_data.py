@@ -17,7 +17,9 @@ import multiprocessing as mp
 import os
 import random
 import shutil
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -387,10 +389,32 @@ class Data:
         target.set_epoch(epoch, start_sample)
 
 
+def ignore_preemption_signals(worker_id=None):
+    """DataLoader workers survive SIGTERM and SIGUSR2 sent by anyone but their parent. Slurm signals every
+    process of a step (scancel, the time limit, --signal=USR2@120), workers included; the main process owns
+    these signals and checkpoints at a step boundary, while a worker killed by one made PyTorch raise in the
+    middle of a step (measured: `timeout -s TERM` to the process group crashed 4 runs in 4, twice inside
+    torch.save). SIGTERM from the parent (the loader's or multiprocessing's shutdown) still ends the worker:
+    ignoring it too would leave the main process waiting for its workers at exit. A thread reads the
+    sender of each SIGTERM (sigwaitinfo), blocked for the worker's other threads."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    if not hasattr(signal, 'sigwaitinfo'):  # not Linux: PyTorch's own handler stays
+        return
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads made from here on inherit it
+
+    def serve():
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+                os._exit(0)  # as PyTorch's handler does for its parent's SIGTERM
+    threading.Thread(target=serve, daemon=True, name='dlojz-sigterm').start()
+
+
 def loader_kwargs(args):
     kw = dict(num_workers=args.num_workers, pin_memory=args.pin_memory)
     if args.num_workers > 0:
-        kw.update(persistent_workers=args.persistent_workers, prefetch_factor=args.prefetch_factor)
+        kw.update(persistent_workers=args.persistent_workers, prefetch_factor=args.prefetch_factor,
+                  worker_init_fn=ignore_preemption_signals)
     return kw
 
 

@@ -5,10 +5,13 @@ import json
 import os
 import platform
 import re
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -213,9 +216,33 @@ def list_checkpoints(run_dir):
     return [os.path.join(run_dir, n) for _, n in found]
 
 
+@contextmanager
+def deferred_sigchld():
+    """PyTorch's DataLoader raises from its SIGCHLD handler when a worker dies: in the middle of a
+    checkpoint write that would lose the checkpoint a stopping job exists to write. The handler's call is
+    held back until the block ends (main thread only: Python runs signal handlers there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old, seen = signal.getsignal(signal.SIGCHLD), []
+    signal.signal(signal.SIGCHLD, lambda signum, frame: seen.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCHLD, old)
+        if seen and callable(old):
+            old(signal.SIGCHLD, seen[0])
+
+
 def save_checkpoint(path, state, keep=None):
     """Write a checkpoint atomically (temp file in the same folder, fsync, rename), then keep only the
-    newest `keep` checkpoints of the folder. A crash at any point leaves the previous ones intact."""
+    newest `keep` checkpoints of the folder. A crash at any point leaves the previous ones intact; a
+    loader worker dying meanwhile is reported once the file is in place."""
+    with deferred_sigchld():
+        _save_checkpoint(path, state, keep)
+
+
+def _save_checkpoint(path, state, keep):
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix='.checkpoint-', suffix='.tmp')
     try:
         with os.fdopen(fd, 'wb') as f:
