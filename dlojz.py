@@ -143,7 +143,10 @@ def get_args_parser(add_help=True):
                    '--test)')
     g.add_argument('--seed', type=int, default=123)
     g.add_argument('--device', choices=['auto', 'cuda', 'cpu'], default='auto')
-    g.add_argument('--output-dir', default=None, help='run directory (default runs/<job id or time>_<arch>_bs<b>)')
+    g.add_argument('--output-dir', default=None, help='run directory (default runs/<job id or time>_<arch>_bs<b>); '
+                   'one that holds another run is refused unless --resume continues it or --overwrite replaces it')
+    g.add_argument('--overwrite', action='store_true', help='delete the run files (config, metrics, summary, '
+                   'checkpoints) of a non-empty --output-dir first')
     g.add_argument('--chkpt', action='store_true', help='write checkpoint-<step>.pt at the end of each epoch and run')
     g.add_argument('--chkpt-every', type=N, default=0, help='also every N steps (implies --chkpt)')
     g.add_argument('--keep-checkpoints', type=I, default=2, help='newest checkpoints kept in the run directory')
@@ -626,7 +629,9 @@ def main(args, dist=None):
     dlojz_dist.setup(dist, device, args.dist_timeout, share)
     # Rank 0 chooses the folder (a timestamp would differ between ranks) and creates it; all ranks agree.
     args.output_dir = dlojz_dist.broadcast_object(dlojz_dist.on_ranks(
-        lambda: prepare_output_dir(args.output_dir or default_output_dir(args, dist)), when=dist.is_main))
+        lambda: prepare_output_dir(args.output_dir or default_output_dir(args, dist),
+                                   continues=bool(args.resume) and not args.evaluate, overwrite=args.overwrite),
+        when=dist.is_main))
     tee = None
     if args.nccl_debug:  # before the first NCCL collective, so that the communicator's INIT lines are in it
         os.makedirs(args.output_dir, exist_ok=True)  # node-local folders: ranks on other nodes create their own

@@ -25,7 +25,31 @@ def default_output_dir(args, dist):
     return os.path.join('runs', f'{tag}_{args.arch}_bs{args.batch_size}')
 
 
-def prepare_output_dir(path):
+RUN_FILES = ('config.json', 'metrics.jsonl', 'summary.json')
+
+
+def run_files(path):
+    """The files of a dlojz run in a folder (sorted), [] for a fresh or unrelated one."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    return sorted(n for n in names if n in RUN_FILES or CHECKPOINT_RE.fullmatch(n))
+
+
+def prepare_output_dir(path, continues=False, overwrite=False):
+    """Create the run folder and check it is writable. A folder that already holds a run is used only when
+    this run continues it (`continues`: --resume, the way a requeued job starts again) or replaces it
+    (`overwrite`: its run files are deleted first): two runs in one folder would mix their metrics, and the
+    newer run's checkpoints would be pruned in favour of the older run's higher steps."""
+    found = run_files(path)
+    if found and not continues and not overwrite:
+        shown = ', '.join(found[:4]) + (f' and {len(found) - 4} more' if len(found) > 4 else '')
+        raise UsageError(f'--output-dir {path} already holds a run ({shown}); pass --resume auto to continue it, '
+                         f'--overwrite to replace it, or another --output-dir.')
+    if found and overwrite and not continues:
+        for name in found:
+            os.remove(os.path.join(path, name))
     try:
         os.makedirs(path, exist_ok=True)
         probe = tempfile.NamedTemporaryFile(dir=path, prefix='.write-test-', delete=True)

@@ -62,6 +62,7 @@ def save(run, progress):
     path = checkpoint_path(run.args.output_dir, progress.global_step)
     dlojz_dist.on_ranks(lambda: save_checkpoint(path, checkpoint_state(run, progress, device_rng),
                                                 keep=run.args.keep_checkpoints), when=run.dist.is_main)
+    run.log.print(f'Checkpoint {path} written (step {progress.global_step})')
     return path
 
 

@@ -179,16 +179,18 @@ def test_checkpoint_of_another_arch_is_refused(capsys, tmp_path, cache_dir, trai
     assert sha(ckpt) == before
 
 
-def test_nan_stops_the_run_and_keeps_the_checkpoint(capsys, cache_dir, trained):
+def test_nan_stops_the_run_and_keeps_the_checkpoint(capsys, tmp_path, cache_dir):
     """A huge learning rate makes the loss overflow: the run stops at that step, logs no non-finite loss
-    and writes no checkpoint after it."""
-    out, ckpt, before = trained
+    and writes no checkpoint at or after it (--chkpt-every 1 checkpoints every step before)."""
+    out = tmp_path / 'run'
     code, line = err(capsys, *TINY, '--cache-dir', cache_dir, '--output-dir', out, '--test-nsteps', 10,
-                     '--chkpt', '--lr', '1e30', '--scheduler', 'constant')
+                     '--chkpt-every', 1, '--lr', '1e30', '--scheduler', 'constant')
     assert code == 3 and 'NaN or infinite at step' in line
     summary = json.load(open(out / 'summary.json'))
-    assert summary['status'] == 'nan' and 1 <= summary['failed_step'] <= 10
-    assert sha(ckpt) == before and [p.name for p in out.glob('checkpoint-*.pt')] == [ckpt.name]
+    failed = summary['failed_step']
+    assert summary['status'] == 'nan' and 2 <= failed <= 10
+    saved = sorted(int(p.stem.split('-')[1]) for p in out.glob('checkpoint-*.pt'))
+    assert saved and max(saved) == failed - 1
     recs = [json.loads(line) for line in open(out / 'metrics.jsonl')]
     assert all(math.isfinite(r['loss']) for r in recs if r['type'] == 'train')
 
