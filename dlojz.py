@@ -233,6 +233,11 @@ def check_args(args, device, world_size=1, capability=None):
         (args.evaluate and not args.resume, '--evaluate validates a trained model; give its checkpoint with '
                                             '--resume PATH.'),
         (args.evaluate and args.findlr, '--evaluate and --findlr exclude each other; drop one.'),
+        # measured on CPU: torch 2.5-2.8 (inductor and aot_eager) and 2.4 (aot_eager) update BatchNorm's running
+        # statistics again in the compiled recompute; 2.9 and later once
+        (args.compile and args.grad_checkpointing and torch.__version__ < '2.9', f'--compile with '
+         f'--grad-checkpointing needs torch 2.9 or later (torch {torch.__version__} updates the BatchNorm '
+         f'statistics of recomputed stages twice); drop one of the two or upgrade torch.'),
         (args.static_graph and args.arch.endswith('-heads'), f'--static-graph needs the same parameters used at '
          f'every step, but {args.arch} uses a different head from step to step; drop --static-graph.'),
     ]

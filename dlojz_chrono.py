@@ -311,14 +311,17 @@ def nvml_handle(nvml, props):
     (fastest first by default), so a CUDA index is not an NVML index: match the UUID, else the PCI address
     (a MIG instance has its own UUID but its parent's PCI address: the parent's energy is then shared)."""
     handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
-    want = _hex(props.uuid)
+    uuid = getattr(props, 'uuid', None)  # torch >= 2.5
     for h in handles:
-        if _hex(nvml.nvmlDeviceGetUUID(h)) == want:
+        if uuid is not None and _hex(nvml.nvmlDeviceGetUUID(h)) == _hex(uuid):
             return h, None
+    address = tuple(getattr(props, k, None) for k in ('pci_domain_id', 'pci_bus_id', 'pci_device_id'))  # >= 2.8
     for h in handles:
         pci = nvml.nvmlDeviceGetPciInfo(h)
-        if (pci.domain, pci.bus, pci.device) == (props.pci_domain_id, props.pci_bus_id, props.pci_device_id):
+        if None not in address and (pci.domain, pci.bus, pci.device) == address:
             return h, None
+    if uuid is None and None in address:
+        return None, f'torch {torch.__version__} gives no UUID or PCI address for CUDA device {props.name}'
     return None, f'no NVML device has the UUID or PCI address of CUDA device {props.name}'
 
 

@@ -182,7 +182,10 @@ def setup(dist, device, timeout_min=None, share_gpu=False):
 
 
 def _check_distinct_gpus(dist, device, share=False):
-    me = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    uuid = getattr(torch.cuda.get_device_properties(device), 'uuid', None)  # torch >= 2.5
+    if uuid is None:  # torch 2.4: no device UUID to compare (the launcher's binding is trusted)
+        return
+    me = (socket.gethostname(), str(uuid))
     seen = {}
     for rank, key in enumerate(all_gather_object(me)):
         if key in seen and not share:

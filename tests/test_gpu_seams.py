@@ -19,7 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import custom_models
 import dlojz
 from dlojz_errors import UsageError
+from dlojz_chrono import PowerMeter
 from dlojz_metrics import PeakMemory
+from test_chrono import FakeNVML
 
 GPU = torch.device('cuda', 0)  # a device object only: nothing runs on it
 
@@ -155,6 +157,8 @@ def test_heads_compile_once():
     assert graphs == 1
 
 
+@pytest.mark.skipif(torch.__version__ < '2.9', reason='torch < 2.9 updates BatchNorm again in the compiled recompute '
+                    '(measured on 2.4.0 aot_eager, 2.5.1-2.8.0 aot_eager and inductor); dlojz refuses the combination')
 def test_grad_checkpointing_compiles_and_updates_batchnorm_once():
     """--compile --grad-checkpointing failed at the first step (a context_fn that is not two
     TorchDispatchModes); compiled, the checkpointed model's BatchNorm statistics equal an uncheckpointed
@@ -240,3 +244,19 @@ def test_steps_and_validation_batches_never_read_the_device(cpu_run):
     with DeviceReads() as mode:
         meters.compute()  # ALLOWED['compute']
     assert mode.seen == ['tolist']  # the four sums at once
+
+
+def test_compiled_grad_checkpointing_is_refused_before_torch_2_9(monkeypatch):
+    monkeypatch.setattr(torch, '__version__', torch.torch_version.TorchVersion('2.8.0'))
+    with pytest.raises(UsageError, match='needs torch 2.9 or later'):
+        resolved_on((8, 0), '--compile', '--grad-checkpointing')
+    monkeypatch.setattr(torch, '__version__', torch.torch_version.TorchVersion('2.10.0'))
+    assert resolved_on((8, 0), '--compile', '--grad-checkpointing').compile
+
+
+def test_power_meter_on_torch_without_device_uuid_says_why():
+    """torch 2.4 has neither props.uuid (2.5) nor the PCI fields (2.8): unavailable, with the reason."""
+    class Old:
+        name = 'Fake V100'
+    s = PowerMeter('cuda:0', nvml=FakeNVML(), props=Old(), synchronize=lambda: None).summary()
+    assert not s['available'] and 'gives no UUID or PCI address' in s['why_unavailable']
