@@ -43,6 +43,26 @@ from dlojz_summary import final_lines, write_summary
 
 # ------------------------------------------------------------------------------------------------ flags
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help shows every default (unless the help text already says it) and keeps the examples' layout."""
+
+    def _get_help_string(self, action):
+        text = action.help or ''
+        if 'default' in text or action.default is None or action.default is False or \
+                action.default == argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f'{text} (default: %(default)s)' if text else 'default: %(default)s'
+
+
+EXAMPLES = """examples:
+  python dlojz.py --test-nsteps 40 --arch resnet18 --image-size 64 -b 16 --num-workers 2   CPU demo
+  python dlojz.py --data-dir /path/imagenet --test-nsteps 50 --amp bf16 -b 256           one GPU benchmark
+  torchrun --standalone --nproc_per_node 4 dlojz.py --test-nsteps 50                     4 GPUs
+  sbatch slurm/jz-a100-8gpu.slurm --amp bf16 -b 256                                      a Slurm job
+  python dlojz.py --resume auto --output-dir runs/myrun                                  continue a run
+"""
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one sentence and exit 2, like every other user error (no usage block)
         message = re.sub(r'^argument (\S+): ', r'\1 ', message)
@@ -70,7 +90,8 @@ FRACTION = _number(float, lambda v: 0 <= v < 1, 'in [0, 1)')
 
 
 def get_args_parser(add_help=True):
-    p = Parser(description='dlojz: ResNet training and benchmarking', add_help=add_help)
+    p = Parser(description='dlojz: ResNet training and benchmarking', add_help=add_help, allow_abbrev=False,
+               formatter_class=HelpFormatter, epilog=EXAMPLES)
     B, I, N = argparse.BooleanOptionalAction, POSITIVE_INT, COUNT
     g = p.add_argument_group('data')
     g.add_argument('--data-dir', help='ImageNet in ImageFolder layout (DIR/train/<class>/*.JPEG, DIR/val/...); '
@@ -123,14 +144,14 @@ def get_args_parser(add_help=True):
     g.add_argument('--compile-mode', default='default', choices=['default', 'reduce-overhead', 'max-autotune',
                    'max-autotune-no-cudagraphs'], help='torch.compile mode')
     g = p.add_argument_group('optimization')
-    g.add_argument('--optimizer', choices=['sgd', 'adamw'], default='sgd')
+    g.add_argument('--optimizer', choices=['sgd', 'adamw'], default='sgd', help='SGD with momentum, or AdamW')
     g.add_argument('--lr', type=POSITIVE, default=None, help='peak learning rate; overrides --base-lr (with '
                    '--findlr: the upper end of the sweep, default 10)')
     g.add_argument('--base-lr', type=POSITIVE, default=None, help='peak learning rate per 256 images, scaled by '
                    'the global batch (linear scaling rule); default 0.1 for sgd, 0.001 for adamw')
     g.add_argument('--wd', type=NON_NEGATIVE, default=0.0, help='weight decay')
     g.add_argument('--mom', type=FRACTION, default=0.9, help='SGD momentum (AdamW beta1)')
-    g.add_argument('--label-smoothing', type=FRACTION, default=0.1)
+    g.add_argument('--label-smoothing', type=FRACTION, default=0.1, help='cross-entropy label smoothing')
     g.add_argument('--scheduler', choices=['onecycle', 'cosine', 'constant'], default='onecycle',
                    help='learning-rate schedule, stepped every batch (onecycle warms up over its first 30%%)')
     g.add_argument('--warmup-epochs', type=NON_NEGATIVE, default=0.0, help='cosine: linear warm-up length, epochs')
@@ -141,7 +162,7 @@ def get_args_parser(add_help=True):
     g.add_argument('--test', action='store_true', help='benchmark mode: --test-nsteps train steps, 20 val batches')
     g.add_argument('--test-nsteps', type=I, default=None, help='train steps in test mode (default 50; implies '
                    '--test)')
-    g.add_argument('--seed', type=int, default=123)
+    g.add_argument('--seed', type=int, default=123, help='weights, data order and augmentation (same on every rank)')
     g.add_argument('--device', choices=['auto', 'cuda', 'cpu'], default='auto')
     g.add_argument('--output-dir', default=None, help='run directory (default runs/<job id or time>_<arch>_bs<b>); '
                    'one that holds another run is refused unless --resume continues it or --overwrite replaces it')
@@ -184,9 +205,9 @@ def get_args_parser(add_help=True):
     g.add_argument('--wandb', choices=['off', 'offline', 'online'], default=None, help='default: offline for full '
                    'runs, off in test mode')
     g.add_argument('--prof', action='store_true', help='torch.profiler traces into <output-dir>/profiler')
-    g.add_argument('--prof-wait', type=N, default=1)
-    g.add_argument('--prof-warmup', type=N, default=1)
-    g.add_argument('--prof-active', type=I, default=5)
+    g.add_argument('--prof-wait', type=N, default=1, help='--prof: steps before the profiler starts')
+    g.add_argument('--prof-warmup', type=N, default=1, help='--prof: profiled steps thrown away (its own warm-up)')
+    g.add_argument('--prof-active', type=I, default=5, help='--prof: steps recorded in the trace')
     g = p.add_argument_group('benchmark')
     g.add_argument('--timing', action=B, default=True, help='per-phase timing (CUDA events on GPU)')
     g.add_argument('--sync-timing', action='store_true', help='synchronise at phase boundaries (wall-clock '
@@ -395,7 +416,13 @@ def build_run(args, dist, device, say):
     model, eval_model, plain = build_model(args, len(data.classes), device, dist)
     steps_per_epoch = len(data.train_loader)
     total_steps = args.epochs * steps_per_epoch
+    if args.test and args.test_nsteps > total_steps:
+        say(f'Note: --test-nsteps {args.test_nsteps} is more than {args.epochs} epoch(s) of {steps_per_epoch} steps '
+            f'hold: running {total_steps} steps; raise -e to run more.')
     total_steps = min(args.test_nsteps, total_steps) if args.test else total_steps
+    if len(data.classes) == 1:
+        say(f'Warning: the data has a single class ({data.classes[0]}): every prediction is right, loss and '
+            f'accuracy say nothing; check --data-dir.')
     criterion, optimizer, scheduler, scaler = build_optimization(args, plain, steps_per_epoch, total_steps, device)
     global_batch = args.batch_size * dist.world_size
     ckpt_path, ckpt = find_resume_checkpoint(args, dist, say)
@@ -700,8 +727,10 @@ def _main(args, dist, device):
 
 def print_header(run):
     args, dist, say = run.args, run.dist, run.log.print
-    say(f'>>> Training on {dist.num_nodes} nodes and {dist.world_size} processes ({dist.launcher}, {run.device}, '
-        f'{args.arch}, amp {args.amp}, channels-last {args.channels_last})')
+    nodes, procs = dist.num_nodes, dist.world_size
+    # ends with the process count, which the course's tools read as split()[-2]
+    say(f">>> Training on {nodes} node{'s' * (nodes > 1)} and {procs} process{'es' * (procs > 1)}")
+    say(f'{dist.launcher} launch on {run.device}: {args.arch}, amp {args.amp}, channels-last {args.channels_last}')
     say(f'global batch size: {run.global_batch} - mini batch size: {args.batch_size}')
     if args.findlr:
         say(f'learning rate: sweep from 1e-08 to {args.lr:g} over {run.total_steps} steps')
@@ -709,7 +738,10 @@ def print_header(run):
         rule = '--lr' if args.lr != args.base_lr * run.global_batch / 256 else \
             f'--base-lr {args.base_lr:g} per 256 images x global batch {run.global_batch}'
         say(f'learning rate: {args.lr:.6g} ({rule}; {args.scheduler} schedule)')
-    say('Config: ' + ' '.join(f'{k}={v}' for k, v in sorted(vars(args).items())))
+    # the flags that differ from their defaults; config.json holds them all
+    defaults = vars(get_args_parser().parse_args([]))
+    changed = [f'{k}={v}' for k, v in sorted(vars(args).items()) if k not in defaults or defaults[k] != v]
+    say('Config (differs from the defaults; all of it in config.json): ' + ' '.join(changed))
 
 
 def report_error(e, dist):

@@ -89,8 +89,11 @@ def find_classes(split_dir):
         samples.extend((os.path.join(folder, f), len(classes)) for f in files)
         classes.append(name)
     if not classes:
+        flat = [f for f in os.listdir(split_dir) if f.lower().endswith(IMG_EXTENSIONS)]
+        hint = (f' It holds {len(flat)} images directly: ImageNet\'s raw val/ is flat; sort it into class '
+                f'folders (the usual valprep.sh script does it).') if flat else ''
         raise DataError(f'{split_dir} has no class folder with images; expected '
-                        f'{split_dir}/<class>/*.JPEG.')
+                        f'{split_dir}/<class>/*.JPEG.{hint}')
     return classes, samples
 
 

@@ -59,3 +59,17 @@ def test_cpu_defaults_and_test_mode():
     assert (a.prefetch_factor, a.persistent_workers, a.wandb) == (2, True, 'off')
     assert resolved('--test').test_nsteps == 50
     assert (resolved('--image-size', 64).val_image_size, resolved('--image-size', 64).val_resize) == (64, 73)
+
+
+def test_no_abbreviations_and_help_shows_defaults(capsys):
+    """--num-work was read as --num-workers; --help shows each default and ends with examples."""
+    with pytest.raises(SystemExit) as e:
+        dlojz.get_args_parser().parse_args(['--num-work', '1'])
+    assert e.value.code == 2 and 'unrecognized arguments: --num-work 1' in capsys.readouterr().err
+    text = dlojz.get_args_parser().format_help()
+    text = text[text.index('options:'):]
+    for flag, default in (('--image-size', 224), ('--epochs', 1), ('--wd', 0.0), ('--seed', 123),
+                          ('--batch-size', 128)):
+        block = text[text.index(flag):]
+        assert f'(default: {default})' in block[:block.index('\n  -')], flag
+    assert text.rstrip().splitlines()[-1].endswith('continue a run')
