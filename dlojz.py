@@ -95,7 +95,8 @@ def get_args_parser(add_help=True):
     B, I, N = argparse.BooleanOptionalAction, POSITIVE_INT, COUNT
     g = p.add_argument_group('data')
     g.add_argument('--data-dir', help='ImageNet in ImageFolder layout (DIR/train/<class>/*.JPEG, DIR/val/...); '
-                   'default $DLOJZ_DATA_DIR, then $ALL_CCFRSCRATCH/imagenet, else the built-in synthetic dataset')
+                   'default $DLOJZ_DATA_DIR, then $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet (Jean Zay), else the built-in '
+                   'synthetic dataset')
     g.add_argument('--cache-dir', default='~/.cache/dlojz', help='where the synthetic dataset is generated, once')
     g.add_argument('--synthetic-classes', type=I, default=10, help='synthetic dataset: number of classes')
     g.add_argument('--synthetic-train-per-class', type=I, default=64, help='synthetic: train images per class')

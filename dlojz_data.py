@@ -1,6 +1,6 @@
 """Data pipeline for dlojz: where the images come from, how they are decoded, and the loaders.
 
-- resolve_data_source(): --data-dir, then $DLOJZ_DATA_DIR, then $ALL_CCFRSCRATCH/imagenet, else the
+- resolve_data_source(): --data-dir, then $DLOJZ_DATA_DIR, $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet, else the
   built-in synthetic JPEG dataset (generated once into --cache-dir).
 - ImageFolderDataset: ImageFolder layout, PIL decode of whatever real ImageNet holds (grayscale, CMYK,
   PNG named .JPEG, progressive), bad files either stop the run with their path or are replaced and counted.
@@ -58,13 +58,14 @@ def resolve_data_source(args, environ=os.environ):
         return DataSource('imagefolder', args.data_dir, '--data-dir')
     if environ.get('DLOJZ_DATA_DIR'):
         return DataSource('imagefolder', environ['DLOJZ_DATA_DIR'], '$DLOJZ_DATA_DIR is set')
-    scratch = environ.get('ALL_CCFRSCRATCH')
-    if scratch and os.path.isdir(os.path.join(scratch, 'imagenet', 'train')):
-        return DataSource('imagefolder', os.path.join(scratch, 'imagenet'),
-                          '$ALL_CCFRSCRATCH/imagenet holds train/ (Jean Zay)')
+    # Jean Zay: a copy on the user's scratch, then the centre's dataset store $DSDIR (read-only, shared)
+    for var, sub in (('ALL_CCFRSCRATCH', 'imagenet'), ('DSDIR', 'imagenet'), ('DSDIR', 'imagenet/RawImages')):
+        root = os.path.join(environ[var], sub) if environ.get(var) else None
+        if root and os.path.isdir(os.path.join(root, 'train')):
+            return DataSource('imagefolder', root, f'${var}/{sub} holds train/ (Jean Zay)')
     root = synthetic_root(args)
-    return DataSource('synthetic', root, 'no --data-dir, $DLOJZ_DATA_DIR or $ALL_CCFRSCRATCH/imagenet: '
-                      'using the built-in synthetic JPEG dataset')
+    return DataSource('synthetic', root, 'no --data-dir, $DLOJZ_DATA_DIR, $ALL_CCFRSCRATCH/imagenet or '
+                      '$DSDIR/imagenet: using the built-in synthetic JPEG dataset')
 
 
 def synthetic_root(args):

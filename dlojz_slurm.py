@@ -2,7 +2,8 @@
 gpu_jobs_submitter).
 
     python dlojz_slurm.py --machine a100 --gpus 16 --dry-run -- --amp bf16 -b 256   # print the script
-    python dlojz_slurm.py --machine a100 --gpus 16 -- --amp bf16 -b 256            # sbatch it, print the id
+    python dlojz_slurm.py --machine a100 --gpus 16 --account abc@a100 --qos qos_gpu_a100-dev -- --amp bf16
+                                                                                    # sbatch it, print the id
     python dlojz_slurm.py --write                                                   # regenerate slurm/*.slurm
 
 Scripts are run from the repository root (`sbatch slurm/<script> [dlojz flags]`); the flags after the
@@ -19,12 +20,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Node shapes. Jean Zay: V100 nodes 4 GPUs/40 cores (gpu_p13, -C v100-32g), A100 nodes 8 GPUs/64 cores
 # (-C a100), H100 nodes 4 GPUs/96 cores (-C h100); reference/course.md §6 and IDRIS's documentation.
 MACHINES = {
+# Development QoS: each Jean Zay GPU partition has its own (IDRIS: qos_gpu-dev on V100, qos_gpu_a100-dev on
+# A100, qos_gpu_h100-dev on H100).
     'v100': dict(site='jz', title='Jean Zay V100 (32 GB)', gpus_per_node=4, cpus_per_task=10, constraint='v100-32g',
-                 modules=['pytorch-gpu/py3/2.4.0'], account='xyz@v100'),
+                 modules=['pytorch-gpu/py3/2.4.0'], account='xyz@v100', qos_dev='qos_gpu-dev'),
     'a100': dict(site='jz', title='Jean Zay A100', gpus_per_node=8, cpus_per_task=8, constraint='a100',
-                 modules=['arch/a100', 'pytorch-gpu/py3/2.4.0'], account='xyz@a100'),
+                 modules=['arch/a100', 'pytorch-gpu/py3/2.4.0'], account='xyz@a100', qos_dev='qos_gpu_a100-dev'),
     'h100': dict(site='jz', title='Jean Zay H100', gpus_per_node=4, cpus_per_task=24, constraint='h100',
-                 modules=['arch/h100', 'pytorch-gpu/py3/2.4.0'], account='xyz@h100'),
+                 modules=['arch/h100', 'pytorch-gpu/py3/2.4.0'], account='xyz@h100', qos_dev='qos_gpu_h100-dev'),
     'generic': dict(site='generic', title='a generic GPU cluster (Alliance Canada, JSC...)', gpus_per_node=4,
                     cpus_per_task=8, constraint=None, modules=None, account='def-xyz'),
     'cpu': dict(site='cpu', title='CPU nodes (gloo)', gpus_per_node=0, cpus_per_task=2, constraint=None,
@@ -52,7 +55,15 @@ def shape(machine, gpus):
     return max(1, gpus // cap), min(gpus, cap)
 
 
-def render(machine, gpus, time_limit='02:00:00'):
+def command(machine, gpus, time_limit='02:00:00', account=None, qos=None, partition=None):
+    """The dlojz_slurm.py command that renders this script."""
+    extra = [f'--{k} {v}' for k, v in (('account', account), ('qos', qos), ('partition', partition)) if v]
+    return ' '.join(['python dlojz_slurm.py --machine', machine, '--gpus', str(gpus), '--time', time_limit, *extra,
+                     '--dry-run'])
+
+
+def render(machine, gpus, time_limit='02:00:00', account=None, qos=None, partition=None):
+    """The batch script. account/qos/partition: given, they are set; else the script shows where they go."""
     m = MACHINES[machine]
     nodes, per_node = shape(machine, gpus)
     name = script_name(machine, gpus)[:-len('.slurm')]
@@ -72,20 +83,29 @@ def render(machine, gpus, time_limit='02:00:00'):
              (f'--time={time_limit}', 'ADAPT: wall-time limit (requeue continues longer runs)')]
     if m['constraint']:
         opts.append((f'--constraint={m["constraint"]}', f'the {machine.upper()} partition'))
-    if m['site'] == 'jz':
-        opts += [(f'--account={m["account"]}', f'ADAPT: your project (idrproj), with the @{machine} suffix'),
-                 ('#--qos=qos_gpu-dev', 'ADAPT: uncomment for short development jobs')]
+    if account:
+        opts.append((f'--account={account}', 'the project the hours are charged to'))
+    elif m['site'] == 'jz':
+        opts.append((f'--account={m["account"]}', f'ADAPT: your project (idrproj), with the @{machine} suffix'))
     elif m['account']:
-        opts += [(f'#--account={m["account"]}', 'ADAPT: your allocation'),
-                 ('#--partition=gpu', 'ADAPT: your GPU partition, if not the default')]
-    else:
-        opts.append(('#--partition=cpu', 'ADAPT: your CPU partition, if not the default'))
+        opts.append((f'#--account={m["account"]}', 'ADAPT: your allocation'))
+    if qos:
+        opts.append((f'--qos={qos}', 'quality of service'))
+    elif m.get('qos_dev'):
+        opts.append((f'#--qos={m["qos_dev"]}', f'ADAPT: uncomment for short development jobs on {machine.upper()}'))
+    if partition:
+        opts.append((f'--partition={partition}', 'partition'))
+    elif m['site'] != 'jz':
+        opts.append((f'#--partition={"cpu" if machine == "cpu" else "gpu"}', 'ADAPT: your partition, if not the '
+                     'default'))
     opts += [('--signal=USR2@120', 'SIGUSR2 120 s before the limit: dlojz checkpoints and requeues'),
              ('--requeue', 'allow that requeue (and requeue after preemption)')]
     L = ['#!/bin/bash',
          f'# dlojz on {m["title"]}: {what}.',
-         f'# Submit from the repository root:  sbatch slurm/{name}.slurm [dlojz flags, e.g. --test-nsteps 50]',
-         '# Generated by `python dlojz_slurm.py --write`: change the generator, or the lines marked ADAPT.']
+         '# Submit from the repository root:  sbatch <this script> [dlojz flags, e.g. --test-nsteps 50]',
+         f'# Made by: {command(machine, gpus, time_limit, account, qos, partition)}',
+         '# (the scripts of slurm/ come from `python dlojz_slurm.py --write`): change the generator, or the lines '
+         'marked ADAPT.']
     # a leading '#' in the option makes a commented-out '##SBATCH' line
     L += [(f'##SBATCH {o[1:]:<44}' if o.startswith('#') else f'#SBATCH {o:<45}') + f'# {c}' for o, c in opts]
     L.append('')
@@ -96,6 +116,9 @@ def render(machine, gpus, time_limit='02:00:00'):
     else:
         L += ['source "${DLOJZ_VENV:-.venv}/bin/activate"  # ADAPT: the virtual environment with requirements.txt']
     L += ['',
+          '# srun >= 22.05 no longer passes --cpus-per-task on to its tasks: without this each task may get one',
+          '# core for its DataLoader workers',
+          'export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK',
           'set -x',
           'srun python -u dlojz.py \\',
           '    --resume auto \\',
@@ -117,21 +140,34 @@ def write_all(folder=os.path.join(HERE, 'slurm')):
     return written
 
 
-def main(argv=None):
+def parse(argv):
+    """Helper flags -> render()'s arguments (machine, gpus, time, account, qos, partition)."""
+    a = parser().parse_args(argv)
+    return a.machine, a.gpus, a.time, a.account, a.qos, a.partition
+
+
+def parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--machine', choices=sorted(MACHINES), default='a100')
     p.add_argument('--gpus', type=int, default=1, help='GPUs in all (a multiple of the node size beyond one node)')
     p.add_argument('--time', default='02:00:00', help='wall-time limit, HH:MM:SS')
+    p.add_argument('--account', help='project to charge (Jean Zay: <idrproj>@a100, @h100 or @v100)')
+    p.add_argument('--qos', help='quality of service, e.g. qos_gpu_a100-dev for short A100 tests on Jean Zay')
+    p.add_argument('--partition', help='partition, where the cluster needs one')
     p.add_argument('--dry-run', action='store_true', help='print the script instead of submitting it')
     p.add_argument('--write', action='store_true', help='regenerate the scripts of slurm/')
     p.add_argument('dlojz_flags', nargs=argparse.REMAINDER, help='flags for dlojz.py (after --)')
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     if args.write:
         for path in write_all():
             print(path)
         return 0
     try:
-        text = render(args.machine, args.gpus, args.time)
+        text = render(args.machine, args.gpus, args.time, args.account, args.qos, args.partition)
     except ValueError as e:
         print(f'dlojz_slurm: error: {e}', file=sys.stderr)
         return 2

@@ -176,6 +176,12 @@ def test_data_source_resolution_order(tmp_path):
     src = D.resolve_data_source(ns(), {'ALL_CCFRSCRATCH': str(scratch)})
     assert src.root == str(scratch / 'imagenet') and 'Jean Zay' in src.reason
     assert D.resolve_data_source(ns(), {'ALL_CCFRSCRATCH': str(tmp_path / 'none')}).kind == 'synthetic'
+    dsdir = tmp_path / 'dsdir'  # Jean Zay's shared dataset store, after the user's own copy
+    (dsdir / 'imagenet' / 'RawImages' / 'train').mkdir(parents=True)
+    src = D.resolve_data_source(ns(), {'ALL_CCFRSCRATCH': str(tmp_path / 'none'), 'DSDIR': str(dsdir)})
+    assert src.root == str(dsdir / 'imagenet' / 'RawImages') and '$DSDIR' in src.reason
+    assert D.resolve_data_source(ns(), {'ALL_CCFRSCRATCH': str(scratch), 'DSDIR': str(dsdir)}).root == \
+        str(scratch / 'imagenet')
 
 
 def test_data_directory_errors(tmp_path, synth):

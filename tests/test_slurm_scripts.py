@@ -45,6 +45,27 @@ def test_expected_scripts_exist():
         assert n in names
 
 
+@pytest.mark.parametrize('machine, qos', [('v100', 'qos_gpu-dev'), ('a100', 'qos_gpu_a100-dev'),
+                                         ('h100', 'qos_gpu_h100-dev')])
+def test_jean_zay_scripts_name_their_partition_qos(machine, qos):
+    text = S.render(machine, S.MACHINES[machine]['gpus_per_node'])
+    assert f'##SBATCH --qos={qos} ' in text
+
+
+def test_tasks_get_their_cores_and_the_header_says_how_to_remake_it():
+    """srun >= 22.05 does not pass --cpus-per-task on: the scripts export SRUN_CPUS_PER_TASK before srun.
+    The header gives the command that renders the script (shapes with no file in slurm/ included)."""
+    text = S.render('a100', 32, '04:00:00', account='abc@a100', qos='qos_gpu_a100-t4', partition='gpu_p5')
+    lines = text.splitlines()
+    assert lines.index('export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK') < lines.index('srun python -u dlojz.py \\')
+    made = next(line for line in lines if line.startswith('# Made by: '))[len('# Made by: '):]
+    args = made.split()[2:]  # after 'python dlojz_slurm.py'
+    assert args[-1] == '--dry-run'
+    assert S.render(*S.parse(args[:-1])) == text
+    for opt in ('--account=abc@a100 ', '--qos=qos_gpu_a100-t4 ', '--partition=gpu_p5 ', '--time=04:00:00 '):
+        assert f'#SBATCH {opt}' in text, opt
+
+
 def test_helper_dry_run_and_shape_errors(capsys):
     assert S.main(['--machine', 'a100', '--gpus', '16', '--dry-run', '--', '--amp', 'bf16']) == 0
     out = capsys.readouterr().out
