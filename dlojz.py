@@ -36,7 +36,7 @@ from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
 from dlojz_errors import CommFailure, DlojzError, Interrupted, Preempted, UsageError, translate
 from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
-from dlojz_io import Console, Logger, default_output_dir, prepare_output_dir, write_json
+from dlojz_io import Console, Logger, default_output_dir, host_check, prepare_output_dir, usable_cores, write_json
 from dlojz_state import Progress, check_checkpoint, find_resume_checkpoint, preempt, restore, save
 from dlojz_summary import final_lines, write_summary
 
@@ -119,7 +119,7 @@ def get_args_parser(add_help=True):
                    'world size')
     g.add_argument('--val-batch-size', type=I, default=250, help='validation images per device')
     g.add_argument('--num-workers', type=N, default=None, help='DataLoader worker processes (train and val; '
-                   'default $SLURM_CPUS_PER_TASK under SLURM, else 8)')
+                   'default $SLURM_CPUS_PER_TASK under SLURM, else 8 or the usable cores if fewer)')
     g.add_argument('--persistent-workers', action=B, default=None, help='keep workers between epochs '
                    '(default: on when --num-workers > 0)')
     g.add_argument('--pin-memory', action=B, default=None, help='page-locked batches (default: on with CUDA)')
@@ -240,7 +240,7 @@ def check_args(args, device, world_size=1, capability=None):
     if args.val_resize is None:
         args.val_resize = round(args.val_image_size * 256 / 224)
     if args.num_workers is None:
-        args.num_workers = dlojz_dist.slurm_cpus_per_task() or 8
+        args.num_workers = dlojz_dist.slurm_cpus_per_task() or min(8, usable_cores())
     args.chkpt = args.chkpt or args.chkpt_every > 0
     args.cudnn_benchmark = args.cudnn_benchmark and not args.deterministic
     refusals = [
@@ -405,6 +405,7 @@ class Run:
     stop: dlojz_dist.StopSignal
     log: Logger
     global_batch: int
+    host: dict                    # cores, load, threads, workers (dlojz_io.host_check)
     steps_per_epoch: int
     total_steps: int              # of this invocation's schedule: --findlr's sweep length
 
@@ -446,7 +447,8 @@ def build_run(args, dist, device, say):
               log=Logger(os.path.join(args.output_dir, 'metrics.jsonl'), say,
                          append=ckpt is not None and not args.evaluate, lines=console_lines(args, steps_per_epoch),
                          wandb=build_wandb(args, dist)),
-              global_batch=global_batch, steps_per_epoch=steps_per_epoch, total_steps=total_steps)
+              global_batch=global_batch, host=host_check(args.num_workers, device.type == 'cpu'),
+              steps_per_epoch=steps_per_epoch, total_steps=total_steps)
     return run, restore(run, ckpt) if ckpt is not None else Progress()
 
 
@@ -743,6 +745,8 @@ def print_header(run):
     defaults = vars(get_args_parser().parse_args([]))
     changed = [f'{k}={v}' for k, v in sorted(vars(args).items()) if k not in defaults or defaults[k] != v]
     say('Config (differs from the defaults; all of it in config.json): ' + ' '.join(changed))
+    for warning in run.host['warnings']:
+        say(f'Warning: {warning}')
 
 
 def report_error(e, dist):

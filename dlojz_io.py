@@ -193,6 +193,32 @@ def file_hash(path):
         return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
+def usable_cores():
+    """Cores this process may run on (its affinity mask: what Slurm's cgroup or taskset gives it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def host_check(num_workers, cpu_device, cores=usable_cores, load=os.getloadavg, threads=torch.get_num_threads,
+               node_cores=os.cpu_count):
+    """What a benchmark's figures depend on besides the flags: usable cores, the node's load before the run,
+    torch's intra-op threads, the workers; with a sentence for each way they can spoil the timings."""
+    usable, load1, t = cores(), load()[0], threads()
+    main = t if cpu_device else 1  # on a GPU the main process needs about a core to launch kernels
+    warnings = []
+    if num_workers + main > usable:
+        warnings.append(f'{num_workers} loader workers + {main} compute thread(s) exceed the {usable} usable cores: '
+                        f'they will compete (lower --num-workers, or OMP_NUM_THREADS on CPU).')
+    total = node_cores() or usable
+    if load1 > 0.75 * total:
+        warnings.append(f'this node was already busy before the run (load average {load1:.1f} on {total} cores): '
+                        f'timings may be slower than on an idle node.')
+    return {'usable_cores': usable, 'node_cores': total, 'load_avg_1m_before': load1, 'torch_threads': t,
+            'num_workers': num_workers, 'warnings': warnings}
+
+
 def provenance(device, dist):
     import torchvision
     prov = {
@@ -201,7 +227,7 @@ def provenance(device, dist):
         'python': sys.version.split()[0], 'torch': torch.__version__, 'torchvision': torchvision.__version__,
         'cuda': torch.version.cuda, 'cudnn': torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         'nccl': None, 'host': socket.gethostname(), 'platform': platform.platform(),
-        'cpu_count': len(os.sched_getaffinity(0)), 'slurm_job_id': dist.job_id or None,
+        'cpu_count': usable_cores(), 'slurm_job_id': dist.job_id or None,
         'launcher': dist.launcher, 'device': str(device), 'device_name': platform.processor() or 'cpu',
         'gpu_total_memory_bytes': None, 'driver': None,
         'time': datetime.datetime.now().isoformat(timespec='seconds'),

@@ -26,7 +26,7 @@ def write_summary(run, progress, status, error=None, extra=None):
                  'classes': len(run.data.classes), 'train_images': run.data.n_train, 'val_images': run.data.n_val,
                  'batches_per_epoch': run.steps_per_epoch, 'bad_images_skipped': run.data.bad_images},
         'timing': timing,
-        'memory': run.memory.summary(),
+        'memory': run.memory.summary(), 'host': run.host,
         'energy': energy,
         'global_step': progress.global_step, 'train': progress.train, 'val': progress.val, **(extra or {}),
     }

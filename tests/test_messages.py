@@ -41,3 +41,24 @@ def test_single_class_is_warned(tmp_path, capsys):
     jpegs(tmp_path / 'data' / 'val' / 'n01', 4)
     assert run(tmp_path, '--data-dir', tmp_path / 'data', '--test-nsteps', 1) == 0
     assert 'Warning: the data has a single class (n01)' in capsys.readouterr().out
+
+
+def test_host_check_warns_of_oversubscription_and_a_busy_node():
+    from dlojz_io import host_check
+    calm = host_check(1, True, cores=lambda: 4, load=lambda: (0.5, 0, 0), threads=lambda: 2, node_cores=lambda: 4)
+    assert calm['warnings'] == [] and calm['usable_cores'] == 4 and calm['torch_threads'] == 2
+    many = host_check(64, False, cores=lambda: 2, load=lambda: (0.0, 0, 0), threads=lambda: 2, node_cores=lambda: 2)
+    assert many['warnings'] == ['64 loader workers + 1 compute thread(s) exceed the 2 usable cores: they will '
+                                'compete (lower --num-workers, or OMP_NUM_THREADS on CPU).']
+    busy = host_check(1, False, cores=lambda: 8, load=lambda: (60.0, 0, 0), threads=lambda: 8, node_cores=lambda: 64)
+    assert len(busy['warnings']) == 1 and 'load average 60.0 on 64 cores' in busy['warnings'][0]
+
+
+def test_default_workers_follow_the_usable_cores(monkeypatch):
+    import torch
+    monkeypatch.setattr(dlojz, 'usable_cores', lambda: 2)
+    args = dlojz.check_args(dlojz.get_args_parser().parse_args([]), torch.device('cpu'))
+    assert args.num_workers == 2
+    monkeypatch.setenv('SLURM_CPUS_PER_TASK', '10')
+    args = dlojz.check_args(dlojz.get_args_parser().parse_args([]), torch.device('cpu'))
+    assert args.num_workers == 10
