@@ -36,7 +36,8 @@ from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
 from dlojz_errors import CommFailure, DlojzError, Interrupted, Preempted, UsageError, translate
 from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
-from dlojz_io import Console, Logger, default_output_dir, host_check, prepare_output_dir, usable_cores, write_json
+from dlojz_io import (Console, Logger, default_output_dir, host_check, prepare_output_dir, remove_if_empty,
+                      usable_cores, write_json)
 from dlojz_state import Progress, check_checkpoint, find_resume_checkpoint, preempt, restore, save
 from dlojz_summary import final_lines, write_summary
 
@@ -674,6 +675,10 @@ def main(args, dist=None):
         print(f'Train step 0 - rank {dist.rank}', flush=True)  # marker: what follows is initialisation
     try:
         return _main(args, dist, device)
+    except BaseException:
+        if dist.is_main:  # an error before anything was written (bad data, a refused checkpoint): no empty folder
+            remove_if_empty(args.output_dir)
+        raise
     finally:
         if tee:
             tee.close()

@@ -275,24 +275,27 @@ class Chronometer:
         return res
 
     def display_lines(self, batches_per_epoch=None):
-        """The course's '>>>' summary lines (reference/course.md §2.1); min/avg(median)/std in seconds."""
+        """The course's '>>>' summary lines (reference/course.md §2.1), seconds to 0.1 ms; "avg" is the median
+        for training and the mean for loading, as the course defined them (its tools read these positions)."""
         st, lines = self.stats(), []
         if self.start_time and self.stop_time:
             lines.append(f'>>> Training complete in: {self.stop_time - self.start_time}')
         if st['compute']:
             c = st['compute']
-            lines.append(f">>> Training performance time: min {c['min']} avg {c['median']} seconds (+/- {c['std']})")
+            lines.append(f">>> Training performance time: min {c['min']:.4f} avg {c['median']:.4f} seconds "
+                         f"(+/- {c['std']:.4f})")
             load = describe([r['data'] + r.get('h2d', 0.0) for r in self.steady])
-            lines.append(f">>> Loading performance time: min {load['min']} avg {load['mean']} seconds "
-                         f"(+/- {load['std']})")
+            lines.append(f">>> Loading performance time: min {load['min']:.4f} avg {load['mean']:.4f} seconds "
+                         f"(+/- {load['std']:.4f})")
             for name, key in (('Forward', 'forward'), ('Backward', 'backward'), ('Optimizer', 'optimizer')):
                 if st.get(key):
-                    lines.append(f">>> {name} performance time: {st[key]['mean']} seconds (+/- {st[key]['std']})")
+                    lines.append(f">>> {name} performance time: {st[key]['mean']:.4f} seconds "
+                                 f"(+/- {st[key]['std']:.4f})")
         if self.val_time is not None:
             lines.append(f'>>> Validation time: {datetime.timedelta(seconds=self.val_time)}')
         if self.steps:
             first = self.steps[0]
-            lines.append(f">>> First step loading time: {first['data'] + first.get('h2d', 0.0)}")
+            lines.append(f">>> First step loading time: {first['data'] + first.get('h2d', 0.0):.4f}")
         if batches_per_epoch is not None:
             lines.append(f'>>> Number of batch per epoch: {batches_per_epoch}')
         return lines

@@ -60,6 +60,13 @@ def prepare_output_dir(path, continues=False, overwrite=False):
     return path
 
 
+def remove_if_empty(path):
+    try:
+        os.rmdir(path)  # fails, as wanted, on a folder that holds anything
+    except OSError:
+        pass
+
+
 def _fsync_replace(tmp, path):
     with open(tmp, 'rb+') as f:
         f.flush()

@@ -111,8 +111,10 @@ def final_lines(summary, chrono, steps_per_epoch):
         lines.append(f">>> Peak Power during training: {e['peak_w']:.1f} W{energy}{per_image}")
     m = summary['memory']
     if m['gpu_max_allocated_bytes'] is not None:
-        lines.append(f">>> Max Memory Allocated {m['gpu_max_allocated_bytes']} Bytes (reserved "
-                     f"{m['gpu_max_reserved_bytes']} Bytes)")
-    lines.append(f">>> Host peak memory (VmHWM): {m['host_peak_rss_bytes']} Bytes")
+        # the byte count stays second to last: the course's tools read it there
+        lines.append(f">>> Max Memory Allocated {m['gpu_max_allocated_bytes'] / 2**30:.2f} GiB (reserved "
+                     f"{m['gpu_max_reserved_bytes'] / 2**30:.2f} GiB) = {m['gpu_max_allocated_bytes']} Bytes")
+    if m['host_peak_rss_bytes'] is not None:
+        lines.append(f">>> Host peak memory (VmHWM): {m['host_peak_rss_bytes'] / 2**30:.2f} GiB")
     lines.append(f"Run written to {summary['config']['output_dir']}")
     return lines

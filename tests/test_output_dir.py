@@ -33,3 +33,9 @@ def test_a_folder_holds_one_run(tmp_path, cache_dir, capsys):
     assert sorted(os.listdir(out)) == ['checkpoint-00000001.pt', 'config.json', 'metrics.jsonl', 'summary.json']
     assert cli(out, cache_dir, '--seed', '7', '--test-nsteps', '1', '--resume', 'auto') == 0
     assert 'continuing from' in capsys.readouterr().out
+
+
+def test_an_early_error_leaves_no_empty_folder(tmp_path, cache_dir, capsys):
+    out = tmp_path / 'run'
+    assert cli(out, cache_dir, '--data-dir', tmp_path / 'missing') == 2
+    assert 'does not exist' in capsys.readouterr().err and not out.exists()
