@@ -217,9 +217,14 @@ class Chronometer:
 
     # ---------------------------------------------------------------- results
     @property
+    def full_batch(self):
+        """The largest batch seen (images): an epoch's last batch may be smaller."""
+        return max((r['images'] for r in self.steps if r['images'] is not None), default=None)
+
+    @property
     def steady(self):
         """The steps the statistics are made of: after the warm-up, full batches only."""
-        full = max((r['images'] for r in self.steps if r['images'] is not None), default=None)
+        full = self.full_batch
         return [r for r in self.steps[self.warmup:] if r['images'] == full and not r.get('excluded')]
 
     @property
@@ -234,7 +239,7 @@ class Chronometer:
     def summary(self, global_batch, batches_per_epoch=None, val_batches_total=None):
         """The dict written to summary.json['timing']."""
         st, steady = self.stats(), self.steady
-        full = max((r['images'] for r in self.steps if r['images'] is not None), default=None)
+        full = self.full_batch
         res = {'steps': len(self.steps), 'warmup_steps': min(self.warmup, len(self.steps)),
                'partial_batch_steps': sum(r['images'] != full for r in self.steps[self.warmup:]),
                'profiled_steps': sum(bool(r.get('excluded')) for r in self.steps),
