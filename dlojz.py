@@ -31,13 +31,14 @@ import torch.nn as nn
 
 import custom_models
 import dlojz_dist
+import dlojz_io
 from dlojz_chrono import Chronometer, PowerMeter, profiler
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
 from dlojz_errors import CommFailure, DlojzError, Interrupted, Preempted, UsageError, translate
 from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
-from dlojz_io import (Console, Logger, default_output_dir, host_check, prepare_output_dir, remove_if_empty,
-                      usable_cores, write_json)
+from dlojz_io import (Console, Logger, default_output_dir, host_check, intra_op_threads, prepare_output_dir,
+                      remove_if_empty, run_status, usable_cores, write_json)
 from dlojz_state import Progress, check_checkpoint, find_resume_checkpoint, preempt, restore, save
 from dlojz_summary import final_lines, write_summary
 
@@ -166,8 +167,13 @@ def get_args_parser(add_help=True):
                    '--test)')
     g.add_argument('--seed', type=int, default=123, help='weights, data order and augmentation (same on every rank)')
     g.add_argument('--device', choices=['auto', 'cuda', 'cpu'], default='auto')
-    g.add_argument('--output-dir', default=None, help='run directory (default runs/<job id or time>_<arch>_bs<b>); '
-                   'one that holds another run is refused unless --resume continues it or --overwrite replaces it')
+    g.add_argument('--output-dir', default=None, help='run directory (default runs/<run name>, else '
+                   'runs/<job id or time>_<arch>_bs<b>); one that holds another run is refused unless --resume '
+                   'continues it or --overwrite replaces it')
+    g.add_argument('--run-name', default=None, help='run directory runs/<NAME>, independent of the job id: a '
+                   'resubmitted job with --resume auto continues it; when its run is over (completed, NaN, OOM, '
+                   'failed), runs/<NAME>.2, .3, ... (the slurm/ scripts pass one: $DLOJZ_RUN, or the job name and '
+                   'a checksum of the flags)')
     g.add_argument('--overwrite', action='store_true', help='delete the run files (config, metrics, summary, '
                    'checkpoints) of a non-empty --output-dir first')
     g.add_argument('--chkpt', action='store_true', help='write checkpoint-<step>.pt at the end of each epoch and run')
@@ -252,6 +258,10 @@ def check_args(args, device, world_size=1, capability=None):
         (args.num_workers == 0 and (args.prefetch_factor is not None or args.persistent_workers),
          '--prefetch-factor and --persistent-workers need worker processes; drop them or set --num-workers to 1 '
          'or more.'),
+        (args.run_name is not None and args.output_dir is not None, '--run-name and --output-dir both name the '
+         'run folder; give one.'),
+        (args.run_name is not None and (not args.run_name.strip('.') or '/' in args.run_name),
+         f'--run-name {args.run_name!r} is not a folder name; use letters, digits, "-", "_" or "." without "/".'),
         (args.findlr and args.resume, '--findlr starts from a fresh model; drop --resume.'),
         (args.evaluate and not args.resume, '--evaluate validates a trained model; give its checkpoint with '
                                             '--resume PATH.'),
@@ -535,6 +545,7 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
         if args.chkpt_every and progress.global_step % args.chkpt_every == 0:
             run.guard.check()  # every rank, before rank 0 saves: never checkpoint weights a NaN reached
             save(run, progress)
+        dlojz_io.slow_step()
         if run.stop.agreed():  # a step boundary: a consistent state to checkpoint
             stopped = True
             break
@@ -658,6 +669,9 @@ def main(args, dist=None):
     share = args.share_gpu or dlojz_dist.mps_active()
     device = pick_device(args.device, dist, share)
     args = check_args(args, device, dist.world_size)
+    threads = intra_op_threads(args.num_workers, device.type == 'cpu', dist.local_world_size)
+    if threads:  # before the first parallel op: OpenMP sizes its pool then
+        torch.set_num_threads(threads)
     if args.dist_debug:  # read by torch.distributed when the process group starts
         os.environ['TORCH_DISTRIBUTED_DEBUG'] = 'DETAIL'
     if args.nccl_debug:
@@ -668,6 +682,9 @@ def main(args, dist=None):
         lambda: prepare_output_dir(args.output_dir or default_output_dir(args, dist),
                                    continues=bool(args.resume) and not args.evaluate, overwrite=args.overwrite),
         when=dist.is_main))
+    if dist.is_main and args.run_name and os.path.basename(args.output_dir) != args.run_name:
+        print(f'runs/{args.run_name} holds a finished run ({run_status(os.path.join("runs", args.run_name))}); '
+              f'this run goes to {args.output_dir}', flush=True)
     tee = None
     if args.nccl_debug:  # before the first NCCL collective, so that the communicator's INIT lines are in it
         os.makedirs(args.output_dir, exist_ok=True)  # node-local folders: ranks on other nodes create their own

@@ -344,7 +344,7 @@ def requeue(dist, signal_name=None):
     limit and from scancel, and the job state does not tell them apart while the signal is delivered
     (measured: a cancelled job got requeued); after SIGTERM dlojz checkpoints and the user resubmits."""
     if signal_name != 'SIGUSR2':
-        return False, f'{signal_name} may be a cancellation; resubmit the job to continue'
+        return False, f'{signal_name} may be a cancellation'
     if dist.launcher != 'slurm' or not dist.job_id:
         return False, 'not running under srun'
     try:

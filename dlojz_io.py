@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from contextlib import contextmanager
 
 import torch
@@ -21,8 +22,35 @@ SUMMARY_VERSION = 1
 
 
 def default_output_dir(args, dist):
+    if args.run_name:
+        return named_run_dir(args.run_name, continues=bool(args.resume))
     tag = dist.job_id or datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
     return os.path.join('runs', f'{tag}_{args.arch}_bs{args.batch_size}')
+
+
+# A run that ended this way is over: continuing it would only repeat its end (an OOM, a NaN, a refused flag).
+FINISHED = ('completed', 'nan', 'oom', 'failed')
+
+
+def run_status(path):
+    """The status in a run folder's summary.json; None when there is none (fresh, running or killed)."""
+    try:
+        with open(os.path.join(path, 'summary.json')) as f:
+            return json.load(f).get('status')
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def named_run_dir(name, continues, root='runs'):
+    """runs/<name> for a run named independently of the job id, so that a resubmitted job (a new job id)
+    continues the run of the job it follows. Continuing (--resume auto), a folder whose run is over is kept
+    and the run goes to the first of <name>.2, <name>.3, ... that is not: the next submission of a finished
+    benchmark is a new run, a preempted or crashed one is continued."""
+    path, k = os.path.join(root, name), 1
+    while continues and run_status(path) in FINISHED:
+        k += 1
+        path = os.path.join(root, f'{name}.{k}')
+    return path
 
 
 RUN_FILES = ('config.json', 'metrics.jsonl', 'summary.json')
@@ -208,6 +236,20 @@ def usable_cores():
         return os.cpu_count() or 1
 
 
+def intra_op_threads(num_workers, cpu_device, local_ranks=1, usable=None, node=None, environ=os.environ):
+    """torch's intra-op threads for this process, or None to leave them to OMP_NUM_THREADS when it is set.
+    torch's default is every core of the affinity mask; ranks that share one mask (torchrun or mpirun without
+    binding) would each take all of them, and on a GPU the main process, which mostly launches kernels,
+    would compete with its own loader workers. On CPU the model is the work (the workers sleep once their
+    prefetch queue is full), so it gets the process's share of the cores."""
+    if environ.get('OMP_NUM_THREADS'):
+        return None
+    usable = usable or usable_cores()
+    node = node or os.cpu_count() or usable
+    share = usable // local_ranks if local_ranks > 1 and usable >= node else usable
+    return max(1, share if cpu_device else share - num_workers)
+
+
 def host_check(num_workers, cpu_device, cores=usable_cores, load=os.getloadavg, threads=torch.get_num_threads,
                node_cores=os.cpu_count):
     """What a benchmark's figures depend on besides the flags: usable cores, the node's load before the run,
@@ -223,6 +265,7 @@ def host_check(num_workers, cpu_device, cores=usable_cores, load=os.getloadavg, 
         warnings.append(f'this node was already busy before the run (load average {load1:.1f} on {total} cores): '
                         f'timings may be slower than on an idle node.')
     return {'usable_cores': usable, 'node_cores': total, 'load_avg_1m_before': load1, 'torch_threads': t,
+            'torch_threads_from': 'OMP_NUM_THREADS' if os.environ.get('OMP_NUM_THREADS') else 'dlojz',
             'num_workers': num_workers, 'warnings': warnings}
 
 
@@ -326,6 +369,14 @@ def _fault(name):
         return False
     _FAULT_COUNT[name] = _FAULT_COUNT.get(name, 0) + 1
     return _FAULT_COUNT[name] == int(spec.split(':')[1])
+
+
+def slow_step():
+    """For the time-limit tests only: DLOJZ_FAULT=slow-steps:<s> sleeps s seconds after each training step, so
+    that a run of a few tiny steps lasts until Slurm's signal comes (up to a minute early, checked every 30 s)."""
+    spec = os.environ.get('DLOJZ_FAULT', '')
+    if spec.startswith('slow-steps:'):
+        time.sleep(float(spec.split(':')[1]))
 
 
 def _die_half_written(f, state):

@@ -119,13 +119,27 @@ def render(machine, gpus, time_limit='02:00:00', account=None, qos=None, partiti
           '# srun >= 22.05 no longer passes --cpus-per-task on to its tasks: without this each task may get one',
           '# core for its DataLoader workers',
           'export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK',
+          '# The run folder, runs/<run name>, does not depend on the job id: resubmitting this script with the same',
+          '# flags continues the run after scancel or a time limit without requeue (exit 5); once a run is over',
+          '# the next one goes to <run name>.2. Choose the name with DLOJZ_RUN=<name> sbatch ..., or pass',
+          '# --output-dir.',
+          'RUN_NAME=${DLOJZ_RUN:-$SLURM_JOB_NAME-$(printf \'%s\\n\' "$@" | cksum | cut -d" " -f1)}',
+          'case " $* " in *" --output-dir "* | *" --output-dir="*) RUN_NAME= ;; esac  # the folder is given',
           'set -x',
           'srun python -u dlojz.py \\',
+          '    ${RUN_NAME:+--run-name "$RUN_NAME"} \\',
           '    --resume auto \\',
           '    --chkpt \\']
     if machine == 'cpu':
         L.append('    --device cpu \\')
-    L += ['    "$@"', '']
+    L += ['    "$@" &',
+          'SRUN_PID=$!',
+          '# A signal for this shell alone (scancel --batch --signal=USR2, #SBATCH --signal=B:USR2@120) is passed',
+          '# on to srun, which forwards it to the tasks. SIGTERM is not: srun answers it by killing the tasks.',
+          "trap 'kill -USR2 $SRUN_PID 2>/dev/null' USR2",
+          'wait $SRUN_PID; code=$?',
+          'while kill -0 $SRUN_PID 2>/dev/null; do wait $SRUN_PID; code=$?; done  # a trap ends a wait early',
+          'exit $code', '']
     return '\n'.join(L)
 
 

@@ -143,5 +143,7 @@ def preempt(run, progress):
     requeued = dlojz_dist.broadcast_object(requeued)
     raise Preempted(f'stopped by {why} at step {progress.global_step}; checkpoint {path} written. ' +
                     ('The SLURM job was requeued and will resume from it (--resume auto).' if requeued else
-                     f'Not requeued ({detail}); resume with --resume {path} or --resume auto.'),
+                     f'Not requeued ({detail}); ' + (
+                         f'resubmit with the same flags to continue it (run name {args.run_name}).' if args.run_name
+                         else f'continue with --resume auto --output-dir {args.output_dir}.')),
                     requeued=requeued, checkpoint=path)

@@ -62,3 +62,33 @@ def test_default_workers_follow_the_usable_cores(monkeypatch):
     monkeypatch.setenv('SLURM_CPUS_PER_TASK', '10')
     args = dlojz.check_args(dlojz.get_args_parser().parse_args([]), torch.device('cpu'))
     assert args.num_workers == 10
+
+
+def test_each_process_gets_its_share_of_the_cores():
+    """Hand counts: a CPU run computes on all its cores, a GPU run leaves the workers theirs, ranks that share
+    one affinity mask split it, and OMP_NUM_THREADS set by the user (or torchrun) is left alone."""
+    from dlojz_io import intra_op_threads as t
+    env = {}
+    assert t(2, True, usable=8, node=8, environ=env) == 8
+    assert t(6, False, usable=8, node=8, environ=env) == 2
+    assert t(24, False, usable=24, node=96, environ=env) == 1  # srun gave this task 24 of the node's 96 cores
+    assert t(2, True, local_ranks=4, usable=16, node=16, environ=env) == 4  # 4 unbound ranks on one node
+    assert t(2, True, local_ranks=4, usable=4, node=16, environ=env) == 4  # bound ranks: each its own 4 cores
+    assert t(8, False, local_ranks=2, usable=8, node=8, environ=env) == 1
+    assert t(2, True, usable=8, node=8, environ={'OMP_NUM_THREADS': '3'}) is None
+
+
+def test_the_summary_records_the_threads_dlojz_chose(tmp_path, cache_dir, monkeypatch):
+    import json
+    import torch
+    from dlojz_io import usable_cores
+    monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # so that a run which chose nothing would record 1, not this machine's cores
+    try:
+        assert run(tmp_path, '--cache-dir', cache_dir, '--test-nsteps', 1, '--device', 'cpu') == 0
+    finally:
+        torch.set_num_threads(before)
+    with open(tmp_path / 'run' / 'summary.json') as f:
+        host = json.load(f)['host']
+    assert (host['torch_threads'], host['torch_threads_from']) == (usable_cores(), 'dlojz')

@@ -4,6 +4,7 @@ Each checkpoint write prints its path and step.
 
 Run: python -m pytest -q tests/test_output_dir.py
 """
+import json
 import os
 
 import dlojz
@@ -39,3 +40,34 @@ def test_an_early_error_leaves_no_empty_folder(tmp_path, cache_dir, capsys):
     out = tmp_path / 'run'
     assert cli(out, cache_dir, '--data-dir', tmp_path / 'missing') == 2
     assert 'does not exist' in capsys.readouterr().err and not out.exists()
+
+
+def test_a_run_name_is_continued_until_its_run_is_over(tmp_path, cache_dir, capsys, monkeypatch):
+    """--run-name: the folder a resubmitted job (new job id) continues. A preempted run there is continued; a
+    finished one is kept, and the next run goes to <name>.2."""
+    monkeypatch.chdir(tmp_path)
+
+    def named(*flags):
+        return dlojz.cli([*TINY, '--cache-dir', cache_dir, '--test-nsteps', '2', '--chkpt', '--run-name', 'r',
+                          '--resume', 'auto', *flags])
+    monkeypatch.setenv('SLURM_JOB_ID', '101')
+    assert named() == 0 and os.path.exists('runs/r/summary.json') and not os.path.exists('runs/r.2')
+    first = snapshot('runs/r')
+    monkeypatch.setenv('SLURM_JOB_ID', '102')
+    assert named() == 0
+    assert 'runs/r holds a finished run (completed); this run goes to runs/r.2' in capsys.readouterr().out
+    assert snapshot('runs/r') == first and os.path.exists('runs/r.2/checkpoint-00000002.pt')
+    with open('runs/r.2/summary.json') as f:  # what a preempted run leaves (tests/test_preempt.py makes one)
+        summary = json.load(f)
+    with open('runs/r.2/summary.json', 'w') as f:
+        json.dump({**summary, 'status': 'preempted'}, f)
+    assert named('--test-nsteps', '3') == 0
+    out = capsys.readouterr().out
+    assert 'continuing from runs/r.2/checkpoint-00000002.pt' in out and 'runs/r.3' not in out
+    assert not os.path.exists('runs/r.3')
+    assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--run-name', 'r', '--output-dir', 'x']) == 2
+    assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--run-name', 'a/b']) == 2
+    err = capsys.readouterr().err
+    assert '--run-name and --output-dir both name the run folder; give one.' in err
+    assert "--run-name 'a/b' is not a folder name" in err
+    assert not os.path.exists('x') and not os.path.exists('runs/a')

@@ -5,6 +5,7 @@ Run: python -m pytest -q tests/test_slurm_scripts.py
 """
 import os
 import re
+import subprocess
 
 import pytest
 
@@ -31,7 +32,7 @@ def test_script_shape_and_comments(machine, gpus):
         assert per_node <= S.MACHINES[machine]['gpus_per_node']
     assert opts['hint'] == 'nomultithread' and opts['signal'] == 'USR2@120' and 'requeue' in opts
     assert opts['output'] == f'slurm/log/%x_%j_{nodes}nodes_{nodes * per_node}tasks.out'
-    assert 'srun python -u dlojz.py \\' in text and text.rstrip().endswith('"$@"')
+    assert 'srun python -u dlojz.py \\' in text and '    "$@" &\n' in text and text.rstrip().endswith('exit $code')
     assert '--resume auto' in text and 'ADAPT' in text
     if S.MACHINES[machine]['site'] == 'jz':
         assert f'--constraint={S.MACHINES[machine]["constraint"]}' in text and 'module load' in text
@@ -73,3 +74,38 @@ def test_helper_dry_run_and_shape_errors(capsys):
     assert S.main(['--machine', 'v100', '--gpus', '6', '--dry-run']) == 2
     assert 'a multiple of it' in capsys.readouterr().err
     assert S.shape('v100', 2) == (1, 2) and S.shape('h100', 12) == (3, 4)
+
+
+def _srun_argv(tmp_path, script, *flags, **env):
+    """Run a shipped script with bash, `srun` replaced by a shim that prints the dlojz flags it was given."""
+    shims = tmp_path / 'bin'
+    shims.mkdir(exist_ok=True)
+    (shims / 'srun').write_text('#!/bin/sh\nshift 3\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')  # drops python -u dlojz.py
+    (shims / 'module').write_text('#!/bin/sh\nexit 0\n')
+    (shims / 'activate').write_text('')
+    for f in ('srun', 'module'):
+        (shims / f).chmod(0o755)
+    r = subprocess.run(['bash', os.path.join(ROOT, 'slurm', script), *flags], capture_output=True, text=True,
+                       env={'PATH': f'{shims}:/usr/bin:/bin', 'DLOJZ_VENV': str(tmp_path), 'SLURM_JOB_ID': '77',
+                            'SLURM_JOB_NAME': 'dlojz-cpu', 'SLURM_CPUS_PER_TASK': '2', **env}, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
+def _run_name(argv):
+    return argv[argv.index('--run-name') + 1] if '--run-name' in argv else None
+
+
+@pytest.mark.parametrize('script', ['cpu.slurm', 'jz-h100-4gpu.slurm'])
+def test_a_resubmitted_script_names_the_same_run(tmp_path, script):
+    """The run folder does not depend on the job id: the same flags give the same --run-name in another job,
+    other flags another one; DLOJZ_RUN chooses it; an --output-dir among the flags wins."""
+    first = _srun_argv(tmp_path, script, '-b', '64', '--amp', 'bf16')
+    again = _srun_argv(tmp_path, script, '-b', '64', '--amp', 'bf16', SLURM_JOB_ID='78')
+    other = _srun_argv(tmp_path, script, '-b', '128', '--amp', 'bf16', SLURM_JOB_ID='79')
+    assert _run_name(first) == _run_name(again) and _run_name(first).startswith('dlojz-cpu-')
+    assert _run_name(other) != _run_name(first)
+    assert first[-4:] == ['-b', '64', '--amp', 'bf16'] and '--resume' in first
+    assert _run_name(_srun_argv(tmp_path, script, '-b', '64', DLOJZ_RUN='my run')) == 'my run'
+    for given in (['--output-dir', 'runs/x'], ['--output-dir=runs/x']):
+        assert _run_name(_srun_argv(tmp_path, script, *given)) is None

@@ -4,7 +4,13 @@
 - cpu.slurm and jz-a100-8gpu.slurm (8 tasks) train a few steps and write their summary, logs named
   after job name, id, nodes and tasks;
 - generic-4gpu.slurm across the two nodes (world size 4);
-- a job told SIGUSR2 checkpoints, requeues itself, restarts and finishes with the uninterrupted losses;
+- SIGUSR2 to the batch shell only (the script passes it on), and the real time limit with --signal=USR2@50
+  (Slurm signals every process of the step, DataLoader workers included): checkpoint, requeue, restart,
+  the uninterrupted losses;
+- `scancel --signal=TERM` with workers: checkpoint, exit 5; the script resubmitted with the same flags
+  (a new job id, the same run name) continues the run bit-exactly;
+- `scancel --full --signal=TERM`: srun kills its tasks at once; the resubmitted job continues from the last
+  --chkpt-every checkpoint;
 - a job SIGKILLed while writing a checkpoint leaves the previous one; the rerun resumes from it;
 - scancel of a running DDP job leaves no process behind.
 
@@ -13,6 +19,7 @@ Run: python -m pytest -q tests/slurm
 """
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -22,6 +29,7 @@ import pytest
 
 from conftest import ROOT, TINY
 from cluster import Cluster, why_unavailable
+from dlojz_io import list_checkpoints
 
 pytestmark = pytest.mark.slurm
 LONG = ['-e', '2', '--log-interval', '1']  # 24 steps of 8 images
@@ -127,12 +135,9 @@ def test_two_node_job(slurm, workdir, cache_dir, tmp_path):
     assert [r['rank'] for r in s['timing']['ranks']] == [0, 1, 2, 3]
 
 
-def test_signal_requeues_and_resumes_exactly(slurm, workdir, cache_dir, tmp_path):
-    flags = [*TINY, '--cache-dir', cache_dir, *LONGER]
-    job = submit(slurm, workdir, 'cpu.slurm', *flags, '--output-dir', tmp_path / 'run')
-    wait_for_steps(slurm, job, tmp_path / 'run', 5)
-    r = slurm.run('scancel', '--signal=USR2', job, check=False)  # what --signal=USR2@120 delivers
-    assert r.returncode == 0, (r.stderr, slurm.job(job), len(train_losses(tmp_path / 'run')))
+def wait_requeued(slurm, job, before_release=None):
+    """Wait for the job to be requeued and running again -> (requeued, running again, released) in seconds
+    from now. before_release(): called once the requeued job is pending (e.g. a longer time limit)."""
     t0 = time.time()
     restarted = None
     deadline = t0 + 300
@@ -144,6 +149,8 @@ def test_signal_requeues_and_resumes_exactly(slurm, workdir, cache_dir, tmp_path
         if released is None and requeued is not None and info.get('JobState') == 'PENDING':
             # Slurm held the requeued job ~170 s before starting it again here (scheduler policy, not
             # dlojz's); an explicit start time releases it and keeps the test short.
+            if before_release:
+                before_release()
             slurm.run('scontrol', 'update', f'JobId={job}', 'StartTime=now', check=False)
             released = time.time()
         if requeued is not None and info.get('JobState') == 'RUNNING':
@@ -151,10 +158,20 @@ def test_signal_requeues_and_resumes_exactly(slurm, workdir, cache_dir, tmp_path
             break
         time.sleep(0.2)
     assert restarted is not None, f'job {job} was not requeued: {slurm.job(job)}'
+    return requeued, restarted, (released - t0) if released else requeued
+
+
+def test_signal_requeues_and_resumes_exactly(slurm, workdir, cache_dir, tmp_path):
+    flags = [*TINY, '--cache-dir', cache_dir, *LONGER, '--num-workers', '2']
+    job = submit(slurm, workdir, 'cpu.slurm', *flags, '--output-dir', tmp_path / 'run')
+    wait_for_steps(slurm, job, tmp_path / 'run', 5)
+    # to the batch shell only (as --signal=B:USR2@120 would): the script passes it on to srun, srun to dlojz
+    r = slurm.run('scancel', '--batch', '--signal=USR2', job, check=False)
+    assert r.returncode == 0, (r.stderr, slurm.job(job), len(train_losses(tmp_path / 'run')))
+    requeued, restarted, released = wait_requeued(slurm, job)
     info = slurm.wait(job, timeout=300)
     assert info['JobState'] == 'COMPLETED', job_log(workdir, job, 'err')[-3000:]
-    print(f'signal -> job requeued: {requeued:.1f} s; running again {restarted - (released - t0):.1f} s after '
-          f'release')
+    print(f'signal -> job requeued: {requeued:.1f} s; running again {restarted - released:.1f} s after release')
     ref_job = submit(slurm, workdir, 'cpu.slurm', *flags, '--output-dir', tmp_path / 'ref')  # uninterrupted
     assert slurm.wait(ref_job, timeout=300)['JobState'] == 'COMPLETED'
     log = job_log(workdir, job, 'err')
@@ -204,3 +221,87 @@ def test_scancel_leaves_no_process(slurm, workdir, tmp_path):
             break
         time.sleep(0.5)
     assert not left, f'processes left behind: {left}'
+
+
+_REFERENCES = {}
+
+
+def reference_losses(cache_dir, tmp_path, *flags):
+    """The losses of the same run uninterrupted, outside Slurm (same flags, no workers: the samples do not
+    depend on them), computed once per flag list."""
+    key = tuple(map(str, flags))
+    if key not in _REFERENCES:
+        out = tmp_path / 'reference'
+        r = subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz.py'), *TINY, '--cache-dir', cache_dir, *flags,
+                            '--output-dir', out, '--device', 'cpu'], capture_output=True, text=True,
+                           env={**os.environ, 'OMP_NUM_THREADS': '1'}, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        _REFERENCES[key] = train_losses(out)
+    return _REFERENCES[key]
+
+
+def script_run_name(job_name, flags):
+    """What the scripts compute when neither DLOJZ_RUN nor --output-dir is given: job name and a checksum of
+    the forwarded flags (computed here by cksum on the same bytes)."""
+    text = ''.join(f'{f}\n' for f in flags)
+    return f'{job_name}-' + subprocess.run(['cksum'], input=text, capture_output=True, text=True).stdout.split()[0]
+
+
+def test_scancel_term_with_workers_checkpoints_and_a_resubmitted_job_continues(slurm, workdir, cache_dir, tmp_path):
+    """`scancel --signal=TERM <job>` signals every process of the job's steps, DataLoader workers included:
+    a checkpoint, status preempted, exit 5, no traceback. The same script resubmitted with the same flags is
+    a new job id but the same run name: it continues that run, to the uninterrupted losses bit for bit."""
+    flags = [*TINY, '--cache-dir', str(cache_dir), *LONGER, '--num-workers', '2']
+    out = workdir / 'runs' / script_run_name('dlojz-cpu', flags)
+    job = submit(slurm, workdir, 'cpu.slurm', *flags)
+    wait_for_steps(slurm, job, out, random.Random(os.getpid()).randint(3, 30))
+    slurm.run('scancel', '--signal=TERM', job)
+    info = slurm.wait(job, timeout=120)
+    err = job_log(workdir, job, 'err')
+    assert info['ExitCode'] == '5:0' and 'stopped by SIGTERM' in err and 'Traceback' not in err, (info, err[-3000:])
+    assert f'resubmit with the same flags to continue it (run name {out.name})' in err
+    s = summary(out)
+    assert s['status'] == 'preempted' and list_checkpoints(str(out))[-1].endswith(f"{s['global_step']:08d}.pt")
+    again = submit(slurm, workdir, 'cpu.slurm', *flags)
+    assert slurm.wait(again, timeout=300)['JobState'] == 'COMPLETED', job_log(workdir, again, 'err')[-3000:]
+    assert f'continuing from runs/{out.name}/checkpoint-' in job_log(workdir, again)
+    assert train_losses(out) == reference_losses(cache_dir, tmp_path, *LONGER)
+    assert summary(out)['status'] == 'completed'
+
+
+def test_scancel_full_kills_at_once_and_the_periodic_checkpoint_is_what_remains(slurm, workdir, cache_dir,
+                                                                                 tmp_path):
+    """`scancel --full --signal=TERM` signals srun too, and srun answers SIGTERM by SIGKILLing its tasks
+    (Slurm's srun: "forcing job termination"): no checkpoint can be written then. What remains is the last
+    --chkpt-every checkpoint; the resubmitted job continues from it to the uninterrupted losses."""
+    flags = [*TINY, '--cache-dir', str(cache_dir), *LONGER, '--num-workers', '2', '--chkpt-every', '5']
+    out = workdir / 'runs' / script_run_name('dlojz-cpu', flags)
+    job = submit(slurm, workdir, 'cpu.slurm', *flags)
+    wait_for_steps(slurm, job, out, 12)
+    slurm.run('scancel', '--signal=TERM', '--full', job)
+    slurm.wait(job, timeout=120)
+    assert 'forcing job termination' in job_log(workdir, job, 'err')
+    kept = list_checkpoints(str(out))[-1]
+    again = submit(slurm, workdir, 'cpu.slurm', *flags)
+    assert slurm.wait(again, timeout=300)['JobState'] == 'COMPLETED', job_log(workdir, again, 'err')[-3000:]
+    assert f'continuing from runs/{out.name}/{os.path.basename(kept)}' in job_log(workdir, again)
+    assert train_losses(out) == reference_losses(cache_dir, tmp_path, *LONGER)
+
+
+def test_time_limit_signal_with_workers_requeues_and_resumes_exactly(slurm, workdir, cache_dir, tmp_path):
+    """The scripts' --signal=USR2@<s> at a real time limit: Slurm signals every process of the step, the
+    DataLoader workers included; dlojz checkpoints and requeues, the job continues (given a longer limit
+    here) to the uninterrupted losses. Slurm checks the limit every ~30 s and may signal up to a minute
+    early: --time=1 with the signal 50 s before, and steps slowed to 0.2 s, so the signal comes mid-run."""
+    flags = [*TINY, '--cache-dir', cache_dir, '-e', '20', '--log-interval', '1', '--num-workers', '2']
+    job = submit(slurm, workdir, 'cpu.slurm', *flags, '--output-dir', tmp_path / 'run',
+                 options=['--time=1', '--signal=USR2@50'], DLOJZ_FAULT='slow-steps:0.2')
+    wait_requeued(slurm, job, before_release=lambda: slurm.run('scontrol', 'update', f'JobId={job}',
+                                                              'TimeLimit=10', check=False))
+    info = slurm.wait(job, timeout=300)
+    assert info['JobState'] == 'COMPLETED', job_log(workdir, job, 'err')[-3000:]
+    err = job_log(workdir, job, 'err')
+    assert 'stopped by SIGUSR2' in err and 'was requeued' in err and 'Traceback' not in err
+    got = train_losses(tmp_path / 'run')
+    assert sorted(got) == list(range(1, 241)) and got == reference_losses(cache_dir, tmp_path, '-e', '20',
+                                                                          '--log-interval', '1')
