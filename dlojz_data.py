@@ -398,7 +398,8 @@ def ignore_preemption_signals(worker_id=None):
     process of a step (scancel, the time limit, --signal=USR2@120), workers included; the main process owns
     these signals and checkpoints at a step boundary, while a worker killed by one made PyTorch raise in the
     middle of a step (measured: `timeout -s TERM` to the process group crashed 4 runs in 4, twice inside
-    torch.save). SIGTERM from the parent (the loader's or multiprocessing's shutdown) still ends the worker:
+    torch.save). A signal that came before this runs is pending (DataLoader above) and is read here.
+    SIGTERM from the parent (the loader's or multiprocessing's shutdown) still ends the worker:
     ignoring it too would leave the main process waiting for its workers at exit. A thread reads the
     sender of each SIGTERM (sigwaitinfo), blocked for the worker's other threads."""
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
@@ -412,6 +413,27 @@ def ignore_preemption_signals(worker_id=None):
             if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
                 os._exit(0)  # as PyTorch's handler does for its parent's SIGTERM
     threading.Thread(target=serve, daemon=True, name='dlojz-sigterm').start()
+
+
+PREEMPTION_SIGNALS = {signal.SIGTERM, signal.SIGUSR2}
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """torch's DataLoader, its workers forked with SIGTERM and SIGUSR2 blocked. A worker inherits the mask of
+    the thread that forks it, so a signal sent to the process group while workers start (each validation
+    without persistent workers, each epoch without them) waits for ignore_preemption_signals instead of
+    reaching PyTorch's worker handler, which kills the worker (measured: 1 run in a test's 3 crashed this
+    way, a validation's workers starting as the group got SIGTERM). The main process's own handler gets the
+    signal when the mask is restored, a few ms later. (The 'fork' start method, Linux's default.)"""
+
+    def __iter__(self):
+        if self.num_workers == 0 or not hasattr(signal, 'pthread_sigmask'):
+            return super().__iter__()
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def loader_kwargs(args):
@@ -444,9 +466,8 @@ def build_data(args, dist, log=print, on_ranks=None):
     val_set = ImageFolderDataset(val_samples, ValTransform(args.val_resize, args.val_image_size), args.seed,
                                  args.skip_bad_images)
     sampler = EpochSampler(train_set, args.seed, True, dist.rank, dist.world_size)
-    train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
-                                               drop_last=args.drop_last, **loader_kwargs(args))
-    val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.val_batch_size,
-                                             sampler=ShardSampler(len(val_set), dist.rank, dist.world_size),
-                                             drop_last=False, **loader_kwargs(args))
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=args.drop_last,
+                              **loader_kwargs(args))
+    val_loader = DataLoader(val_set, batch_size=args.val_batch_size, drop_last=False, **loader_kwargs(args),
+                            sampler=ShardSampler(len(val_set), dist.rank, dist.world_size))
     return Data(source, classes, train_loader, val_loader, train_set, len(train_set), len(val_set))

@@ -373,9 +373,10 @@ def _fault(name):
 
 def slow_step():
     """For the time-limit tests only: DLOJZ_FAULT=slow-steps:<s> sleeps s seconds after each training step, so
-    that a run of a few tiny steps lasts until Slurm's signal comes (up to a minute early, checked every 30 s)."""
+    that a run of a few tiny steps lasts until Slurm's signal comes (up to a minute early, checked every 30 s);
+    in the job's first attempt only (a requeued job has SLURM_RESTART_COUNT >= 1)."""
     spec = os.environ.get('DLOJZ_FAULT', '')
-    if spec.startswith('slow-steps:'):
+    if spec.startswith('slow-steps:') and int(os.environ.get('SLURM_RESTART_COUNT') or 0) == 0:
         time.sleep(float(spec.split(':')[1]))
 
 

@@ -107,5 +107,9 @@ def test_a_resubmitted_script_names_the_same_run(tmp_path, script):
     assert _run_name(other) != _run_name(first)
     assert first[-4:] == ['-b', '64', '--amp', 'bf16'] and '--resume' in first
     assert _run_name(_srun_argv(tmp_path, script, '-b', '64', DLOJZ_RUN='my run')) == 'my run'
+    readme = _srun_argv(tmp_path, 'jz-a100-8gpu.slurm', '--test-nsteps', '50', '--amp', 'bf16', '-b', '256',
+                        SLURM_JOB_NAME='dlojz-jz-a100-8gpu')
+    with open(os.path.join(ROOT, 'README.md')) as f:
+        assert f'runs/{_run_name(readme)}/' in f.read()  # the README's example is what the script computes
     for given in (['--output-dir', 'runs/x'], ['--output-dir=runs/x']):
         assert _run_name(_srun_argv(tmp_path, script, *given)) is None

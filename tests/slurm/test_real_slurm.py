@@ -292,7 +292,8 @@ def test_time_limit_signal_with_workers_requeues_and_resumes_exactly(slurm, work
     """The scripts' --signal=USR2@<s> at a real time limit: Slurm signals every process of the step, the
     DataLoader workers included; dlojz checkpoints and requeues, the job continues (given a longer limit
     here) to the uninterrupted losses. Slurm checks the limit every ~30 s and may signal up to a minute
-    early: --time=1 with the signal 50 s before, and steps slowed to 0.2 s, so the signal comes mid-run."""
+    early: --time=1 with the signal 50 s before, and steps slowed to 0.2 s in the first attempt, so the
+    signal comes mid-run."""
     flags = [*TINY, '--cache-dir', cache_dir, '-e', '20', '--log-interval', '1', '--num-workers', '2']
     job = submit(slurm, workdir, 'cpu.slurm', *flags, '--output-dir', tmp_path / 'run',
                  options=['--time=1', '--signal=USR2@50'], DLOJZ_FAULT='slow-steps:0.2')
