@@ -32,6 +32,7 @@ import torch.nn as nn
 import custom_models
 import dlojz_dist
 import dlojz_io
+import dlojz_loader
 from dlojz_chrono import Chronometer, PowerMeter, profiler
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
@@ -128,6 +129,13 @@ def get_args_parser(add_help=True):
     g.add_argument('--non-blocking', action=B, default=True, help='asynchronous host-to-device copies')
     g.add_argument('--prefetch-factor', type=I, default=None, help='batches loaded ahead per worker (default 2)')
     g.add_argument('--drop-last', action=B, default=False, help='drop the last incomplete batch')
+    g.add_argument('--loader-only', action='store_true', help='run the training loader alone (sampler, decode, '
+                   'augmentation, collation, pinned memory, copy to the GPU), no model, for --test-nsteps batches '
+                   '(default 50): its images/second')
+    g.add_argument('--tune-loader', action='store_true', help='the loader doctor: the compute ceiling '
+                   '(--fake-data) and --loader-only over workers x prefetch x pinned memory, each in its own '
+                   'process; a trials table, a verdict and tune-loader.json/.csv (--test-nsteps per trial, default '
+                   '30)')
     g = p.add_argument_group('model')
     g.add_argument('--arch', default='resnet50', help=f'one of {", ".join(custom_models.ARCHS)}')
     g.add_argument('--sd-prob', type=FRACTION, default=0.5, help='-sd archs: drop probability of the last block')
@@ -250,6 +258,7 @@ def check_args(args, device, world_size=1, capability=None):
         args.num_workers = dlojz_dist.slurm_cpus_per_task() or min(8, usable_cores())
     args.chkpt = args.chkpt or args.chkpt_every > 0
     args.cudnn_benchmark = args.cudnn_benchmark and not args.deterministic
+    mode = '--loader-only' if args.loader_only else '--tune-loader'
     refusals = [
         (args.arch not in custom_models.ARCHS, f'unknown --arch {args.arch}; choose one of '
                                                f'{", ".join(custom_models.ARCHS)}.'),
@@ -262,6 +271,11 @@ def check_args(args, device, world_size=1, capability=None):
          'run folder; give one.'),
         (args.run_name is not None and (not args.run_name.strip('.') or '/' in args.run_name),
          f'--run-name {args.run_name!r} is not a folder name; use letters, digits, "-", "_" or "." without "/".'),
+        (args.loader_only and args.tune_loader, '--loader-only and --tune-loader exclude each other; drop one.'),
+        ((args.loader_only or args.tune_loader) and (args.fake_data or args.evaluate or args.findlr or args.resume),
+         f'{mode} measures the data loader of a new run; drop --fake-data, --evaluate, --findlr and --resume.'),
+        ((args.loader_only or args.tune_loader) and world_size > 1, f'{mode} measures one process\'s loader; run '
+         f'it as a single process (no torchrun, one task).'),
         (args.findlr and args.resume, '--findlr starts from a fresh model; drop --resume.'),
         (args.evaluate and not args.resume, '--evaluate validates a trained model; give its checkpoint with '
                                             '--resume PATH.'),
@@ -668,6 +682,7 @@ def main(args, dist=None):
         os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
     share = args.share_gpu or dlojz_dist.mps_active()
     device = pick_device(args.device, dist, share)
+    raw = dict(vars(args))  # the flags as given: --tune-loader passes them on to its trials
     args = check_args(args, device, dist.world_size)
     threads = intra_op_threads(args.num_workers, device.type == 'cpu', dist.local_world_size)
     if threads:  # before the first parallel op: OpenMP sizes its pool then
@@ -691,6 +706,8 @@ def main(args, dist=None):
         tee = dlojz_dist.StdoutTee(os.path.join(args.output_dir, f'nccl.rank{dist.rank}.log'))
         print(f'Train step 0 - rank {dist.rank}', flush=True)  # marker: what follows is initialisation
     try:
+        if args.loader_only or args.tune_loader:
+            return loader_mode(args, raw, dist, device)
         return _main(args, dist, device)
     except BaseException:
         if dist.is_main:  # an error before anything was written (bad data, a refused checkpoint): no empty folder
@@ -699,6 +716,15 @@ def main(args, dist=None):
     finally:
         if tee:
             tee.close()
+
+
+def loader_mode(args, raw, dist, device):
+    """--loader-only and --tune-loader (dlojz_loader): no model is built."""
+    say = Console(dist.is_main)
+    write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
+    if args.loader_only:
+        return dlojz_loader.loader_only(args, dist, device, say)
+    return dlojz_loader.tune_loader(args, raw, get_args_parser(), dist, device, say)
 
 
 def _main(args, dist, device):

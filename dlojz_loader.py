@@ -1,0 +1,300 @@
+"""The training loader on its own, and the loader doctor.
+
+    python dlojz.py --loader-only --num-workers 8 --test-nsteps 100   # the loader's throughput, no model
+    python dlojz.py --tune-loader --arch resnet50 -b 256              # is the run loader-bound? what to set
+
+--loader-only runs what feeds a training step (the same sampler, decode, augmentation, collation, pinned
+memory, and the host-to-device copy on a GPU) and nothing else. --tune-loader measures the compute ceiling
+(the same run on --fake-data: no decode) and the loader alone over a sweep of workers x prefetch x pinned
+memory, each trial in its own process (its own memory peak), and says which one bounds the run.
+"""
+import argparse
+import csv
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from dlojz_data import build_data
+from dlojz_errors import UsageError
+from dlojz_io import SUMMARY_VERSION, provenance, usable_cores, write_json
+
+DECODE = 'pil'  # the decode path of the folder loader: PIL, full image, then crop and resize (uint8)
+
+
+# ------------------------------------------------------------------------------------------ host memory
+
+def _vm_hwm(pid='self'):
+    """Peak resident set (VmHWM) of a process, bytes; None when unreadable (not Linux, process gone)."""
+    try:
+        with open(f'/proc/{pid}/status') as f:
+            for line in f:
+                if line.startswith('VmHWM:'):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _children(pid='self'):
+    pids = []
+    for path in glob.glob(f'/proc/{pid}/task/*/children'):
+        try:
+            with open(path) as f:
+                pids += [int(p) for p in f.read().split()]
+        except OSError:
+            continue
+    return pids
+
+
+def host_memory():
+    """-> (this process's VmHWM, the sum of its children's: the loader workers). Forked workers share the
+    parent's pages until they write them, and each VmHWM counts those shared pages again: the sum is an
+    upper bound, which is what a memory budget needs."""
+    workers = [m for m in map(_vm_hwm, _children()) if m is not None]
+    return _vm_hwm(), sum(workers)
+
+
+def memory_budget(environ=os.environ):
+    """Host memory this job may use, bytes: Slurm's --mem (SLURM_MEM_PER_NODE, MiB), else MemAvailable."""
+    if environ.get('SLURM_MEM_PER_NODE', '').isdigit():
+        return int(environ['SLURM_MEM_PER_NODE']) * 2**20
+    try:
+        with open('/proc/meminfo') as f:
+            for line in f:
+                if line.startswith('MemAvailable:'):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ------------------------------------------------------------------------------------------ --loader-only
+
+def measure(loader, steps, warmup, device, non_blocking=True, set_epoch=lambda epoch: None,
+            clock=time.perf_counter):
+    """Draw `steps` batches (across epochs when one is too short), as a training loop would with a model
+    that takes no time. -> dict: images per second over the batches after `warmup`, the wait for each batch,
+    the first batch's (worker start-up included), host memory. On a GPU each batch is copied to the device,
+    and the device is synchronised once, at the end, so that the copies count."""
+    cuda = device.type == 'cuda'
+    waits, images = [], []
+    epoch = 0
+    set_epoch(epoch)
+    it = iter(loader)
+    t = t0 = clock()
+    t_steady = None
+    while len(waits) < steps:
+        try:
+            x, y = next(it)
+        except StopIteration:
+            epoch += 1
+            set_epoch(epoch)
+            it = iter(loader)
+            continue
+        if cuda:
+            x, y = x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
+        now = clock()
+        waits.append(now - t)
+        images.append(len(y))
+        t = now
+        if len(waits) == warmup:
+            t_steady = now
+    if cuda:
+        torch.cuda.synchronize(device)
+    end = clock()
+    main_mem, workers_mem = host_memory()  # before the iterator (and its workers) goes
+    del it
+    steady_images = sum(images[warmup:])
+    elapsed = end - (t_steady if t_steady is not None else t0)
+    return {'images_per_second': steady_images / elapsed if elapsed > 0 else None,
+            'steps': len(waits), 'warmup_steps': warmup, 'images': sum(images), 'epochs_started': epoch + 1,
+            'first_batch_s': waits[0], 'wait_mean_s': sum(waits[warmup:]) / max(1, len(waits) - warmup),
+            'total_s': end - t0, 'host_peak_main_bytes': main_mem, 'host_peak_workers_bytes': workers_mem}
+
+
+def loader_only(args, dist, device, say):
+    """--loader-only: measure the training loader, print its line, write summary.json (mode 'loader')."""
+    data = build_data(args, dist, log=say)
+    say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train images, '
+        f'{len(data.classes)} classes')
+    steps = args.test_nsteps or 50
+    warmup = min(args.warmup_steps, steps - 1)
+    say(f'>>> Loader only: {steps} batches of {args.batch_size} ({warmup} warm-up), {args.num_workers} workers, '
+        f'prefetch {args.prefetch_factor}, pin memory {args.pin_memory}, decode {DECODE}, on {device}')
+    m = measure(data.train_loader, steps, warmup, device, args.non_blocking, data.set_epoch)
+    workers = args.num_workers
+    loader = {**m, 'num_workers': workers, 'prefetch_factor': args.prefetch_factor, 'pin_memory': args.pin_memory,
+              'persistent_workers': args.persistent_workers, 'batch_size': args.batch_size, 'decode': DECODE,
+              'image_size': args.image_size, 'device': str(device),
+              'images_per_second_per_worker': m['images_per_second'] / max(1, workers)
+              if m['images_per_second'] else None}
+    per = f'{loader["images_per_second_per_worker"]:.1f} per worker' if workers else 'in the main process'
+    say(f'>>> Loader throughput: {m["images_per_second"]:.1f} images/second ({per})')
+    say(f'>>> Loader wait per batch: {m["wait_mean_s"]:.4f} s; first batch {m["first_batch_s"]:.4f} s')
+    peak = (m['host_peak_main_bytes'] or 0) + (m['host_peak_workers_bytes'] or 0)
+    say(f'>>> Host peak memory (VmHWM, main + workers): {peak / 2**30:.2f} GiB')
+    summary = {'version': SUMMARY_VERSION, 'status': 'completed', 'error': None, 'mode': 'loader',
+               'config': vars(args), 'provenance': provenance(device, dist), 'world_size': dist.world_size,
+               'data': {'source': data.source.kind, 'root': data.source.root, 'reason': data.source.reason,
+                        'classes': len(data.classes), 'train_images': data.n_train,
+                        'batches_per_epoch': len(data.train_loader), 'bad_images_skipped': data.bad_images},
+               'loader': loader}
+    write_json(os.path.join(args.output_dir, 'summary.json'), summary)
+    return summary
+
+
+# ------------------------------------------------------------------------------------------ --tune-loader
+
+# flags the doctor sets itself in each trial
+_TRIAL_FLAGS = ('tune_loader', 'loader_only', 'output_dir', 'run_name', 'num_workers', 'prefetch_factor',
+                'pin_memory', 'persistent_workers', 'test', 'test_nsteps', 'overwrite', 'resume', 'fake_data')
+
+
+def to_argv(parser, values):
+    """The command-line flags that give `values` (a dict of raw, unresolved flag values) with `parser`:
+    those that differ from their defaults, leaving out `_TRIAL_FLAGS`."""
+    argv = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in _TRIAL_FLAGS or action.dest not in values:
+            continue
+        value = values[action.dest]
+        if value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)  # the long form
+        if isinstance(action, argparse.BooleanOptionalAction):  # its strings: --x, then --no-x
+            argv.append(action.option_strings[0 if value else 1])
+        elif isinstance(action, argparse._StoreTrueAction):
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def sweep(usable, cuda, max_workers=16):
+    """The trials: workers 0, 1, 2, 4, ... up to the usable cores (and the usable cores), prefetch 2 and 4
+    with workers, pinned memory on and off on a GPU (it only matters for the copy to one)."""
+    top = min(usable, max_workers)
+    workers = sorted({0, top} | {2 ** k for k in range(0, 8) if 2 ** k <= top})
+    trials = []
+    for w in workers:
+        for p in ([None] if w == 0 else [2, 4]):
+            for pin in ([False, True] if cuda else [None]):  # None: the flag is not given (refused on CPU)
+                trials.append({'num_workers': w, 'prefetch_factor': p, 'pin_memory': pin})
+    return trials
+
+
+def trial_argv(trial):
+    argv = ['--num-workers', str(trial['num_workers'])]
+    if trial['pin_memory'] is not None:
+        argv.append('--pin-memory' if trial['pin_memory'] else '--no-pin-memory')
+    if trial['prefetch_factor']:
+        argv += ['--prefetch-factor', str(trial['prefetch_factor'])]
+    return argv
+
+
+def _run(cmd, out):
+    """One trial in its own process -> its summary.json, or a UsageError that says what failed."""
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        with open(os.path.join(out, 'summary.json')) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        summary = None
+    if r.returncode != 0 or summary is None or summary.get('status') != 'completed':
+        tail = (r.stderr.strip().splitlines() or ['no output'])[-1]
+        raise UsageError(f'a --tune-loader trial failed (exit {r.returncode}: {tail}); its command: '
+                         f'{" ".join(cmd[1:])}')
+    return summary
+
+
+def verdict(trials, ceiling_ips, budget):
+    """The best trial within the memory budget against the compute ceiling (images per second)."""
+    fits = [t for t in trials if budget is None or t['host_peak_bytes'] <= budget]
+    best = max(fits or trials, key=lambda t: t['images_per_second'])
+    per_worker = max((t['images_per_second_per_worker'] for t in trials if t['num_workers'] > 0), default=None)
+    v = {'best': best, 'ceiling_images_per_second': ceiling_ips, 'within_budget': bool(fits),
+         'loader_over_ceiling': best['images_per_second'] / ceiling_ips,
+         'workers_for_ceiling': math.ceil(ceiling_ips / per_worker) if per_worker else None}
+    v['bound'] = 'loader' if best['images_per_second'] < ceiling_ips else 'compute'
+    return v
+
+
+def verdict_lines(v):
+    b, ratio = v['best'], v['loader_over_ceiling']
+    flags = ' '.join(trial_argv(b))
+    lines = [f">>> Compute ceiling (--fake-data): {v['ceiling_images_per_second']:.1f} images/second",
+             f">>> Best loader setting measured: {flags}: {b['images_per_second']:.1f} images/second"
+             + ('' if v['within_budget'] else ' (no setting fitted the memory budget: the fastest is shown)')]
+    if v['bound'] == 'loader':
+        need = v['workers_for_ceiling']
+        lines.append(f">>> Verdict: loader-bound: the model could take {1 / ratio:.2f}x what the best setting feeds"
+                     + (f'; at the best rate per worker, about {need} workers (cores) would feed it' if need else '')
+                     + '.')
+    else:
+        lines.append(f'>>> Verdict: compute-bound: the best setting feeds {ratio:.2f}x what the model takes; '
+                     f'use {flags}.')
+    return lines
+
+
+def trials_table(trials):
+    """The course's DataLoader-trials table, one row per trial."""
+    head = '| workers | pin | prefetch | decode | img/s | img/s per worker | load s | first s | host mem GiB |'
+    rows = [head, '|' + '---|' * 9]
+    for t in trials:
+        rows.append(f"| {t['num_workers']} | {'T' if t['pin_memory'] else 'F'} | {t['prefetch_factor'] or '-'} | "
+                    f"{t['decode']} | {t['images_per_second']:.1f} | "
+                    f"{t['images_per_second_per_worker']:.1f} | {t['wait_mean_s']:.4f} | "
+                    f"{t['first_batch_s']:.3f} | {t['host_peak_bytes'] / 2**30:.2f} |")
+    return rows
+
+
+def tune_loader(args, raw, parser, dist, device, say, python=sys.executable, script=None):
+    """--tune-loader: the trials, then the ceiling, each a dlojz process; tune-loader.json/.csv in
+    --output-dir; -> the result dict. raw: the flags as parsed, before defaults were resolved."""
+    script = script or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'dlojz.py')
+    base = to_argv(parser, raw)
+    steps = args.test_nsteps or 30
+    trials = sweep(usable_cores(), device.type == 'cuda')
+    budget = memory_budget()
+    say(f'Loader doctor: {len(trials)} loader trials of {steps} batches, then the compute ceiling on --fake-data; '
+        f'host memory budget ' + (f'{budget / 2**30:.1f} GiB' if budget else 'unknown'))
+    results = []
+    for i, trial in enumerate(trials, 1):
+        out = os.path.join(args.output_dir, f"loader-w{trial['num_workers']}-p{trial['prefetch_factor'] or 0}"
+                                            f"-pin{int(bool(trial['pin_memory']))}")
+        s = _run([python, script, *base, '--loader-only', '--test-nsteps', str(steps), *trial_argv(trial),
+                  '--output-dir', out], out)
+        m = s['loader']
+        row = {**trial, 'decode': m['decode'], 'images_per_second': m['images_per_second'],
+               'images_per_second_per_worker': m['images_per_second_per_worker'], 'wait_mean_s': m['wait_mean_s'],
+               'first_batch_s': m['first_batch_s'],
+               'host_peak_bytes': (m['host_peak_main_bytes'] or 0) + (m['host_peak_workers_bytes'] or 0),
+               'classes': s['data']['classes'], 'dir': out}
+        results.append(row)
+        say(f"trial {i}/{len(trials)}: {' '.join(trial_argv(trial))}: {row['images_per_second']:.1f} images/second")
+    out = os.path.join(args.output_dir, 'ceiling')
+    s = _run([python, script, *base, '--fake-data', '--fake-classes', str(results[0]['classes']), '--test-nsteps',
+              str(steps), '--output-dir', out], out)
+    t = s['timing']
+    ceiling = t.get('gpu_throughput') or t['train_throughput']  # the device's clock on a GPU
+    v = verdict(results, ceiling, budget)
+    result = {'version': SUMMARY_VERSION, 'steps_per_trial': steps, 'device': str(device),
+              'usable_cores': usable_cores(), 'host_memory_budget_bytes': budget, 'trials': results,
+              'ceiling': {'images_per_second': ceiling, 'dir': out, 'clock': t.get('clock')}, 'verdict': v}
+    write_json(os.path.join(args.output_dir, 'tune-loader.json'), result)
+    write_json(os.path.join(args.output_dir, 'summary.json'), {
+        'version': SUMMARY_VERSION, 'status': 'completed', 'error': None, 'mode': 'tune-loader',
+        'config': vars(args), 'provenance': provenance(device, dist), 'tune_loader': result})
+    with open(os.path.join(args.output_dir, 'tune-loader.csv'), 'w', newline='') as f:
+        w = csv.DictWriter(f, fieldnames=[k for k in results[0] if k != 'dir'], extrasaction='ignore')
+        w.writeheader()
+        w.writerows(results)
+    for line in trials_table(results) + verdict_lines(v):
+        say(line)
+    return result

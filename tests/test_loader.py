@@ -1,0 +1,134 @@
+"""--loader-only and the loader doctor (--tune-loader):
+
+- the measurement against a hand count on a fake clock (warm-up left out, epochs crossed);
+- --loader-only on the built-in data: batches, images and epochs counted by hand, the console line, the
+  summary's loader section, the workers' memory counted;
+- the flags passed on to the doctor's trials parse back to the same run; the sweep and the verdict;
+- the doctor end to end: a table row per trial, a verdict, tune-loader.json/.csv, and the report's section.
+
+Run: python -m pytest -q tests/test_loader.py
+"""
+import csv
+import json
+import os
+import re
+
+import pytest
+import torch
+
+import dlojz
+import dlojz_loader as L
+import dlojz_report
+from conftest import TINY
+
+
+class Clock:
+    def __init__(self, times):
+        self.times = list(times)
+
+    def __call__(self):
+        return self.times.pop(0)
+
+
+def test_measure_leaves_out_the_warmup_and_crosses_epochs():
+    """Batches of 4 images, 3 per epoch; the clock reads 0 at the start, then at each batch 1.0 (worker
+    start-up), 1.5, 2.0, 2.5, 3.0, and 3.0 at the end. Steady: 4 batches x 4 images in 3.0 - 1.0 s = 8 img/s."""
+    batches = [(torch.zeros(4, 3, 2, 2), torch.zeros(4))] * 3
+    epochs = []
+    m = L.measure(batches, 5, 1, torch.device('cpu'), set_epoch=epochs.append,
+                  clock=Clock([0.0, 1.0, 1.5, 2.0, 2.5, 3.0, 3.0]))
+    assert m['images_per_second'] == pytest.approx(8.0)
+    assert (m['steps'], m['images'], m['epochs_started'], epochs) == (5, 20, 2, [0, 1])
+    assert m['first_batch_s'] == pytest.approx(1.0) and m['wait_mean_s'] == pytest.approx(0.5)
+
+
+def test_loader_only_measures_the_training_loader(tmp_path, cache_dir, capsys):
+    """TINY: 96 train images in batches of 8, so 12 per epoch; 15 batches cross into a second epoch."""
+    out = tmp_path / 'run'
+    assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--loader-only',
+                      '--test-nsteps', '15', '--num-workers', '2']) == 0
+    text = capsys.readouterr().out
+    line = re.search(r'>>> Loader throughput: ([\d.]+) images/second \(([\d.]+) per worker\)', text)
+    assert line, text
+    with open(out / 'summary.json') as f:
+        s = json.load(f)
+    m = s['loader']
+    assert (s['mode'], s['status'], m['steps'], m['images'], m['epochs_started']) == ('loader', 'completed', 15,
+                                                                                       120, 2)
+    assert (m['num_workers'], m['prefetch_factor'], m['decode']) == (2, 2, 'pil')
+    assert float(line.group(1)) == pytest.approx(m['images_per_second'], rel=1e-3)
+    assert m['images_per_second_per_worker'] == pytest.approx(m['images_per_second'] / 2)
+    assert m['host_peak_workers_bytes'] > 0 and m['host_peak_main_bytes'] > 0  # two workers' VmHWM counted
+    assert sorted(os.listdir(out)) == ['config.json', 'summary.json']
+
+
+def test_loader_modes_refuse_what_they_cannot_measure(tmp_path, capsys):
+    assert dlojz.cli([*TINY, '--output-dir', str(tmp_path / 'a'), '--loader-only', '--fake-data']) == 2
+    assert dlojz.cli([*TINY, '--output-dir', str(tmp_path / 'b'), '--loader-only', '--tune-loader']) == 2
+    err = capsys.readouterr().err
+    assert '--loader-only measures the data loader of a new run; drop --fake-data' in err
+    assert '--loader-only and --tune-loader exclude each other; drop one.' in err
+    assert not os.path.exists(tmp_path / 'a')
+
+
+def test_the_trials_get_the_users_flags_back():
+    """What the doctor passes on parses back to the same values (but the flags it sets itself)."""
+    parser = dlojz.get_args_parser()
+    given = ['-b', '16', '--arch', 'resnet18', '--no-channels-last', '--deterministic', '--image-size', '64',
+             '--lr', '0.5', '--num-workers', '3', '--tune-loader', '--output-dir', 'x']
+    raw = vars(parser.parse_args(given))
+    argv = L.to_argv(parser, raw)
+    assert '--num-workers' not in argv and '--tune-loader' not in argv and '--output-dir' not in argv
+    back = vars(parser.parse_args(argv))
+    for k, v in raw.items():
+        if k not in L._TRIAL_FLAGS:
+            assert back[k] == v, k
+    assert sorted(argv) == sorted(['--batch-size', '16', '--arch', 'resnet18', '--no-channels-last',
+                                   '--deterministic', '--image-size', '64', '--lr', '0.5'])
+
+
+def test_sweep_and_verdict_by_hand():
+    assert L.sweep(2, False) == [{'num_workers': 0, 'prefetch_factor': None, 'pin_memory': None},
+                                 {'num_workers': 1, 'prefetch_factor': 2, 'pin_memory': None},
+                                 {'num_workers': 1, 'prefetch_factor': 4, 'pin_memory': None},
+                                 {'num_workers': 2, 'prefetch_factor': 2, 'pin_memory': None},
+                                 {'num_workers': 2, 'prefetch_factor': 4, 'pin_memory': None}]
+    gpu = L.sweep(12, True)
+    assert sorted({t['num_workers'] for t in gpu}) == [0, 1, 2, 4, 8, 12] and len(gpu) == 2 + 5 * 2 * 2
+
+    def trial(w, ips, mem):
+        return {'num_workers': w, 'prefetch_factor': 2 if w else None, 'pin_memory': None, 'images_per_second': ips,
+                'images_per_second_per_worker': ips / max(1, w), 'host_peak_bytes': mem}
+    trials = [trial(0, 100, 1), trial(4, 800, 2), trial(8, 1200, 9)]
+    v = L.verdict(trials, 3000, budget=5)  # 8 workers do not fit: the best that fits is 4 workers, 800 img/s
+    assert (v['bound'], v['best']['num_workers'], v['within_budget']) == ('loader', 4, True)
+    assert v['loader_over_ceiling'] == pytest.approx(800 / 3000)
+    assert v['workers_for_ceiling'] == 15  # 3000 / 200 img/s per worker (the best per-worker rate)
+    assert 'loader-bound: the model could take 3.75x' in L.verdict_lines(v)[-1]
+    v = L.verdict(trials, 500, budget=None)
+    assert (v['bound'], v['best']['num_workers']) == ('compute', 8)
+    assert L.verdict_lines(v)[-1].endswith('use --num-workers 8 --prefetch-factor 2.')
+
+
+def test_the_doctor_measures_trials_and_the_ceiling(tmp_path, cache_dir, capsys, monkeypatch):
+    monkeypatch.setattr(L, 'usable_cores', lambda: 1)  # two trials: 0 and 1 worker (prefetch 2 and 4)
+    out = tmp_path / 'doctor'
+    assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--tune-loader',
+                      '--test-nsteps', '4']) == 0
+    text = capsys.readouterr().out
+    rows = [line for line in text.splitlines() if re.match(r'\| \d+ \|', line)]
+    assert len(rows) == 3 and 'Verdict: ' in text and '>>> Compute ceiling (--fake-data): ' in text
+    with open(out / 'tune-loader.json') as f:
+        tune = json.load(f)
+    assert [t['num_workers'] for t in tune['trials']] == [0, 1, 1]
+    with open(tune['ceiling']['dir'] + '/summary.json') as f:
+        ceiling = json.load(f)
+    assert ceiling['config']['fake_data'] and ceiling['config']['fake_classes'] == 4  # TINY's classes
+    assert ceiling['config']['arch'] == 'resnet18' and ceiling['config']['image_size'] == 32  # the user's flags
+    assert tune['ceiling']['images_per_second'] == ceiling['timing']['gpu_throughput']  # compute only
+    with open(out / 'tune-loader.csv') as f:
+        assert [int(r['num_workers']) for r in csv.DictReader(f)] == [0, 1, 1]
+    assert dlojz_report.cli([str(out), '--out', str(tmp_path / 'report')]) == 0
+    with open(tmp_path / 'report' / 'report.md') as f:
+        report = f.read()
+    assert '## Loader doctor' in report and os.path.exists(tmp_path / 'report' / 'doctor-doctor.png')
