@@ -247,7 +247,8 @@ def trials_table(trials):
     head = '| workers | pin | prefetch | decode | img/s | img/s per worker | load s | first s | host mem GiB |'
     rows = [head, '|' + '---|' * 9]
     for t in trials:
-        rows.append(f"| {t['num_workers']} | {'T' if t['pin_memory'] else 'F'} | {t['prefetch_factor'] or '-'} | "
+        pin = '-' if t['pin_memory'] is None else 'T' if t['pin_memory'] else 'F'  # '-': not a flag on CPU
+        rows.append(f"| {t['num_workers']} | {pin} | {t['prefetch_factor'] or '-'} | "
                     f"{t['decode']} | {t['images_per_second']:.1f} | "
                     f"{t['images_per_second_per_worker']:.1f} | {t['wait_mean_s']:.4f} | "
                     f"{t['first_batch_s']:.3f} | {t['host_peak_bytes'] / 2**30:.2f} |")
