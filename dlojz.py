@@ -115,6 +115,10 @@ def get_args_parser(add_help=True):
                    '(default 256, i.e. val-image-size x 256/224)')
     g.add_argument('--val-image-size', type=I, default=None, help='validation: center crop, pixels (default '
                    '224 when --image-size is 224, else --image-size)')
+    g.add_argument('--decode', choices=['fast', 'pil'], default='fast', help='training decode path: "fast" '
+                   'decodes no more pixels than the crop needs (libjpeg-turbo DCT scaling via simplejpeg, uint8 '
+                   'crop and resize), PIL for the files it cannot read; "pil" decodes every full image with PIL '
+                   '(torchvision\'s way). Same crops and flips either way')
     g.add_argument('--skip-bad-images', action='store_true', help='replace undecodable files and count them '
                    'instead of stopping')
     g = p.add_argument_group('loader')

@@ -30,6 +30,11 @@ from torchvision.transforms import functional as TF
 
 from dlojz_errors import DataError
 
+try:
+    import simplejpeg  # libjpeg-turbo with DCT-domain scaling, in a wheel (no system package)
+except ImportError:  # --decode fast then says what to install
+    simplejpeg = None
+
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, never silently half-grey
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -253,12 +258,15 @@ def random_resized_crop_params(rng, width, height, scale=(0.08, 1.0), ratio=(3 /
 
 
 class TrainTransform:
-    """RandomResizedCrop + horizontal flip -> uint8 CHW tensor (normalised later, on the device)."""
+    """--decode pil: decode the whole image with PIL, then RandomResizedCrop + horizontal flip -> uint8 CHW
+    tensor (normalised later, on the device)."""
+    decode = 'pil'
 
     def __init__(self, size):
         self.size = size
 
-    def __call__(self, img, rng):
+    def __call__(self, path, rng):
+        img = load_rgb(path)
         top, left, h, w = random_resized_crop_params(rng, img.width, img.height)
         img = TF.resized_crop(img, top, left, h, w, [self.size, self.size],
                               interpolation=InterpolationMode.BILINEAR, antialias=True)
@@ -267,14 +275,74 @@ class TrainTransform:
         return TF.pil_to_tensor(img)
 
 
+def dct_reduction(h, w, size, most=8):
+    """The largest r in 1, 2, 4, 8 such that an h x w crop decoded at 1/r scale still has `size` pixels on
+    each side: libjpeg-turbo then scales in the DCT domain (SIMD IDCTs at these factors), decoding r^2
+    times fewer pixels and losing no detail the output keeps."""
+    r = 1
+    while r < most and h // (2 * r) >= size and w // (2 * r) >= size:
+        r *= 2
+    return r
+
+
+class FastTrainTransform:
+    """--decode fast: the same RandomResizedCrop + flip, same draws from the same per-sample RNG, decoding
+    no more pixels than the crop needs: the crop is drawn from the JPEG header's size, libjpeg-turbo
+    (simplejpeg) decodes at the smallest power-of-two scale that keeps the crop at least `size` pixels wide,
+    the crop is a view, and torch resizes it in uint8 (bilinear, antialiased, as torchvision's). Files
+    libjpeg-turbo will not decode to RGB (CMYK, a PNG named .JPEG, ...) go through PIL, same draws."""
+    decode = 'fast'
+
+    def __init__(self, size):
+        if simplejpeg is None:
+            raise DataError('--decode fast needs the simplejpeg package (pip install -r requirements.txt); '
+                            'install it or pass --decode pil.')
+        self.size = size
+
+    def __call__(self, path, rng):
+        try:
+            with open(path, 'rb') as f:
+                data = f.read()
+        except OSError as e:
+            raise BadImageError(f'cannot read image {path} ({e.strerror}); check the data directory.') from None
+        try:
+            height, width = simplejpeg.decode_jpeg_header(data)[:2]
+        except ValueError:  # not a JPEG libjpeg-turbo reads
+            return self._with_pil(path, rng)
+        top, left, h, w = random_resized_crop_params(rng, width, height)
+        r = dct_reduction(h, w, self.size)
+        try:
+            arr = simplejpeg.decode_jpeg(data, 'RGB', min_height=-(-height // r), min_width=-(-width // r))
+        except ValueError:  # CMYK to RGB, a damaged file: PIL says which
+            img = load_rgb(path)
+            return self._finish(np.asarray(img), width, height, top, left, h, w, rng)
+        return self._finish(arr, width, height, top, left, h, w, rng)
+
+    def _with_pil(self, path, rng):
+        img = load_rgb(path)
+        top, left, h, w = random_resized_crop_params(rng, img.width, img.height)
+        return self._finish(np.asarray(img), img.width, img.height, top, left, h, w, rng)
+
+    def _finish(self, arr, width, height, top, left, h, w, rng):
+        sy, sx = arr.shape[0] / height, arr.shape[1] / width  # 1/r, or 1 for a full decode
+        t, l = int(top * sy), int(left * sx)
+        crop = arr[t:t + max(1, round(h * sy)), l:l + max(1, round(w * sx))]
+        x = torch.from_numpy(np.ascontiguousarray(crop)).permute(2, 0, 1).unsqueeze(0)
+        x = torch.nn.functional.interpolate(x, size=(self.size, self.size), mode='bilinear', antialias=True,
+                                            align_corners=False)[0]
+        if rng.random() < 0.5:
+            x = x.flip(-1)
+        return x.contiguous()
+
+
 class ValTransform:
     """Resize the shorter side to `resize`, center crop `size` (torchvision's ImageNet evaluation)."""
 
     def __init__(self, resize, size):
         self.resize, self.size = resize, size
 
-    def __call__(self, img, rng=None):
-        img = TF.resize(img, self.resize, interpolation=InterpolationMode.BILINEAR, antialias=True)
+    def __call__(self, path, rng=None):
+        img = TF.resize(load_rgb(path), self.resize, interpolation=InterpolationMode.BILINEAR, antialias=True)
         return TF.pil_to_tensor(TF.center_crop(img, self.size))
 
 
@@ -296,7 +364,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         for attempt in range(len(self.samples)):
             path, label = self.samples[(index + attempt) % len(self.samples)]
             try:
-                return self.transform(load_rgb(path), rng), label
+                return self.transform(path, rng), label
             except BadImageError:
                 if not self.skip_bad_images:
                     raise
@@ -462,7 +530,8 @@ def build_data(args, dist, log=print, on_ranks=None):
                                                   args.synthetic_val_per_class, args.synthetic_seed, log=log),
                  when=dist.local_rank == 0)
     classes, train_samples, val_samples = scan_imagefolder(source.root)
-    train_set = ImageFolderDataset(train_samples, TrainTransform(args.image_size), args.seed, args.skip_bad_images)
+    transform = {'fast': FastTrainTransform, 'pil': TrainTransform}[args.decode](args.image_size)
+    train_set = ImageFolderDataset(train_samples, transform, args.seed, args.skip_bad_images)
     val_set = ImageFolderDataset(val_samples, ValTransform(args.val_resize, args.val_image_size), args.seed,
                                  args.skip_bad_images)
     sampler = EpochSampler(train_set, args.seed, True, dist.rank, dist.world_size)

@@ -24,9 +24,6 @@ from dlojz_data import build_data
 from dlojz_errors import UsageError
 from dlojz_io import SUMMARY_VERSION, provenance, usable_cores, write_json
 
-DECODE = 'pil'  # the decode path of the folder loader: PIL, full image, then crop and resize (uint8)
-
-
 # ------------------------------------------------------------------------------------------ host memory
 
 def _vm_hwm(pid='self'):
@@ -126,11 +123,11 @@ def loader_only(args, dist, device, say):
     steps = args.test_nsteps or 50
     warmup = min(args.warmup_steps, steps - 1)
     say(f'>>> Loader only: {steps} batches of {args.batch_size} ({warmup} warm-up), {args.num_workers} workers, '
-        f'prefetch {args.prefetch_factor}, pin memory {args.pin_memory}, decode {DECODE}, on {device}')
+        f'prefetch {args.prefetch_factor}, pin memory {args.pin_memory}, decode {args.decode}, on {device}')
     m = measure(data.train_loader, steps, warmup, device, args.non_blocking, data.set_epoch)
     workers = args.num_workers
     loader = {**m, 'num_workers': workers, 'prefetch_factor': args.prefetch_factor, 'pin_memory': args.pin_memory,
-              'persistent_workers': args.persistent_workers, 'batch_size': args.batch_size, 'decode': DECODE,
+              'persistent_workers': args.persistent_workers, 'batch_size': args.batch_size, 'decode': args.decode,
               'image_size': args.image_size, 'device': str(device),
               'images_per_second_per_worker': m['images_per_second'] / max(1, workers)
               if m['images_per_second'] else None}
@@ -153,7 +150,8 @@ def loader_only(args, dist, device, say):
 
 # flags the doctor sets itself in each trial
 _TRIAL_FLAGS = ('tune_loader', 'loader_only', 'output_dir', 'run_name', 'num_workers', 'prefetch_factor',
-                'pin_memory', 'persistent_workers', 'test', 'test_nsteps', 'overwrite', 'resume', 'fake_data')
+                'pin_memory', 'persistent_workers', 'test', 'test_nsteps', 'overwrite', 'resume', 'fake_data',
+                'decode')
 
 
 def to_argv(parser, values):
@@ -176,21 +174,24 @@ def to_argv(parser, values):
     return argv
 
 
-def sweep(usable, cuda, max_workers=16):
+def sweep(usable, cuda, max_workers=16, decode='fast'):
     """The trials: workers 0, 1, 2, 4, ... up to the usable cores (and the usable cores), prefetch 2 and 4
-    with workers, pinned memory on and off on a GPU (it only matters for the copy to one)."""
+    with workers, pinned memory on and off on a GPU (it only matters for the copy to one); with the most
+    workers, the other decode path too."""
     top = min(usable, max_workers)
     workers = sorted({0, top} | {2 ** k for k in range(0, 8) if 2 ** k <= top})
+    other = {'fast': 'pil', 'pil': 'fast'}[decode]
     trials = []
     for w in workers:
-        for p in ([None] if w == 0 else [2, 4]):
-            for pin in ([False, True] if cuda else [None]):  # None: the flag is not given (refused on CPU)
-                trials.append({'num_workers': w, 'prefetch_factor': p, 'pin_memory': pin})
+        for d in ([decode, other] if w == top else [decode]):
+            for p in ([None] if w == 0 else [2, 4]):
+                for pin in ([False, True] if cuda else [None]):  # None: the flag is not given (refused on CPU)
+                    trials.append({'num_workers': w, 'prefetch_factor': p, 'pin_memory': pin, 'decode': d})
     return trials
 
 
 def trial_argv(trial):
-    argv = ['--num-workers', str(trial['num_workers'])]
+    argv = ['--num-workers', str(trial['num_workers']), '--decode', trial['decode']]
     if trial['pin_memory'] is not None:
         argv.append('--pin-memory' if trial['pin_memory'] else '--no-pin-memory')
     if trial['prefetch_factor']:
@@ -261,18 +262,18 @@ def tune_loader(args, raw, parser, dist, device, say, python=sys.executable, scr
     script = script or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'dlojz.py')
     base = to_argv(parser, raw)
     steps = args.test_nsteps or 30
-    trials = sweep(usable_cores(), device.type == 'cuda')
+    trials = sweep(usable_cores(), device.type == 'cuda', decode=args.decode)
     budget = memory_budget()
     say(f'Loader doctor: {len(trials)} loader trials of {steps} batches, then the compute ceiling on --fake-data; '
         f'host memory budget ' + (f'{budget / 2**30:.1f} GiB' if budget else 'unknown'))
     results = []
     for i, trial in enumerate(trials, 1):
         out = os.path.join(args.output_dir, f"loader-w{trial['num_workers']}-p{trial['prefetch_factor'] or 0}"
-                                            f"-pin{int(bool(trial['pin_memory']))}")
+                                            f"-pin{int(bool(trial['pin_memory']))}-{trial['decode']}")
         s = _run([python, script, *base, '--loader-only', '--test-nsteps', str(steps), *trial_argv(trial),
                   '--output-dir', out], out)
         m = s['loader']
-        row = {**trial, 'decode': m['decode'], 'images_per_second': m['images_per_second'],
+        row = {**trial, 'images_per_second': m['images_per_second'],
                'images_per_second_per_worker': m['images_per_second_per_worker'], 'wait_mean_s': m['wait_mean_s'],
                'first_batch_s': m['first_batch_s'],
                'host_peak_bytes': (m['host_peak_main_bytes'] or 0) + (m['host_peak_workers_bytes'] or 0),
@@ -299,3 +300,55 @@ def tune_loader(args, raw, parser, dist, device, say, python=sys.executable, scr
     for line in trials_table(results) + verdict_lines(v):
         say(line)
     return result
+
+
+# ------------------------------------------------------------------------------- decode benchmark
+
+def classic_loader(root, size, batch_size, workers):
+    """The classic torchvision pipeline: ImageFolder + PIL + RandomResizedCrop + flip + ToTensor + Normalize."""
+    import torchvision
+    from torchvision import transforms as T
+    tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
+                    T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+    ds = torchvision.datasets.ImageFolder(os.path.join(root, 'train'), tf)
+    return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers,
+                                       persistent_workers=False)
+
+
+def compare_decode(root, size=224, batch_size=64, steps=20, warmup=2, repeats=5, workers=1):
+    """Images per second of the classic pipeline and of dlojz's training loader (--decode pil and fast),
+    `workers` workers each (1: per core), alternated `repeats` times -> {name: [img/s per repeat]}."""
+    from dlojz_data import DataLoader, EpochSampler, FastTrainTransform, ImageFolderDataset, TrainTransform, \
+        scan_imagefolder, ignore_preemption_signals
+    _, train, _ = scan_imagefolder(root)
+    loaders = {'classic': lambda: classic_loader(root, size, batch_size, workers)}
+    for name, tf in (('dlojz-pil', TrainTransform), ('dlojz-fast', FastTrainTransform)):
+        def make(tf=tf):
+            ds = ImageFolderDataset(train, tf(size), seed=0)
+            return DataLoader(ds, batch_size=batch_size, sampler=EpochSampler(ds, 0), num_workers=workers,
+                              worker_init_fn=ignore_preemption_signals if workers else None)
+        loaders[name] = make
+    results = {k: [] for k in loaders}
+    for _ in range(repeats):
+        for name, make in loaders.items():
+            results[name].append(measure(make(), steps + warmup, warmup, torch.device('cpu'))['images_per_second'])
+    return results
+
+
+if __name__ == '__main__':
+    import statistics
+    p = argparse.ArgumentParser(description='The classic torchvision loader against dlojz\'s decode paths, '
+                                            'per worker (one worker each by default: per core).')
+    p.add_argument('root', help='ImageFolder root (train/<class>/...), e.g. the synthetic dataset')
+    p.add_argument('--image-size', type=int, default=224)
+    p.add_argument('-b', '--batch-size', type=int, default=64)
+    p.add_argument('--steps', type=int, default=20)
+    p.add_argument('--repeats', type=int, default=5)
+    p.add_argument('--workers', type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    res = compare_decode(a.root, a.image_size, a.batch_size, a.steps, repeats=a.repeats, workers=a.workers)
+    base = statistics.median(res['classic'])
+    for name, v in res.items():
+        m = statistics.median(v)
+        print(f'{name:10s} median {m:7.1f} img/s ({" ".join(f"{x:.0f}" for x in v)}): {m / base:.2f}x classic')

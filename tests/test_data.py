@@ -91,10 +91,10 @@ def test_bad_image_stops_with_its_name_or_is_skipped_and_counted(synth, tmp_path
     open(victim, 'wb').write(data[:len(data) // 3])  # truncated, as after an interrupted copy
     _, train, _ = D.scan_imagefolder(root)
     index = [p for p, _ in train].index(victim)
-    strict = D.ImageFolderDataset(train, D.TrainTransform(32))
+    strict = D.ImageFolderDataset(train, D.FastTrainTransform(32))
     with pytest.raises(D.BadImageError, match='train_0001_00002.JPEG'):
         strict[index]
-    lenient = D.ImageFolderDataset(train, D.TrainTransform(32), skip_bad_images=True)
+    lenient = D.ImageFolderDataset(train, D.FastTrainTransform(32), skip_bad_images=True)
     img, label = lenient[index]
     assert img.shape == (3, 32, 32) and lenient.bad_images == 1
     # through a worker process: the message still names the file
@@ -107,7 +107,7 @@ def test_bad_image_stops_with_its_name_or_is_skipped_and_counted(synth, tmp_path
 
 def test_augmentation_is_per_sample_and_worker_independent(synth):
     _, train, _ = D.scan_imagefolder(synth)
-    ds = D.ImageFolderDataset(train, D.TrainTransform(32), seed=5)
+    ds = D.ImageFolderDataset(train, D.FastTrainTransform(32), seed=5)
     batches = []
     for workers in (0, 2):
         sampler = D.EpochSampler(ds, seed=5)

@@ -61,7 +61,7 @@ def reference_weights(cache_dir, micro_batches, steps=4, b=8, lr=0.002):
 def _reference_weights(cache_dir, micro_batches, steps, b, lr):
     root = os.path.join(cache_dir, 'synthetic-v1-c4-n24-v6-s0')
     _, train, _ = D.scan_imagefolder(root)
-    ds = D.ImageFolderDataset(train, D.TrainTransform(32), seed=123)
+    ds = D.ImageFolderDataset(train, D.FastTrainTransform(32), seed=123)
     torch.manual_seed(123)
     model = torchvision.models.resnet18(num_classes=4)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)

@@ -55,7 +55,7 @@ def test_loader_only_measures_the_training_loader(tmp_path, cache_dir, capsys):
     m = s['loader']
     assert (s['mode'], s['status'], m['steps'], m['images'], m['epochs_started']) == ('loader', 'completed', 15,
                                                                                        120, 2)
-    assert (m['num_workers'], m['prefetch_factor'], m['decode']) == (2, 2, 'pil')
+    assert (m['num_workers'], m['prefetch_factor'], m['decode']) == (2, 2, 'fast')
     assert float(line.group(1)) == pytest.approx(m['images_per_second'], rel=1e-3)
     assert m['images_per_second_per_worker'] == pytest.approx(m['images_per_second'] / 2)
     assert m['host_peak_workers_bytes'] > 0 and m['host_peak_main_bytes'] > 0  # two workers' VmHWM counted
@@ -88,16 +88,15 @@ def test_the_trials_get_the_users_flags_back():
 
 
 def test_sweep_and_verdict_by_hand():
-    assert L.sweep(2, False) == [{'num_workers': 0, 'prefetch_factor': None, 'pin_memory': None},
-                                 {'num_workers': 1, 'prefetch_factor': 2, 'pin_memory': None},
-                                 {'num_workers': 1, 'prefetch_factor': 4, 'pin_memory': None},
-                                 {'num_workers': 2, 'prefetch_factor': 2, 'pin_memory': None},
-                                 {'num_workers': 2, 'prefetch_factor': 4, 'pin_memory': None}]
+    assert [(t['num_workers'], t['prefetch_factor'], t['pin_memory'], t['decode']) for t in L.sweep(2, False)] == [
+        (0, None, None, 'fast'), (1, 2, None, 'fast'), (1, 4, None, 'fast'), (2, 2, None, 'fast'),
+        (2, 4, None, 'fast'), (2, 2, None, 'pil'), (2, 4, None, 'pil')]  # the other decode path at the top
     gpu = L.sweep(12, True)
-    assert sorted({t['num_workers'] for t in gpu}) == [0, 1, 2, 4, 8, 12] and len(gpu) == 2 + 5 * 2 * 2
+    assert sorted({t['num_workers'] for t in gpu}) == [0, 1, 2, 4, 8, 12] and len(gpu) == 2 + 5 * 2 * 2 + 2 * 2
 
     def trial(w, ips, mem):
-        return {'num_workers': w, 'prefetch_factor': 2 if w else None, 'pin_memory': None, 'images_per_second': ips,
+        return {'num_workers': w, 'prefetch_factor': 2 if w else None, 'pin_memory': None, 'decode': 'fast',
+                'images_per_second': ips,
                 'images_per_second_per_worker': ips / max(1, w), 'host_peak_bytes': mem}
     trials = [trial(0, 100, 1), trial(4, 800, 2), trial(8, 1200, 9)]
     v = L.verdict(trials, 3000, budget=5)  # 8 workers do not fit: the best that fits is 4 workers, 800 img/s
@@ -107,27 +106,28 @@ def test_sweep_and_verdict_by_hand():
     assert 'loader-bound: the model could take 3.75x' in L.verdict_lines(v)[-1]
     v = L.verdict(trials, 500, budget=None)
     assert (v['bound'], v['best']['num_workers']) == ('compute', 8)
-    assert L.verdict_lines(v)[-1].endswith('use --num-workers 8 --prefetch-factor 2.')
+    assert L.verdict_lines(v)[-1].endswith('use --num-workers 8 --decode fast --prefetch-factor 2.')
 
 
 def test_the_doctor_measures_trials_and_the_ceiling(tmp_path, cache_dir, capsys, monkeypatch):
-    monkeypatch.setattr(L, 'usable_cores', lambda: 1)  # two trials: 0 and 1 worker (prefetch 2 and 4)
+    monkeypatch.setattr(L, 'usable_cores', lambda: 1)  # 0 workers; 1 worker x prefetch 2, 4 x decode fast, pil
     out = tmp_path / 'doctor'
     assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--tune-loader',
                       '--test-nsteps', '4']) == 0
     text = capsys.readouterr().out
     rows = [line for line in text.splitlines() if re.match(r'\| \d+ \|', line)]
-    assert len(rows) == 3 and 'Verdict: ' in text and '>>> Compute ceiling (--fake-data): ' in text
+    assert len(rows) == 5 and 'Verdict: ' in text and '>>> Compute ceiling (--fake-data): ' in text
     with open(out / 'tune-loader.json') as f:
         tune = json.load(f)
-    assert [t['num_workers'] for t in tune['trials']] == [0, 1, 1]
+    assert [(t['num_workers'], t['decode']) for t in tune['trials']] == [(0, 'fast'), (1, 'fast'), (1, 'fast'),
+                                                                         (1, 'pil'), (1, 'pil')]
     with open(tune['ceiling']['dir'] + '/summary.json') as f:
         ceiling = json.load(f)
     assert ceiling['config']['fake_data'] and ceiling['config']['fake_classes'] == 4  # TINY's classes
     assert ceiling['config']['arch'] == 'resnet18' and ceiling['config']['image_size'] == 32  # the user's flags
     assert tune['ceiling']['images_per_second'] == ceiling['timing']['gpu_throughput']  # compute only
     with open(out / 'tune-loader.csv') as f:
-        assert [int(r['num_workers']) for r in csv.DictReader(f)] == [0, 1, 1]
+        assert [int(r['num_workers']) for r in csv.DictReader(f)] == [0, 1, 1, 1, 1]
     assert dlojz_report.cli([str(out), '--out', str(tmp_path / 'report')]) == 0
     with open(tmp_path / 'report' / 'report.md') as f:
         report = f.read()
