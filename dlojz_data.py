@@ -28,6 +28,7 @@ from PIL import Image, ImageDraw, ImageFile
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
+import dlojz_shards
 from dlojz_errors import DataError
 
 try:
@@ -51,7 +52,7 @@ class BadImageError(DataError):
 
 @dataclass(frozen=True)
 class DataSource:
-    kind: str    # 'imagefolder', 'synthetic' or 'fake'
+    kind: str    # 'imagefolder', 'shards' (dlojz_shards), 'synthetic' or 'fake'
     root: str    # folder holding train/ and val/ ('' for fake)
     reason: str  # one line for the user: why this source
 
@@ -60,9 +61,11 @@ def resolve_data_source(args, environ=os.environ):
     if args.fake_data:
         return DataSource('fake', '', '--fake-data: random uint8 batches held in memory, no decoding')
     if args.data_dir:
-        return DataSource('imagefolder', args.data_dir, '--data-dir')
+        kind = 'shards' if dlojz_shards.is_shards(args.data_dir) else 'imagefolder'
+        return DataSource(kind, args.data_dir, '--data-dir')
     if environ.get('DLOJZ_DATA_DIR'):
-        return DataSource('imagefolder', environ['DLOJZ_DATA_DIR'], '$DLOJZ_DATA_DIR is set')
+        kind = 'shards' if dlojz_shards.is_shards(environ['DLOJZ_DATA_DIR']) else 'imagefolder'
+        return DataSource(kind, environ['DLOJZ_DATA_DIR'], '$DLOJZ_DATA_DIR is set')
     # Jean Zay: a copy on the user's scratch, then the centre's dataset store $DSDIR (read-only, shared)
     for var, sub in (('ALL_CCFRSCRATCH', 'imagenet'), ('DSDIR', 'imagenet'), ('DSDIR', 'imagenet/RawImages')):
         root = os.path.join(environ[var], sub) if environ.get(var) else None
@@ -224,15 +227,24 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
 # --------------------------------------------------------------------------------------------------
 # Decode + transforms
 
-def load_rgb(path):
-    """Decode any image real ImageNet holds into RGB; raise BadImageError naming the file otherwise."""
+@dataclass(frozen=True)
+class Blob:
+    """An image's bytes read from a shard, and the name errors give it (shard:key)."""
+    data: bytes
+    name: str
+
+
+def load_rgb(src):
+    """Decode any image real ImageNet holds (a path or a Blob) into RGB; raise BadImageError naming the file
+    otherwise."""
+    name = src.name if isinstance(src, Blob) else src
     try:
-        with open(path, 'rb') as f:
+        with (io.BytesIO(src.data) if isinstance(src, Blob) else open(src, 'rb')) as f:
             img = Image.open(f)
             img.load()  # force the decode here so a truncated file fails now, with its name
             return img.convert('RGB')
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError... depending on the damage
-        raise BadImageError(f'cannot decode image {path} ({type(e).__name__}: {e}); remove or replace it, '
+        raise BadImageError(f'cannot decode image {name} ({type(e).__name__}: {e}); remove or replace it, '
                             f'or pass --skip-bad-images to replace bad files and count them.') from None
 
 
@@ -300,11 +312,14 @@ class FastTrainTransform:
         self.size = size
 
     def __call__(self, path, rng):
-        try:
-            with open(path, 'rb') as f:
-                data = f.read()
-        except OSError as e:
-            raise BadImageError(f'cannot read image {path} ({e.strerror}); check the data directory.') from None
+        if isinstance(path, Blob):
+            data = path.data
+        else:
+            try:
+                with open(path, 'rb') as f:
+                    data = f.read()
+            except OSError as e:
+                raise BadImageError(f'cannot read image {path} ({e.strerror}); check the data directory.') from None
         try:
             height, width = simplejpeg.decode_jpeg_header(data)[:2]
         except ValueError:  # not a JPEG libjpeg-turbo reads
@@ -362,20 +377,53 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         index, epoch = key if isinstance(key, tuple) else (key, 0)
         rng = random.Random(f'{self.seed}-{epoch}-{index}')  # str seeds hash deterministically (sha512)
         for attempt in range(len(self.samples)):
-            path, label = self.samples[(index + attempt) % len(self.samples)]
+            src, label = self.source((index + attempt) % len(self.samples))
             try:
-                return self.transform(path, rng), label
+                return self.transform(src, rng), label
             except BadImageError:
                 if not self.skip_bad_images:
                     raise
                 with self.bad_count.get_lock():
                     self.bad_count.value += 1
-                print(f'dlojz: warning: skipped bad image {path}; using the next file instead', file=sys.stderr)
+                name = src.name if isinstance(src, Blob) else src
+                print(f'dlojz: warning: skipped bad image {name}; using the next file instead', file=sys.stderr)
         raise BadImageError('every image of the dataset failed to decode; check the data directory.')
+
+    def source(self, i):
+        """-> (what the transform decodes: a path, label)."""
+        return self.samples[i]
 
     @property
     def bad_images(self):
         return self.bad_count.value if self.bad_count is not None else 0
+
+
+class ShardDataset(ImageFolderDataset):
+    """The same dataset read from tar shards by index (dlojz_shards): samples are rows of (shard, offset,
+    size, label); each process keeps one open file per shard it reads."""
+
+    def __init__(self, root, names, table, transform, seed=0, skip_bad_images=False):
+        super().__init__(table, transform, seed, skip_bad_images)
+        self.root, self.names = root, names
+        self.reader = dlojz_shards.ShardReader(root, names)
+        self.open_count = mp.get_context('fork').Value('i', 0)  # every process's opens, for the summary
+
+    def source(self, i):
+        shard, offset, size, label = (int(v) for v in self.samples[i])
+        opens = self.reader.opens
+        try:
+            data = self.reader.read(shard, offset, size)
+        except OSError as e:
+            raise DataError(f'cannot read shard {os.path.join(self.root, self.names[shard])} ({e.strerror}); '
+                            f'run dlojz_data.py prepare again or check --data-dir.') from None
+        if self.reader.opens != opens:
+            with self.open_count.get_lock():
+                self.open_count.value += 1
+        return Blob(data, f'{self.names[shard]}:{i:08d}'), label
+
+    @property
+    def file_opens(self):
+        return self.open_count.value
 
 
 class EpochSampler(torch.utils.data.distributed.DistributedSampler):
@@ -456,6 +504,12 @@ class Data:
     def bad_images(self):
         return self.train_dataset.bad_images if self.train_dataset is not None else 0
 
+    @property
+    def file_opens(self):
+        """Shard files opened by the training set's processes so far; None for other sources (ImageFolder
+        opens one file per sample read)."""
+        return getattr(self.train_dataset, 'file_opens', None)
+
     def set_epoch(self, epoch, start_sample=0):
         target = self.train_loader.sampler if self.train_dataset is not None else self.train_loader
         target.set_epoch(epoch, start_sample)
@@ -529,14 +583,26 @@ def build_data(args, dist, log=print, on_ranks=None):
         on_ranks(lambda: ensure_synthetic_dataset(source.root, args.synthetic_classes, args.synthetic_train_per_class,
                                                   args.synthetic_val_per_class, args.synthetic_seed, log=log),
                  when=dist.local_rank == 0)
-    classes, train_samples, val_samples = scan_imagefolder(source.root)
     transform = {'fast': FastTrainTransform, 'pil': TrainTransform}[args.decode](args.image_size)
-    train_set = ImageFolderDataset(train_samples, transform, args.seed, args.skip_bad_images)
-    val_set = ImageFolderDataset(val_samples, ValTransform(args.val_resize, args.val_image_size), args.seed,
-                                 args.skip_bad_images)
+    val_transform = ValTransform(args.val_resize, args.val_image_size)
+    if source.kind == 'shards':
+        classes, splits = dlojz_shards.load_index(source.root)
+        train_set = ShardDataset(source.root, *splits['train'], transform, args.seed, args.skip_bad_images)
+        val_set = ShardDataset(source.root, *splits['val'], val_transform, args.seed, args.skip_bad_images)
+    else:
+        classes, train_samples, val_samples = scan_imagefolder(source.root)
+        train_set = ImageFolderDataset(train_samples, transform, args.seed, args.skip_bad_images)
+        val_set = ImageFolderDataset(val_samples, val_transform, args.seed, args.skip_bad_images)
     sampler = EpochSampler(train_set, args.seed, True, dist.rank, dist.world_size)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=args.drop_last,
                               **loader_kwargs(args))
     val_loader = DataLoader(val_set, batch_size=args.val_batch_size, drop_last=False, **loader_kwargs(args),
                             sampler=ShardSampler(len(val_set), dist.rank, dist.world_size))
     return Data(source, classes, train_loader, val_loader, train_set, len(train_set), len(val_set))
+
+
+if __name__ == '__main__':
+    if sys.argv[1:2] != ['prepare']:
+        print('usage: python dlojz_data.py prepare SRC DST [--max-side N] [--shard-size MB]', file=sys.stderr)
+        sys.exit(2)
+    sys.exit(dlojz_shards.main(sys.argv[2:]))

@@ -140,7 +140,8 @@ def loader_only(args, dist, device, say):
                'config': vars(args), 'provenance': provenance(device, dist), 'world_size': dist.world_size,
                'data': {'source': data.source.kind, 'root': data.source.root, 'reason': data.source.reason,
                         'classes': len(data.classes), 'train_images': data.n_train,
-                        'batches_per_epoch': len(data.train_loader), 'bad_images_skipped': data.bad_images},
+                        'batches_per_epoch': len(data.train_loader), 'bad_images_skipped': data.bad_images,
+                        'shard_file_opens': data.file_opens},
                'loader': loader}
     write_json(os.path.join(args.output_dir, 'summary.json'), summary)
     return summary
@@ -315,16 +316,23 @@ def classic_loader(root, size, batch_size, workers):
                                        persistent_workers=False)
 
 
-def compare_decode(root, size=224, batch_size=64, steps=20, warmup=2, repeats=5, workers=1):
-    """Images per second of the classic pipeline and of dlojz's training loader (--decode pil and fast),
-    `workers` workers each (1: per core), alternated `repeats` times -> {name: [img/s per repeat]}."""
-    from dlojz_data import DataLoader, EpochSampler, FastTrainTransform, ImageFolderDataset, TrainTransform, \
-        scan_imagefolder, ignore_preemption_signals
+def compare_decode(root, size=224, batch_size=64, steps=20, warmup=2, repeats=5, workers=1, shards=None):
+    """Images per second of the classic pipeline and of dlojz's training loader (--decode pil and fast; and
+    fast from `shards`, a prepared copy of root), `workers` workers each (1: per core), alternated `repeats`
+    times -> {name: [img/s per repeat]}."""
+    from dlojz_data import DataLoader, EpochSampler, FastTrainTransform, ImageFolderDataset, ShardDataset, \
+        TrainTransform, scan_imagefolder, ignore_preemption_signals
+    from dlojz_shards import load_index
     _, train, _ = scan_imagefolder(root)
+    datasets = {'dlojz-pil': lambda: ImageFolderDataset(train, TrainTransform(size), seed=0),
+                'dlojz-fast': lambda: ImageFolderDataset(train, FastTrainTransform(size), seed=0)}
+    if shards:
+        datasets['dlojz-fast-shards'] = lambda: ShardDataset(shards, *load_index(shards)[1]['train'],
+                                                             FastTrainTransform(size), seed=0)
     loaders = {'classic': lambda: classic_loader(root, size, batch_size, workers)}
-    for name, tf in (('dlojz-pil', TrainTransform), ('dlojz-fast', FastTrainTransform)):
-        def make(tf=tf):
-            ds = ImageFolderDataset(train, tf(size), seed=0)
+    for name, make_ds in datasets.items():
+        def make(make_ds=make_ds):
+            ds = make_ds()
             return DataLoader(ds, batch_size=batch_size, sampler=EpochSampler(ds, 0), num_workers=workers,
                               worker_init_fn=ignore_preemption_signals if workers else None)
         loaders[name] = make
@@ -345,9 +353,11 @@ if __name__ == '__main__':
     p.add_argument('--steps', type=int, default=20)
     p.add_argument('--repeats', type=int, default=5)
     p.add_argument('--workers', type=int, default=1)
+    p.add_argument('--shards', default=None, help='a `dlojz_data.py prepare` copy of root, measured too')
     a = p.parse_args()
     torch.set_num_threads(1)
-    res = compare_decode(a.root, a.image_size, a.batch_size, a.steps, repeats=a.repeats, workers=a.workers)
+    res = compare_decode(a.root, a.image_size, a.batch_size, a.steps, repeats=a.repeats, workers=a.workers,
+                         shards=a.shards)
     base = statistics.median(res['classic'])
     for name, v in res.items():
         m = statistics.median(v)

@@ -1,0 +1,147 @@
+"""WebDataset-style shards (dlojz_data.py prepare, dlojz_shards.py):
+
+- the shards are plain tars, key.<ext> beside key.cls, holding the source files' bytes and labels, and
+  the index's offsets point at them (read back with tarfile, independently of dlojz's reader);
+- training from the shards gives the folder run's losses and validation bit for bit (same bytes, same
+  sampler, same per-sample seeds);
+- an interrupted prepare continues to the same bytes as an uninterrupted one; other arguments are refused;
+- --max-side re-encodes large images; a damaged sample is named (shard:key) or skipped and counted;
+- file opens: at most one per worker and shard, against one per image for folders.
+
+Run: python -m pytest -q tests/test_shards.py
+"""
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import torch
+
+import dlojz
+import dlojz_data as D
+import dlojz_shards as S
+from conftest import ROOT, TINY
+
+SHARD_MB = 2  # the tiny dataset's 96 train images (~100 KB each) make several shards
+
+
+@pytest.fixture(scope='module')
+def folder(cache_dir):
+    root = os.path.join(cache_dir, 'synthetic-v1-c4-n24-v6-s0')  # what TINY trains on
+    D.ensure_synthetic_dataset(root, 4, 24, 6, 0, log=lambda m: None)
+    return root
+
+
+@pytest.fixture(scope='module')
+def shards(folder, tmp_path_factory):
+    dst = str(tmp_path_factory.mktemp('shards') / 'ds')
+    S.prepare(folder, dst, shard_size_mb=SHARD_MB, log=lambda m: None)
+    return dst
+
+
+def test_shards_are_tars_of_the_source_files(folder, shards):
+    classes, train, val = D.scan_imagefolder(folder)
+    got_classes, splits = S.load_index(shards)
+    assert got_classes == classes
+    for split, samples in (('train', train), ('val', val)):
+        names, table = splits[split]
+        assert len(table) == len(samples) and (len(names) > 2 if split == 'train' else True)
+        keyed = {}
+        for k, name in enumerate(names):
+            with tarfile.open(os.path.join(shards, name)) as tar:
+                members = tar.getmembers()
+                assert [m.name.split('.')[0] for m in members][::2] == [m.name.split('.')[0] for m in members][1::2]
+                for image, cls in zip(members[::2], members[1::2]):
+                    assert cls.name.endswith('.cls')
+                    keyed[int(image.name.split('.')[0])] = (k, image.offset_data, image.size,
+                                                            int(tar.extractfile(cls).read()),
+                                                            tar.extractfile(image).read())
+        for i, (path, label) in enumerate(samples):
+            shard, offset, size, lab, data = keyed[i]
+            assert list(table[i]) == [shard, offset, size, label] and lab == label
+            with open(path, 'rb') as f:
+                assert f.read() == data  # stored as they are without --max-side
+
+
+def test_training_from_shards_equals_training_from_folders(folder, shards, tmp_path, cache_dir):
+    runs = {}
+    for name, data in (('folder', folder), ('shards', shards)):
+        out = tmp_path / name
+        assert dlojz.cli([*TINY, '--data-dir', data, '--output-dir', str(out), '-e', '2', '--log-interval', '1',
+                          '--num-workers', '2']) == 0
+        with open(out / 'metrics.jsonl') as f:
+            recs = [json.loads(line) for line in f]
+        with open(out / 'summary.json') as f:
+            summary = json.load(f)
+        runs[name] = ([(r['global_step'], r['loss']) for r in recs if r['type'] == 'train'],
+                      [(r['loss'], r['top1'], r['images']) for r in recs if r['type'] == 'val'], summary)
+    assert runs['shards'][0] == runs['folder'][0] and len(runs['folder'][0]) == 24
+    assert runs['shards'][1] == runs['folder'][1] and runs['folder'][1][-1][2] == 24  # every val image once
+    data = runs['shards'][2]['data']
+    assert data['source'] == 'shards' and runs['folder'][2]['data']['shard_file_opens'] is None
+    n_shards = len(S.load_index(shards)[1]['train'][0])
+    # persistent workers: each opens a shard once, whatever the epochs; 96 x 2 files opened on folders
+    assert 0 < data['shard_file_opens'] <= 2 * n_shards
+
+
+def test_an_interrupted_prepare_continues_to_the_same_bytes(folder, shards, tmp_path):
+    dst = str(tmp_path / 'ds')
+    with pytest.raises(KeyboardInterrupt):
+        S.prepare(folder, dst, shard_size_mb=SHARD_MB, log=lambda m: None, stop_after=2)
+    assert not os.path.exists(os.path.join(dst, S.INDEX))  # no index until every shard is whole
+    done = sorted(n for n in os.listdir(dst) if n.endswith('.tar'))
+    assert len(done) == 2
+    before = {n: os.path.getmtime(os.path.join(dst, n)) for n in done}
+    S.prepare(folder, dst, shard_size_mb=SHARD_MB, log=lambda m: None)
+    assert {n: os.path.getmtime(os.path.join(dst, n)) for n in done} == before  # kept, not rewritten
+    names = sorted(n for n in os.listdir(shards) if not n.endswith('.tmp'))
+    assert sorted(os.listdir(dst)) == names
+    for n in names:
+        if n != 'prepare.json':
+            with open(os.path.join(dst, n), 'rb') as a, open(os.path.join(shards, n), 'rb') as b:
+                assert a.read() == b.read(), n
+    with pytest.raises(SystemExit, match='holds a prepare with other arguments or another source \\(max_side\\)'):
+        S.prepare(folder, dst, max_side=64, shard_size_mb=SHARD_MB, log=lambda m: None)
+
+
+def test_max_side_reencodes_and_trains(folder, tmp_path):
+    dst = str(tmp_path / 'small')
+    r = subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_data.py'), 'prepare', folder, dst, '--max-side',
+                        '64', '--shard-size', str(SHARD_MB)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    ds = D.ShardDataset(dst, *S.load_index(dst)[1]['train'], transform=lambda src, rng: D.load_rgb(src))
+    sizes = {ds[i][0].size for i in range(len(ds))}
+    assert max(max(s) for s in sizes) == 64  # ImageNet-sized sources, longer side now 64
+    assert dlojz.cli([*TINY, '--data-dir', dst, '--output-dir', str(tmp_path / 'run'), '--test-nsteps', '3']) == 0
+    r = subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_data.py'), 'prepare', str(tmp_path / 'no'),
+                        str(tmp_path / 'x')], capture_output=True, text=True)
+    assert r.returncode == 2 and 'does not exist' in r.stderr and 'Traceback' not in r.stderr
+
+
+def test_a_damaged_sample_is_named_or_skipped(shards, tmp_path):
+    import shutil
+    dst = str(tmp_path / 'bad')
+    shutil.copytree(shards, dst)
+    names, table = S.load_index(dst)[1]['train']
+    shard, offset, size, _ = (int(v) for v in table[5])
+    with open(os.path.join(dst, names[shard]), 'r+b') as f:
+        f.seek(offset)
+        f.write(b'\0' * size)
+    strict = D.ShardDataset(dst, names, table, D.FastTrainTransform(32))
+    with pytest.raises(D.BadImageError, match=f'cannot decode image {names[shard]}:00000005'):
+        strict[(5, 0)]
+    lenient = D.ShardDataset(dst, names, table, D.FastTrainTransform(32), skip_bad_images=True)
+    x, label = lenient[(5, 0)]
+    assert x.shape == (3, 32, 32) and label == int(table[6][3]) and lenient.bad_images == 1
+
+
+def test_opens_per_worker_and_shard(shards):
+    names, table = S.load_index(shards)[1]['train']
+    ds = D.ShardDataset(shards, names, table, D.FastTrainTransform(32))
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2, sampler=D.EpochSampler(ds, 0))
+    for epoch in range(2):  # workers not persistent: each epoch's workers open the shards again
+        loader.sampler.set_epoch(epoch)
+        assert sum(len(y) for _, y in loader) == len(ds)
+    assert 0 < ds.file_opens <= 2 * 2 * len(names) < 2 * len(ds)
