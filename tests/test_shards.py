@@ -22,7 +22,7 @@ import torch
 import dlojz
 import dlojz_data as D
 import dlojz_shards as S
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, latest, run_cli, torchrun
 
 SHARD_MB = 2  # the tiny dataset's 96 train images (~100 KB each) make several shards
 
@@ -145,3 +145,43 @@ def test_opens_per_worker_and_shard(shards):
         loader.sampler.set_epoch(epoch)
         assert sum(len(y) for _, y in loader) == len(ds)
     assert 0 < ds.file_opens <= 2 * 2 * len(names) < 2 * len(ds)
+
+
+def _train_losses(out):
+    with open(os.path.join(out, 'metrics.jsonl')) as f:
+        return {r['global_step']: r['loss'] for r in map(json.loads, f) if r['type'] == 'train'}
+
+
+def test_a_run_from_shards_resumes_mid_epoch_exactly(folder, shards, tmp_path):
+    """Killed (SIGKILL) while writing its checkpoint at step 10; --resume auto continues from step 5, in the
+    middle of the first epoch, to the losses of the uninterrupted folder run."""
+    flags = [*TINY, '--data-dir', shards, '-e', '2', '--log-interval', '1', '--num-workers', '2']
+    ref, out = tmp_path / 'ref', tmp_path / 'run'
+    assert dlojz.cli([*TINY, '--data-dir', folder, '-e', '2', '--log-interval', '1', '--output-dir', str(ref)]) == 0
+    killed = run_cli(*flags, '--output-dir', out, '--chkpt-every', '5', env={'DLOJZ_FAULT': 'kill-in-checkpoint:2'})
+    assert killed.returncode == -9 and str(latest(out)).endswith('checkpoint-00000005.pt')
+    r = run_cli(*flags, '--output-dir', out, '--resume', 'auto')
+    assert r.returncode == 0 and 'checkpoint-00000005.pt' in r.stdout, r.stderr[-2000:]
+    assert _train_losses(out) == _train_losses(ref) and len(_train_losses(ref)) == 24
+
+
+def test_validation_from_shards_is_exact_at_any_world_size(cache_dir, tmp_path):
+    """25 validation images in shards: 1 and 2 ranks (13 + 12 images) give the same loss and top-1."""
+    five = ['--synthetic-classes', '5', '--synthetic-val-per-class', '5', '--val-batch-size', '4']
+    src = os.path.join(cache_dir, 'synthetic-v1-c5-n24-v5-s0')
+    D.ensure_synthetic_dataset(src, 5, 24, 5, 0, log=lambda m: None)
+    dst = str(tmp_path / 'shards')
+    S.prepare(src, dst, shard_size_mb=1, log=lambda m: None)
+    assert len(S.load_index(dst)[1]['val'][0]) >= 2  # the 25 images span shards
+    flags = [*TINY, *five, '--data-dir', dst]
+    assert dlojz.cli([*flags, '--output-dir', str(tmp_path / 'train'), '--test-nsteps', '3', '--chkpt']) == 0
+    ckpt = str(latest(tmp_path / 'train'))
+    assert dlojz.cli([*flags, '--output-dir', str(tmp_path / 'w1'), '--evaluate', '--resume', ckpt]) == 0
+    p = torchrun(2, *flags, '--output-dir', tmp_path / 'w2', '--evaluate', '--resume', ckpt)
+    assert p.returncode == 0, p.stderr[-3000:]
+    vals = []
+    for w in ('w1', 'w2'):
+        with open(tmp_path / w / 'summary.json') as f:
+            vals.append(json.load(f)['val'])
+    assert vals[0]['images'] == vals[1]['images'] == 25 and vals[0]['top1'] == vals[1]['top1']
+    assert vals[1]['loss'] == pytest.approx(vals[0]['loss'], rel=1e-5)
