@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 import custom_models
+import dlojz_data
 import dlojz_dist
 import dlojz_io
 import dlojz_loader
@@ -115,7 +116,8 @@ def get_args_parser(add_help=True):
                    '(default 256, i.e. val-image-size x 256/224)')
     g.add_argument('--val-image-size', type=I, default=None, help='validation: center crop, pixels (default '
                    '224 when --image-size is 224, else --image-size)')
-    g.add_argument('--decode', choices=['fast', 'pil'], default='fast', help='training decode path: "fast" '
+    g.add_argument('--decode', choices=['auto', 'fast', 'pil'], default='auto', help='training decode path '
+                   '(auto: fast when simplejpeg is installed, else pil): "fast" '
                    'decodes no more pixels than the crop needs (libjpeg-turbo DCT scaling via simplejpeg, uint8 '
                    'crop and resize), PIL for the files it cannot read; "pil" decodes every full image with PIL '
                    '(torchvision\'s way). Same crops and flips either way')
@@ -183,8 +185,8 @@ def get_args_parser(add_help=True):
                    'runs/<job id or time>_<arch>_bs<b>); one that holds another run is refused unless --resume '
                    'continues it or --overwrite replaces it')
     g.add_argument('--run-name', default=None, help='run directory runs/<NAME>, independent of the job id: a '
-                   'resubmitted job with --resume auto continues it; when its run is over (completed, NaN, OOM, '
-                   'failed), runs/<NAME>.2, .3, ... (the slurm/ scripts pass one: $DLOJZ_RUN, or the job name and '
+                   'resubmitted job with --resume auto continues it; when its run is over (completed, NaN, '
+                   'OOM), runs/<NAME>.2, .3, ... (the slurm/ scripts pass one: $DLOJZ_RUN, or the job name and '
                    'a checksum of the flags)')
     g.add_argument('--overwrite', action='store_true', help='delete the run files (config, metrics, summary, '
                    'checkpoints) of a non-empty --output-dir first')
@@ -261,6 +263,10 @@ def check_args(args, device, world_size=1, capability=None):
     if args.num_workers is None:
         args.num_workers = dlojz_dist.slurm_cpus_per_task() or min(8, usable_cores())
     args.chkpt = args.chkpt or args.chkpt_every > 0
+    if args.decode == 'auto':  # a cluster module may lack simplejpeg: the run still goes, the summary says how
+        args.decode = 'fast' if dlojz_data.simplejpeg is not None else 'pil'
+    if (args.loader_only or args.tune_loader) and args.resume == 'auto':
+        args.resume = None  # the slurm/ scripts pass --resume auto to every run; nothing to resume here
     args.cudnn_benchmark = args.cudnn_benchmark and not args.deterministic
     mode = '--loader-only' if args.loader_only else '--tune-loader'
     refusals = [
@@ -276,6 +282,8 @@ def check_args(args, device, world_size=1, capability=None):
         (args.run_name is not None and (not args.run_name.strip('.') or '/' in args.run_name),
          f'--run-name {args.run_name!r} is not a folder name; use letters, digits, "-", "_" or "." without "/".'),
         (args.loader_only and args.tune_loader, '--loader-only and --tune-loader exclude each other; drop one.'),
+        (args.tune_loader and args.test_nsteps is not None and args.test_nsteps < 3, f'--tune-loader needs at '
+         f'least 3 batches per trial (--test-nsteps {args.test_nsteps}); give 3 or more (default 30).'),
         ((args.loader_only or args.tune_loader) and (args.fake_data or args.evaluate or args.findlr or args.resume),
          f'{mode} measures the data loader of a new run; drop --fake-data, --evaluate, --findlr and --resume.'),
         ((args.loader_only or args.tune_loader) and world_size > 1, f'{mode} measures one process\'s loader; run '
@@ -702,8 +710,11 @@ def main(args, dist=None):
                                    continues=bool(args.resume) and not args.evaluate, overwrite=args.overwrite),
         when=dist.is_main))
     if dist.is_main and args.run_name and os.path.basename(args.output_dir) != args.run_name:
-        print(f'runs/{args.run_name} holds a finished run ({run_status(os.path.join("runs", args.run_name))}); '
-              f'this run goes to {args.output_dir}', flush=True)
+        first = os.path.join('runs', args.run_name)
+        why = f'a finished run ({run_status(first)})' if run_status(first) else 'the run of another live job'
+        print(f'{first} holds {why}; this run goes to {args.output_dir}', flush=True)
+    if dist.is_main and args.run_name and dist.job_id:  # who writes here: a duplicate job goes elsewhere
+        write_json(os.path.join(args.output_dir, dlojz_io.OWNER), {'job_id': dist.job_id})
     tee = None
     if args.nccl_debug:  # before the first NCCL collective, so that the communicator's INIT lines are in it
         os.makedirs(args.output_dir, exist_ok=True)  # node-local folders: ranks on other nodes create their own

@@ -561,8 +561,10 @@ class DataLoader(torch.utils.data.DataLoader):
 def loader_kwargs(args):
     kw = dict(num_workers=args.num_workers, pin_memory=args.pin_memory)
     if args.num_workers > 0:
+        # fork: the workers inherit the blocked signal mask (DataLoader) and the shared counters; Python
+        # 3.14 makes forkserver the default on Linux
         kw.update(persistent_workers=args.persistent_workers, prefetch_factor=args.prefetch_factor,
-                  worker_init_fn=ignore_preemption_signals)
+                  worker_init_fn=ignore_preemption_signals, multiprocessing_context='fork')
     return kw
 
 

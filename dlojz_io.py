@@ -23,13 +23,14 @@ SUMMARY_VERSION = 1
 
 def default_output_dir(args, dist):
     if args.run_name:
-        return named_run_dir(args.run_name, continues=bool(args.resume))
+        return named_run_dir(args.run_name, continues=bool(args.resume), job_id=dist.job_id)
     tag = dist.job_id or datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
     return os.path.join('runs', f'{tag}_{args.arch}_bs{args.batch_size}')
 
 
-# A run that ended this way is over: continuing it would only repeat its end (an OOM, a NaN, a refused flag).
-FINISHED = ('completed', 'nan', 'oom', 'failed')
+# A run that ended this way is over: continuing it would only repeat its end (an OOM, a NaN). 'failed' is not
+# among them: a dead peer (exit 4) is worth continuing, and a refused flag is refused again with its sentence.
+FINISHED = ('completed', 'nan', 'oom')
 
 
 def run_status(path):
@@ -41,13 +42,36 @@ def run_status(path):
         return None
 
 
-def named_run_dir(name, continues, root='runs'):
+OWNER = 'owner.json'  # the SLURM job that runs in a named run folder
+
+
+def job_alive(job_id):
+    """Whether SLURM still has this job (pending or running); False when squeue is absent or fails."""
+    try:
+        r = subprocess.run(['squeue', '-h', '-j', str(job_id), '-o', '%T'], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0 and bool(r.stdout.strip())
+
+
+def held_by_another_job(path, job_id, alive=job_alive):
+    try:
+        with open(os.path.join(path, OWNER)) as f:
+            owner = str(json.load(f).get('job_id'))
+    except (OSError, ValueError, AttributeError):
+        return False
+    return owner != str(job_id) and alive(owner)
+
+
+def named_run_dir(name, continues, root='runs', job_id=None, alive=job_alive):
     """runs/<name> for a run named independently of the job id, so that a resubmitted job (a new job id)
-    continues the run of the job it follows. Continuing (--resume auto), a folder whose run is over is kept
-    and the run goes to the first of <name>.2, <name>.3, ... that is not: the next submission of a finished
-    benchmark is a new run, a preempted or crashed one is continued."""
+    continues the run of the job it follows. Continuing (--resume auto), a folder whose run is over, or that
+    another live SLURM job is writing (the same script and flags submitted twice), is kept and the run goes
+    to the first of <name>.2, <name>.3, ... that is neither: the next submission of a finished benchmark is
+    a new run, a preempted or crashed one is continued, a requeued one (same job id) finds its own."""
     path, k = os.path.join(root, name), 1
-    while continues and run_status(path) in FINISHED:
+    while continues and (run_status(path) in FINISHED or held_by_another_job(path, job_id, alive)):
         k += 1
         path = os.path.join(root, f'{name}.{k}')
     return path
@@ -89,6 +113,11 @@ def prepare_output_dir(path, continues=False, overwrite=False):
 
 
 def remove_if_empty(path):
+    try:
+        if os.listdir(path) == [OWNER]:  # only the job's claim on the folder: nothing of a run
+            os.remove(os.path.join(path, OWNER))
+    except OSError:
+        pass
     try:
         os.rmdir(path)  # fails, as wanted, on a folder that holds anything
     except OSError:

@@ -1012,7 +1012,7 @@ def plot_doctor(run, tune, out):
     colors = [COLORS['data'] if v < ceiling else COLORS['forward'] for v in ips]
     ax.barh(y, ips, color=colors)
     ax.axvline(ceiling, color='black', linestyle='--', label=f'compute ceiling (--fake-data) {ceiling:.0f} img/s')
-    labels = [f"{t['num_workers']} workers, prefetch {t['prefetch_factor'] or '-'}"
+    labels = [f"{t['num_workers']} workers, prefetch {t['prefetch_factor'] or '-'}, {t['decode']}"
               + ('' if t['pin_memory'] is None else f", pin {'on' if t['pin_memory'] else 'off'}") for t in trials]
     ax.set_yticks(list(y), labels, fontsize=7)
     ax.set_xlabel('loader images/second (red: below the ceiling)')

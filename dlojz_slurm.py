@@ -123,7 +123,7 @@ def render(machine, gpus, time_limit='02:00:00', account=None, qos=None, partiti
           '# flags continues the run after scancel or a time limit without requeue (exit 5); once a run is over',
           '# the next one goes to <run name>.2. Choose the name with DLOJZ_RUN=<name> sbatch ..., or pass',
           '# --output-dir.',
-          'RUN_NAME=${DLOJZ_RUN:-$SLURM_JOB_NAME-$(printf \'%s\\n\' "$@" | cksum | cut -d" " -f1)}',
+          'RUN_NAME=${DLOJZ_RUN:-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}-$(printf \'%s\\n\' "$@" | cksum | cut -d" " -f1)}',
           'case " $* " in *" --output-dir "* | *" --output-dir="*) RUN_NAME= ;; esac  # the folder is given',
           'set -x',
           'srun python -u dlojz.py \\',

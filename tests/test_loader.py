@@ -43,7 +43,7 @@ def test_measure_leaves_out_the_warmup_and_crosses_epochs():
 
 
 def test_loader_only_measures_the_training_loader(tmp_path, cache_dir, capsys):
-    """TINY: 96 train images in batches of 8, so 12 per epoch; 15 batches cross into a second epoch."""
+    """TINY: 96 train images in batches of 8, so 12 per epoch; 4 + 15 batches cross into a second epoch."""
     out = tmp_path / 'run'
     assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--loader-only',
                       '--test-nsteps', '15', '--num-workers', '2']) == 0
@@ -53,8 +53,9 @@ def test_loader_only_measures_the_training_loader(tmp_path, cache_dir, capsys):
     with open(out / 'summary.json') as f:
         s = json.load(f)
     m = s['loader']
-    assert (s['mode'], s['status'], m['steps'], m['images'], m['epochs_started']) == ('loader', 'completed', 15,
-                                                                                       120, 2)
+    # warm-up: 2 workers x prefetch 2 batches (they arrive together at start), then the 15 measured
+    assert (s['mode'], s['status'], m['warmup_steps'], m['steps'], m['images'], m['epochs_started']) == (
+        'loader', 'completed', 4, 19, 152, 2)
     assert (m['num_workers'], m['prefetch_factor'], m['decode']) == (2, 2, 'fast')
     assert float(line.group(1)) == pytest.approx(m['images_per_second'], rel=1e-3)
     assert m['images_per_second_per_worker'] == pytest.approx(m['images_per_second'] / 2)

@@ -71,3 +71,17 @@ def test_a_run_name_is_continued_until_its_run_is_over(tmp_path, cache_dir, caps
     assert '--run-name and --output-dir both name the run folder; give one.' in err
     assert "--run-name 'a/b' is not a folder name" in err
     assert not os.path.exists('x') and not os.path.exists('runs/a')
+
+
+def test_a_duplicate_live_job_gets_its_own_folder(tmp_path):
+    """The same script and flags submitted twice: the second job must not write into the folder the first,
+    still alive, writes (a requeued job, same id, and a job after a dead one continue there)."""
+    from dlojz_io import OWNER, named_run_dir
+    root = tmp_path / 'runs'
+    (root / 'r').mkdir(parents=True)
+    (root / 'r' / OWNER).write_text('{"job_id": "11"}')
+    alive = {'11'}
+    assert named_run_dir('r', True, str(root), job_id='12', alive=alive.__contains__) == str(root / 'r.2')
+    assert named_run_dir('r', True, str(root), job_id='11', alive=alive.__contains__) == str(root / 'r')  # requeued
+    alive.clear()  # job 11 is over: job 12 continues its run
+    assert named_run_dir('r', True, str(root), job_id='12', alive=alive.__contains__) == str(root / 'r')

@@ -107,6 +107,8 @@ def test_a_resubmitted_script_names_the_same_run(tmp_path, script):
     assert _run_name(other) != _run_name(first)
     assert first[-4:] == ['-b', '64', '--amp', 'bf16'] and '--resume' in first
     assert _run_name(_srun_argv(tmp_path, script, '-b', '64', DLOJZ_RUN='my run')) == 'my run'
+    arrays = {_run_name(_srun_argv(tmp_path, script, '-b', '64', SLURM_ARRAY_TASK_ID=t)) for t in '01'}
+    assert len(arrays) == 2 and _run_name(first) not in arrays  # job array tasks: a run each
     readme = _srun_argv(tmp_path, 'jz-a100-8gpu.slurm', '--test-nsteps', '50', '--amp', 'bf16', '-b', '256',
                         SLURM_JOB_NAME='dlojz-jz-a100-8gpu')
     with open(os.path.join(ROOT, 'README.md')) as f:
