@@ -415,7 +415,7 @@ class ShardDataset(ImageFolderDataset):
             data = self.reader.read(shard, offset, size)
         except OSError as e:
             raise DataError(f'cannot read shard {os.path.join(self.root, self.names[shard])} ({e.strerror}); '
-                            f'run dlojz_data.py prepare again or check --data-dir.') from None
+                            f'check --data-dir (a missing shard: run dlojz_data.py prepare again).') from None
         if self.reader.opens != opens:
             with self.open_count.get_lock():
                 self.open_count.value += 1

@@ -14,6 +14,7 @@ import glob
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -57,18 +58,47 @@ def host_memory():
     return _vm_hwm(), sum(workers)
 
 
-def memory_budget(environ=os.environ):
-    """Host memory this job may use, bytes: Slurm's --mem (SLURM_MEM_PER_NODE, MiB), else MemAvailable."""
-    if environ.get('SLURM_MEM_PER_NODE', '').isdigit():
-        return int(environ['SLURM_MEM_PER_NODE']) * 2**20
+def _cgroup_limit(proc='/proc/self/cgroup', fs='/sys/fs/cgroup'):
+    """This process's cgroup memory limit in bytes (v2 memory.max, v1 memory.limit_in_bytes), or None."""
     try:
-        with open('/proc/meminfo') as f:
+        with open(proc) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(':', 2)
+        for name, sub in (('memory.max', ''), ('memory.limit_in_bytes', 'memory')):
+            if (controllers == '' and not sub) or (sub and sub in controllers.split(',')):
+                try:
+                    with open(os.path.join(fs, sub, path.lstrip('/'), name)) as f:
+                        value = f.read().strip()
+                except OSError:
+                    continue
+                if value.isdigit() and int(value) < 2**60:  # 'max' or a huge v1 number: no limit
+                    return int(value)
+    return None
+
+
+def memory_budget(environ=os.environ, cgroup=_cgroup_limit, meminfo='/proc/meminfo'):
+    """Host memory one task may use, bytes: the smallest of the job's cgroup limit, Slurm's --mem
+    (SLURM_MEM_PER_NODE, MiB) or --mem-per-cpu x the node's CPUs, and the available memory, divided by the
+    tasks on the node (each runs its own loader)."""
+    limits = [cgroup()]
+    if environ.get('SLURM_MEM_PER_NODE', '').isdigit():
+        limits.append(int(environ['SLURM_MEM_PER_NODE']) * 2**20)
+    if environ.get('SLURM_MEM_PER_CPU', '').isdigit() and environ.get('SLURM_CPUS_ON_NODE', '').isdigit():
+        limits.append(int(environ['SLURM_MEM_PER_CPU']) * int(environ['SLURM_CPUS_ON_NODE']) * 2**20)
+    try:
+        with open(meminfo) as f:
             for line in f:
                 if line.startswith('MemAvailable:'):
-                    return int(line.split()[1]) * 1024
+                    limits.append(int(line.split()[1]) * 1024)
     except OSError:
         pass
-    return None
+    limits = [v for v in limits if v]
+    tasks = re.match(r'\d+', environ.get('SLURM_NTASKS_PER_NODE', ''))  # e.g. '4' or '4(x2)'
+    tasks = int(tasks.group()) if tasks else 1
+    return min(limits) // max(1, tasks) if limits else None
 
 
 # ------------------------------------------------------------------------------------------ --loader-only

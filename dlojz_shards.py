@@ -108,8 +108,9 @@ def prepare(src, dst, max_side=None, shard_size_mb=256, log=print, stop_after=No
     from dlojz_data import scan_imagefolder
     classes, train, val = scan_imagefolder(src)
     spec = {'format': FORMAT, 'classes': classes, 'max_side': max_side, 'shard_size_mb': shard_size_mb,
-            'source': os.path.abspath(src),
-            'files': hashlib.sha256('\n'.join(f'{p}\t{y}' for p, y in train + val).encode()).hexdigest()}
+            # relative paths: the same tree named another way (relative, absolute, a link) resumes
+            'files': hashlib.sha256('\n'.join(f'{os.path.relpath(p, src)}\t{y}' for p, y in train + val)
+                                    .encode()).hexdigest()}
     os.makedirs(dst, exist_ok=True)
     spec_path = os.path.join(dst, 'prepare.json')
     if os.path.exists(spec_path):
@@ -128,10 +129,12 @@ def prepare(src, dst, max_side=None, shard_size_mb=256, log=print, stop_after=No
         for k, (first, end) in enumerate(bounds):
             name = f'{split}-{k:05d}.tar'
             path, side = os.path.join(dst, name), os.path.join(dst, name + '.json')
-            if os.path.exists(side):  # finished before an interruption
+            rows = None
+            if os.path.exists(side) and os.path.exists(path):  # finished before an interruption
                 with open(side) as f:
                     rows = json.load(f)
-            else:
+                rows = rows if len(rows) == end - first else None  # else rewritten
+            if rows is None:
                 if stop_after is not None and written >= stop_after:
                     raise KeyboardInterrupt(f'stopped after {written} shards')
                 rows = _write_shard(path, samples[first:end], first, max_side)
@@ -173,15 +176,17 @@ class ShardReader:
     """Reads samples by (shard, offset, size), one open file per shard and process (a loader worker opens
     the shards it reads once and keeps them); counts its opens."""
 
-    def __init__(self, root, names):
+    def __init__(self, root, names, max_open=128):
         self.root, self.names, self.files, self.opens = root, names, {}, 0
-        self.pid = None
+        self.pid, self.max_open = None, max_open  # 128 files per process: far below the usual ulimit -n 1024
 
     def read(self, shard, offset, size):
         if self.pid != os.getpid():  # a forked worker must not share its parent's file positions
             self.files, self.pid = {}, os.getpid()
         f = self.files.get(shard)
         if f is None:
+            if len(self.files) >= self.max_open:  # the oldest one goes (ImageNet-21k has thousands of shards)
+                self.files.pop(next(iter(self.files))).close()
             f = self.files[shard] = open(os.path.join(self.root, self.names[shard]), 'rb')
             self.opens += 1
         f.seek(offset)

@@ -137,8 +137,9 @@ def render(machine, gpus, time_limit='02:00:00', account=None, qos=None, partiti
           '# A signal for this shell alone (scancel --batch --signal=USR2, #SBATCH --signal=B:USR2@120) is passed',
           '# on to srun, which forwards it to the tasks. SIGTERM is not: srun answers it by killing the tasks.',
           "trap 'kill -USR2 $SRUN_PID 2>/dev/null' USR2",
-          'wait $SRUN_PID; code=$?',
-          'while kill -0 $SRUN_PID 2>/dev/null; do wait $SRUN_PID; code=$?; done  # a trap ends a wait early',
+          'wait $SRUN_PID',
+          'while kill -0 $SRUN_PID 2>/dev/null; do wait $SRUN_PID; done  # a trap ends a wait early',
+          'wait $SRUN_PID; code=$?  # srun\'s status: bash keeps that of its last background job',
           'exit $code', '']
     return '\n'.join(L)
 

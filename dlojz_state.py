@@ -144,6 +144,8 @@ def preempt(run, progress):
     raise Preempted(f'stopped by {why} at step {progress.global_step}; checkpoint {path} written. ' +
                     ('The SLURM job was requeued and will resume from it (--resume auto).' if requeued else
                      f'Not requeued ({detail}); ' + (
-                         f'resubmit with the same flags to continue it (run name {args.run_name}).' if args.run_name
+                         f'resubmit with the same flags to continue it (run name {args.run_name}).'
+                         if args.run_name and args.resume == 'auto' else
+                         f'continue with --resume auto --run-name {args.run_name}.' if args.run_name
                          else f'continue with --resume auto --output-dir {args.output_dir}.')),
                     requeued=requeued, checkpoint=path)

@@ -133,3 +133,14 @@ def test_the_doctor_measures_trials_and_the_ceiling(tmp_path, cache_dir, capsys,
     with open(tmp_path / 'report' / 'report.md') as f:
         report = f.read()
     assert '## Loader doctor' in report and os.path.exists(tmp_path / 'report' / 'doctor-doctor.png')
+
+
+def test_memory_budget_is_one_tasks_share(tmp_path):
+    """By hand: 16 CPUs x 4000 MiB (--mem-per-cpu), 4 tasks on the node, 100 GiB available: 62.5 GiB / 4."""
+    meminfo = tmp_path / 'meminfo'
+    meminfo.write_text(f'MemTotal: {200 * 2**20} kB\nMemAvailable: {100 * 2**20} kB\n')
+    env = {'SLURM_MEM_PER_CPU': '4000', 'SLURM_CPUS_ON_NODE': '16', 'SLURM_NTASKS_PER_NODE': '4'}
+    assert L.memory_budget(env, cgroup=lambda: None, meminfo=str(meminfo)) == 4000 * 16 * 2**20 // 4
+    assert L.memory_budget({}, cgroup=lambda: 8 * 2**30, meminfo=str(meminfo)) == 8 * 2**30  # the cgroup's
+    assert L.memory_budget({'SLURM_NTASKS_PER_NODE': '2(x3)'}, cgroup=lambda: None,
+                           meminfo=str(meminfo)) == 50 * 2**30

@@ -115,3 +115,24 @@ def test_a_resubmitted_script_names_the_same_run(tmp_path, script):
         assert f'runs/{_run_name(readme)}/' in f.read()  # the README's example is what the script computes
     for given in (['--output-dir', 'runs/x'], ['--output-dir=runs/x']):
         assert _run_name(_srun_argv(tmp_path, script, *given)) is None
+
+
+def test_the_batch_shell_passes_sigusr2_on_and_keeps_sruns_exit_code(tmp_path):
+    """A SIGUSR2 for the batch shell alone reaches srun (here a stand-in that checkpoints: exits 5 on it),
+    and the job ends with srun's exit code, not the shell's interrupted wait (140)."""
+    shims = tmp_path / 'bin'
+    shims.mkdir()
+    (shims / 'srun').write_text('#!/bin/bash\ntrap \'echo got >> "$MARK"; exit 5\' USR2\n'
+                                'sleep 30 & wait\nexit 0\n')
+    (shims / 'srun').chmod(0o755)
+    (tmp_path / 'activate').write_text('')
+    env = {'PATH': f'{shims}:/usr/bin:/bin', 'DLOJZ_VENV': str(tmp_path), 'SLURM_JOB_NAME': 'dlojz-cpu',
+           'MARK': str(tmp_path / 'mark')}
+    p = subprocess.Popen(['bash', os.path.join(ROOT, 'slurm', 'cpu.slurm')], env=env, cwd=tmp_path,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import signal
+    import time
+    time.sleep(1.0)  # the shell is waiting for srun
+    p.send_signal(signal.SIGUSR2)
+    assert p.wait(timeout=20) == 5
+    assert (tmp_path / 'mark').read_text() == 'got\n'
