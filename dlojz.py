@@ -265,7 +265,8 @@ def check_args(args, device, world_size=1, capability=None):
     args.chkpt = args.chkpt or args.chkpt_every > 0
     if args.decode == 'auto':  # a cluster module may lack simplejpeg: the run still goes, the summary says how
         args.decode = 'fast' if dlojz_data.simplejpeg is not None else 'pil'
-    if (args.loader_only or args.tune_loader) and args.resume == 'auto':
+    loader_mode = args.loader_only or args.tune_loader  # no model: the loader alone
+    if loader_mode and args.resume == 'auto':
         args.resume = None  # the slurm/ scripts pass --resume auto to every run; nothing to resume here
     args.cudnn_benchmark = args.cudnn_benchmark and not args.deterministic
     mode = '--loader-only' if args.loader_only else '--tune-loader'
@@ -284,9 +285,9 @@ def check_args(args, device, world_size=1, capability=None):
         (args.loader_only and args.tune_loader, '--loader-only and --tune-loader exclude each other; drop one.'),
         (args.tune_loader and args.test_nsteps is not None and args.test_nsteps < 3, f'--tune-loader needs at '
          f'least 3 batches per trial (--test-nsteps {args.test_nsteps}); give 3 or more (default 30).'),
-        ((args.loader_only or args.tune_loader) and (args.fake_data or args.evaluate or args.findlr or args.resume),
+        (loader_mode and (args.fake_data or args.evaluate or args.findlr or args.resume),
          f'{mode} measures the data loader of a new run; drop --fake-data, --evaluate, --findlr and --resume.'),
-        ((args.loader_only or args.tune_loader) and world_size > 1, f'{mode} measures one process\'s loader; run '
+        (loader_mode and world_size > 1, f'{mode} measures one process\'s loader; run '
          f'it as a single process (no torchrun, one task).'),
         (args.findlr and args.resume, '--findlr starts from a fresh model; drop --resume.'),
         (args.evaluate and not args.resume, '--evaluate validates a trained model; give its checkpoint with '

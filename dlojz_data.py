@@ -234,10 +234,25 @@ class Blob:
     name: str
 
 
+def source_name(src):
+    return src.name if isinstance(src, Blob) else src
+
+
+def read_bytes(src):
+    """The encoded image of a path or a Blob."""
+    if isinstance(src, Blob):
+        return src.data
+    try:
+        with open(src, 'rb') as f:
+            return f.read()
+    except OSError as e:
+        raise BadImageError(f'cannot read image {src} ({e.strerror}); check the data directory.') from None
+
+
 def load_rgb(src):
     """Decode any image real ImageNet holds (a path or a Blob) into RGB; raise BadImageError naming the file
     otherwise."""
-    name = src.name if isinstance(src, Blob) else src
+    name = source_name(src)
     try:
         with (io.BytesIO(src.data) if isinstance(src, Blob) else open(src, 'rb')) as f:
             img = Image.open(f)
@@ -312,14 +327,7 @@ class FastTrainTransform:
         self.size = size
 
     def __call__(self, path, rng):
-        if isinstance(path, Blob):
-            data = path.data
-        else:
-            try:
-                with open(path, 'rb') as f:
-                    data = f.read()
-            except OSError as e:
-                raise BadImageError(f'cannot read image {path} ({e.strerror}); check the data directory.') from None
+        data = read_bytes(path)
         try:
             height, width = simplejpeg.decode_jpeg_header(data)[:2]
         except ValueError:  # not a JPEG libjpeg-turbo reads
@@ -385,8 +393,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
                     raise
                 with self.bad_count.get_lock():
                     self.bad_count.value += 1
-                name = src.name if isinstance(src, Blob) else src
-                print(f'dlojz: warning: skipped bad image {name}; using the next file instead', file=sys.stderr)
+                print(f'dlojz: warning: skipped bad image {source_name(src)}; using the next file instead', file=sys.stderr)
         raise BadImageError('every image of the dataset failed to decode; check the data directory.')
 
     def source(self, i):
@@ -405,20 +412,16 @@ class ShardDataset(ImageFolderDataset):
     def __init__(self, root, names, table, transform, seed=0, skip_bad_images=False):
         super().__init__(table, transform, seed, skip_bad_images)
         self.root, self.names = root, names
-        self.reader = dlojz_shards.ShardReader(root, names)
         self.open_count = mp.get_context('fork').Value('i', 0)  # every process's opens, for the summary
+        self.reader = dlojz_shards.ShardReader(root, names, self.open_count)
 
     def source(self, i):
         shard, offset, size, label = (int(v) for v in self.samples[i])
-        opens = self.reader.opens
         try:
             data = self.reader.read(shard, offset, size)
         except OSError as e:
             raise DataError(f'cannot read shard {os.path.join(self.root, self.names[shard])} ({e.strerror}); '
                             f'check --data-dir (a missing shard: run dlojz_data.py prepare again).') from None
-        if self.reader.opens != opens:
-            with self.open_count.get_lock():
-                self.open_count.value += 1
         return Blob(data, f'{self.names[shard]}:{i:08d}'), label
 
     @property

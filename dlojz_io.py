@@ -225,11 +225,12 @@ class Logger:
             self.wandb = None
 
 
-def host_memory():
-    """Peak and current resident set size of this process, bytes (Linux /proc; None elsewhere)."""
+def host_memory(pid='self'):
+    """Peak and current resident set size of a process (this one by default), bytes (Linux /proc; None
+    elsewhere or when the process is gone)."""
     out = {'host_peak_rss_bytes': None, 'host_rss_bytes': None}
     try:
-        with open('/proc/self/status') as f:
+        with open(f'/proc/{pid}/status') as f:
             for line in f:
                 if line.startswith('VmHWM:'):
                     out['host_peak_rss_bytes'] = int(line.split()[1]) * 1024

@@ -23,21 +23,9 @@ import torch
 
 from dlojz_data import build_data
 from dlojz_errors import UsageError
-from dlojz_io import SUMMARY_VERSION, provenance, usable_cores, write_json
+from dlojz_io import SUMMARY_VERSION, host_memory, provenance, usable_cores, write_json
 
 # ------------------------------------------------------------------------------------------ host memory
-
-def _vm_hwm(pid='self'):
-    """Peak resident set (VmHWM) of a process, bytes; None when unreadable (not Linux, process gone)."""
-    try:
-        with open(f'/proc/{pid}/status') as f:
-            for line in f:
-                if line.startswith('VmHWM:'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
 
 def _children(pid='self'):
     pids = []
@@ -50,12 +38,12 @@ def _children(pid='self'):
     return pids
 
 
-def host_memory():
+def main_and_workers_memory():
     """-> (this process's VmHWM, the sum of its children's: the loader workers). Forked workers share the
     parent's pages until they write them, and each VmHWM counts those shared pages again: the sum is an
     upper bound, which is what a memory budget needs."""
-    workers = [m for m in map(_vm_hwm, _children()) if m is not None]
-    return _vm_hwm(), sum(workers)
+    peak = lambda pid: host_memory(pid)['host_peak_rss_bytes'] or 0
+    return host_memory()['host_peak_rss_bytes'], sum(map(peak, _children()))
 
 
 def _cgroup_limit(proc='/proc/self/cgroup', fs='/sys/fs/cgroup'):
@@ -135,7 +123,7 @@ def measure(loader, steps, warmup, device, non_blocking=True, set_epoch=lambda e
     if cuda:
         torch.cuda.synchronize(device)
     end = clock()
-    main_mem, workers_mem = host_memory()  # before the iterator (and its workers) goes
+    main_mem, workers_mem = main_and_workers_memory()  # before the iterator (and its workers) goes
     del it
     steady_images = sum(images[warmup:])
     elapsed = end - (t_steady if t_steady is not None else t0)

@@ -174,10 +174,10 @@ def load_index(root):
 
 class ShardReader:
     """Reads samples by (shard, offset, size), one open file per shard and process (a loader worker opens
-    the shards it reads once and keeps them); counts its opens."""
+    the shards it reads once and keeps them); counts its opens in `count` (a shared multiprocessing Value)."""
 
-    def __init__(self, root, names, max_open=128):
-        self.root, self.names, self.files, self.opens = root, names, {}, 0
+    def __init__(self, root, names, count=None, max_open=128):
+        self.root, self.names, self.files, self.count = root, names, {}, count
         self.pid, self.max_open = None, max_open  # 128 files per process: far below the usual ulimit -n 1024
 
     def read(self, shard, offset, size):
@@ -188,7 +188,9 @@ class ShardReader:
             if len(self.files) >= self.max_open:  # the oldest one goes (ImageNet-21k has thousands of shards)
                 self.files.pop(next(iter(self.files))).close()
             f = self.files[shard] = open(os.path.join(self.root, self.names[shard]), 'rb')
-            self.opens += 1
+            if self.count is not None:
+                with self.count.get_lock():
+                    self.count.value += 1
         f.seek(offset)
         return f.read(size)
 
