@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 import custom_models
-import dlojz_data
+import dlojz_decode
 import dlojz_dist
 import dlojz_io
 import dlojz_loader
@@ -116,11 +116,13 @@ def get_args_parser(add_help=True):
                    '(default 256, i.e. val-image-size x 256/224)')
     g.add_argument('--val-image-size', type=I, default=None, help='validation: center crop, pixels (default '
                    '224 when --image-size is 224, else --image-size)')
-    g.add_argument('--decode', choices=['auto', 'fast', 'pil'], default='auto', help='training decode path '
-                   '(auto: fast when simplejpeg is installed, else pil): "fast" '
+    g.add_argument('--decode', choices=['auto', 'fast', 'pil', 'gpu'], default='auto', help='training decode '
+                   'path (auto: fast when simplejpeg is installed, else pil): "fast" '
                    'decodes no more pixels than the crop needs (libjpeg-turbo DCT scaling via simplejpeg, uint8 '
                    'crop and resize), PIL for the files it cannot read; "pil" decodes every full image with PIL '
-                   '(torchvision\'s way). Same crops and flips either way')
+                   '(torchvision\'s way); "gpu" has the workers read the files and nvJPEG decode each batch on the '
+                   'GPU, which crops, resizes and flips (CUDA only; the host decodes what nvJPEG refuses). Same '
+                   'crops and flips every way; validation decodes on the host')
     g.add_argument('--skip-bad-images', action='store_true', help='replace undecodable files and count them '
                    'instead of stopping')
     g = p.add_argument_group('loader')
@@ -264,7 +266,7 @@ def check_args(args, device, world_size=1, capability=None):
         args.num_workers = dlojz_dist.slurm_cpus_per_task() or min(8, usable_cores())
     args.chkpt = args.chkpt or args.chkpt_every > 0
     if args.decode == 'auto':  # a cluster module may lack simplejpeg: the run still goes, the summary says how
-        args.decode = 'fast' if dlojz_data.simplejpeg is not None else 'pil'
+        args.decode = 'fast' if dlojz_decode.simplejpeg is not None else 'pil'
     loader_mode = args.loader_only or args.tune_loader  # no model: the loader alone
     if loader_mode and args.resume == 'auto':
         args.resume = None  # the slurm/ scripts pass --resume auto to every run; nothing to resume here
@@ -309,6 +311,8 @@ def check_args(args, device, world_size=1, capability=None):
             (args.amp == 'fp16', '--amp fp16 needs a CUDA GPU (CPU autocast computes in bfloat16); use --amp bf16 '
                                  'or --amp off on CPU.'),
             (args.pin_memory, '--pin-memory only speeds up copies to a GPU; drop it on CPU.'),
+            (args.decode == 'gpu', '--decode gpu decodes with nvJPEG on a CUDA GPU and this run is on CPU; use '
+                                   '--decode fast (or auto).'),
             (args.compile and not (shutil.which('cc') or shutil.which('gcc')),
              '--compile on CPU needs a C compiler (cc/gcc) on PATH; install one or drop --compile.')]
     else:

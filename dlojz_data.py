@@ -1,4 +1,5 @@
-"""Data pipeline for dlojz: where the images come from, how they are decoded, and the loaders.
+"""Data pipeline for dlojz: where the images come from, the datasets and the loaders (the decode paths are
+dlojz_decode).
 
 - resolve_data_source(): --data-dir, then $DLOJZ_DATA_DIR, $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet, else the
   built-in synthetic JPEG dataset (generated once into --cache-dir).
@@ -25,26 +26,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFile
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms import functional as TF
 
+import dlojz_decode
 import dlojz_shards
+from dlojz_decode import BadImageError, Blob, source_name
 from dlojz_errors import DataError
-
-try:
-    import simplejpeg  # libjpeg-turbo with DCT-domain scaling, in a wheel (no system package)
-except ImportError:  # --decode fast then says what to install
-    simplejpeg = None
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, never silently half-grey
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 IMG_EXTENSIONS = ('.jpeg', '.jpg', '.png', '.bmp', '.webp')
 SYNTH_VERSION = 1  # bump when the generator changes so old caches are not reused
-
-
-class BadImageError(DataError):
-    """An image file that cannot be decoded. The message is the sentence shown to the user."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -225,149 +217,7 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
 
 
 # --------------------------------------------------------------------------------------------------
-# Decode + transforms
-
-@dataclass(frozen=True)
-class Blob:
-    """An image's bytes read from a shard, and the name errors give it (shard:key)."""
-    data: bytes
-    name: str
-
-
-def source_name(src):
-    return src.name if isinstance(src, Blob) else src
-
-
-def read_bytes(src):
-    """The encoded image of a path or a Blob."""
-    if isinstance(src, Blob):
-        return src.data
-    try:
-        with open(src, 'rb') as f:
-            return f.read()
-    except OSError as e:
-        raise BadImageError(f'cannot read image {src} ({e.strerror}); check the data directory.') from None
-
-
-def load_rgb(src):
-    """Decode any image real ImageNet holds (a path or a Blob) into RGB; raise BadImageError naming the file
-    otherwise."""
-    name = source_name(src)
-    try:
-        with (io.BytesIO(src.data) if isinstance(src, Blob) else open(src, 'rb')) as f:
-            img = Image.open(f)
-            img.load()  # force the decode here so a truncated file fails now, with its name
-            return img.convert('RGB')
-    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError... depending on the damage
-        raise BadImageError(f'cannot decode image {name} ({type(e).__name__}: {e}); remove or replace it, '
-                            f'or pass --skip-bad-images to replace bad files and count them.') from None
-
-
-def random_resized_crop_params(rng, width, height, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
-    """torchvision's RandomResizedCrop.get_params algorithm, drawing from a local RNG (random.Random)."""
-    area = width * height
-    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-    for _ in range(10):
-        target_area = area * rng.uniform(*scale)
-        aspect = math.exp(rng.uniform(*log_ratio))
-        w = int(round(math.sqrt(target_area * aspect)))
-        h = int(round(math.sqrt(target_area / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
-    in_ratio = width / height  # fallback: central crop at the closest allowed ratio
-    if in_ratio < ratio[0]:
-        w, h = width, int(round(width / ratio[0]))
-    elif in_ratio > ratio[1]:
-        h, w = height, int(round(height * ratio[1]))
-    else:
-        w, h = width, height
-    return (height - h) // 2, (width - w) // 2, h, w
-
-
-class TrainTransform:
-    """--decode pil: decode the whole image with PIL, then RandomResizedCrop + horizontal flip -> uint8 CHW
-    tensor (normalised later, on the device)."""
-    decode = 'pil'
-
-    def __init__(self, size):
-        self.size = size
-
-    def __call__(self, path, rng):
-        img = load_rgb(path)
-        top, left, h, w = random_resized_crop_params(rng, img.width, img.height)
-        img = TF.resized_crop(img, top, left, h, w, [self.size, self.size],
-                              interpolation=InterpolationMode.BILINEAR, antialias=True)
-        if rng.random() < 0.5:
-            img = TF.hflip(img)
-        return TF.pil_to_tensor(img)
-
-
-def dct_reduction(h, w, size, most=8):
-    """The largest r in 1, 2, 4, 8 such that an h x w crop decoded at 1/r scale still has `size` pixels on
-    each side: libjpeg-turbo then scales in the DCT domain (SIMD IDCTs at these factors), decoding r^2
-    times fewer pixels and losing no detail the output keeps."""
-    r = 1
-    while r < most and h // (2 * r) >= size and w // (2 * r) >= size:
-        r *= 2
-    return r
-
-
-class FastTrainTransform:
-    """--decode fast: the same RandomResizedCrop + flip, same draws from the same per-sample RNG, decoding
-    no more pixels than the crop needs: the crop is drawn from the JPEG header's size, libjpeg-turbo
-    (simplejpeg) decodes at the smallest power-of-two scale that keeps the crop at least `size` pixels wide,
-    the crop is a view, and torch resizes it in uint8 (bilinear, antialiased, as torchvision's). Files
-    libjpeg-turbo will not decode to RGB (CMYK, a PNG named .JPEG, ...) go through PIL, same draws."""
-    decode = 'fast'
-
-    def __init__(self, size):
-        if simplejpeg is None:
-            raise DataError('--decode fast needs the simplejpeg package (pip install -r requirements.txt); '
-                            'install it or pass --decode pil.')
-        self.size = size
-
-    def __call__(self, path, rng):
-        data = read_bytes(path)
-        try:
-            height, width = simplejpeg.decode_jpeg_header(data)[:2]
-        except ValueError:  # not a JPEG libjpeg-turbo reads
-            return self._with_pil(path, rng)
-        top, left, h, w = random_resized_crop_params(rng, width, height)
-        r = dct_reduction(h, w, self.size)
-        try:
-            arr = simplejpeg.decode_jpeg(data, 'RGB', min_height=-(-height // r), min_width=-(-width // r))
-        except ValueError:  # CMYK to RGB, a damaged file: PIL says which
-            img = load_rgb(path)
-            return self._finish(np.asarray(img), width, height, top, left, h, w, rng)
-        return self._finish(arr, width, height, top, left, h, w, rng)
-
-    def _with_pil(self, path, rng):
-        img = load_rgb(path)
-        top, left, h, w = random_resized_crop_params(rng, img.width, img.height)
-        return self._finish(np.asarray(img), img.width, img.height, top, left, h, w, rng)
-
-    def _finish(self, arr, width, height, top, left, h, w, rng):
-        sy, sx = arr.shape[0] / height, arr.shape[1] / width  # 1/r, or 1 for a full decode
-        t, l = int(top * sy), int(left * sx)
-        crop = arr[t:t + max(1, round(h * sy)), l:l + max(1, round(w * sx))]
-        x = torch.from_numpy(np.ascontiguousarray(crop)).permute(2, 0, 1).unsqueeze(0)
-        x = torch.nn.functional.interpolate(x, size=(self.size, self.size), mode='bilinear', antialias=True,
-                                            align_corners=False)[0]
-        if rng.random() < 0.5:
-            x = x.flip(-1)
-        return x.contiguous()
-
-
-class ValTransform:
-    """Resize the shorter side to `resize`, center crop `size` (torchvision's ImageNet evaluation)."""
-
-    def __init__(self, resize, size):
-        self.resize, self.size = resize, size
-
-    def __call__(self, path, rng=None):
-        img = TF.resize(load_rgb(path), self.resize, interpolation=InterpolationMode.BILINEAR, antialias=True)
-        return TF.pil_to_tensor(TF.center_crop(img, self.size))
-
+# Datasets, samplers, loaders
 
 class ImageFolderDataset(torch.utils.data.Dataset):
     """Indexable by an int (validation) or by (index, epoch) from EpochSampler (training)."""
@@ -505,7 +355,17 @@ class Data:
 
     @property
     def bad_images(self):
-        return self.train_dataset.bad_images if self.train_dataset is not None else 0
+        """Training images replaced (--skip-bad-images): by the workers, and on the device (--decode gpu)."""
+        return (self.train_dataset.bad_images + dlojz_decode.DEVICE_DECODE.bad) if self.train_dataset is not None else 0
+
+    @property
+    def gpu_decode(self):
+        """--decode gpu: images decoded on the host instead, in the workers (files nvJPEG does not read:
+        CMYK, PNG named .JPEG) and after nvJPEG refused them; None for the other paths."""
+        transform = getattr(self.train_dataset, 'transform', None)
+        if not isinstance(transform, dlojz_decode.GpuTrainTransform):
+            return None
+        return {'cpu_in_workers': transform.in_workers.value, 'cpu_after_nvjpeg': dlojz_decode.DEVICE_DECODE.refused}
 
     @property
     def file_opens(self):
@@ -571,6 +431,16 @@ def loader_kwargs(args):
     return kw
 
 
+def train_transform(args):
+    """-> (the training transform of --decode, the loader's collate_fn: None for torch's default)."""
+    cpu = dlojz_decode.FastTrainTransform if dlojz_decode.simplejpeg is not None else dlojz_decode.TrainTransform
+    if args.decode == 'gpu':
+        dlojz_decode.DEVICE_DECODE.skip_bad_images = args.skip_bad_images
+        return dlojz_decode.GpuTrainTransform(args.image_size, cpu(args.image_size)), \
+            dlojz_decode.GpuCollate(args.image_size)
+    return {'fast': dlojz_decode.FastTrainTransform, 'pil': dlojz_decode.TrainTransform}[args.decode](args.image_size), None
+
+
 def build_data(args, dist, log=print, on_ranks=None):
     """on_ranks(fn, when): run fn where `when` holds, then let every rank learn of any failure (distributed)."""
     on_ranks = on_ranks or (lambda fn, when=True: fn() if when else None)
@@ -588,8 +458,8 @@ def build_data(args, dist, log=print, on_ranks=None):
         on_ranks(lambda: ensure_synthetic_dataset(source.root, args.synthetic_classes, args.synthetic_train_per_class,
                                                   args.synthetic_val_per_class, args.synthetic_seed, log=log),
                  when=dist.local_rank == 0)
-    transform = {'fast': FastTrainTransform, 'pil': TrainTransform}[args.decode](args.image_size)
-    val_transform = ValTransform(args.val_resize, args.val_image_size)
+    transform, collate = train_transform(args)
+    val_transform = dlojz_decode.ValTransform(args.val_resize, args.val_image_size)
     if source.kind == 'shards':
         classes, splits = dlojz_shards.load_index(source.root)
         train_set = ShardDataset(source.root, *splits['train'], transform, args.seed, args.skip_bad_images)
@@ -600,7 +470,7 @@ def build_data(args, dist, log=print, on_ranks=None):
         val_set = ImageFolderDataset(val_samples, val_transform, args.seed, args.skip_bad_images)
     sampler = EpochSampler(train_set, args.seed, True, dist.rank, dist.world_size)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=args.drop_last,
-                              **loader_kwargs(args))
+                              collate_fn=collate, **loader_kwargs(args))
     val_loader = DataLoader(val_set, batch_size=args.val_batch_size, drop_last=False, **loader_kwargs(args),
                             sampler=ShardSampler(len(val_set), dist.rank, dist.world_size))
     return Data(source, classes, train_loader, val_loader, train_set, len(train_set), len(val_set))

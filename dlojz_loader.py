@@ -161,7 +161,7 @@ def loader_only(args, dist, device, say):
                'data': {'source': data.source.kind, 'root': data.source.root, 'reason': data.source.reason,
                         'classes': len(data.classes), 'train_images': data.n_train,
                         'batches_per_epoch': len(data.train_loader), 'bad_images_skipped': data.bad_images,
-                        'shard_file_opens': data.file_opens},
+                        'shard_file_opens': data.file_opens, 'gpu_decode': data.gpu_decode},
                'loader': loader}
     write_json(os.path.join(args.output_dir, 'summary.json'), summary)
     return summary
@@ -198,13 +198,14 @@ def to_argv(parser, values):
 def sweep(usable, cuda, max_workers=16, decode='fast'):
     """The trials: workers 0, 1, 2, 4, ... up to the usable cores (and the usable cores), prefetch 2 and 4
     with workers, pinned memory on and off on a GPU (it only matters for the copy to one); with the most
-    workers, the other decode path too."""
+    workers, the other host decode path too, and nvJPEG on a GPU."""
     top = min(usable, max_workers)
     workers = sorted({0, top} | {2 ** k for k in range(0, 8) if 2 ** k <= top})
-    other = {'fast': 'pil', 'pil': 'fast'}[decode]
+    others = [d for d in ('fast', 'pil', 'gpu') if d != decode and (d != 'gpu' or cuda)]
+    others = others if decode != 'gpu' else others[:1]  # from the GPU path, the fast host path is the other one
     trials = []
     for w in workers:
-        for d in ([decode, other] if w == top else [decode]):
+        for d in ([decode, *others] if w == top else [decode]):
             for p in ([None] if w == 0 else [2, 4]):
                 for pin in ([False, True] if cuda else [None]):  # None: the flag is not given (refused on CPU)
                     trials.append({'num_workers': w, 'prefetch_factor': p, 'pin_memory': pin, 'decode': d})

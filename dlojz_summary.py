@@ -25,7 +25,7 @@ def write_summary(run, progress, status, error=None, extra=None):
         'data': {'source': run.data.source.kind, 'root': run.data.source.root, 'reason': run.data.source.reason,
                  'classes': len(run.data.classes), 'train_images': run.data.n_train, 'val_images': run.data.n_val,
                  'batches_per_epoch': run.steps_per_epoch, 'bad_images_skipped': run.data.bad_images,
-                 'shard_file_opens': run.data.file_opens},
+                 'shard_file_opens': run.data.file_opens, 'gpu_decode': run.data.gpu_decode},
         'timing': timing,
         'memory': run.memory.summary(), 'host': run.host,
         'energy': energy,

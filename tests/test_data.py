@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 import dlojz_data as D
+import dlojz_decode as DD
 from dlojz_errors import loader_error_message
 
 CLASSES, TRAIN, VAL = 3, 6, 2
@@ -75,7 +76,7 @@ def test_quirk_files_decode_to_rgb(synth):
         path = os.path.join(folder, f'train_0000_{i:05d}.JPEG')
         with Image.open(path) as im:
             modes[i] = (im.format, im.mode, im.info.get('progressive', 0) or im.info.get('progression', 0))
-        rgb = D.load_rgb(path)
+        rgb = DD.load_rgb(path)
         assert rgb.mode == 'RGB' and min(rgb.size) >= 300
     assert modes[0][:2] == ('JPEG', 'L')
     assert modes[1][:2] == ('JPEG', 'CMYK')
@@ -91,15 +92,15 @@ def test_bad_image_stops_with_its_name_or_is_skipped_and_counted(synth, tmp_path
     open(victim, 'wb').write(data[:len(data) // 3])  # truncated, as after an interrupted copy
     _, train, _ = D.scan_imagefolder(root)
     index = [p for p, _ in train].index(victim)
-    strict = D.ImageFolderDataset(train, D.FastTrainTransform(32))
-    with pytest.raises(D.BadImageError, match='train_0001_00002.JPEG'):
+    strict = D.ImageFolderDataset(train, DD.FastTrainTransform(32))
+    with pytest.raises(DD.BadImageError, match='train_0001_00002.JPEG'):
         strict[index]
-    lenient = D.ImageFolderDataset(train, D.FastTrainTransform(32), skip_bad_images=True)
+    lenient = D.ImageFolderDataset(train, DD.FastTrainTransform(32), skip_bad_images=True)
     img, label = lenient[index]
     assert img.shape == (3, 32, 32) and lenient.bad_images == 1
     # through a worker process: the message still names the file
     loader = torch.utils.data.DataLoader(strict, batch_size=len(train), num_workers=1)
-    with pytest.raises(D.BadImageError) as e:
+    with pytest.raises(DD.BadImageError) as e:
         next(iter(loader))
     assert 'train_0001_00002.JPEG' in loader_error_message(e.value)
     assert loader_error_message(e.value).startswith('cannot decode image')
@@ -107,7 +108,7 @@ def test_bad_image_stops_with_its_name_or_is_skipped_and_counted(synth, tmp_path
 
 def test_augmentation_is_per_sample_and_worker_independent(synth):
     _, train, _ = D.scan_imagefolder(synth)
-    ds = D.ImageFolderDataset(train, D.FastTrainTransform(32), seed=5)
+    ds = D.ImageFolderDataset(train, DD.FastTrainTransform(32), seed=5)
     batches = []
     for workers in (0, 2):
         sampler = D.EpochSampler(ds, seed=5)
@@ -156,7 +157,7 @@ def test_random_resized_crop_params_within_bounds():
     import random
     rng = random.Random(0)
     for _ in range(500):
-        top, left, h, w = D.random_resized_crop_params(rng, 500, 375)
+        top, left, h, w = DD.random_resized_crop_params(rng, 500, 375)
         assert 0 <= top and top + h <= 375 and 0 <= left and left + w <= 500
         assert 0.08 * 500 * 375 * 0.9 <= h * w <= 500 * 375
 

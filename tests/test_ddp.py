@@ -24,6 +24,7 @@ import torchvision
 
 import dlojz
 import dlojz_data as D
+import dlojz_decode as DD
 from conftest import TINY, latest, run_main, srun_like, torchrun, wait_all
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD
 
@@ -61,7 +62,7 @@ def reference_weights(cache_dir, micro_batches, steps=4, b=8, lr=0.002):
 def _reference_weights(cache_dir, micro_batches, steps, b, lr):
     root = os.path.join(cache_dir, 'synthetic-v1-c4-n24-v6-s0')
     _, train, _ = D.scan_imagefolder(root)
-    ds = D.ImageFolderDataset(train, D.FastTrainTransform(32), seed=123)
+    ds = D.ImageFolderDataset(train, DD.FastTrainTransform(32), seed=123)
     torch.manual_seed(123)
     model = torchvision.models.resnet18(num_classes=4)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)

@@ -15,7 +15,7 @@ import torch
 import dlojz
 import dlojz_errors as E
 from conftest import TINY, free_port
-from dlojz_data import BadImageError
+from dlojz_decode import BadImageError
 
 ARGS = dlojz.get_args_parser().parse_args(['--arch', 'resnet18-heads', '-b', '7', '--dist-timeout', '2'])
 WORKER_MESSAGE = ('Caught BadImageError in DataLoader worker process 0.\nOriginal Traceback (most recent call '

@@ -93,7 +93,9 @@ def test_sweep_and_verdict_by_hand():
         (0, None, None, 'fast'), (1, 2, None, 'fast'), (1, 4, None, 'fast'), (2, 2, None, 'fast'),
         (2, 4, None, 'fast'), (2, 2, None, 'pil'), (2, 4, None, 'pil')]  # the other decode path at the top
     gpu = L.sweep(12, True)
-    assert sorted({t['num_workers'] for t in gpu}) == [0, 1, 2, 4, 8, 12] and len(gpu) == 2 + 5 * 2 * 2 + 2 * 2
+    assert sorted({t['num_workers'] for t in gpu}) == [0, 1, 2, 4, 8, 12] and len(gpu) == 2 + 4 * 2 * 2 + 3 * 2 * 2
+    assert {t['decode'] for t in gpu if t['num_workers'] == 12} == {'fast', 'pil', 'gpu'}  # nvJPEG on a GPU only
+    assert {t['decode'] for t in L.sweep(4, True, decode='gpu')} == {'gpu', 'fast'}
 
     def trial(w, ips, mem):
         return {'num_workers': w, 'prefetch_factor': 2 if w else None, 'pin_memory': None, 'decode': 'fast',

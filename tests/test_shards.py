@@ -21,6 +21,7 @@ import torch
 
 import dlojz
 import dlojz_data as D
+import dlojz_decode as DD
 import dlojz_shards as S
 from conftest import ROOT, TINY, latest, run_cli, torchrun
 
@@ -111,7 +112,7 @@ def test_max_side_reencodes_and_trains(folder, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_data.py'), 'prepare', folder, dst, '--max-side',
                         '64', '--shard-size', str(SHARD_MB)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    ds = D.ShardDataset(dst, *S.load_index(dst)[1]['train'], transform=lambda src, rng: D.load_rgb(src))
+    ds = D.ShardDataset(dst, *S.load_index(dst)[1]['train'], transform=lambda src, rng: DD.load_rgb(src))
     sizes = {ds[i][0].size for i in range(len(ds))}
     assert max(max(s) for s in sizes) == 64  # ImageNet-sized sources, longer side now 64
     assert dlojz.cli([*TINY, '--data-dir', dst, '--output-dir', str(tmp_path / 'run'), '--test-nsteps', '3']) == 0
@@ -129,17 +130,17 @@ def test_a_damaged_sample_is_named_or_skipped(shards, tmp_path):
     with open(os.path.join(dst, names[shard]), 'r+b') as f:
         f.seek(offset)
         f.write(b'\0' * size)
-    strict = D.ShardDataset(dst, names, table, D.FastTrainTransform(32))
-    with pytest.raises(D.BadImageError, match=f'cannot decode image {names[shard]}:00000005'):
+    strict = D.ShardDataset(dst, names, table, DD.FastTrainTransform(32))
+    with pytest.raises(DD.BadImageError, match=f'cannot decode image {names[shard]}:00000005'):
         strict[(5, 0)]
-    lenient = D.ShardDataset(dst, names, table, D.FastTrainTransform(32), skip_bad_images=True)
+    lenient = D.ShardDataset(dst, names, table, DD.FastTrainTransform(32), skip_bad_images=True)
     x, label = lenient[(5, 0)]
     assert x.shape == (3, 32, 32) and label == int(table[6][3]) and lenient.bad_images == 1
 
 
 def test_opens_per_worker_and_shard(shards):
     names, table = S.load_index(shards)[1]['train']
-    ds = D.ShardDataset(shards, names, table, D.FastTrainTransform(32))
+    ds = D.ShardDataset(shards, names, table, DD.FastTrainTransform(32))
     loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2, sampler=D.EpochSampler(ds, 0))
     for epoch in range(2):  # workers not persistent: each epoch's workers open the shards again
         loader.sampler.set_epoch(epoch)

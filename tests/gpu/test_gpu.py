@@ -9,13 +9,17 @@
 - torchrun with NCCL at world size 1, and 2 GPUs with --sync-bn where the node has them;
 - under --deterministic, a run resumed from a checkpoint reproduces the uninterrupted run's losses exactly;
 - the device-clock verdicts: a fake-data ResNet-50 is compute-bound; the same run behind a slow loader is
-  loader-bound, and its device clock still measures the same GPU time per step.
+  loader-bound, and its device clock still measures the same GPU time per step;
+- --decode gpu: nvJPEG's crops equal the CPU seam's (libjpeg-turbo) within 2 levels, decoding never writes
+  into memory that queued training kernels still read (pytorch/vision#9606), and a run trains with it.
 
 Run: python -m pytest -q tests/gpu    (bash tests/gpu/run.sh also runs the benchmark matrix)
 """
+import io
 import json
 import math
 import os
+import random
 import statistics
 import time
 from contextlib import contextmanager
@@ -26,6 +30,7 @@ from torch.autograd import DeviceType
 
 import dlojz
 import dlojz_data
+import dlojz_decode
 from conftest import TINY, latest, run_cli, run_main, torchrun
 from dlojz_chrono import PowerMeter
 from dlojz_io import Console
@@ -349,3 +354,53 @@ def test_slow_loader_is_loader_bound_by_the_device_clock(tmp_path, cache_dir, gp
     assert compute == pytest.approx(gpu_step, rel=0.25)
     assert compute > 1.5 * host, (compute, host)
     assert t['phase_sum_error'] < 0.01
+
+
+# ------------------------------------------------------------------------------------------ --decode gpu
+
+def encoded_batch(n=32, size=64):
+    """n samples of three real-photo-like synthetic JPEGs (baseline, 4:2:0), as the workers hand them over."""
+    gpu = dlojz_decode.GpuTrainTransform(size, dlojz_decode.FastTrainTransform(size))
+    blobs = []
+    for k in range(3):
+        buf = io.BytesIO()
+        dlojz_data.synthetic_image(k, 'train', k, 0, 10).save(buf, 'JPEG', quality=90)
+        blobs.append(dlojz_decode.Blob(buf.getvalue(), f'synthetic-{k}'))
+    samples = [(gpu(blobs[i % 3], random.Random(f'0-0-{i}')), 0) for i in range(n)]
+    return dlojz_decode.GpuCollate(size)(samples)[0]
+
+
+def test_nvjpeg_crops_match_the_cpu_seam():
+    batch = encoded_batch()
+    on_gpu, on_cpu = batch.to('cuda').cpu(), batch.to('cpu')
+    diff = (on_gpu.int() - on_cpu.int()).abs().float().mean(dim=(1, 2, 3))
+    assert on_gpu.shape == on_cpu.shape and diff.max() < 2, diff  # IDCT and chroma upsampling differ slightly
+
+
+def test_decode_never_writes_into_memory_queued_kernels_read():
+    """Tensors the size of the decoded images are filled, reductions over them are queued behind a long
+    kernel, the tensors are freed (their blocks return to the caching allocator at once), then a batch is
+    decoded. With torchvision's decode_jpeg called on the training stream, nvJPEG may be handed those blocks
+    and overwrite them before the reductions run; dlojz decodes with a stream of its own."""
+    batch = encoded_batch(16)
+    sizes = [tuple(img.shape) for img in dlojz_decode.decode_jpeg(list(torch.split(batch.data, batch.sizes)),
+                                                                   mode=dlojz_decode.ImageReadMode.RGB)]
+    bad = 0
+    for trial in range(20):
+        held = [torch.full(s, 7, dtype=torch.uint8, device='cuda') for s in sizes]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time ahead of the reductions
+        sums = [t.sum(dtype=torch.int64) for t in held]
+        del held
+        batch.to('cuda')
+        torch.cuda.synchronize()
+        bad += sum(int(s.item()) != 7 * math.prod(shape) for s, shape in zip(sums, sizes))
+    assert bad == 0
+
+
+def test_a_run_trains_with_gpu_decode(tmp_path, cache_dir):
+    s, recs = run_main(tmp_path, cache_dir, *CUDA, '--decode', 'gpu', '--num-workers', 2, '--test-nsteps', 6,
+                       '--log-interval', 1)
+    assert s['status'] == 'completed' and s['config']['decode'] == 'gpu'
+    assert sorted(losses(recs)) == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for v in losses(recs).values())
+    assert s['data']['gpu_decode']['cpu_after_nvjpeg'] == 0  # the synthetic quirk files go through the workers

@@ -1,0 +1,343 @@
+"""How an image becomes a training tensor: the decode paths (--decode pil, fast, gpu) and the evaluation
+transform. Every path draws the same RandomResizedCrop box and flip from the sample's own RNG (seeded by
+dlojz_data from seed, epoch and index), so they differ by decoder and resampler only.
+
+- pil: PIL decodes the whole image (TrainTransform).
+- fast: libjpeg-turbo (simplejpeg) decodes at the smallest DCT scale the crop allows (FastTrainTransform).
+- gpu: the workers read the bytes and draw; nvJPEG decodes the batch on the GPU, which crops, resizes and
+  flips (GpuTrainTransform -> EncodedBatch -> EncodedBatch.to(device)).
+"""
+import io
+import math
+import multiprocessing as mp
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import functional as TF
+
+from dlojz_errors import DataError
+
+try:
+    import simplejpeg  # libjpeg-turbo with DCT-domain scaling, in a wheel (no system package)
+except ImportError:  # --decode fast then says what to install
+    simplejpeg = None
+
+
+class BadImageError(DataError):
+    """An image file that cannot be decoded. The message is the sentence shown to the user."""
+
+
+@dataclass(frozen=True)
+class Blob:
+    """An image's bytes read from a shard, and the name errors give it (shard:key)."""
+    data: bytes
+    name: str
+
+
+def source_name(src):
+    return src.name if isinstance(src, Blob) else src
+
+
+def read_bytes(src):
+    """The encoded image of a path or a Blob."""
+    if isinstance(src, Blob):
+        return src.data
+    try:
+        with open(src, 'rb') as f:
+            return f.read()
+    except OSError as e:
+        raise BadImageError(f'cannot read image {src} ({e.strerror}); check the data directory.') from None
+
+
+def load_rgb(src):
+    """Decode any image real ImageNet holds (a path or a Blob) into RGB; raise BadImageError naming the file
+    otherwise."""
+    name = source_name(src)
+    try:
+        with (io.BytesIO(src.data) if isinstance(src, Blob) else open(src, 'rb')) as f:
+            img = Image.open(f)
+            img.load()  # force the decode here so a truncated file fails now, with its name
+            return img.convert('RGB')
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError... depending on the damage
+        raise BadImageError(f'cannot decode image {name} ({type(e).__name__}: {e}); remove or replace it, '
+                            f'or pass --skip-bad-images to replace bad files and count them.') from None
+
+
+def random_resized_crop_params(rng, width, height, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """torchvision's RandomResizedCrop.get_params algorithm, drawing from a local RNG (random.Random)."""
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    in_ratio = width / height  # fallback: central crop at the closest allowed ratio
+    if in_ratio < ratio[0]:
+        w, h = width, int(round(width / ratio[0]))
+    elif in_ratio > ratio[1]:
+        h, w = height, int(round(height * ratio[1]))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+class TrainTransform:
+    """--decode pil: decode the whole image with PIL, then RandomResizedCrop + horizontal flip -> uint8 CHW
+    tensor (normalised later, on the device)."""
+    decode = 'pil'
+
+    def __init__(self, size):
+        self.size = size
+
+    def __call__(self, path, rng):
+        img = load_rgb(path)
+        top, left, h, w = random_resized_crop_params(rng, img.width, img.height)
+        img = TF.resized_crop(img, top, left, h, w, [self.size, self.size],
+                              interpolation=InterpolationMode.BILINEAR, antialias=True)
+        if rng.random() < 0.5:
+            img = TF.hflip(img)
+        return TF.pil_to_tensor(img)
+
+
+def dct_reduction(h, w, size, most=8):
+    """The largest r in 1, 2, 4, 8 such that an h x w crop decoded at 1/r scale still has `size` pixels on
+    each side: libjpeg-turbo then scales in the DCT domain (SIMD IDCTs at these factors), decoding r^2
+    times fewer pixels and losing no detail the output keeps."""
+    r = 1
+    while r < most and h // (2 * r) >= size and w // (2 * r) >= size:
+        r *= 2
+    return r
+
+
+class FastTrainTransform:
+    """--decode fast: the same RandomResizedCrop + flip, same draws from the same per-sample RNG, decoding
+    no more pixels than the crop needs: the crop is drawn from the JPEG header's size, libjpeg-turbo
+    (simplejpeg) decodes at the smallest power-of-two scale that keeps the crop at least `size` pixels wide,
+    the crop is a view, and torch resizes it in uint8 (bilinear, antialiased, as torchvision's). Files
+    libjpeg-turbo will not decode to RGB (CMYK, a PNG named .JPEG, ...) go through PIL, same draws."""
+    decode = 'fast'
+
+    def __init__(self, size):
+        if simplejpeg is None:
+            raise DataError('--decode fast needs the simplejpeg package (pip install -r requirements.txt); '
+                            'install it or pass --decode pil.')
+        self.size = size
+
+    def __call__(self, path, rng):
+        data = read_bytes(path)
+        try:
+            height, width = simplejpeg.decode_jpeg_header(data)[:2]
+        except ValueError:  # not a JPEG libjpeg-turbo reads
+            return self._with_pil(path, rng)
+        top, left, h, w = random_resized_crop_params(rng, width, height)
+        r = dct_reduction(h, w, self.size)
+        try:
+            arr = simplejpeg.decode_jpeg(data, 'RGB', min_height=-(-height // r), min_width=-(-width // r))
+        except ValueError:  # CMYK to RGB, a damaged file: PIL says which
+            img = load_rgb(path)
+            return self._finish(np.asarray(img), width, height, top, left, h, w, rng)
+        return self._finish(arr, width, height, top, left, h, w, rng)
+
+    def _with_pil(self, path, rng):
+        img = load_rgb(path)
+        top, left, h, w = random_resized_crop_params(rng, img.width, img.height)
+        return self._finish(np.asarray(img), img.width, img.height, top, left, h, w, rng)
+
+    def _finish(self, arr, width, height, top, left, h, w, rng):
+        sy, sx = arr.shape[0] / height, arr.shape[1] / width  # 1/r, or 1 for a full decode
+        t, l = int(top * sy), int(left * sx)
+        crop = arr[t:t + max(1, round(h * sy)), l:l + max(1, round(w * sx))]
+        x = torch.from_numpy(np.ascontiguousarray(crop)).permute(2, 0, 1).unsqueeze(0)
+        x = torch.nn.functional.interpolate(x, size=(self.size, self.size), mode='bilinear', antialias=True,
+                                            align_corners=False)[0]
+        if rng.random() < 0.5:
+            x = x.flip(-1)
+        return x.contiguous()
+
+
+class ValTransform:
+    """Resize the shorter side to `resize`, center crop `size` (torchvision's ImageNet evaluation)."""
+
+    def __init__(self, resize, size):
+        self.resize, self.size = resize, size
+
+    def __call__(self, path, rng=None):
+        img = TF.resize(load_rgb(path), self.resize, interpolation=InterpolationMode.BILINEAR, antialias=True)
+        return TF.pil_to_tensor(TF.center_crop(img, self.size))
+
+
+# ------------------------------------------------------------------------------------------ --decode gpu
+
+@dataclass
+class Encoded:
+    """A training sample on its way to the device: its JPEG bytes and its draws (crop box in the source's
+    pixels, flip)."""
+    data: torch.Tensor  # uint8, 1-D
+    box: tuple          # (top, left, height, width, flip)
+    name: str
+
+
+def nvjpeg_size(data):
+    """(width, height) of a JPEG that nvJPEG decodes to RGB (YCbCr or grayscale), else None: CMYK/YCCK, PNG
+    named .JPEG, unreadable headers. PIL reads the header only (the pixels stay encoded)."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size if img.format == 'JPEG' and img.mode in ('RGB', 'L') else None
+    except Exception:  # not an image PIL knows: the CPU path names it
+        return None
+
+
+class GpuTrainTransform:
+    """--decode gpu, worker side: read the file, draw the crop box from the JPEG header's size and the flip,
+    hand the bytes on. Files nvJPEG would refuse are decoded here by the CPU path (same draws) and counted."""
+    decode = 'gpu'
+
+    def __init__(self, size, cpu):
+        self.size, self.cpu = size, cpu
+        self.in_workers = mp.get_context('fork').Value('i', 0)  # shared with the workers, read by the summary
+
+    def __call__(self, src, rng):
+        data = read_bytes(src)
+        size = nvjpeg_size(data)
+        if size is None:
+            with self.in_workers.get_lock():
+                self.in_workers.value += 1
+            return self.cpu(src, rng)
+        top, left, h, w = random_resized_crop_params(rng, *size)
+        return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), (top, left, h, w, rng.random() < 0.5),
+                       source_name(src))
+
+
+class EncodedBatch:
+    """A --decode gpu batch as it leaves the workers: the encoded samples' bytes in one tensor (one shared
+    memory block per batch, not one per image), their boxes, and the few samples already decoded on CPU.
+    .to(device) decodes it there -> uint8 (N, 3, size, size), like the other paths' batches."""
+
+    def __init__(self, samples, size):
+        self.size, self.n = size, len(samples)
+        self.at = [i for i, x in enumerate(samples) if isinstance(x, Encoded)]
+        encoded = [samples[i] for i in self.at]
+        self.sizes = [x.data.numel() for x in encoded]
+        self.data = torch.cat([x.data for x in encoded]) if encoded else torch.empty(0, dtype=torch.uint8)
+        self.boxes = [x.box for x in encoded]
+        self.names = [x.name for x in encoded]
+        decoded = [x for x in samples if not isinstance(x, Encoded)]
+        self.pixels = torch.stack(decoded) if decoded else torch.empty(0, 3, size, size, dtype=torch.uint8)
+
+    def __len__(self):
+        return self.n
+
+    def pin_memory(self, device=None):  # called by the DataLoader's pin-memory thread
+        self.data, self.pixels = self.data.pin_memory(), self.pixels.pin_memory()
+        return self
+
+    def to(self, device, non_blocking=False):
+        return DEVICE_DECODE(self, torch.device(device), non_blocking)
+
+
+class GpuCollate:
+    """collate_fn of the training loader for --decode gpu: (EncodedBatch, int64 labels)."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def __call__(self, batch):
+        samples, labels = zip(*batch)
+        return EncodedBatch(list(samples), self.size), torch.tensor(labels, dtype=torch.int64)
+
+
+def crop_resize(img, box, size):
+    """uint8 (3, H, W) on the device -> float (3, size, size): crop, bilinear antialiased resize (as
+    torchvision's RandomResizedCrop on tensors; CUDA has no uint8 antialiased kernel), flip."""
+    top, left, h, w, flip = box
+    x = img[:, top:top + h, left:left + w].unsqueeze(0).float()
+    x = torch.nn.functional.interpolate(x, size=(size, size), mode='bilinear', antialias=True, align_corners=False)[0]
+    return x.flip(-1) if flip else x
+
+
+class DeviceDecode:
+    """EncodedBatch.to(device): batched nvJPEG decode, then crop, resize and flip on the device. An image
+    nvJPEG refuses is decoded by PIL on the host, same box, and counted; one PIL cannot read either stops the
+    run with its name, or with --skip-bad-images is replaced by the batch's previous sample and counted.
+
+    torchvision's CUDA decode_jpeg allocates its outputs on the current stream but writes them from a private
+    stream that does not wait for it, so a block just freed by queued training kernels can be overwritten
+    while they still read it (pytorch/vision#9606). Decoding with a stream of our own current keeps its
+    outputs in that stream's pool, which only ever holds earlier decode outputs, released after the training
+    stream is done with them (record_stream). decode_jpeg waits on the host for its own stream (its
+    cudaStreamSynchronize), not for the training stream."""
+
+    def __init__(self):
+        self.decode_jpeg = decode_jpeg  # seam: tests make it refuse
+        self.refused = 0                # images nvJPEG refused, decoded by PIL
+        self.bad = 0                    # images nothing could decode (--skip-bad-images)
+        self.skip_bad_images = False
+        self._streams = {}
+
+    def __call__(self, batch, device, non_blocking=False):
+        out = [None] * batch.n
+        if batch.pixels.numel():
+            pixels = batch.pixels.to(device, non_blocking=non_blocking)
+            for j, i in enumerate(sorted(set(range(batch.n)) - set(batch.at))):
+                out[i] = pixels[j].float()
+        if batch.at:
+            chunks = list(torch.split(batch.data, batch.sizes))
+            for i, img, box in zip(batch.at, self.decode(chunks, batch.names, device), batch.boxes):
+                out[i] = crop_resize(img, box, batch.size) if img is not None else None
+        good = [x for x in out if x is not None]
+        if not good:
+            raise BadImageError(f'no image of a batch could be decoded ({", ".join(batch.names)}); check the data '
+                                f'directory.')
+        out = [x if x is not None else next((y for y in out[i::-1] if y is not None), good[0])
+               for i, x in enumerate(out)]  # a bad image's place goes to the nearest earlier sample
+        return torch.stack(out).round_().clamp_(0, 255).to(torch.uint8)
+
+    def decode(self, chunks, names, device):
+        """-> the decoded images, None where no decoder could read one (--skip-bad-images)."""
+        try:
+            return self._batched(chunks, device)
+        except RuntimeError:  # one image spoils the batch: find it
+            pass
+        images = []
+        for chunk, name in zip(chunks, names):
+            try:
+                images.append(self._batched([chunk], device)[0])
+            except RuntimeError:
+                self.refused += 1
+                images.append(self._on_host(chunk, name, device))
+        return images
+
+    def _on_host(self, chunk, name, device):
+        try:
+            img = load_rgb(Blob(chunk.numpy().tobytes(), name))
+        except BadImageError:
+            if not self.skip_bad_images:
+                raise
+            self.bad += 1
+            print(f'dlojz: warning: skipped bad image {name}; using the batch\'s previous sample instead',
+                  file=sys.stderr, flush=True)
+            return None
+        return torch.from_numpy(np.asarray(img)).permute(2, 0, 1).to(device)
+
+    def _batched(self, chunks, device):
+        if device.type != 'cuda':  # the CPU seam the tests drive: libjpeg-turbo, same code after it
+            return self.decode_jpeg(chunks, mode=ImageReadMode.RGB, device=device)
+        main = torch.cuda.current_stream(device)
+        side = self._streams.setdefault(device, torch.cuda.Stream(device))
+        with torch.cuda.stream(side):
+            images = self.decode_jpeg(chunks, mode=ImageReadMode.RGB, device=device)
+        main.wait_stream(side)
+        for img in images:
+            img.record_stream(main)
+        return images
+
+
+DEVICE_DECODE = DeviceDecode()  # one per process: only the main process decodes on the device
