@@ -328,8 +328,9 @@ class DeviceDecode:
         return torch.from_numpy(np.asarray(img)).permute(2, 0, 1).to(device)
 
     def _batched(self, chunks, device):
-        if device.type != 'cuda':  # the CPU seam the tests drive: libjpeg-turbo, same code after it
-            return self.decode_jpeg(chunks, mode=ImageReadMode.RGB, device=device)
+        if device.type != 'cuda':  # the CPU seam the tests drive: libjpeg-turbo, same code after it (one image
+            # per call: torchvision 0.19 takes lists on CUDA only)
+            return [self.decode_jpeg(c, mode=ImageReadMode.RGB, device=device) for c in chunks]
         main = torch.cuda.current_stream(device)
         side = self._streams.setdefault(device, torch.cuda.Stream(device))
         with torch.cuda.stream(side):

@@ -197,16 +197,16 @@ def test_what_the_device_refuses_is_decoded_by_pil(tmp_path, monkeypatch):
     want = batch.to('cpu')
     real, gray = DD.DEVICE_DECODE.decode_jpeg, paths[3].read_bytes()
 
-    def refuses_gray(chunks, **kw):
-        if any(bytes(c.numpy()) == gray for c in chunks):
+    def refuses_gray(chunk, **kw):
+        if bytes(chunk.numpy()) == gray:
             raise RuntimeError('Error while decoding JPEG images: nvjpeg refused it')
-        return real(chunks, **kw)
+        return real(chunk, **kw)
     monkeypatch.setattr(DD.DEVICE_DECODE, 'decode_jpeg', refuses_gray)
     monkeypatch.setattr(DD.DEVICE_DECODE, 'refused', 0)
     got = DD.GpuCollate(S)(samples)[0].to('cpu')
     assert DD.DEVICE_DECODE.refused == 1 and (got.int() - want.int()).abs().max() <= 1
 
-    monkeypatch.setattr(DD.DEVICE_DECODE, 'decode_jpeg', lambda chunks, **kw: (_ for _ in ()).throw(RuntimeError('no')))
+    monkeypatch.setattr(DD.DEVICE_DECODE, 'decode_jpeg', lambda chunk, **kw: (_ for _ in ()).throw(RuntimeError('no')))
     _, samples = gpu_samples([paths[0], bad], ['a', 'b'])
     assert samples[1][0].name == str(bad)  # the header reads: it leaves the worker encoded
     with pytest.raises(DD.BadImageError, match='cannot decode image .*truncated.JPEG'):

@@ -7,6 +7,9 @@ to stdout, progress to stderr:
     python tests/gpu/bench.py | tee tests/gpu/last-bench.md     # 16 configurations
     python tests/gpu/bench.py --quick                            # 2: low precision, channels-last, fake vs JPEG
     python tests/gpu/bench.py --data-dir /path/imagenet --steps 100 --batch 256
+
+A second table gives the training loader alone (--loader-only) with the host's fast decode and with nvJPEG
+(--decode gpu), same workers, same JPEGs.
 """
 import argparse
 import datetime
@@ -86,6 +89,22 @@ def run_one(flags, out_dir):
     return summary, f'exit {code}: {said[-1][:200]}'
 
 
+def loader_rows(opts, out):
+    """--loader-only with --decode fast and gpu: -> Markdown rows."""
+    rows = []
+    for decode in ('fast', 'gpu'):
+        flags = [*common_flags(opts), *row_flags(('auto', True, False, 'jpeg'), opts), '--loader-only',
+                 '--decode', decode]
+        summary, why = run_one(flags, os.path.join(out, f'loader_{decode}'))
+        loader = (summary or {}).get('loader') or {}
+        ips = loader.get('images_per_second')
+        cell = f'{ips:.1f}' if ips and not why else f"failed ({why or 'no result'})".replace('|', '/')
+        rows.append(f'| {decode} | {opts.workers} | {cell} |')
+        print(f'loader {decode}: {why or "completed"}', file=sys.stderr, flush=True)
+    return ['', f'Training loader alone (`--loader-only`, {opts.batch} images per batch, '
+            f'{opts.steps} batches after the warm-up):', '', '| decode | workers | img/s |', '|---|---:|---:|', *rows]
+
+
 def label(cfg, summary, opts):
     amp, nhwc, comp, data = cfg
     precision = 'fp32' if amp == 'off' else summary['config']['amp'] if summary else 'bf16/fp16'
@@ -159,6 +178,7 @@ def main(argv=None):
     lines += ['| config | train img/s | GPU img/s | bound | device busy % | peak GPU memory GiB | J/image |',
               '|---|---:|---:|---|---:|---:|---:|']
     lines += ['| ' + ' | '.join(r) + ' |' for r in rows]
+    lines += loader_rows(opts, out)
     print('\n'.join(lines))
     return 1 if failed else 0
 
