@@ -34,6 +34,7 @@ import dlojz_decode
 import dlojz_dist
 import dlojz_io
 import dlojz_loader
+import dlojz_recipe
 from dlojz_chrono import Chronometer, PowerMeter, profiler
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
@@ -163,17 +164,25 @@ def get_args_parser(add_help=True):
     g.add_argument('--compile-mode', default='default', choices=['default', 'reduce-overhead', 'max-autotune',
                    'max-autotune-no-cudagraphs'], help='torch.compile mode')
     g = p.add_argument_group('optimization')
-    g.add_argument('--optimizer', choices=['sgd', 'adamw'], default='sgd', help='SGD with momentum, or AdamW')
+    g.add_argument('--optimizer', choices=['sgd', 'adamw', 'lars', 'lamb', 'lion'], default='sgd', help='SGD with '
+                   'momentum, AdamW (torch); LARS, LAMB (layer-wise trust ratios, for large global batches) or Lion '
+                   '(timm)')
     g.add_argument('--lr', type=POSITIVE, default=None, help='peak learning rate; overrides --base-lr (with '
                    '--findlr: the upper end of the sweep, default 10)')
     g.add_argument('--base-lr', type=POSITIVE, default=None, help='peak learning rate per 256 images, scaled by '
-                   'the global batch (linear scaling rule); default 0.1 for sgd, 0.001 for adamw')
-    g.add_argument('--wd', type=NON_NEGATIVE, default=0.0, help='weight decay')
-    g.add_argument('--mom', type=FRACTION, default=0.9, help='SGD momentum (AdamW beta1)')
+                   'the global batch (linear scaling rule); default ' + ', '.join(
+                       f'{v:g} for {k}' for k, v in dlojz_recipe.BASE_LR.items()))
+    g.add_argument('--wd', type=NON_NEGATIVE, default=0.0, help='weight decay (decoupled for adamw and lion)')
+    g.add_argument('--wd-norm-bias', action=B, default=None, help='weight decay on BatchNorm weights and biases '
+                   'too (default: yes, except for lars and lamb, which also leave them out of their adaptation)')
+    g.add_argument('--mom', type=FRACTION, default=0.9, help='momentum of SGD and LARS (beta1 of AdamW, LAMB, Lion)')
     g.add_argument('--label-smoothing', type=FRACTION, default=0.1, help='cross-entropy label smoothing')
-    g.add_argument('--scheduler', choices=['onecycle', 'cosine', 'constant'], default='onecycle',
-                   help='learning-rate schedule, stepped every batch (onecycle warms up over its first 30%%)')
-    g.add_argument('--warmup-epochs', type=NON_NEGATIVE, default=0.0, help='cosine: linear warm-up length, epochs')
+    g.add_argument('--scheduler', choices=['onecycle', 'cosine', 'poly', 'constant'], default='onecycle',
+                   help='learning-rate schedule, stepped every optimizer step (onecycle warms up over its first '
+                   '30%%; poly: (1 - progress)^--poly-power, as MLPerf\'s LARS runs)')
+    g.add_argument('--warmup-epochs', type=NON_NEGATIVE, default=0.0, help='cosine, poly, constant: linear '
+                   'warm-up length, epochs')
+    g.add_argument('--poly-power', type=POSITIVE, default=2.0, help='poly schedule exponent')
     g.add_argument('--findlr', action='store_true', help='LR range test: geometric from 1e-8 to --lr over the '
                    'run, stopped when the loss diverges')
     g = p.add_argument_group('run')
@@ -292,6 +301,9 @@ def check_args(args, device, world_size=1, capability=None):
         (loader_mode and world_size > 1, f'{mode} measures one process\'s loader; run '
          f'it as a single process (no torchrun, one task).'),
         (args.findlr and args.resume, '--findlr starts from a fresh model; drop --resume.'),
+        (args.wd_norm_bias and args.optimizer in dlojz_recipe.ADAPTIVE, f'--optimizer {args.optimizer} leaves '
+         f'BatchNorm weights and biases out of weight decay and of its adaptation, as published; drop '
+         f'--wd-norm-bias.'),
         (args.evaluate and not args.resume, '--evaluate validates a trained model; give its checkpoint with '
                                             '--resume PATH.'),
         (args.evaluate and args.findlr, '--evaluate and --findlr exclude each other; drop one.'),
@@ -333,7 +345,9 @@ def check_args(args, device, world_size=1, capability=None):
     if args.num_workers > 0:
         args.prefetch_factor = args.prefetch_factor or 2
         args.persistent_workers = True if args.persistent_workers is None else args.persistent_workers
-    args.base_lr = args.base_lr or {'sgd': 0.1, 'adamw': 0.001}[args.optimizer]
+    args.base_lr = args.base_lr or dlojz_recipe.BASE_LR[args.optimizer]
+    if args.wd_norm_bias is None:
+        args.wd_norm_bias = args.optimizer not in dlojz_recipe.ADAPTIVE
     if args.lr is None:  # Goyal et al. 2017: the learning rate grows with the global batch
         args.lr = 10.0 if args.findlr else args.base_lr * args.batch_size * world_size / 256
     if args.wandb is None:
@@ -370,35 +384,6 @@ def build_model(args, num_classes, device, dist):
         train_model = torch.compile(train_model, **kw)
         eval_model = torch.compile(model, **kw) if dist.distributed else train_model
     return train_model, eval_model, model
-
-
-def build_optimization(args, model, steps_per_epoch, total_steps, device):
-    """-> (criterion, optimizer, scheduler, scaler); model: the plain module (its parameters are the
-    DDP/compiled model's)."""
-    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    lr = 1e-8 if args.findlr else args.lr
-    # On a GPU the fused kernels update every parameter in a few launches, and take fp16's loss scale and
-    # inf flag as device tensors: GradScaler.step then skips its per-step found_inf.item() synchronisation.
-    fused = {'fused': True} if device.type == 'cuda' else {}
-    if args.optimizer == 'sgd':
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.mom, weight_decay=args.wd, **fused)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(args.mom, 0.999), weight_decay=args.wd,
-                                      **fused)
-    if args.findlr:  # geometric sweep from 1e-8 to --lr over every step of the run
-        mult = (args.lr / 1e-8) ** (1 / max(1, total_steps - 1))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: mult ** s)
-    elif args.scheduler == 'onecycle':
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
-                                                        total_steps=args.epochs * steps_per_epoch)
-    elif args.scheduler == 'cosine':
-        warmup, total = args.warmup_epochs * steps_per_epoch, args.epochs * steps_per_epoch
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup else
-                                                      0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, total - warmup))))
-    else:
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    scaler = torch.amp.GradScaler('cuda', enabled=args.amp == 'fp16')
-    return criterion, optimizer, scheduler, scaler
 
 
 def build_wandb(args, dist):
@@ -467,7 +452,8 @@ def build_run(args, dist, device, say):
     if len(data.classes) == 1:
         say(f'Warning: the data has a single class ({data.classes[0]}): every prediction is right, loss and '
             f'accuracy say nothing; check --data-dir.')
-    criterion, optimizer, scheduler, scaler = build_optimization(args, plain, steps_per_epoch, total_steps, device)
+    criterion, optimizer, scheduler, scaler = dlojz_recipe.build_optimization(args, plain, steps_per_epoch,
+                                                                                    total_steps, device)
     global_batch = args.batch_size * dist.world_size
     ckpt_path, ckpt = find_resume_checkpoint(args, dist, say)
     if ckpt is not None:

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import custom_models
 import dlojz
+import dlojz_recipe
 from dlojz_errors import UsageError
 from dlojz_chrono import PowerMeter
 from dlojz_metrics import PeakMemory
@@ -84,9 +85,9 @@ def test_gpu_runs_build_fused_optimizers():
     args = resolved_on((8, 0), '--amp', 'fp16')
     for name in ('sgd', 'adamw'):
         args.optimizer = name
-        opt = dlojz.build_optimization(args, torch.nn.Linear(2, 2), 10, 10, GPU)[1]
+        opt = dlojz_recipe.build_optimization(args, torch.nn.Linear(2, 2), 10, 10, GPU)[1]
         assert opt.defaults['fused'] is True, name
-    cpu = dlojz.build_optimization(args, torch.nn.Linear(2, 2), 10, 10, torch.device('cpu'))[1]
+    cpu = dlojz_recipe.build_optimization(args, torch.nn.Linear(2, 2), 10, 10, torch.device('cpu'))[1]
     assert not cpu.defaults.get('fused')
 
 

@@ -1,0 +1,123 @@
+"""The training recipe: the optimizer and its parameter groups, the learning-rate schedule, and the
+exponential moving average (EMA) of the weights.
+
+- Optimizers: torch's SGD and AdamW (fused on a GPU); LARS, LAMB and Lion from timm, imported only when
+  chosen (timm's import takes seconds).
+- Weight decay goes to every parameter unless --no-wd-norm-bias, which gives the BatchNorm weights and all
+  biases (the 1-D parameters) their own group without decay. LARS and LAMB leave that group out of their
+  layer-wise adaptation too, as published (You et al. 2017, 2019): timm adapts a group when its weight decay
+  is non-zero or its 'always_adapt' is set, so the decayed group gets always_adapt and the other none.
+- Schedules are functions of the optimizer step: onecycle (torch's), cosine, poly and constant, the last
+  three after --warmup-epochs of linear warm-up.
+"""
+import copy
+import math
+
+import torch
+import torch.nn as nn
+
+# peak learning rate per 256 images (the linear scaling rule multiplies it by global batch / 256): SGD's from
+# Goyal et al. 2017; AdamW's and Lion's from their papers' ImageNet ResNet settings (Lion: 3-10x below
+# AdamW); LARS's and LAMB's from a sweep on the synthetic data (tests/test_recipe.py, BENCHMARKS.md).
+BASE_LR = {'sgd': 0.1, 'adamw': 0.001, 'lars': 0.5, 'lamb': 0.002, 'lion': 0.0001}
+ADAPTIVE = ('lars', 'lamb')  # layer-wise trust ratios: the norm/bias group is left out of them
+
+
+def param_groups(model, wd, wd_norm_bias=True, adaptive=False):
+    """-> optimizer parameter groups: one with every parameter, or (without wd_norm_bias) the weights of
+    convolutions and linear layers with `wd`, then the 1-D parameters (norm weights, biases) without.
+    adaptive: the groups carry timm's always_adapt (LARS, LAMB)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if wd_norm_bias:
+        return [{'params': params, 'weight_decay': wd, **({'always_adapt': True} if adaptive else {})}]
+    decay = [p for p in params if p.ndim > 1]
+    flat = [p for p in params if p.ndim <= 1]
+    groups = [{'params': decay, 'weight_decay': wd, **({'always_adapt': True} if adaptive else {})}]
+    if flat:
+        groups.append({'params': flat, 'weight_decay': 0.0, **({'always_adapt': False} if adaptive else {})})
+    return groups
+
+
+def build_optimizer(args, model, lr, device):
+    groups = param_groups(model, args.wd, args.wd_norm_bias, args.optimizer in ADAPTIVE)
+    # On a GPU the fused kernels update every parameter in a few launches, and take fp16's loss scale and
+    # inf flag as device tensors: GradScaler.step then skips its per-step found_inf.item() synchronisation.
+    fused = {'fused': True} if device.type == 'cuda' else {}
+    if args.optimizer == 'sgd':
+        return torch.optim.SGD(groups, lr=lr, momentum=args.mom, **fused)
+    if args.optimizer == 'adamw':
+        return torch.optim.AdamW(groups, lr=lr, betas=(args.mom, 0.999), **fused)
+    from timm import optim as timm_optim  # seconds to import: only when asked for
+    if args.optimizer == 'lars':
+        return timm_optim.Lars(groups, lr=lr, momentum=args.mom)
+    if args.optimizer == 'lamb':
+        return timm_optim.Lamb(groups, lr=lr, betas=(args.mom, 0.999))
+    return timm_optim.Lion(groups, lr=lr, betas=(args.mom, 0.99))
+
+
+def lr_factor(schedule, step, warmup, total, power=2.0):
+    """The multiplier of the peak LR at optimizer step `step` (0-based) of `total`, after `warmup` steps of
+    linear warm-up: cosine to 0, poly (1 - t)^power to 0, or constant."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == 'cosine':
+        return 0.5 * (1 + math.cos(math.pi * t))
+    if schedule == 'poly':
+        return (1 - t) ** power
+    return 1.0
+
+
+def build_optimization(args, model, steps_per_epoch, total_steps, device):
+    """-> (criterion, optimizer, scheduler, scaler); model: the plain module (its parameters are the
+    DDP/compiled model's). steps_per_epoch: optimizer steps."""
+    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    optimizer = build_optimizer(args, model, 1e-8 if args.findlr else args.lr, device)
+    if args.findlr:  # geometric sweep from 1e-8 to --lr over every step of the run
+        mult = (args.lr / 1e-8) ** (1 / max(1, total_steps - 1))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: mult ** s)
+    elif args.scheduler == 'onecycle':
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
+                                                        total_steps=args.epochs * steps_per_epoch)
+    else:
+        warmup, total = round(args.warmup_epochs * steps_per_epoch), args.epochs * steps_per_epoch
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(args.scheduler, s, warmup, total, args.poly_power))
+    scaler = torch.amp.GradScaler('cuda', enabled=args.amp == 'fp16')
+    return criterion, optimizer, scheduler, scaler
+
+
+class EMA:
+    """Exponential moving average of a model's parameters and floating-point buffers (BatchNorm running
+    statistics), updated on the device after each optimizer step: ema = decay * ema + (1 - decay) * model.
+    With warm-up the decay starts low, min(decay, (1 + n) / (10 + n)) after n updates (TensorFlow's and
+    timm's rule), so that the average does not drag the random initial weights along. Integer buffers
+    (BatchNorm's batch counter) are copied."""
+
+    def __init__(self, model, decay, warmup=True):
+        self.module = copy.deepcopy(model).eval()
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+        self.decay, self.warmup, self.updates = decay, warmup, 0
+
+    def pairs(self, model):
+        mine = list(self.module.parameters()) + list(self.module.buffers())
+        theirs = list(model.parameters()) + list(model.buffers())
+        return [(a, b) for a, b in zip(mine, theirs) if a.is_floating_point()], \
+            [(a, b) for a, b in zip(mine, theirs) if not a.is_floating_point()]
+
+    @torch.no_grad()
+    def update(self, model):
+        self.updates += 1
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
+        floats, ints = self.pairs(model)
+        torch._foreach_lerp_([a for a, _ in floats], [b.detach() for _, b in floats], 1 - decay)
+        for a, b in ints:
+            a.copy_(b)
+
+    def state_dict(self):
+        return {'module': self.module.state_dict(), 'updates': self.updates, 'decay': self.decay}
+
+    def load_state_dict(self, state):
+        self.module.load_state_dict(state['module'])
+        self.updates = state['updates']

@@ -1,0 +1,90 @@
+"""The recipe flags: the parameter groups counted by hand on torchvision's ResNet-18, LARS's update against
+the published formula (and its norm/bias group left unadapted), the schedules against their formulas, each
+optimizer training, the EMA against a hand-rolled average.
+
+Run: python -m pytest -q tests/test_recipe.py
+"""
+import math
+from argparse import Namespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+
+import dlojz
+import dlojz_recipe as R
+from conftest import TINY, run_main
+
+
+def test_no_wd_norm_bias_groups_by_hand():
+    model = torchvision.models.resnet18(num_classes=10)
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    decay, flat = R.param_groups(model, 5e-5, wd_norm_bias=False)
+    assert len(flat['params']) == 2 * len(bns) + 1 and flat['weight_decay'] == 0  # BN weight and bias, fc.bias
+    assert len(decay['params']) == len(convs) + 1 and decay['weight_decay'] == 5e-5  # conv weights, fc.weight
+    everything, = R.param_groups(model, 5e-5)
+    assert len(everything['params']) == len(list(model.parameters()))
+
+
+def lars_step(wd_norm_bias, lr=0.5, wd=1e-4):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    nn.CrossEntropyLoss()(model(torch.randn(5, 3, 8, 8)), torch.tensor([0, 1, 2, 0, 1])).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    args = Namespace(optimizer='lars', wd=wd, wd_norm_bias=wd_norm_bias, mom=0.9)
+    R.build_optimizer(args, model, lr, torch.device('cpu')).step()
+    return before, grads, dict(model.named_parameters())
+
+
+def test_lars_follows_the_published_update_and_leaves_norm_and_bias_alone():
+    """You et al. 2017: local lr = trust * ||w|| / (||g|| + wd ||w||), applied to g + wd w (trust 0.001,
+    first step: momentum buffer = the update). BatchNorm weights and biases take a plain SGD step."""
+    lr, wd = 0.5, 1e-4
+    before, grads, after = lars_step(False, lr, wd)
+    for name in before:
+        w, g = before[name], grads[name]
+        if w.ndim > 1:
+            ratio = 0.001 * w.norm() / (g.norm() + wd * w.norm() + 1e-8)
+            want = w - lr * ratio * (g + wd * w)
+        else:
+            want = w - lr * g
+        torch.testing.assert_close(after[name].detach(), want, rtol=1e-5, atol=1e-7, msg=name)
+    _, _, adapted = lars_step(True, lr, wd)  # every group adapted: the biases move differently, so the check bites
+    assert not torch.allclose(adapted['3.bias'], before['3.bias'] - lr * grads['3.bias'])
+
+
+def test_schedules_by_formula():
+    f = R.lr_factor
+    assert [f('constant', s, 4, 20) for s in (0, 1, 3, 4, 19)] == [0.25, 0.5, 1.0, 1.0, 1.0]
+    assert f('cosine', 4, 4, 20) == 1.0 and f('cosine', 12, 4, 20) == pytest.approx(0.5)
+    assert f('cosine', 20, 4, 20) == pytest.approx(0.0, abs=1e-12)
+    assert f('poly', 12, 4, 20) == pytest.approx(0.25) and f('poly', 12, 4, 20, power=1) == pytest.approx(0.5)
+    # the scheduler the run builds: 10 steps per epoch, 2 epochs, 0.5 epoch of warm-up, poly power 2
+    args = dlojz.get_args_parser().parse_args(TINY + ['--scheduler', 'poly', '--warmup-epochs', '0.5', '-e', '2',
+                                                      '--lr', '0.4'])
+    args = dlojz.check_args(args, torch.device('cpu'))
+    _, opt, sched, _ = R.build_optimization(args, nn.Linear(2, 2), 10, 20, torch.device('cpu'))
+    lrs = []
+    for _ in range(20):
+        lrs.append(opt.param_groups[0]['lr'])
+        opt.step()
+        sched.step()
+    want = [0.4 * (s + 1) / 5 if s < 5 else 0.4 * (1 - (s - 5) / 15) ** 2 for s in range(20)]
+    assert lrs == pytest.approx(want)
+
+
+@pytest.mark.parametrize('name', ['lars', 'lamb', 'lion', 'adamw'])
+def test_each_optimizer_trains(tmp_path, cache_dir, name):
+    s, recs = run_main(tmp_path, cache_dir, '--optimizer', name, '--test-nsteps', '4', '--log-interval', '1',
+                       '--scheduler', 'poly')
+    train = [r['loss'] for r in recs if r['type'] == 'train']
+    assert s['status'] == 'completed' and len(train) == 4 and all(math.isfinite(v) for v in train)
+    assert s['config']['base_lr'] == R.BASE_LR[name] and s['config']['wd_norm_bias'] == (name not in R.ADAPTIVE)
+
+
+def test_lars_with_decay_on_norm_and_bias_is_refused(capsys):
+    assert dlojz.cli([*TINY, '--optimizer', 'lars', '--wd-norm-bias', '--test-nsteps', '1']) == 2
+    assert 'leaves BatchNorm weights and biases out of weight decay' in capsys.readouterr().err
