@@ -42,7 +42,8 @@ from dlojz_errors import CommFailure, DlojzError, Interrupted, Preempted, UsageE
 from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
 from dlojz_io import (Console, Logger, default_output_dir, host_check, intra_op_threads, prepare_output_dir,
                       remove_if_empty, run_status, usable_cores, write_json)
-from dlojz_state import Progress, check_checkpoint, find_resume_checkpoint, preempt, restore, save
+from dlojz_state import (Progress, check_checkpoint, find_resume_checkpoint, note_validation, preempt, restore,
+                         run_wall_s, save)
 from dlojz_summary import final_lines, write_summary
 
 
@@ -172,7 +173,7 @@ def get_args_parser(add_help=True):
     g.add_argument('--base-lr', type=POSITIVE, default=None, help='peak learning rate per 256 images, scaled by '
                    'the global batch (linear scaling rule); default ' + ', '.join(
                        f'{v:g} for {k}' for k, v in dlojz_recipe.BASE_LR.items()))
-    g.add_argument('--wd', type=NON_NEGATIVE, default=0.0, help='weight decay (decoupled for adamw and lion)')
+    g.add_argument('--wd', type=NON_NEGATIVE, default=0.0, help='weight decay (adamw, lion: decoupled)')
     g.add_argument('--wd-norm-bias', action=B, default=None, help='weight decay on BatchNorm weights and biases '
                    'too (default: yes, except for lars and lamb, which also leave them out of their adaptation)')
     g.add_argument('--mom', type=FRACTION, default=0.9, help='momentum of SGD and LARS (beta1 of AdamW, LAMB, Lion)')
@@ -183,6 +184,11 @@ def get_args_parser(add_help=True):
     g.add_argument('--warmup-epochs', type=NON_NEGATIVE, default=0.0, help='cosine, poly, constant: linear '
                    'warm-up length, epochs')
     g.add_argument('--poly-power', type=POSITIVE, default=2.0, help='poly schedule exponent')
+    g.add_argument('--ema-decay', type=FRACTION, default=None, help='keep an exponential moving average of the '
+                   'weights with this decay per optimizer step (e.g. 0.9998), validated beside the raw model, saved '
+                   'and resumed (default: none)')
+    g.add_argument('--ema-warmup', action=B, default=True, help='EMA decay min(decay, (1 + n) / (10 + n)) after n '
+                   'steps, so that the average forgets the initial weights')
     g.add_argument('--findlr', action='store_true', help='LR range test: geometric from 1e-8 to --lr over the '
                    'run, stopped when the loss diverges')
     g = p.add_argument_group('run')
@@ -201,7 +207,12 @@ def get_args_parser(add_help=True):
                    'a checksum of the flags)')
     g.add_argument('--overwrite', action='store_true', help='delete the run files (config, metrics, summary, '
                    'checkpoints) of a non-empty --output-dir first')
-    g.add_argument('--chkpt', action='store_true', help='write checkpoint-<step>.pt at the end of each epoch and run')
+    g.add_argument('--val-every', type=I, default=1, help='validate every N epochs (and after the last)')
+    g.add_argument('--target-top1', type=FRACTION, default=None, help='time to accuracy: record the wall time, '
+                   'epoch and images seen when validation top-1 (a fraction, e.g. 0.759) first reaches this, for '
+                   'the raw weights and the EMA')
+    g.add_argument('--chkpt', action='store_true', help='write checkpoint-<step>.pt at the end of each epoch and run, '
+                   'and best.pt when validation top-1 improves')
     g.add_argument('--chkpt-every', type=N, default=0, help='also every N steps (implies --chkpt)')
     g.add_argument('--keep-checkpoints', type=I, default=2, help='newest checkpoints kept in the run directory')
     g.add_argument('--resume', default=None, help='checkpoint to continue from, or "auto": the newest readable '
@@ -404,6 +415,8 @@ def console_lines(args, steps_per_epoch):
                                     f"top-5 {r['top5']:.4f}"),
         'val': lambda r: (f"Validation epoch {r['epoch']}: loss {r['loss']:.4f} top-1 {r['top1']:.4f} top-5 "
                           f"{r['top5']:.4f} ({r['images']} images, {r['time_s']:.1f} s)"),
+        'val_ema': lambda r: (f"Validation (EMA) epoch {r['epoch']}: loss {r['loss']:.4f} top-1 {r['top1']:.4f} "
+                              f"top-5 {r['top5']:.4f}"),
         'findlr': lambda r: (f"LR sweep step {r['global_step']}: lr {r['lr']:.3g} loss {r['loss']:.4f} (smoothed "
                              f"{r['smoothed']:.4f})"),
     }
@@ -435,6 +448,8 @@ class Run:
     host: dict                    # cores, load, threads, workers (dlojz_io.host_check)
     steps_per_epoch: int
     total_steps: int              # of this invocation's schedule: --findlr's sweep length
+    ema: object = None            # dlojz_recipe.EMA with --ema-decay
+    started: float = 0.0          # time.time() when the run was built: time to accuracy counts from here
 
 
 def build_run(args, dist, device, say):
@@ -476,7 +491,9 @@ def build_run(args, dist, device, say):
                          append=ckpt is not None and not args.evaluate, lines=console_lines(args, steps_per_epoch),
                          wandb=build_wandb(args, dist)),
               global_batch=global_batch, host=host_check(args.num_workers, device.type == 'cpu'),
-              steps_per_epoch=steps_per_epoch, total_steps=total_steps)
+              steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+              ema=dlojz_recipe.EMA(plain, args.ema_decay, args.ema_warmup) if args.ema_decay else None,
+              started=time.time())
     return run, restore(run, ckpt) if ckpt is not None else Progress()
 
 
@@ -507,6 +524,8 @@ def train_step(run, images, labels):
         run.scaler.update()
         run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
+    if run.ema is not None:
+        run.ema.update(run.model_without_ddp)
     return loss.detach(), output.detach(), labels
 
 
@@ -523,8 +542,13 @@ def train(run, progress, prof=None):
         remaining = remaining - (progress.step - first) if remaining is not None else None
         if args.chkpt:
             save(run, progress)
-        if not args.test or remaining == 0 or progress.epoch == args.epochs - 1:
+        last = remaining == 0 or progress.epoch == args.epochs - 1
+        if last or (not args.test and (progress.epoch + 1) % args.val_every == 0):
             progress.val = evaluate(run, progress.epoch, progress.global_step, 20 if args.test else None)
+            if run.ema is not None:
+                progress.val_ema = evaluate(run, progress.epoch, progress.global_step, 20 if args.test else None,
+                                            ema=True)
+            note_validation(run, progress)
         if progress.step == run.steps_per_epoch:
             progress.epoch, progress.step = progress.epoch + 1, 0
 
@@ -651,15 +675,16 @@ def find_lr(run, progress, beta=0.98, explode=4.0):
 
 
 @torch.inference_mode()
-def evaluate(run, epoch, global_step, max_batches=None):
+def evaluate(run, epoch, global_step, max_batches=None, ema=False):
     """Exact validation: each rank evaluates its own unpadded shard of the validation set and the meters of
-    all ranks are added up, so every image counts once whatever the world size."""
-    model, chrono = run.eval_model, run.chrono
+    all ranks are added up, so every image counts once whatever the world size. ema: the EMA weights."""
+    model, chrono = run.ema.module if ema else run.eval_model, run.chrono
     model.eval()
     if run.args.nccl_debug:  # comm_profiler marker: the collectives that follow belong to validation
         print(f'Validation - rank {run.dist.rank}', flush=True)
-    dlojz_dist.broadcast_buffers_(run.model_without_ddp)  # rank 0's BatchNorm statistics, as in its checkpoint
-    meters, batches = Meters(len(run.data.classes), run.device), 0
+    # rank 0's BatchNorm statistics, as in its checkpoint
+    dlojz_dist.broadcast_buffers_(run.ema.module if ema else run.model_without_ddp)
+    meters, batches, raw_time = Meters(len(run.data.classes), run.device), 0, chrono.val_time
     with chrono.validation():
         for x, labels in itertools.islice(run.data.val_loader, max_batches):
             x, labels = to_device(x, labels, run)
@@ -669,9 +694,13 @@ def evaluate(run, epoch, global_step, max_batches=None):
             meters.update(loss, output, labels)
             batches += 1
         # compute() is a collective; inside the timed block so that waiting for slower ranks counts
-        res = dict(type='val', epoch=epoch + 1, global_step=global_step, **meters.compute(), batches=batches)
-    chrono.val_batches = batches
+        res = dict(type='val_ema' if ema else 'val', epoch=epoch + 1, global_step=global_step, **meters.compute(),
+                   batches=batches, train_images=global_step * run.global_batch, wall_s=run_wall_s(run))
     res['time_s'] = chrono.val_time
+    if ema:  # the summary's validation time and batches stay the raw model's
+        chrono.val_time = raw_time
+    else:
+        chrono.val_batches = batches
     run.log.log(**res)
     return res
 
@@ -752,6 +781,9 @@ def _main(args, dist, device):
         if args.evaluate:  # an end-of-epoch checkpoint is the start of the next epoch
             epoch = progress.epoch - 1 if progress.step == 0 else progress.epoch
             progress.val = evaluate(run, max(0, epoch), progress.global_step, 20 if args.test else None)
+            if run.ema is not None:
+                progress.val_ema = evaluate(run, max(0, epoch), progress.global_step, 20 if args.test else None,
+                                            ema=True)
         elif args.findlr:
             extra['findlr'] = find_lr(run, progress)
         else:

@@ -77,7 +77,7 @@ def named_run_dir(name, continues, root='runs', job_id=None, alive=job_alive):
     return path
 
 
-RUN_FILES = ('config.json', 'metrics.jsonl', 'summary.json')
+RUN_FILES = ('config.json', 'metrics.jsonl', 'summary.json', 'best.pt')
 
 
 def run_files(path):

@@ -4,7 +4,9 @@ writes, listing, pruning) are dlojz_io's."""
 import random
 import sys
 import warnings
-from dataclasses import dataclass
+import os
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,6 +25,9 @@ class Progress:
     global_step: int = 0
     train: dict = None     # the last epoch's training metrics
     val: dict = None       # the last validation
+    val_ema: dict = None   # the last validation of the EMA weights
+    best_top1: float = None
+    reached: dict = field(default_factory=dict)  # 'raw'/'ema' -> when validation first reached --target-top1
 
     def advance(self):
         self.step += 1
@@ -49,19 +54,22 @@ def checkpoint_state(run, progress, device_rng):
             'model': strip_prefixes(run.model_without_ddp.state_dict()), 'optimizer': run.optimizer.state_dict(),
             'scheduler': run.scheduler.state_dict(), 'scaler': run.scaler.state_dict(), 'epoch': epoch,
             'step_in_epoch': step, 'global_step': progress.global_step, 'global_batch': run.global_batch,
-            'args': vars(run.args),
+            'args': vars(run.args), 'ema': run.ema.state_dict() if run.ema is not None else None,
+            'race': {'best_top1': progress.best_top1, 'reached': progress.reached,
+                     'wall_s': run_wall_s(run)},
             'rng': {'torch': torch.get_rng_state(), 'numpy': np.random.get_state(), 'python': random.getstate(),
                     'device': device_rng}}
 
 
-def save(run, progress):
+def save(run, progress, path=None):
     """Every rank calls it: each rank's device RNG state is gathered, then rank 0 writes
-    checkpoint-<global step>.pt in the run directory, keeping the newest --keep-checkpoints. A failure on
-    rank 0 (a full disk) is raised on every rank. -> the path, on every rank."""
+    checkpoint-<global step>.pt in the run directory, keeping the newest --keep-checkpoints (or `path`,
+    pruning nothing). A failure on rank 0 (a full disk) is raised on every rank. -> the path, on every rank."""
     device_rng = dlojz_dist.all_gather_object(device_rng_state(run.device))
-    path = checkpoint_path(run.args.output_dir, progress.global_step)
-    dlojz_dist.on_ranks(lambda: save_checkpoint(path, checkpoint_state(run, progress, device_rng),
-                                                keep=run.args.keep_checkpoints), when=run.dist.is_main)
+    keep = None if path else run.args.keep_checkpoints
+    path = path or checkpoint_path(run.args.output_dir, progress.global_step)
+    dlojz_dist.on_ranks(lambda: save_checkpoint(path, checkpoint_state(run, progress, device_rng), keep=keep),
+                        when=run.dist.is_main)
     run.log.print(f'Checkpoint {path} written (step {progress.global_step})')
     return path
 
@@ -100,7 +108,13 @@ def check_checkpoint(args, ckpt, path, num_classes, global_batch, world_size):
 def restore(run, ckpt):
     """Load a checkpoint (already checked) into the run; -> the Progress to continue from."""
     run.model_without_ddp.load_state_dict(ckpt['model'])
-    progress = Progress(epoch=ckpt['epoch'], step=ckpt['step_in_epoch'], global_step=ckpt['global_step'])
+    race = ckpt.get('race') or {}
+    progress = Progress(epoch=ckpt['epoch'], step=ckpt['step_in_epoch'], global_step=ckpt['global_step'],
+                        best_top1=race.get('best_top1'), reached=race.get('reached') or {})
+    run.started -= race.get('wall_s') or 0.0  # time to accuracy counts the earlier attempts too
+    if run.ema is not None:  # a checkpoint without an EMA starts one from its weights
+        run.ema.load_state_dict(ckpt['ema'] if ckpt.get('ema') else
+                                {'module': run.model_without_ddp.state_dict(), 'updates': 0})
     if run.args.evaluate:
         return progress
     run.optimizer.load_state_dict(ckpt['optimizer'])
@@ -149,3 +163,26 @@ def preempt(run, progress):
                          f'continue with --resume auto --run-name {args.run_name}.' if args.run_name
                          else f'continue with --resume auto --output-dir {args.output_dir}.')),
                     requeued=requeued, checkpoint=path)
+
+
+def run_wall_s(run):
+    """Wall time since the run was first built, earlier attempts of a resumed run included (restore)."""
+    return time.time() - run.started
+
+
+def note_validation(run, progress):
+    """After a validation: best.pt when raw top-1 improves (with --chkpt; not in --test mode, whose
+    validation is 20 batches), and the first time the raw and the EMA weights reached --target-top1 (wall
+    time, epoch, optimizer steps, images seen)."""
+    top1 = progress.val['top1']
+    if run.args.chkpt and not run.args.test and (progress.best_top1 is None or top1 > progress.best_top1):
+        progress.best_top1 = top1
+        save(run, progress, os.path.join(run.args.output_dir, 'best.pt'))
+    progress.best_top1 = max(top1, progress.best_top1 or 0.0)
+    target = run.args.target_top1
+    for kind, val in (('raw', progress.val), ('ema', progress.val_ema)):
+        if target is not None and val is not None and kind not in progress.reached and val['top1'] >= target:
+            progress.reached[kind] = {'top1': val['top1'], 'wall_s': val['wall_s'], 'epoch': val['epoch'],
+                                      'global_step': val['global_step'], 'train_images': val['train_images']}
+            run.log.print(f">>> Reached top-1 {target:g} ({kind} weights) after {val['wall_s']:.1f} s, epoch "
+                          f"{val['epoch']}, {val['train_images']} images")

@@ -29,7 +29,11 @@ def write_summary(run, progress, status, error=None, extra=None):
         'timing': timing,
         'memory': run.memory.summary(), 'host': run.host,
         'energy': energy,
-        'global_step': progress.global_step, 'train': progress.train, 'val': progress.val, **(extra or {}),
+        'global_step': progress.global_step, 'train': progress.train, 'val': progress.val,
+        'val_ema': progress.val_ema,
+        'time_to_accuracy': {'target_top1': args.target_top1, 'best_top1': progress.best_top1,
+                             'raw': progress.reached.get('raw'), 'ema': progress.reached.get('ema')},
+        **(extra or {}),
     }
     if dist.distributed:
         summary['communication'] = communication_estimate(args.bucket_cap_mb, run.model_without_ddp,

@@ -88,3 +88,64 @@ def test_each_optimizer_trains(tmp_path, cache_dir, name):
 def test_lars_with_decay_on_norm_and_bias_is_refused(capsys):
     assert dlojz.cli([*TINY, '--optimizer', 'lars', '--wd-norm-bias', '--test-nsteps', '1']) == 2
     assert 'leaves BatchNorm weights and biases out of weight decay' in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ EMA, race
+
+def test_ema_is_the_hand_rolled_average():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    ema = R.EMA(model, 0.9, warmup=False)
+    want = {k: v.clone().double() for k, v in model.state_dict().items()}
+    for _ in range(3):
+        model(torch.randn(2, 3, 8, 8))  # moves the BatchNorm statistics and counter
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update(model)
+        for k, v in model.state_dict().items():
+            want[k] = v.double() if not v.is_floating_point() else 0.9 * want[k] + 0.1 * v.double()
+    for k, v in ema.module.state_dict().items():
+        torch.testing.assert_close(v.double(), want[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert int(ema.module[1].num_batches_tracked) == 3
+    warm = R.EMA(model, 0.9999)
+    before = [p.clone() for p in warm.module.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    warm.update(model)  # first update: decay min(0.9999, 2 / 11)
+    for a, b, m in zip(warm.module.parameters(), before, model.parameters()):
+        torch.testing.assert_close(a, 2 / 11 * b + 9 / 11 * m.detach())
+
+
+def val_records(recs, kind='val'):
+    return [r for r in recs if r['type'] == kind]
+
+
+def test_ema_is_resumed_exactly(tmp_path, cache_dir):
+    """2 epochs with an EMA, and the same run stopped mid-epoch 2 then resumed: the same EMA validation."""
+    flags = ['-e', '2', '--ema-decay', '0.9', '--log-interval', '1']
+    _, full = run_main(tmp_path / 'full', cache_dir, *flags)
+    run_main(tmp_path / 'part', cache_dir, *flags, '--test-nsteps', '18', '--chkpt')
+    part = tmp_path / 'part'
+    ckpt = sorted(part.glob('checkpoint-*.pt'))[-1]
+    _, second = run_main(tmp_path / 'resumed', cache_dir, *flags, '--resume', ckpt)
+    ref, got = val_records(full, 'val_ema')[-1], val_records(second, 'val_ema')[-1]
+    assert (got['loss'], got['top1']) == (ref['loss'], ref['top1']) and got['global_step'] == 24
+    assert val_records(full, 'val')[-1]['loss'] != ref['loss']  # the EMA is another model than the raw one
+
+
+def test_val_every_best_checkpoint_and_time_to_accuracy(tmp_path, cache_dir):
+    s, recs = run_main(tmp_path, cache_dir, '-e', '4', '--val-every', '2', '--chkpt', '--target-top1', '0.3',
+                       '--ema-decay', '0.5')
+    vals = val_records(recs)
+    assert [r['epoch'] for r in vals] == [2, 4] and [r['epoch'] for r in val_records(recs, 'val_ema')] == [2, 4]
+    best = max(vals, key=lambda r: r['top1'])
+    ckpt = torch.load(tmp_path / 'best.pt', weights_only=False)
+    assert ckpt['global_step'] == best['global_step'] and ckpt['race']['best_top1'] == best['top1']
+    assert ckpt['ema'] is not None
+    tta = s['time_to_accuracy']
+    for kind, records in (('raw', vals), ('ema', val_records(recs, 'val_ema'))):
+        first = next(r for r in records if r['top1'] >= 0.3)
+        assert tta[kind]['epoch'] == first['epoch'] and tta[kind]['train_images'] == first['global_step'] * 8
+        assert 0 < tta[kind]['wall_s'] == first['wall_s']
