@@ -177,6 +177,9 @@ def get_args_parser(add_help=True):
     g.add_argument('--wd-norm-bias', action=B, default=None, help='weight decay on BatchNorm weights and biases '
                    'too (default: yes, except for lars and lamb, which also leave them out of their adaptation)')
     g.add_argument('--mom', type=FRACTION, default=0.9, help='momentum of SGD and LARS (beta1 of AdamW, LAMB, Lion)')
+    g.add_argument('--accum-steps', type=I, default=1, help='micro-batches of -b images per optimizer step, their '
+                   'gradients added up (DDP all-reduces once, during the last): global batch = -b x processes x N, '
+                   'and one GPU sees the batches N GPUs would')
     g.add_argument('--label-smoothing', type=FRACTION, default=0.1, help='cross-entropy label smoothing')
     g.add_argument('--scheduler', choices=['onecycle', 'cosine', 'poly', 'constant'], default='onecycle',
                    help='learning-rate schedule, stepped every optimizer step (onecycle warms up over its first '
@@ -360,7 +363,7 @@ def check_args(args, device, world_size=1, capability=None):
     if args.wd_norm_bias is None:
         args.wd_norm_bias = args.optimizer not in dlojz_recipe.ADAPTIVE
     if args.lr is None:  # Goyal et al. 2017: the learning rate grows with the global batch
-        args.lr = 10.0 if args.findlr else args.base_lr * args.batch_size * world_size / 256
+        args.lr = 10.0 if args.findlr else args.base_lr * args.batch_size * world_size * args.accum_steps / 256
     if args.wandb is None:
         args.wandb = 'off' if args.test else 'offline'
     return args
@@ -458,7 +461,7 @@ def build_run(args, dist, device, say):
     say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train / '
         f'{data.n_val} val images, {len(data.classes)} classes')
     model, eval_model, plain = build_model(args, len(data.classes), device, dist)
-    steps_per_epoch = len(data.train_loader)
+    steps_per_epoch = len(data.train_steps)
     total_steps = args.epochs * steps_per_epoch
     if args.test and args.test_nsteps > total_steps:
         say(f'Note: --test-nsteps {args.test_nsteps} is more than {args.epochs} epoch(s) of {steps_per_epoch} steps '
@@ -469,7 +472,7 @@ def build_run(args, dist, device, say):
             f'accuracy say nothing; check --data-dir.')
     criterion, optimizer, scheduler, scaler = dlojz_recipe.build_optimization(args, plain, steps_per_epoch,
                                                                                     total_steps, device)
-    global_batch = args.batch_size * dist.world_size
+    global_batch = args.batch_size * dist.world_size * args.accum_steps
     ckpt_path, ckpt = find_resume_checkpoint(args, dist, say)
     if ckpt is not None:
         check_checkpoint(args, ckpt, ckpt_path, len(data.classes), global_batch, dist.world_size)
@@ -510,15 +513,27 @@ def to_device(images, labels, run):
 
 
 def train_step(run, images, labels):
-    """One optimisation step, as every mode runs it; -> (loss, output, labels): detached, on the device."""
-    with run.chrono.phase('h2d'):
-        images, labels = to_device(images, labels, run)
-    with run.chrono.phase('forward'), run.autocast:
-        output = run.model(images)
-        loss = run.criterion(output, labels)
-    run.guard.observe(loss)  # before backward: a non-finite loss it reads is never applied
-    with run.chrono.phase('backward'):
-        run.scaler.scale(loss).backward()
+    """One optimisation step, as every mode runs it, over a batch or (--accum-steps) lists of micro-batches
+    whose gradients add up: each micro-batch's loss is divided by their number, so the step follows the mean
+    over all its images, as N ranks' all-reduce would; DDP syncs only during the last backward (no_sync
+    before). -> (mean loss, output, labels): detached, on the device."""
+    micro = list(zip(images, labels)) if isinstance(images, list) else [(images, labels)]
+    n = len(micro)
+    losses, outputs, targets = [], [], []
+    for k, (x, y) in enumerate(micro):
+        with run.model.no_sync() if k < n - 1 and run.dist.distributed else nullcontext():
+            with run.chrono.phase('h2d'):
+                x, y = to_device(x, y, run)
+            with run.chrono.phase('forward'), run.autocast:
+                output = run.model(x)
+                loss = run.criterion(output, y)
+            losses.append(loss.detach())
+            if k == n - 1:  # before the last backward: a non-finite loss it reads is never applied
+                run.guard.observe(loss if n == 1 else torch.stack(losses).sum())
+            with run.chrono.phase('backward'):
+                run.scaler.scale(loss / n if n > 1 else loss).backward()
+        outputs.append(output.detach())
+        targets.append(y)
     with run.chrono.phase('optimizer'):
         run.scaler.step(run.optimizer)
         run.scaler.update()
@@ -526,7 +541,9 @@ def train_step(run, images, labels):
     run.scheduler.step()
     if run.ema is not None:
         run.ema.update(run.model_without_ddp)
-    return loss.detach(), output.detach(), labels
+    if n == 1:
+        return losses[0], outputs[0], targets[0]
+    return torch.stack(losses).mean(), torch.cat(outputs), torch.cat(targets)
 
 
 def train(run, progress, prof=None):
@@ -566,7 +583,7 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
     if len(run.chrono.steps) >= run.chrono.warmup:  # past the warm-up (a later epoch): this epoch's steps count for J/image
         run.power.window_start()
     bar = run.log.bar(min(run.steps_per_epoch - first, max_steps or run.steps_per_epoch), f'epoch {progress.epoch + 1}')
-    for images, labels in run.chrono.iterate(run.data.train_loader, max_steps):
+    for images, labels in run.chrono.iterate(run.data.train_steps, max_steps):
         if args.nccl_debug:  # the course's comm_profiler marker: tags the NCCL lines that follow
             print(f'Train step {progress.global_step + 1} - rank {run.dist.rank}', flush=True)
         lr = run.optimizer.param_groups[0]['lr']
@@ -642,7 +659,7 @@ def find_lr(run, progress, beta=0.98, explode=4.0):
     def batches():  # the sweep crosses epoch boundaries
         for epoch in range(run.args.epochs):
             run.data.set_epoch(epoch)
-            yield from run.data.train_loader
+            yield from run.data.train_steps
     for images, labels in run.chrono.iterate(batches(), run.total_steps):
         lr = run.optimizer.param_groups[0]['lr']
         loss = train_step(run, images, labels)[0]
@@ -820,7 +837,8 @@ def print_header(run):
     # ends with the process count, which the course's tools read as split()[-2]
     say(f">>> Training on {nodes} node{'s' * (nodes > 1)} and {procs} process{'es' * (procs > 1)}")
     say(f'{dist.launcher} launch on {run.device}: {args.arch}, amp {args.amp}, channels-last {args.channels_last}')
-    say(f'global batch size: {run.global_batch} - mini batch size: {args.batch_size}')
+    say(f'global batch size: {run.global_batch} - mini batch size: {args.batch_size}' +
+        (f' ({args.accum_steps} micro-batches per step)' if args.accum_steps > 1 else ''))
     if args.findlr:
         say(f'learning rate: sweep from 1e-08 to {args.lr:g} over {run.total_steps} steps')
     else:

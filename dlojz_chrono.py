@@ -61,9 +61,13 @@ def _both(first, second):
 
 
 def _images(batch):
-    """Images in an (images, labels) batch, from the labels; None for anything else."""
+    """Images in an (images, labels) batch, from the labels (a list of them: --accum-steps micro-batches);
+    None for anything else."""
     try:
-        return len(batch[-1])
+        labels = batch[-1]
+        if isinstance(labels, list) and labels and isinstance(labels[0], torch.Tensor):  # micro-batches
+            return sum(len(y) for y in labels)
+        return len(labels)
     except TypeError:
         return None
 

@@ -299,6 +299,52 @@ class EpochSampler(torch.utils.data.distributed.DistributedSampler):
         return iter((i, self.epoch) for i in list(super().__iter__())[self.start:])
 
 
+class StepBatchSampler(torch.utils.data.Sampler):
+    """The training batches, in order. With --accum-steps N this process stands for N ranks of a world N
+    times larger (ranks rank x N ... rank x N + N - 1 of world x N): optimizer step s takes micro-batch s of
+    each, so one GPU accumulating N micro-batches sees the very batches N GPUs would, BatchNorm groups
+    included. With N = 1 it batches EpochSampler's order as a DataLoader would."""
+
+    def __init__(self, dataset, seed, batch_size, drop_last=False, rank=0, world_size=1, accum=1):
+        self.parts = [EpochSampler(dataset, seed, True, rank * accum + k, world_size * accum) for k in range(accum)]
+        self.batch_size, self.drop_last = batch_size, drop_last
+
+    def set_epoch(self, epoch, start_sample=0):
+        """start_sample: samples already taken by each of the N virtual ranks (optimizer steps x batch)."""
+        for part in self.parts:
+            part.set_epoch(epoch, start_sample)
+
+    def steps(self):
+        n = len(self.parts[0])
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __len__(self):
+        return self.steps() * len(self.parts)
+
+    def __iter__(self):
+        orders, b = [list(part) for part in self.parts], self.batch_size
+        for s in range(self.steps()):
+            for order in orders:
+                yield order[s * b:(s + 1) * b]
+
+
+class Accumulate:
+    """The training loop's iterable with --accum-steps N: each item is one optimizer step's N micro-batches,
+    as ([images], [labels])."""
+
+    def __init__(self, loader, n):
+        self.loader, self.n = loader, n
+
+    def __len__(self):
+        return len(self.loader) // self.n
+
+    def __iter__(self):
+        it = iter(self.loader)
+        for _ in range(len(self)):
+            micro = [next(it) for _ in range(self.n)]
+            yield [x for x, _ in micro], [y for _, y in micro]
+
+
 class ShardSampler(torch.utils.data.Sampler):
     """Validation: rank r takes samples r, r + world, r + 2 world... with no padding, so that every image is
     evaluated exactly once whatever the world size (ranks may differ by one sample)."""
@@ -352,6 +398,12 @@ class Data:
     train_dataset: object = None
     n_train: int = 0
     n_val: int = 0
+    accum: int = 1  # --accum-steps: micro-batches per optimizer step
+
+    @property
+    def train_steps(self):
+        """What the training loop iterates: batches, or groups of --accum-steps micro-batches."""
+        return self.train_loader if self.accum == 1 else Accumulate(self.train_loader, self.accum)
 
     @property
     def bad_images(self):
@@ -374,8 +426,11 @@ class Data:
         return getattr(self.train_dataset, 'file_opens', None)
 
     def set_epoch(self, epoch, start_sample=0):
-        target = self.train_loader.sampler if self.train_dataset is not None else self.train_loader
-        target.set_epoch(epoch, start_sample)
+        """start_sample: optimizer steps done in the epoch x images per micro-batch."""
+        if self.train_dataset is not None:
+            self.train_loader.batch_sampler.set_epoch(epoch, start_sample)
+        else:  # one stream of batches: the N micro-batches of each step follow each other
+            self.train_loader.set_epoch(epoch, start_sample * self.accum)
 
 
 def ignore_preemption_signals(worker_id=None):
@@ -453,7 +508,7 @@ def build_data(args, dist, log=print, on_ranks=None):
         val_share = len(range(dist.rank, args.fake_val_size, dist.world_size))
         return Data(source, classes, mk(train_share, args.batch_size, args.image_size, args.drop_last),
                     mk(val_share, args.val_batch_size, args.val_image_size, False),
-                    n_train=args.fake_train_size, n_val=args.fake_val_size)
+                    n_train=args.fake_train_size, n_val=args.fake_val_size, accum=args.accum_steps)
     if source.kind == 'synthetic':  # one generator per node; the other ranks wait for it
         on_ranks(lambda: ensure_synthetic_dataset(source.root, args.synthetic_classes, args.synthetic_train_per_class,
                                                   args.synthetic_val_per_class, args.synthetic_seed, log=log),
@@ -468,12 +523,13 @@ def build_data(args, dist, log=print, on_ranks=None):
         classes, train_samples, val_samples = scan_imagefolder(source.root)
         train_set = ImageFolderDataset(train_samples, transform, args.seed, args.skip_bad_images)
         val_set = ImageFolderDataset(val_samples, val_transform, args.seed, args.skip_bad_images)
-    sampler = EpochSampler(train_set, args.seed, True, dist.rank, dist.world_size)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=args.drop_last,
-                              collate_fn=collate, **loader_kwargs(args))
+    batches = StepBatchSampler(train_set, args.seed, args.batch_size, args.drop_last, dist.rank, dist.world_size,
+                               args.accum_steps)
+    train_loader = DataLoader(train_set, batch_sampler=batches, collate_fn=collate, **loader_kwargs(args))
     val_loader = DataLoader(val_set, batch_size=args.val_batch_size, drop_last=False, **loader_kwargs(args),
                             sampler=ShardSampler(len(val_set), dist.rank, dist.world_size))
-    return Data(source, classes, train_loader, val_loader, train_set, len(train_set), len(val_set))
+    return Data(source, classes, train_loader, val_loader, train_set, len(train_set), len(val_set),
+                accum=args.accum_steps)
 
 
 if __name__ == '__main__':

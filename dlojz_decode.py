@@ -325,7 +325,7 @@ class DeviceDecode:
             print(f'dlojz: warning: skipped bad image {name}; using the batch\'s previous sample instead',
                   file=sys.stderr, flush=True)
             return None
-        return torch.from_numpy(np.asarray(img)).permute(2, 0, 1).to(device)
+        return torch.from_numpy(np.array(img)).permute(2, 0, 1).to(device)
 
     def _batched(self, chunks, device):
         if device.type != 'cuda':  # the CPU seam the tests drive: libjpeg-turbo, same code after it (one image

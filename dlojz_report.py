@@ -1040,6 +1040,66 @@ def doctor_view(rep):
     return ['## Loader doctor', ''] + lines if lines else []
 
 
+# ------------------------------------------------------------------------------ view: time to accuracy
+
+def accuracy_curve(run, kind):
+    """[(wall s, images seen, top-1)] of the run's validations ('val' raw, 'val_ema' EMA) that carry them."""
+    return [(r['wall_s'], r['train_images'], r['top1']) for r in run.records
+            if r.get('type') == kind and r.get('wall_s') is not None and r.get('train_images') is not None]
+
+
+def plot_race(runs, targets, out):
+    """The race's figure: validation top-1 against wall time and against images seen, one colour per run,
+    the EMA dashed, the --target-top1 lines dotted."""
+    p = plt()
+    fig, axes = p.subplots(1, 2, figsize=(11, 4), sharey=True)
+    longest = max(w for r in runs for w, _, _ in accuracy_curve(r, 'val'))
+    unit, unit_name = (60, 'minutes') if longest > 600 else (1, 's')
+    for i, r in enumerate(runs):
+        color = f'C{i % 10}'
+        for kind, style in (('val', '-'), ('val_ema', '--')):
+            pts = accuracy_curve(r, kind)
+            if not pts:
+                continue
+            name = r.name + (' (EMA)' if kind == 'val_ema' else '')
+            axes[0].plot([w / unit for w, _, _ in pts], [t for _, _, t in pts], style, color=color, marker='o',
+                         markersize=3, label=name)
+            axes[1].plot([n for _, n, _ in pts], [t for _, _, t in pts], style, color=color, marker='o', markersize=3)
+    for ax, xlabel in zip(axes, (f'wall time since the start, {unit_name}', 'training images seen')):
+        for t in targets:
+            ax.axhline(t, color='grey', linestyle=':', linewidth=1)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel('validation top-1')
+    axes[0].legend(fontsize=7)
+    fig.suptitle('Time to accuracy')
+    return save_fig(fig, out, 'time-to-accuracy.png')
+
+
+def race_view(rep):
+    """Validation top-1 against wall time and images seen for every run that validated, and when each
+    reached its --target-top1 (summary.json['time_to_accuracy'])."""
+    runs = [r for r in rep.runs if accuracy_curve(r, 'val')]
+    if not runs:
+        return []
+    rows, targets = [], set()
+    for r in runs:
+        tta = dig(r.summary, 'time_to_accuracy') or {}
+        if tta.get('target_top1') is not None:
+            targets.add(tta['target_top1'])
+        row = {'run': r.name, 'target_top1': tta.get('target_top1'),
+               'best_top1': max(t for *_, t in accuracy_curve(r, 'val'))}
+        for kind in ('raw', 'ema'):
+            hit = tta.get(kind) or {}
+            row[f'{kind}_wall_s'], row[f'{kind}_epoch'], row[f'{kind}_images'] = (
+                hit.get('wall_s'), hit.get('epoch'), hit.get('train_images'))
+        rows.append(row)
+    write_csv(os.path.join(rep.out, 'time-to-accuracy.csv'), list(rows[0]), rows)
+    return ['## Time to accuracy', '', 'When validation top-1 first reached `--target-top1` (raw weights and EMA; '
+            'empty: not reached or no target).', ''] + md_table(list(rows[0]), rows) + [
+        '', f'![time to accuracy]({plot_race(runs, sorted(targets), rep.out)})', '']
+
+
 # ----------------------------------------------------------------------------------------- view: diff
 
 def config_diff(a, b):
@@ -1084,7 +1144,7 @@ class Report:
 VIEWS = [('comparison', comparison_view), ('run dashboards', dashboards_view), ('batch-size sweep', sweep_view),
          ('scaling', scaling_view), ('communication', communication_view), ('BatchNorm view', batchnorm_view),
          ('metric sync log', metric_sync_view), ('LR finder', lr_finder_view), ('loader doctor', doctor_view),
-         ('diff', diff_view)]
+         ('time to accuracy', race_view), ('diff', diff_view)]
 
 
 def guarded(title, build, problems):

@@ -99,10 +99,11 @@ def check_checkpoint(args, ckpt, path, num_classes, global_batch, world_size):
                          f"data, or another checkpoint.")
     old = ckpt['global_batch']
     if old != global_batch and not args.allow_batch_change and not args.evaluate:
-        hint = f'-b {old // world_size} to keep it, ' if old % world_size == 0 else ''
+        hint = f'-b {old // (world_size * args.accum_steps)} to keep it, ' \
+            if old % (world_size * args.accum_steps) == 0 else ''
         raise UsageError(f'checkpoint {path} was trained with a global batch of {old} images but this run has '
-                         f'{global_batch} (-b {args.batch_size} x {world_size} processes); use {hint}or pass '
-                         f'--allow-batch-change to continue with the new one.')
+                         f'{global_batch} (-b {args.batch_size} x {world_size} processes x --accum-steps '
+                         f'{args.accum_steps}); use {hint}or pass --allow-batch-change to continue with the new one.')
 
 
 def restore(run, ckpt):

@@ -25,7 +25,7 @@ import torchvision
 import dlojz
 import dlojz_data as D
 import dlojz_decode as DD
-from conftest import TINY, latest, run_main, srun_like, torchrun, wait_all
+from conftest import TINY, latest, run_cli, run_main, srun_like, torchrun, wait_all
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD
 
 # The equivalence run: SGD with momentum at a constant LR. The LR is small because at this tiny batch
@@ -110,6 +110,39 @@ def test_two_ranks_equal_gradient_accumulation(two_ranks, cache_dir):
     # The comparison is sensitive: one plain batch of 16 (BatchNorm over 16) lands elsewhere.
     plain = reference_weights(cache_dir, micro_batches=[0], b=16)
     assert max((plain[k] - got[k]).abs().max().item() for k in ref) > 1e-2  # measured: 0.024
+
+
+def test_one_rank_accumulating_two_micro_batches_equals_two_ranks(two_ranks, tmp_path, cache_dir):
+    """--accum-steps 2 on one process takes the micro-batches the two ranks took (the same BatchNorm groups)
+    and adds their gradients: the same weights as the reference and as the 2-rank run, bit for bit."""
+    out = tmp_path / 'accum'
+    p = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', out, *EQUIV, '--accum-steps', '2',
+                env={'OMP_NUM_THREADS': '1'})  # the reference's and the ranks' thread count
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = torch.load(latest(out), weights_only=False)
+    ddp = torch.load(latest(two_ranks[0]), weights_only=False)
+    assert got['global_batch'] == ddp['global_batch'] == 16 and got['global_step'] == 4
+    for k, v in reference_weights(cache_dir, micro_batches=[0, 1]).items():
+        torch.testing.assert_close(got['model'][k], v, rtol=0, atol=0, msg=k)
+        torch.testing.assert_close(got['model'][k], ddp['model'][k], rtol=0, atol=0, msg=k)
+    s = summary_of(out)
+    assert s['global_batch'] == 16 and s['timing']['steps'] == 4
+    assert 'global batch size: 16 - mini batch size: 8 (2 micro-batches per step)' in p.stdout
+
+
+def test_accumulation_resumes_at_another_world_size(two_ranks, tmp_path, cache_dir):
+    """The 2-rank run's checkpoint after 4 steps continued by one process with --accum-steps 2: the same
+    global batch, so no flag is needed, and the position in each virtual rank's order is kept: steps 5 and 6
+    are those of a single process accumulating from the start."""
+    p = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'more', *EQUIV[2:], '--test-nsteps',
+                '2', '--accum-steps', '2', '--resume', latest(two_ranks[0]), env={'OMP_NUM_THREADS': '1'})
+    assert p.returncode == 0, p.stderr[-3000:]
+    ref = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'ref', *EQUIV[2:], '--test-nsteps',
+                  '6', '--accum-steps', '2', env={'OMP_NUM_THREADS': '1'})
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    losses = lambda out: {r['global_step']: r['loss'] for r in records_of(out) if r['type'] == 'train'}
+    got, want = losses(tmp_path / 'more'), losses(tmp_path / 'ref')
+    assert sorted(got) == [5, 6] and [got[5], got[6]] == [want[5], want[6]]  # bit for bit
 
 
 def test_per_rank_timings_and_allreduce_estimate(two_ranks):

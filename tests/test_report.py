@@ -406,3 +406,24 @@ def test_ranks_that_differ_are_flagged(tmp_path):
     code, out = report(tmp_path, run_dir)
     text = (out / 'report.md').read_text()
     assert code == 0 and '**Ranks differ**' in text and 'incomplete: no summary.json' in text
+
+
+def test_time_to_accuracy_view(tmp_path, cache_dir):
+    """Two 3-epoch runs with a target, one with an EMA: the table's epochs and images are the first
+    validation records at or above the target in each run's own metrics.jsonl; the figure is drawn."""
+    target = 0.4
+    for name, extra in (('plain', []), ('ema', ['--ema-decay', '0.8'])):
+        run_main(tmp_path / name, cache_dir, '-e', '3', '--target-top1', target, *extra)
+    code, out = report(tmp_path, tmp_path / 'plain', tmp_path / 'ema')
+    assert code == 0 and 'time-to-accuracy.png' in check_figures(out)
+    rows = {r['run']: r for r in read_csv(out / 'time-to-accuracy.csv')}
+    for name in ('plain', 'ema'):
+        recs = [json.loads(line) for line in open(tmp_path / name / 'metrics.jsonl')]
+        for kind, col in (('val', 'raw'), ('val_ema', 'ema')):
+            hit = next((r for r in recs if r['type'] == kind and r['top1'] >= target), None)
+            if hit is None:
+                assert rows[name][f'{col}_epoch'] == '', (name, kind)
+            else:
+                assert int(rows[name][f'{col}_epoch']) == hit['epoch'], (name, kind)
+                assert int(rows[name][f'{col}_images']) == hit['global_step'] * 8
+    assert rows['ema']['ema_epoch'] != ''  # the EMA's validations are there to be read
