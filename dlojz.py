@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 import custom_models
+import dlojz_augment
 import dlojz_decode
 import dlojz_dist
 import dlojz_io
@@ -194,6 +195,20 @@ def get_args_parser(add_help=True):
                    'steps, so that the average forgets the initial weights')
     g.add_argument('--findlr', action='store_true', help='LR range test: geometric from 1e-8 to --lr over the '
                    'run, stopped when the loss diverges')
+    g = p.add_argument_group('augmentation')
+    g.add_argument('--randaugment', default=None, metavar='N,M', help='RandAugment in the workers: N operations '
+                   'per image at magnitude M (0-30), e.g. 2,9 (torchvision v2 on uint8)')
+    g.add_argument('--trivialaugment', action='store_true', help='TrivialAugmentWide in the workers')
+    g.add_argument('--random-erasing', type=FRACTION, default=0.0, help='probability of erasing a random '
+                   'rectangle of each image, in the workers')
+    g.add_argument('--mixup', type=NON_NEGATIVE, default=0.0, help='mixup on the device: Beta(alpha, alpha) '
+                   'weight alpha (e.g. 0.2; 0: off); soft targets, label smoothing applies on top')
+    g.add_argument('--cutmix', type=NON_NEGATIVE, default=0.0, help='cutmix on the device: Beta(alpha, alpha) '
+                   'alpha (e.g. 1.0; 0: off); with --mixup, one of the two per batch')
+    g.add_argument('--res-start', type=I, default=None, help='progressive resizing: training resolution at epoch '
+                   '0, pixels, growing linearly to --image-size at --res-end-epoch (multiples of 8)')
+    g.add_argument('--res-end-epoch', type=NON_NEGATIVE, default=None, help='progressive resizing: epoch where '
+                   '--image-size is reached (default: the last epoch)')
     g = p.add_argument_group('run')
     g.add_argument('-e', '--epochs', type=I, default=1, help='number of epochs')
     g.add_argument('--test', action='store_true', help='benchmark mode: --test-nsteps train steps, 20 val batches')
@@ -288,6 +303,11 @@ def check_args(args, device, world_size=1, capability=None):
     if args.num_workers is None:
         args.num_workers = dlojz_dist.slurm_cpus_per_task() or min(8, usable_cores())
     args.chkpt = args.chkpt or args.chkpt_every > 0
+    if args.randaugment:
+        try:
+            dlojz_augment.parse_randaugment(args.randaugment)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.decode == 'auto':  # a cluster module may lack simplejpeg: the run still goes, the summary says how
         args.decode = 'fast' if dlojz_decode.simplejpeg is not None else 'pil'
     loader_mode = args.loader_only or args.tune_loader  # no model: the loader alone
@@ -315,6 +335,13 @@ def check_args(args, device, world_size=1, capability=None):
         (loader_mode and world_size > 1, f'{mode} measures one process\'s loader; run '
          f'it as a single process (no torchrun, one task).'),
         (args.findlr and args.resume, '--findlr starts from a fresh model; drop --resume.'),
+        (args.decode == 'gpu' and (bool(dlojz_augment.worker_ops(args)) or args.res_start is not None),
+         '--decode gpu decodes after the workers, where --randaugment, --trivialaugment, --random-erasing and '
+         '--res-start act; use --decode fast with them.'),
+        (args.res_start is not None and args.res_start > args.image_size, f'--res-start {args.res_start} is larger '
+         f'than --image-size {args.image_size}; progressive resizing grows the resolution up to --image-size.'),
+        (args.res_start is not None and args.fake_data, '--res-start resizes decoded images and --fake-data has '
+         'none; drop one.'),
         (args.wd_norm_bias and args.optimizer in dlojz_recipe.ADAPTIVE, f'--optimizer {args.optimizer} leaves '
          f'BatchNorm weights and biases out of weight decay and of its adaptation, as published; drop '
          f'--wd-norm-bias.'),
@@ -360,6 +387,8 @@ def check_args(args, device, world_size=1, capability=None):
         args.prefetch_factor = args.prefetch_factor or 2
         args.persistent_workers = True if args.persistent_workers is None else args.persistent_workers
     args.base_lr = args.base_lr or dlojz_recipe.BASE_LR[args.optimizer]
+    if args.res_start is not None and args.res_end_epoch is None:
+        args.res_end_epoch = max(0, args.epochs - 1)
     if args.wd_norm_bias is None:
         args.wd_norm_bias = args.optimizer not in dlojz_recipe.ADAPTIVE
     if args.lr is None:  # Goyal et al. 2017: the learning rate grows with the global batch
@@ -451,6 +480,7 @@ class Run:
     host: dict                    # cores, load, threads, workers (dlojz_io.host_check)
     steps_per_epoch: int
     total_steps: int              # of this invocation's schedule: --findlr's sweep length
+    mix: object = None            # dlojz_augment.Mix: --mixup / --cutmix on the device (identity when off)
     ema: object = None            # dlojz_recipe.EMA with --ema-decay
     started: float = 0.0          # time.time() when the run was built: time to accuracy counts from here
 
@@ -495,6 +525,7 @@ def build_run(args, dist, device, say):
                          wandb=build_wandb(args, dist)),
               global_batch=global_batch, host=host_check(args.num_workers, device.type == 'cpu'),
               steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+              mix=dlojz_augment.Mix(args.mixup, args.cutmix, len(data.classes)),
               ema=dlojz_recipe.EMA(plain, args.ema_decay, args.ema_warmup) if args.ema_decay else None,
               started=time.time())
     return run, restore(run, ckpt) if ckpt is not None else Progress()
@@ -524,9 +555,10 @@ def train_step(run, images, labels):
         with run.model.no_sync() if k < n - 1 and run.dist.distributed else nullcontext():
             with run.chrono.phase('h2d'):
                 x, y = to_device(x, y, run)
+                x, target = run.mix(x, y)  # soft targets with --mixup/--cutmix; the meters keep y
             with run.chrono.phase('forward'), run.autocast:
                 output = run.model(x)
-                loss = run.criterion(output, y)
+                loss = run.criterion(output, target)
             losses.append(loss.detach())
             if k == n - 1:  # before the last backward: a non-finite loss it reads is never applied
                 run.guard.observe(loss if n == 1 else torch.stack(losses).sum())

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFile
 
+import dlojz_augment
 import dlojz_decode
 import dlojz_shards
 from dlojz_decode import BadImageError, Blob, source_name
@@ -225,6 +226,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     def __init__(self, samples, transform, seed=0, skip_bad_images=False):
         self.samples, self.transform, self.seed = samples, transform, seed
         self.skip_bad_images = skip_bad_images
+        self.resolution = None  # epoch -> training image size (--res-start)
         # Shared with the loader workers (inherited at their start) so the main process can count.
         self.bad_count = mp.get_context('fork').Value('i', 0) if skip_bad_images else None
 
@@ -233,6 +235,8 @@ class ImageFolderDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, key):
         index, epoch = key if isinstance(key, tuple) else (key, 0)
+        if self.resolution is not None:  # progressive resizing: this process's transform, this epoch's size
+            self.transform.size = self.resolution(epoch)
         rng = random.Random(f'{self.seed}-{epoch}-{index}')  # str seeds hash deterministically (sha512)
         for attempt in range(len(self.samples)):
             src, label = self.source((index + attempt) % len(self.samples))
@@ -487,13 +491,16 @@ def loader_kwargs(args):
 
 
 def train_transform(args):
-    """-> (the training transform of --decode, the loader's collate_fn: None for torch's default)."""
+    """-> (the training transform of --decode with the worker-side augmentations, the loader's collate_fn:
+    None for torch's default)."""
     cpu = dlojz_decode.FastTrainTransform if dlojz_decode.simplejpeg is not None else dlojz_decode.TrainTransform
     if args.decode == 'gpu':
         dlojz_decode.DEVICE_DECODE.skip_bad_images = args.skip_bad_images
         return dlojz_decode.GpuTrainTransform(args.image_size, cpu(args.image_size)), \
             dlojz_decode.GpuCollate(args.image_size)
-    return {'fast': dlojz_decode.FastTrainTransform, 'pil': dlojz_decode.TrainTransform}[args.decode](args.image_size), None
+    transform = {'fast': dlojz_decode.FastTrainTransform, 'pil': dlojz_decode.TrainTransform}[args.decode](args.image_size)
+    ops = dlojz_augment.worker_ops(args)
+    return (dlojz_augment.Augmented(transform, ops) if ops else transform), None
 
 
 def build_data(args, dist, log=print, on_ranks=None):
@@ -523,6 +530,9 @@ def build_data(args, dist, log=print, on_ranks=None):
         classes, train_samples, val_samples = scan_imagefolder(source.root)
         train_set = ImageFolderDataset(train_samples, transform, args.seed, args.skip_bad_images)
         val_set = ImageFolderDataset(val_samples, val_transform, args.seed, args.skip_bad_images)
+    if args.res_start is not None:
+        train_set.resolution = lambda epoch: dlojz_augment.resolution(epoch, args.res_start, args.image_size,
+                                                                      args.res_end_epoch)
     batches = StepBatchSampler(train_set, args.seed, args.batch_size, args.drop_last, dist.rank, dist.world_size,
                                args.accum_steps)
     train_loader = DataLoader(train_set, batch_sampler=batches, collate_fn=collate, **loader_kwargs(args))

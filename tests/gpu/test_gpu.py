@@ -146,6 +146,27 @@ def test_steady_steps_never_wait_for_the_gpu(tmp_path, cache_dir, amp):
         assert math.isfinite(meters.compute()['loss'])
 
 
+def test_recipe_steps_never_wait_for_the_gpu(tmp_path, cache_dir):
+    """The same check with the recipe's device-side work: mixup and cutmix (lambda and box drawn on the host),
+    two accumulated micro-batches, the EMA update, a poly schedule with warm-up."""
+    with built(tmp_path, cache_dir, '--amp', 'fp16', '--log-interval', 10 ** 6, '--mixup', 0.2, '--cutmix', 1.0,
+               '--accum-steps', 2, '--ema-decay', 0.999, '--scheduler', 'poly', '--warmup-epochs', 0.1) as run:
+        meters = Meters(len(run.data.classes), run.device)
+        batches = run.chrono.iterate(run.data.train_steps)
+        for _ in range(2):
+            dlojz.train_step(run, *next(batches))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode('error')
+        try:
+            for _ in range(2):
+                meters.update(*dlojz.train_step(run, *next(batches)))
+        finally:
+            torch.cuda.set_sync_debug_mode('default')
+        batches.close()
+        run.chrono.finish()
+        assert math.isfinite(meters.compute()['loss'])
+
+
 # ------------------------------------------------------------------------------ CUDA events vs the profiler
 
 def kernel_intervals(prof):

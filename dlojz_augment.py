@@ -1,0 +1,108 @@
+"""Augmentations beyond RandomResizedCrop + flip: in the workers, RandAugment / TrivialAugmentWide / random
+erasing (torchvision's v2 transforms on uint8 tensors); on the device, mixup and cutmix with soft targets;
+and progressive resizing (the training resolution grows over the epochs, FFCV style).
+
+Determinism: the worker-side transforms draw from torch's generator, seeded for each sample from the
+sample's own RNG (seed, epoch, index) after the crop and flip draws, so a batch is the same whatever the
+number of workers and a resumed run sees the same images. Mixup and cutmix draw their mixing weight and box
+on the host from torch's CPU generator (saved in checkpoints) and their pairing on the device from the
+device's generator: no host-device synchronisation.
+"""
+import math
+
+import torch
+from torchvision.transforms import v2
+
+
+def parse_randaugment(text):
+    """'N,M' -> (N operations per image, magnitude M of 0-30), as torchvision's RandAugment takes them."""
+    try:
+        n, m = (int(v) for v in text.split(','))
+    except ValueError:
+        raise ValueError(f'--randaugment takes N,M (operations per image, magnitude 0-30), e.g. 2,9; got {text!r}') from None
+    if n < 1 or not 0 <= m <= 30:
+        raise ValueError(f'--randaugment {text}: N must be 1 or more and M within 0-30 (e.g. 2,9)')
+    return n, m
+
+
+def worker_ops(args):
+    """The worker-side augmentations the flags ask for, as one v2 transform on uint8 CHW tensors, or None."""
+    ops = []
+    if args.randaugment:
+        n, m = parse_randaugment(args.randaugment)
+        ops.append(v2.RandAugment(num_ops=n, magnitude=m))
+    if args.trivialaugment:
+        ops.append(v2.TrivialAugmentWide())
+    if args.random_erasing:
+        ops.append(v2.RandomErasing(p=args.random_erasing, value=0))
+    return v2.Compose(ops) if ops else None
+
+
+class Augmented:
+    """A training transform followed by worker-side augmentations, seeded per sample: the draws come after
+    the crop's and flip's, so those stay the same with or without augmentation."""
+
+    def __init__(self, transform, ops):
+        self.transform, self.ops = transform, ops
+        self.decode = transform.decode
+
+    @property
+    def size(self):
+        return self.transform.size
+
+    @size.setter
+    def size(self, value):  # progressive resizing sets the resolution of the epoch
+        self.transform.size = value
+
+    def __call__(self, src, rng):
+        x = self.transform(src, rng)
+        seed = rng.getrandbits(63)
+        with torch.random.fork_rng(devices=[]):  # the worker's own torch RNG stream is left as it was
+            torch.manual_seed(seed)
+            return self.ops(x)
+
+
+def resolution(epoch, start, end, ramp_end, multiple=8):
+    """Progressive resizing: `start` pixels at epoch 0, growing linearly to `end` at epoch `ramp_end` and
+    `end` after, rounded down to a multiple of `multiple` (FFCV rounds to 32 at ImageNet sizes)."""
+    if ramp_end <= 0 or epoch >= ramp_end:
+        return end
+    res = start + (end - start) * epoch / ramp_end
+    return max(multiple, int(res) // multiple * multiple)
+
+
+class Mix:
+    """Mixup (Zhang et al. 2018) and cutmix (Yun et al. 2019) on the device, one of the two per batch (an
+    even draw when both are on, as timm does). -> (mixed images, soft targets). The weight lambda is drawn
+    from Beta(alpha, alpha) on the host (torch's CPU generator: no sync, saved with the checkpoint); each
+    image's partner is the next one of the batch (a roll by one, as torchvision's v2 MixUp; the batch is
+    already shuffled); cutmix's lambda is corrected to the box's true area after clipping."""
+
+    def __init__(self, mixup, cutmix, num_classes):
+        self.mixup, self.cutmix, self.num_classes = mixup, cutmix, num_classes
+
+    def draw(self, alpha):
+        return float(torch.distributions.Beta(alpha, alpha).sample())
+
+    def __call__(self, x, y):
+        if not (self.mixup or self.cutmix):
+            return x, y
+        use_cutmix = self.cutmix > 0 and (self.mixup == 0 or torch.rand(()) < 0.5)
+        partner_x, partner_y = x.roll(1, 0), y.roll(1, 0)
+        if use_cutmix:
+            lam = self.draw(self.cutmix)
+            h, w = x.shape[-2:]
+            cut = math.sqrt(1 - lam)
+            ch, cw = int(h * cut), int(w * cut)
+            cy, cx = int(torch.randint(0, h, ())), int(torch.randint(0, w, ()))
+            y0, y1 = max(0, cy - ch // 2), min(h, cy + ch // 2)
+            x0, x1 = max(0, cx - cw // 2), min(w, cx + cw // 2)
+            x = x.clone()
+            x[..., y0:y1, x0:x1] = partner_x[..., y0:y1, x0:x1]
+            lam = 1 - (y1 - y0) * (x1 - x0) / (h * w)
+        else:
+            lam = self.draw(self.mixup)
+            x = x * lam + partner_x * (1 - lam)
+        one_hot = torch.nn.functional.one_hot(y, self.num_classes).to(x.dtype)
+        partner = torch.nn.functional.one_hot(partner_y, self.num_classes).to(x.dtype)
+        return x, one_hot * lam + partner * (1 - lam)
