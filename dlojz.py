@@ -579,7 +579,7 @@ def train_step(run, images, labels):
 
 
 def train(run, progress, prof=None):
-    """Epochs from where progress stands: train, checkpoint, validate. With --test, --test-nsteps steps in
+    """Epochs from where progress stands: train, validate, checkpoint. With --test, --test-nsteps steps in
     all, then a short validation. A stop signal ends it through preempt()."""
     args = run.args
     remaining = args.test_nsteps if args.test else None
@@ -589,8 +589,6 @@ def train(run, progress, prof=None):
         if train_one_epoch(run, progress, remaining, prof):
             preempt(run, progress)
         remaining = remaining - (progress.step - first) if remaining is not None else None
-        if args.chkpt:
-            save(run, progress)
         last = remaining == 0 or progress.epoch == args.epochs - 1
         if last or (not args.test and (progress.epoch + 1) % args.val_every == 0):
             progress.val = evaluate(run, progress.epoch, progress.global_step, 20 if args.test else None)
@@ -598,6 +596,8 @@ def train(run, progress, prof=None):
                 progress.val_ema = evaluate(run, progress.epoch, progress.global_step, 20 if args.test else None,
                                             ema=True)
             note_validation(run, progress)
+        if args.chkpt:  # after the validation: it holds the best top-1 and time to accuracy so far
+            save(run, progress)
         if progress.step == run.steps_per_epoch:
             progress.epoch, progress.step = progress.epoch + 1, 0
 

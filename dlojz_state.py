@@ -1,11 +1,11 @@
 """A run's state and its checkpoints: where the loop is (Progress), what a checkpoint holds, which one
 --resume picks, whether this run can continue it, and putting it back. The files themselves (atomic
 writes, listing, pruning) are dlojz_io's."""
+import os
 import random
 import sys
-import warnings
-import os
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np

@@ -144,6 +144,10 @@ def test_val_every_best_checkpoint_and_time_to_accuracy(tmp_path, cache_dir):
     ckpt = torch.load(tmp_path / 'best.pt', weights_only=False)
     assert ckpt['global_step'] == best['global_step'] and ckpt['race']['best_top1'] == best['top1']
     assert ckpt['ema'] is not None
+    newest = torch.load(sorted(tmp_path.glob('checkpoint-*.pt'))[-1], weights_only=False)
+    race = newest['race']  # written after the last validation: a resume keeps the best and the targets reached
+    assert race['best_top1'] == best['top1']
+    assert race['reached'] == {k: s['time_to_accuracy'][k] for k in ('raw', 'ema')}
     tta = s['time_to_accuracy']
     for kind, records in (('raw', vals), ('ema', val_records(recs, 'val_ema'))):
         first = next(r for r in records if r['top1'] >= 0.3)
