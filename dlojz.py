@@ -353,6 +353,10 @@ def check_args(args, device, world_size=1, capability=None):
         (args.compile and args.grad_checkpointing and torch.__version__ < '2.9', f'--compile with '
          f'--grad-checkpointing needs torch 2.9 or later (torch {torch.__version__} updates the BatchNorm '
          f'statistics of recomputed stages twice); drop one of the two or upgrade torch.'),
+        (args.static_graph and args.accum_steps > 1, '--static-graph does not work with the no_sync() of '
+         '--accum-steps (DDP asserts, pytorch/pytorch#143580); drop one of the two.'),
+        (args.compile and args.res_start is not None, '--compile makes one graph per image size and runs eager '
+         'after 8 of them, while --res-start changes the size every few epochs; drop one of the two.'),
         (args.static_graph and args.arch.endswith('-heads'), f'--static-graph needs the same parameters used at '
          f'every step, but {args.arch} uses a different head from step to step; drop --static-graph.'),
     ]
@@ -525,7 +529,7 @@ def build_run(args, dist, device, say):
                          wandb=build_wandb(args, dist)),
               global_batch=global_batch, host=host_check(args.num_workers, device.type == 'cpu'),
               steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-              mix=dlojz_augment.Mix(args.mixup, args.cutmix, len(data.classes)),
+              mix=dlojz_augment.Mix(args.mixup, args.cutmix, len(data.classes), args.seed),
               ema=dlojz_recipe.EMA(plain, args.ema_decay, args.ema_warmup) if args.ema_decay else None,
               started=time.time())
     return run, restore(run, ckpt) if ckpt is not None else Progress()
@@ -537,10 +541,13 @@ def to_device(images, labels, run):
     """uint8 NCHW batch -> normalised float on the device (normalising here is 4x less PCIe traffic)."""
     nb = run.args.non_blocking
     mean, std = run.norm
-    images = images.to(run.device, non_blocking=nb)
+    x = images.to(run.device, non_blocking=nb)
+    labels = labels.to(run.device, non_blocking=nb)
+    for i, j in getattr(images, 'replaced', ()):  # --decode gpu --skip-bad-images: sample j took bad i's place
+        labels[i] = labels[j]
     if run.args.channels_last:  # reorder the uint8 batch (1 byte per value), not a float copy of it
-        images = images.contiguous(memory_format=torch.channels_last)
-    return (images.float() - mean) / std, labels.to(run.device, non_blocking=nb)
+        x = x.contiguous(memory_format=torch.channels_last)
+    return (x.float() - mean) / std, labels
 
 
 def train_step(run, images, labels):
@@ -555,16 +562,18 @@ def train_step(run, images, labels):
         with run.model.no_sync() if k < n - 1 and run.dist.distributed else nullcontext():
             with run.chrono.phase('h2d'):
                 x, y = to_device(x, y, run)
-                x, target = run.mix(x, y)  # soft targets with --mixup/--cutmix; the meters keep y
+                # soft targets with --mixup/--cutmix, drawn for (optimizer step, virtual rank); the meters keep y
+                x, target = run.mix(x, y, run.scheduler.last_epoch, run.dist.rank * n + k)
             with run.chrono.phase('forward'), run.autocast:
                 output = run.model(x)
                 loss = run.criterion(output, target)
-            losses.append(loss.detach())
+            # copies with several micro-batches: CUDA graphs (--compile-mode reduce-overhead) reuse outputs
+            losses.append(loss.detach() if n == 1 else loss.detach().clone())
             if k == n - 1:  # before the last backward: a non-finite loss it reads is never applied
                 run.guard.observe(loss if n == 1 else torch.stack(losses).sum())
             with run.chrono.phase('backward'):
                 run.scaler.scale(loss / n if n > 1 else loss).backward()
-        outputs.append(output.detach())
+        outputs.append(output.detach() if n == 1 else output.detach().clone())
         targets.append(y)
     with run.chrono.phase('optimizer'):
         run.scaler.step(run.optimizer)
@@ -591,10 +600,9 @@ def train(run, progress, prof=None):
         remaining = remaining - (progress.step - first) if remaining is not None else None
         last = remaining == 0 or progress.epoch == args.epochs - 1
         if last or (not args.test and (progress.epoch + 1) % args.val_every == 0):
-            progress.val = evaluate(run, progress.epoch, progress.global_step, 20 if args.test else None)
+            progress.val = evaluate(run, progress.epoch, progress, 20 if args.test else None)
             if run.ema is not None:
-                progress.val_ema = evaluate(run, progress.epoch, progress.global_step, 20 if args.test else None,
-                                            ema=True)
+                progress.val_ema = evaluate(run, progress.epoch, progress, 20 if args.test else None, ema=True)
             note_validation(run, progress)
         if args.chkpt:  # after the validation: it holds the best top-1 and time to accuracy so far
             save(run, progress)
@@ -620,7 +628,7 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
             print(f'Train step {progress.global_step + 1} - rank {run.dist.rank}', flush=True)
         lr = run.optimizer.param_groups[0]['lr']
         loss, output, labels = train_step(run, images, labels)
-        progress.advance()
+        progress.advance(labels.shape[0] * run.dist.world_size)  # every rank's batch has this size
         window += loss
         meters.update(loss, output, labels)
         bar.update()
@@ -724,7 +732,7 @@ def find_lr(run, progress, beta=0.98, explode=4.0):
 
 
 @torch.inference_mode()
-def evaluate(run, epoch, global_step, max_batches=None, ema=False):
+def evaluate(run, epoch, progress, max_batches=None, ema=False):
     """Exact validation: each rank evaluates its own unpadded shard of the validation set and the meters of
     all ranks are added up, so every image counts once whatever the world size. ema: the EMA weights."""
     model, chrono = run.ema.module if ema else run.eval_model, run.chrono
@@ -743,8 +751,8 @@ def evaluate(run, epoch, global_step, max_batches=None, ema=False):
             meters.update(loss, output, labels)
             batches += 1
         # compute() is a collective; inside the timed block so that waiting for slower ranks counts
-        res = dict(type='val_ema' if ema else 'val', epoch=epoch + 1, global_step=global_step, **meters.compute(),
-                   batches=batches, train_images=global_step * run.global_batch, wall_s=run_wall_s(run))
+        res = dict(type='val_ema' if ema else 'val', epoch=epoch + 1, global_step=progress.global_step,
+                   **meters.compute(), batches=batches, train_images=progress.images, wall_s=run_wall_s(run))
     res['time_s'] = chrono.val_time
     if ema:  # the summary's validation time and batches stay the raw model's
         chrono.val_time = raw_time
@@ -829,10 +837,9 @@ def _main(args, dist, device):
         power.start()
         if args.evaluate:  # an end-of-epoch checkpoint is the start of the next epoch
             epoch = progress.epoch - 1 if progress.step == 0 else progress.epoch
-            progress.val = evaluate(run, max(0, epoch), progress.global_step, 20 if args.test else None)
+            progress.val = evaluate(run, max(0, epoch), progress, 20 if args.test else None)
             if run.ema is not None:
-                progress.val_ema = evaluate(run, max(0, epoch), progress.global_step, 20 if args.test else None,
-                                            ema=True)
+                progress.val_ema = evaluate(run, max(0, epoch), progress, 20 if args.test else None, ema=True)
         elif args.findlr:
             extra['findlr'] = find_lr(run, progress)
         else:

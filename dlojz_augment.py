@@ -5,8 +5,9 @@ and progressive resizing (the training resolution grows over the epochs, FFCV st
 Determinism: the worker-side transforms draw from torch's generator, seeded for each sample from the
 sample's own RNG (seed, epoch, index) after the crop and flip draws, so a batch is the same whatever the
 number of workers and a resumed run sees the same images. Mixup and cutmix draw their mixing weight and box
-on the host from torch's CPU generator (saved in checkpoints) and their pairing on the device from the
-device's generator: no host-device synchronisation.
+on the host from a generator seeded by (seed, optimizer step, virtual rank): no host-device
+synchronisation, the same draws after a resume, and one process accumulating N micro-batches draws what N
+ranks would.
 """
 import math
 
@@ -73,28 +74,34 @@ def resolution(epoch, start, end, ramp_end, multiple=8):
 
 class Mix:
     """Mixup (Zhang et al. 2018) and cutmix (Yun et al. 2019) on the device, one of the two per batch (an
-    even draw when both are on, as timm does). -> (mixed images, soft targets). The weight lambda is drawn
-    from Beta(alpha, alpha) on the host (torch's CPU generator: no sync, saved with the checkpoint); each
+    even draw when both are on, as timm does). -> (mixed images, soft targets). The weight lambda and the
+    box are drawn on the host from a generator seeded by (seed, step, rank): no sync, no state to save; each
     image's partner is the next one of the batch (a roll by one, as torchvision's v2 MixUp; the batch is
     already shuffled); cutmix's lambda is corrected to the box's true area after clipping."""
 
-    def __init__(self, mixup, cutmix, num_classes):
-        self.mixup, self.cutmix, self.num_classes = mixup, cutmix, num_classes
+    def __init__(self, mixup, cutmix, num_classes, seed=0):
+        self.mixup, self.cutmix, self.num_classes, self.seed = mixup, cutmix, num_classes, seed
+        self.gen = torch.Generator()
 
     def draw(self, alpha):
-        return float(torch.distributions.Beta(alpha, alpha).sample())
+        """Beta(alpha, alpha), as a ratio of two Gamma(alpha) draws from our generator (torch's Beta takes
+        none)."""
+        a, b = torch._standard_gamma(torch.full((2,), float(alpha)), generator=self.gen).tolist()
+        return a / (a + b)
 
-    def __call__(self, x, y):
+    def __call__(self, x, y, step=0, rank=0):
+        """step: the optimizer step; rank: the virtual rank (rank x --accum-steps + micro-batch)."""
         if not (self.mixup or self.cutmix):
             return x, y
-        use_cutmix = self.cutmix > 0 and (self.mixup == 0 or torch.rand(()) < 0.5)
+        self.gen.manual_seed(((self.seed * 1_000_003 + step) * 1_000_003 + rank) % 2 ** 63)
+        use_cutmix = self.cutmix > 0 and (self.mixup == 0 or float(torch.rand((), generator=self.gen)) < 0.5)
         partner_x, partner_y = x.roll(1, 0), y.roll(1, 0)
         if use_cutmix:
             lam = self.draw(self.cutmix)
             h, w = x.shape[-2:]
             cut = math.sqrt(1 - lam)
             ch, cw = int(h * cut), int(w * cut)
-            cy, cx = int(torch.randint(0, h, ())), int(torch.randint(0, w, ()))
+            cy, cx = int(torch.randint(0, h, (), generator=self.gen)), int(torch.randint(0, w, (), generator=self.gen))
             y0, y1 = max(0, cy - ch // 2), min(h, cy + ch // 2)
             x0, x1 = max(0, cx - cw // 2), min(w, cx + cw // 2)
             x = x.clone()

@@ -223,6 +223,7 @@ class EncodedBatch:
 
     def __init__(self, samples, size):
         self.size, self.n = size, len(samples)
+        self.replaced = []  # (i, j): after .to(), sample j stands in for the undecodable sample i
         self.at = [i for i, x in enumerate(samples) if isinstance(x, Encoded)]
         encoded = [samples[i] for i in self.at]
         self.sizes = [x.data.numel() for x in encoded]
@@ -292,12 +293,15 @@ class DeviceDecode:
             chunks = list(torch.split(batch.data, batch.sizes))
             for i, img, box in zip(batch.at, self.decode(chunks, batch.names, device), batch.boxes):
                 out[i] = crop_resize(img, box, batch.size) if img is not None else None
-        good = [x for x in out if x is not None]
+        good = [i for i, x in enumerate(out) if x is not None]
         if not good:
             raise BadImageError(f'no image of a batch could be decoded ({", ".join(batch.names)}); check the data '
                                 f'directory.')
-        out = [x if x is not None else next((y for y in out[i::-1] if y is not None), good[0])
-               for i, x in enumerate(out)]  # a bad image's place goes to the nearest earlier sample
+        # a bad image's place goes to the nearest earlier good sample, image and label (to_device reads
+        # batch.replaced for the label)
+        batch.replaced = [(i, max((g for g in good if g < i), default=good[0])) for i, x in enumerate(out) if x is None]
+        for i, j in batch.replaced:
+            out[i] = out[j]
         return torch.stack(out).round_().clamp_(0, 255).to(torch.uint8)
 
     def decode(self, chunks, names, device):

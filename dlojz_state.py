@@ -23,15 +23,17 @@ class Progress:
     epoch: int = 0
     step: int = 0          # steps done in this epoch
     global_step: int = 0
+    images: int = 0        # training images seen, all ranks (an epoch's last batch may be smaller)
     train: dict = None     # the last epoch's training metrics
     val: dict = None       # the last validation
     val_ema: dict = None   # the last validation of the EMA weights
     best_top1: float = None
     reached: dict = field(default_factory=dict)  # 'raw'/'ema' -> when validation first reached --target-top1
 
-    def advance(self):
+    def advance(self, images=0):
         self.step += 1
         self.global_step += 1
+        self.images += images
 
 
 def device_rng_state(device):
@@ -55,7 +57,7 @@ def checkpoint_state(run, progress, device_rng):
             'scheduler': run.scheduler.state_dict(), 'scaler': run.scaler.state_dict(), 'epoch': epoch,
             'step_in_epoch': step, 'global_step': progress.global_step, 'global_batch': run.global_batch,
             'args': vars(run.args), 'ema': run.ema.state_dict() if run.ema is not None else None,
-            'race': {'best_top1': progress.best_top1, 'reached': progress.reached,
+            'race': {'best_top1': progress.best_top1, 'reached': progress.reached, 'images': progress.images,
                      'wall_s': run_wall_s(run)},
             'rng': {'torch': torch.get_rng_state(), 'numpy': np.random.get_state(), 'python': random.getstate(),
                     'device': device_rng}}
@@ -111,7 +113,8 @@ def restore(run, ckpt):
     run.model_without_ddp.load_state_dict(ckpt['model'])
     race = ckpt.get('race') or {}
     progress = Progress(epoch=ckpt['epoch'], step=ckpt['step_in_epoch'], global_step=ckpt['global_step'],
-                        best_top1=race.get('best_top1'), reached=race.get('reached') or {})
+                        best_top1=race.get('best_top1'), reached=race.get('reached') or {},
+                        images=race.get('images', ckpt['global_step'] * ckpt['global_batch']))
     run.started -= race.get('wall_s') or 0.0  # time to accuracy counts the earlier attempts too
     if run.ema is not None:  # a checkpoint without an EMA starts one from its weights
         run.ema.load_state_dict(ckpt['ema'] if ckpt.get('ema') else
@@ -175,11 +178,6 @@ def note_validation(run, progress):
     """After a validation: best.pt when raw top-1 improves (with --chkpt; not in --test mode, whose
     validation is 20 batches), and the first time the raw and the EMA weights reached --target-top1 (wall
     time, epoch, optimizer steps, images seen)."""
-    top1 = progress.val['top1']
-    if run.args.chkpt and not run.args.test and (progress.best_top1 is None or top1 > progress.best_top1):
-        progress.best_top1 = top1
-        save(run, progress, os.path.join(run.args.output_dir, 'best.pt'))
-    progress.best_top1 = max(top1, progress.best_top1 or 0.0)
     target = run.args.target_top1
     for kind, val in (('raw', progress.val), ('ema', progress.val_ema)):
         if target is not None and val is not None and kind not in progress.reached and val['top1'] >= target:
@@ -187,3 +185,8 @@ def note_validation(run, progress):
                                       'global_step': val['global_step'], 'train_images': val['train_images']}
             run.log.print(f">>> Reached top-1 {target:g} ({kind} weights) after {val['wall_s']:.1f} s, epoch "
                           f"{val['epoch']}, {val['train_images']} images")
+    top1 = progress.val['top1']
+    improved = progress.best_top1 is None or top1 > progress.best_top1
+    progress.best_top1 = max(top1, progress.best_top1 or 0.0)
+    if run.args.chkpt and not run.args.test and improved:
+        save(run, progress, os.path.join(run.args.output_dir, 'best.pt'))

@@ -80,9 +80,9 @@ def distinct_images(n=6, size=16):
 def test_mix_conserves_label_mass_and_matches_lambda(mixup, cutmix):
     torch.manual_seed(0)
     mix = A.Mix(mixup, cutmix, num_classes=5)
-    for _ in range(20):
+    for step in range(20):
         x, y = distinct_images(), torch.tensor([0, 1, 2, 3, 4, 0])
-        mixed, soft = mix(x, y)
+        mixed, soft = mix(x, y, step)
         assert torch.allclose(soft.sum(1), torch.ones(6))  # each row is a distribution
         partner = y.roll(1, 0)
         lam = soft[torch.arange(6), y].clone()
@@ -101,14 +101,38 @@ def test_mix_reads_nothing_from_the_device():
     """On 'meta' tensors any value read (.item(), bool(), a host copy) raises: Mix must not need one."""
     for mixup, cutmix in ((0.2, 0.0), (0.0, 1.0), (0.2, 1.0)):
         mix = A.Mix(mixup, cutmix, num_classes=10)
-        for _ in range(5):
+        for step in range(5):
             x = torch.empty(8, 3, 16, 16, device='meta')
             y = torch.empty(8, dtype=torch.long, device='meta')
-            mixed, soft = mix(x, y)
+            mixed, soft = mix(x, y, step)
             assert mixed.shape == x.shape and soft.shape == (8, 10)
     x = torch.empty(8, 3, 16, 16, device='meta')
     with pytest.raises(Exception):  # the check itself: a read on meta does raise
         x.sum().item()
+
+
+def test_mix_draws_depend_on_step_and_rank_only():
+    """The draws are a function of (seed, step, virtual rank): the same after a resume, whatever came
+    before, and different from one step or rank to the next."""
+    x, y = distinct_images(), torch.tensor([0, 1, 2, 3, 4, 0])
+    a, b = A.Mix(0.4, 1.0, 5, seed=3), A.Mix(0.4, 1.0, 5, seed=3)
+    for step in range(5):
+        a(x, y, step)  # b has not drawn these
+    assert torch.equal(a(x, y, 7, 1)[1], b(x, y, 7, 1)[1])
+    assert not torch.equal(b(x, y, 7, 1)[1], b(x, y, 8, 1)[1]) and not torch.equal(b(x, y, 7, 1)[1], b(x, y, 7, 0)[1])
+
+
+def test_a_mixed_run_resumes_exactly(tmp_path, cache_dir):
+    """Stopped mid-epoch 2 and resumed, a cutmix + mixup run trains on the uninterrupted run's batches: the
+    same losses, bit for bit (a DataLoader iterator draws from torch's global generator, so draws taken
+    from it would shift on resume)."""
+    flags = ['-e', '2', '--mixup', '0.4', '--cutmix', '1.0', '--log-interval', '1']
+    _, full = run_main(tmp_path / 'full', cache_dir, *flags)
+    run_main(tmp_path / 'part', cache_dir, *flags, '--chkpt-every', '18', '--test-nsteps', '18')
+    _, second = run_main(tmp_path / 'resumed', cache_dir, *flags, '--resume', tmp_path / 'part' / 'checkpoint-00000018.pt')
+    losses = lambda recs: {r['global_step']: r['loss'] for r in recs if r['type'] == 'train'}
+    ref, got = losses(full), losses(second)
+    assert sorted(got) == list(range(19, 25)) and [got[k] for k in got] == [ref[k] for k in got]
 
 
 def test_progressive_resizing_by_hand(train_set):
@@ -131,7 +155,8 @@ def test_a_run_with_every_augmentation_trains(tmp_path, cache_dir):
 @pytest.mark.parametrize('extra, words', [(['--decode', 'gpu', '--device', 'cpu', '--randaugment', '2,9'], None),
                                           (['--res-start', '64'], 'larger than --image-size'),
                                           (['--randaugment', '2'], 'takes N,M'),
-                                          (['--res-start', '16', '--fake-data'], 'has none')])
+                                          (['--res-start', '16', '--fake-data'], 'has none'),
+                                          (['--res-start', '16', '--compile'], 'one graph per image size')])
 def test_augmentation_refusals_are_sentences(capsys, extra, words):
     assert dlojz.cli([*TINY, *extra, '--test-nsteps', '1']) == 2
     err = capsys.readouterr().err

@@ -12,6 +12,7 @@ Run: python -m pytest -q tests/test_decode.py
 """
 import io
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -213,8 +214,11 @@ def test_what_the_device_refuses_is_decoded_by_pil(tmp_path, monkeypatch):
         DD.GpuCollate(S)(samples)[0].to('cpu')
     monkeypatch.setattr(DD.DEVICE_DECODE, 'skip_bad_images', True)
     monkeypatch.setattr(DD.DEVICE_DECODE, 'bad', 0)
-    out = DD.GpuCollate(S)(samples)[0].to('cpu')
-    assert DD.DEVICE_DECODE.bad == 1 and torch.equal(out[0], out[1])
+    batch, _ = DD.GpuCollate(S)([(samples[0][0], 7), (samples[1][0], 3)])
+    run = SimpleNamespace(args=SimpleNamespace(non_blocking=False, channels_last=False), device=torch.device('cpu'),
+                          norm=(torch.zeros(1, 3, 1, 1), torch.ones(1, 3, 1, 1)))
+    x, y = dlojz.to_device(batch, torch.tensor([7, 3]), run)  # as the training step gets them
+    assert DD.DEVICE_DECODE.bad == 1 and torch.equal(x[0], x[1]) and y.tolist() == [7, 7]  # image and label
 
 
 def test_gpu_decode_is_refused_on_cpu(capsys):

@@ -85,6 +85,11 @@ def test_each_optimizer_trains(tmp_path, cache_dir, name):
     assert s['config']['base_lr'] == R.BASE_LR[name] and s['config']['wd_norm_bias'] == (name not in R.ADAPTIVE)
 
 
+def test_accumulation_with_static_graph_is_refused(capsys):
+    assert dlojz.cli([*TINY, '--accum-steps', '2', '--static-graph', '--test-nsteps', '1']) == 2
+    assert 'pytorch/pytorch#143580' in capsys.readouterr().err
+
+
 def test_lars_with_decay_on_norm_and_bias_is_refused(capsys):
     assert dlojz.cli([*TINY, '--optimizer', 'lars', '--wd-norm-bias', '--test-nsteps', '1']) == 2
     assert 'leaves BatchNorm weights and biases out of weight decay' in capsys.readouterr().err
