@@ -28,15 +28,13 @@ def param_groups(model, wd, wd_norm_bias=True, adaptive=False):
     """-> optimizer parameter groups: one with every parameter, or (without wd_norm_bias) the weights of
     convolutions and linear layers with `wd`, then the 1-D parameters (norm weights, biases) without.
     adaptive: the groups carry timm's always_adapt (LARS, LAMB)."""
+    group = lambda params, decay, adapt: {'params': params, 'weight_decay': decay,
+                                          **({'always_adapt': adapt} if adaptive else {})}
     params = [p for p in model.parameters() if p.requires_grad]
     if wd_norm_bias:
-        return [{'params': params, 'weight_decay': wd, **({'always_adapt': True} if adaptive else {})}]
-    decay = [p for p in params if p.ndim > 1]
+        return [group(params, wd, True)]
     flat = [p for p in params if p.ndim <= 1]
-    groups = [{'params': decay, 'weight_decay': wd, **({'always_adapt': True} if adaptive else {})}]
-    if flat:
-        groups.append({'params': flat, 'weight_decay': 0.0, **({'always_adapt': False} if adaptive else {})})
-    return groups
+    return [group([p for p in params if p.ndim > 1], wd, True)] + ([group(flat, 0.0, False)] if flat else [])
 
 
 def build_optimizer(args, model, lr, device):
@@ -100,19 +98,23 @@ class EMA:
         for p in self.module.parameters():
             p.requires_grad_(False)
         self.decay, self.warmup, self.updates = decay, warmup, 0
+        self._pairs = None  # (model, averaged tensors, model tensors, integer pairs): listed once
 
     def pairs(self, model):
-        mine = list(self.module.parameters()) + list(self.module.buffers())
-        theirs = list(model.parameters()) + list(model.buffers())
-        return [(a, b) for a, b in zip(mine, theirs) if a.is_floating_point()], \
-            [(a, b) for a, b in zip(mine, theirs) if not a.is_floating_point()]
+        if self._pairs is None or self._pairs[0] is not model:
+            mine = list(self.module.parameters()) + list(self.module.buffers())
+            theirs = [t.detach() for t in list(model.parameters()) + list(model.buffers())]
+            floats = [(a, b) for a, b in zip(mine, theirs) if a.is_floating_point()]
+            self._pairs = (model, [a for a, _ in floats], [b for _, b in floats],
+                           [(a, b) for a, b in zip(mine, theirs) if not a.is_floating_point()])
+        return self._pairs[1:]
 
     @torch.no_grad()
     def update(self, model):
         self.updates += 1
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
-        floats, ints = self.pairs(model)
-        torch._foreach_lerp_([a for a, _ in floats], [b.detach() for _, b in floats], 1 - decay)
+        averaged, current, ints = self.pairs(model)
+        torch._foreach_lerp_(averaged, current, 1 - decay)
         for a, b in ints:
             a.copy_(b)
 
