@@ -532,6 +532,8 @@ def build_run(args, dist, device, say):
               mix=dlojz_augment.Mix(args.mixup, args.cutmix, len(data.classes), args.seed),
               ema=dlojz_recipe.EMA(plain, args.ema_decay, args.ema_warmup) if args.ema_decay else None,
               started=time.time())
+    sync = dlojz_recipe.scaler_sync_warning(optimizer, args.amp)
+    run.host['warnings'] += [sync] if sync else []  # printed in the header, kept in summary.json
     return run, restore(run, ckpt) if ckpt is not None else Progress()
 
 

@@ -3,7 +3,8 @@
 - precision by compute capability: --amp auto picks fp16 on a V100 (sm70), bf16 from sm80; --amp bf16 on
   sm70 is refused with a sentence (torch.cuda.is_bf16_supported() counts emulation, which cuDNN runs slowly);
 - fp16's GradScaler without a host synchronisation per step: fused optimizers take the scale and the inf
-  flag as tensors (counted with a dispatch mode that sees every .item());
+  flag as tensors (counted with a dispatch mode that sees every .item()); timm's LARS/LAMB/Lion do not, and
+  the count and summary.json's warning agree for each optimizer; timm's foreach paths are used on a GPU;
 - peak memory reset after the warm-up steps (a fake torch.cuda; on CPU the resident set's peak, VmHWM);
 - torch.compile with the aot_eager backend, graphs counted: the -heads archs compile once, and
   --grad-checkpointing compiles and updates BatchNorm statistics once per step.
@@ -89,6 +90,76 @@ def test_gpu_runs_build_fused_optimizers():
         assert opt.defaults['fused'] is True, name
     cpu = dlojz_recipe.build_optimization(args, torch.nn.Linear(2, 2), 10, 10, torch.device('cpu'))[1]
     assert not cpu.defaults.get('fused')
+
+
+def fp16_step_syncs(name):
+    """The host reads of GradScaler.step + update after one fp16-scaled backward, with the optimizer
+    dlojz builds for a GPU (fused, or timm's with foreach where timm has it), on CPU tensors."""
+    args = resolved_on((7, 0), '--optimizer', name)  # a V100: --amp auto picks fp16
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    opt = dlojz_recipe.build_optimizer(args, model, 0.01, GPU)
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
+    scaler.scale(model(torch.randn(16, 8)).square().mean()).backward()
+    with HostSyncs() as mode:
+        scaler.step(opt)
+        scaler.update()
+    return args, opt, mode.seen
+
+
+@pytest.mark.parametrize('name', ['sgd', 'adamw', 'lars', 'lamb', 'lion'])
+def test_fp16_host_syncs_per_optimizer_are_counted_and_said(name):
+    """fp16 (the automatic choice on a V100) with timm's LARS, LAMB or Lion: they do not declare
+    _step_supports_amp_scaling, so GradScaler reads found_inf with .item() at every step (counted here); the
+    fused SGD/AdamW read nothing. summary.json's warnings say it exactly when the count is not zero."""
+    args, opt, seen = fp16_step_syncs(name)
+    assert args.amp == 'fp16'
+    if name in ('sgd', 'adamw'):
+        assert seen == []
+    else:
+        assert seen.count('_local_scalar_dense') >= 1, seen
+    warning = dlojz_recipe.scaler_sync_warning(opt, args.amp)
+    assert (warning is not None) == bool(seen)
+    assert warning is None or ('reads the inf/NaN flag on the host at every step' in warning and
+                               type(opt).__name__ in warning)
+    assert dlojz_recipe.scaler_sync_warning(opt, 'bf16') is None  # no scaler, no read
+
+
+class Launches(TorchDispatchMode):
+    """Counts the operators one optimizer step dispatches: each is a kernel launch (or a few) on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('name', ['lars', 'lamb', 'lion'])
+def test_timm_optimizers_take_their_foreach_path_on_a_gpu(name):
+    """Where timm has a multi-tensor path (Lion from 0.9, LARS and LAMB from 1.0.31), dlojz asks for it on a
+    GPU: a ResNet-18 step dispatches a few hundred operators instead of thousands (one loop per parameter,
+    62 of them). Older timm: the per-parameter loop, and this test says so by skipping."""
+    from timm import optim as timm_optim
+    cls = {'lars': timm_optim.Lars, 'lamb': timm_optim.Lamb, 'lion': timm_optim.Lion}[name]
+    if not dlojz_recipe.timm_foreach(cls, GPU):
+        pytest.skip(f'this timm has no foreach path for {cls.__name__}')
+    args = resolved_on((8, 0), '--optimizer', name)
+    counts = {}
+    for device in (torch.device('cpu'), GPU):  # CPU: the loop (no foreach asked for); GPU: foreach
+        torch.manual_seed(0)
+        model = custom_models.build_model('resnet18', 4)
+        opt = dlojz_recipe.build_optimizer(args, model, 0.01, device)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()  # state made at the first step
+        with Launches() as mode:
+            opt.step()
+        counts[device.type] = mode.n
+    n_params = len(list(model.parameters()))
+    assert counts['cuda'] * 3 < counts['cpu'] and counts['cpu'] > 5 * n_params, counts
 
 
 class FakeCuda:
