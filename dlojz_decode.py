@@ -10,11 +10,14 @@ dlojz_data from seed, epoch and index), so they differ by decoder and resampler 
 import io
 import math
 import multiprocessing as mp
+import re
 import sys
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torchvision
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import InterpolationMode
@@ -264,10 +267,33 @@ def crop_resize(img, box, size):
     return x.flip(-1) if flip else x
 
 
+def decodes_lists(torchvision_version):
+    """Whether this torchvision's decode_jpeg takes a list of images (one batched nvJPEG call). 0.19 takes
+    one tensor only: its decode_jpeg hands `input` straight to torch.ops.image.decode_jpeg_cuda, whose
+    schema refuses a list (RuntimeError); the list form and its op decode_jpegs_cuda ship in 0.20
+    (pytorch/vision#8496), on CPU too (one libjpeg-turbo call per element)."""
+    major, minor = (int(x) for x in re.match(r'(\d+)\.(\d+)', torchvision_version).groups())
+    return (major, minor) >= (0, 20)
+
+
+def lacks_jpeg_engine(capability):
+    """Whether a GPU of this compute capability has no hardware JPEG decoder, so that nvJPEG decodes on its
+    hybrid CPU/CUDA path, one image at a time with a stream synchronisation each: sm70 (V100). The engine is
+    on A100 (sm80) and H100 (sm90); sm75 (T4) has none either, but it is no training GPU dlojz targets."""
+    return tuple(capability) < (8, 0)
+
+
+SM70_WARNING = ('--decode gpu on a GPU without a hardware JPEG decoder (compute capability {}.{}, e.g. V100): '
+                'nvJPEG decodes image by image with a host synchronisation each, usually slower than '
+                '--decode fast with enough workers; compare them with --loader-only.')
+
+
 class DeviceDecode:
-    """EncodedBatch.to(device): batched nvJPEG decode, then crop, resize and flip on the device. An image
-    nvJPEG refuses is decoded by PIL on the host, same box, and counted; one PIL cannot read either stops the
-    run with its name, or with --skip-bad-images is replaced by the batch's previous sample and counted.
+    """EncodedBatch.to(device): nvJPEG decode (the batch in one call from torchvision 0.20, image by image
+    on 0.19), then crop, resize and flip on the device. An image nvJPEG refuses is decoded by PIL on the
+    host, same box, and counted; one PIL cannot read either stops the run with its name, or with
+    --skip-bad-images is replaced by the batch's previous sample and counted. The first refusal is printed
+    with nvJPEG's own message, once: a decoder that refuses everything must not pass for a slow run.
 
     torchvision's CUDA decode_jpeg allocates its outputs on the current stream but writes them from a private
     stream that does not wait for it, so a block just freed by queued training kernels can be overwritten
@@ -276,12 +302,18 @@ class DeviceDecode:
     stream is done with them (record_stream). decode_jpeg waits on the host for its own stream (its
     cudaStreamSynchronize), not for the training stream."""
 
-    def __init__(self):
+    def __init__(self, torchvision_version=torchvision.__version__):
         self.decode_jpeg = decode_jpeg  # seam: tests make it refuse
+        self.lists = decodes_lists(torchvision_version)
         self.refused = 0                # images nvJPEG refused, decoded by PIL
         self.bad = 0                    # images nothing could decode (--skip-bad-images)
         self.skip_bad_images = False
+        self.warned = False             # the first refusal has been printed
         self._streams = {}
+        # torchvision 0.29 deprecates its image decoders with a DeprecationWarning on every call: silenced
+        # for decode_jpeg's module and that message only (the decoder stays until TorchCodec replaces it)
+        warnings.filterwarnings('ignore', message='The image decoding and encoding capabilities of TorchVision',
+                                category=DeprecationWarning, module='torchvision.io.image')
 
     def __call__(self, batch, device, non_blocking=False):
         out = [None] * batch.n
@@ -306,18 +338,27 @@ class DeviceDecode:
 
     def decode(self, chunks, names, device):
         """-> the decoded images, None where no decoder could read one (--skip-bad-images)."""
-        try:
-            return self._batched(chunks, device)
-        except RuntimeError:  # one image spoils the batch: find it
-            pass
+        if self.lists:
+            try:
+                return self._on_device(chunks, device)
+            except RuntimeError as e:  # one image spoils the batch: find it below
+                self._warn(e, 'a batch')
         images = []
         for chunk, name in zip(chunks, names):
             try:
-                images.append(self._batched([chunk], device)[0])
-            except RuntimeError:
+                images += self._on_device([chunk], device)
+            except RuntimeError as e:
+                self._warn(e, name)
                 self.refused += 1
                 images.append(self._on_host(chunk, name, device))
         return images
+
+    def _warn(self, e, what):
+        if not self.warned:
+            self.warned = True
+            print(f'dlojz: warning: nvJPEG refused {what} ({type(e).__name__}: {str(e).strip().splitlines()[0]}); '
+                  f'what it refuses is decoded by PIL on the host and counted in summary.json '
+                  f'(data.gpu_decode.cpu_after_nvjpeg)', file=sys.stderr, flush=True)
 
     def _on_host(self, chunk, name, device):
         try:
@@ -331,14 +372,24 @@ class DeviceDecode:
             return None
         return torch.from_numpy(np.array(img)).permute(2, 0, 1).to(device)
 
-    def _batched(self, chunks, device):
-        if device.type != 'cuda':  # the CPU seam the tests drive: libjpeg-turbo, same code after it (one image
-            # per call: torchvision 0.19 takes lists on CUDA only)
-            return [self.decode_jpeg(c, mode=ImageReadMode.RGB, device=device) for c in chunks]
-        main = torch.cuda.current_stream(device)
-        side = self._streams.setdefault(device, torch.cuda.Stream(device))
+    def _call(self, chunks, device):
+        """decode_jpeg as this torchvision takes it: the list in one call (>= 0.20), else one tensor per call
+        (0.19). The CPU seam the tests drive goes through the same choice, with libjpeg-turbo."""
+        if self.lists:
+            return self.decode_jpeg(chunks, mode=ImageReadMode.RGB, device=device)
+        return [self.decode_jpeg(c, mode=ImageReadMode.RGB, device=device) for c in chunks]
+
+    def _on_device(self, chunks, device):
+        if device.type != 'cuda':
+            return self._call(chunks, device)
+        if device not in self._streams:  # one stream per device for the whole run, not one per call
+            self._streams[device] = torch.cuda.Stream(device)
+            capability = torch.cuda.get_device_capability(device)
+            if lacks_jpeg_engine(capability):
+                print(f'dlojz: warning: {SM70_WARNING.format(*capability)}', file=sys.stderr, flush=True)
+        main, side = torch.cuda.current_stream(device), self._streams[device]
         with torch.cuda.stream(side):
-            images = self.decode_jpeg(chunks, mode=ImageReadMode.RGB, device=device)
+            images = self._call(chunks, device)
         main.wait_stream(side)
         for img in images:
             img.record_stream(main)

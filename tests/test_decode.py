@@ -3,7 +3,10 @@ flip, measured from the pixels it outputs, against torchvision's own transforms;
 not decode go through PIL; the default path decodes at a reduced DCT scale when the crop allows it.
 --decode gpu, driven on CPU through its seam (torchvision's CPU decode_jpeg in place of nvJPEG, the same code
 after it): the same crops as the PIL path sample by sample, what nvJPEG refuses decoded on the host, a batch
-that crosses worker processes. tests/gpu/ runs it with nvJPEG.
+that crosses worker processes; against torchvision 0.19's decode_jpeg (one tensor per call: the floor) it
+decodes image by image, and a refusal is printed once; one side stream for the run (torch.cuda faked), the
+V100 warning, torchvision 0.29's per-call deprecation warning silenced and no other. tests/gpu/ runs it with
+nvJPEG.
 
 The image encodes its own coordinates (red = x, green = y), so each output tells the crop box it came from
 and whether it was flipped, whatever code produced it.
@@ -219,6 +222,127 @@ def test_what_the_device_refuses_is_decoded_by_pil(tmp_path, monkeypatch):
                           norm=(torch.zeros(1, 3, 1, 1), torch.ones(1, 3, 1, 1)))
     x, y = dlojz.to_device(batch, torch.tensor([7, 3]), run)  # as the training step gets them
     assert DD.DEVICE_DECODE.bad == 1 and torch.equal(x[0], x[1]) and y.tolist() == [7, 7]  # image and label
+
+
+def torchvision_019(real):
+    """decode_jpeg as torchvision 0.19 has it: one tensor; a list goes on to torch.ops.image.decode_jpeg_cuda,
+    whose schema refuses it (the batched decode_jpegs_cuda op ships in 0.20)."""
+    def decode_jpeg(input, mode=None, device='cpu'):
+        if not isinstance(input, torch.Tensor):
+            raise RuntimeError("image::decode_jpeg_cuda() Expected a value of type 'Tensor' for argument 'data' "
+                               "but instead found type 'list'.\nPosition: 0")
+        return real(input, mode=mode, device=device)
+    return decode_jpeg
+
+
+def test_decodes_lists_by_torchvision_version():
+    assert not DD.decodes_lists('0.19.0') and not DD.decodes_lists('0.19.1+cu121')
+    assert DD.decodes_lists('0.20.0') and DD.decodes_lists('0.29.2+cu132') and DD.decodes_lists('1.0.0')
+
+
+@pytest.mark.parametrize('version', ['0.19.1+cu121', '0.20.0'])
+def test_gpu_decode_at_the_torchvision_floor(coords, monkeypatch, capsys, version):
+    """Against torchvision 0.19's decode_jpeg (one tensor per call), a decoder that passes it the batch as a
+    list (what every torchvision got before: the 0.20 answer here) has every call refused and every image
+    decoded by PIL on the host, counted, with the refusal printed once; told the version, it decodes image by
+    image and PIL decodes nothing. Either way the images are the PIL path's, seed by seed."""
+    seeds = [f'4-2-{i}' for i in range(6)]
+    _, samples = gpu_samples([coords] * 6, seeds)
+    decoder = DD.DeviceDecode(torchvision_version='0.19.1+cu121')
+    decoder.decode_jpeg = torchvision_019(DD.decode_jpeg)
+    decoder.lists = DD.decodes_lists(version)  # the code's belief about the torchvision it runs on
+    monkeypatch.setattr(DD, 'DEVICE_DECODE', decoder)
+    capsys.readouterr()
+    outs = [DD.GpuCollate(S)(samples)[0].to('cpu') for _ in range(2)]  # two batches: one warning
+    err = capsys.readouterr().err
+    pil = DD.TrainTransform(S)
+    for i, seed in enumerate(seeds):
+        assert (outs[1][i].int() - pil(str(coords), random.Random(seed)).int()).abs().float().mean() < 1, i
+    if version.startswith('0.19'):
+        assert decoder.refused == 0 and err == ''
+    else:
+        assert decoder.refused == 12  # every image of both batches, on the host
+        assert err.count('dlojz: warning: nvJPEG refused') == 1
+        assert "Expected a value of type 'Tensor' for argument 'data'" in err and 'cpu_after_nvjpeg' in err
+
+
+class FakeCudaStreams:
+    """torch.cuda's stream calls as DeviceDecode makes them, recorded: a CPU test sees which streams exist,
+    which waits are queued and which stream each decode ran on."""
+
+    def __init__(self, capability):
+        self.made, self.waits, self.current, self.capability = [], [], 'main', capability
+        fake = self
+
+        class Stream:
+            def __init__(self, device):
+                fake.made.append(self)
+
+            def wait_stream(self, other):
+                fake.waits.append((self, other))
+
+        class StreamContext:
+            def __init__(self, stream):
+                self.stream = stream
+
+            def __enter__(self):
+                self.saved, fake.current = fake.current, self.stream
+
+            def __exit__(self, *exc):
+                fake.current = self.saved
+        self.Stream, self.stream = Stream, StreamContext
+        self.main = Stream(None)
+        self.made.clear()
+
+    def current_stream(self, device):
+        return self.main
+
+    def get_device_capability(self, device):
+        return self.capability
+
+
+class Decoded:
+    """A decode output: the stream it was written on and the streams recorded as using it."""
+
+    def __init__(self, stream):
+        self.stream, self.used_by = stream, []
+
+    def record_stream(self, stream):
+        self.used_by.append(stream)
+
+
+@pytest.mark.parametrize('capability', [(7, 0), (8, 0), (9, 0)])
+def test_device_decode_streams_and_the_sm70_warning(monkeypatch, capsys, capability):
+    """On CUDA (torch.cuda faked): one side stream for the whole run, not one per call; every decode runs on
+    it, the training stream waits for it and is recorded on each output (pytorch/vision#9606); a GPU without
+    a hardware JPEG decoder (sm70, V100) is warned about once."""
+    cuda = FakeCudaStreams(capability)
+    for name in ('Stream', 'stream', 'current_stream', 'get_device_capability'):
+        monkeypatch.setattr(DD.torch.cuda, name, getattr(cuda, name))
+    decoder = DD.DeviceDecode()
+    decoder.decode_jpeg = lambda chunks, **kw: [Decoded(cuda.current) for _ in chunks]
+    device = torch.device('cuda', 0)
+    chunks = [torch.zeros(4, dtype=torch.uint8)] * 3
+    outs = [decoder._on_device(chunks, device) for _ in range(3)]
+    assert len(cuda.made) == 1 and cuda.made[0] is not cuda.main
+    side = cuda.made[0]
+    assert all(img.stream is side and img.used_by == [cuda.main] for out in outs for img in out)
+    assert cuda.waits == [(cuda.main, side)] * 3 and cuda.current == 'main'
+    err = capsys.readouterr().err
+    assert err.count('without a hardware JPEG decoder') == (1 if capability == (7, 0) else 0)
+    assert DD.lacks_jpeg_engine(capability) == (capability < (8, 0))
+
+
+def test_torchvision_deprecation_warning_silenced_narrowly(coords):
+    """torchvision 0.29 warns at every decode_jpeg call; the decoder silences that message and no other."""
+    import warnings
+    _, samples = gpu_samples([coords] * 2, ['a', 'b'])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter('always')
+        decoder = DD.DeviceDecode()
+        decoder(DD.GpuCollate(S)(samples)[0], torch.device('cpu'))
+        warnings.warn('another deprecation', DeprecationWarning)
+    assert [str(w.message) for w in seen] == ['another deprecation']
 
 
 def test_gpu_decode_is_refused_on_cpu(capsys):
