@@ -156,15 +156,37 @@ def cuda_device_for(dist, share=False):
                      f'or run NVIDIA MPS (or pass --share-gpu) to share GPUs between tasks.')
 
 
+def process_group_backend(device_type, device_count, local_world_size, share):
+    """The backend of the data-parallel process group: NCCL on CUDA GPUs, gloo on CPU, and gloo on CUDA when
+    this node's tasks must share GPUs (`share` and more tasks than visible GPUs).
+
+    NCCL refuses two ranks on one GPU ("Duplicate GPU detected", ncclInvalidUsage), MPS or not
+    (NVIDIA/nccl#418), and does so inside DDP's constructor. gloo rather than a refusal: sharing a GPU is
+    what --share-gpu and MPS are for (several small replicas per GPU, the Alliance Canada recipe), and gloo
+    implements broadcast and all_reduce on CUDA tensors (torch.distributed's backend table, torch 1.x to
+    2.x; it stages them through host memory), the two collectives DDP uses (parameter/buffer broadcast,
+    gradient buckets) and all dlojz's device-side collectives use. The price is a device->host->device copy
+    of the gradients per step, small for the models that share a GPU. One GPU per task (srun
+    --gpus-per-task) also shows one GPU to each of several tasks: with `share` set, gloo then too (correct,
+    slower); without it _check_distinct_gpus tells a real collision from a binding."""
+    if device_type != 'cuda':
+        return 'gloo'
+    return 'gloo' if share and local_world_size > device_count else 'nccl'
+
+
 def setup(dist, device, timeout_min=None, share_gpu=False):
-    """Join the process group: NCCL on CUDA, gloo on CPU. Every rank must call it."""
+    """Join the process group (process_group_backend says which). Every rank must call it."""
     global _CPU_GROUP
     if not dist.distributed:
         return
     if dist.launcher == 'slurm':  # env:// reads these; rank 0 opens the store on master_addr:master_port
         os.environ.update(MASTER_ADDR=dist.master_addr, MASTER_PORT=str(dist.master_port), RANK=str(dist.rank),
                           WORLD_SIZE=str(dist.world_size), LOCAL_RANK=str(dist.local_rank))
-    backend = 'nccl' if device.type == 'cuda' else 'gloo'
+    gpus = torch.cuda.device_count() if device.type == 'cuda' else 0
+    backend = process_group_backend(device.type, gpus, dist.local_world_size, share_gpu)
+    if backend == 'gloo' and device.type == 'cuda' and dist.is_main:
+        print(f'{dist.local_world_size} tasks per node share {gpus} visible GPU(s): gradients are all-reduced '
+              f'with gloo through host memory (NCCL refuses two ranks on one GPU)', flush=True)
     kw = {'timeout': datetime.timedelta(minutes=timeout_min)} if timeout_min else {}
     try:
         tdist.init_process_group(backend, init_method='env://', rank=dist.rank, world_size=dist.world_size, **kw)

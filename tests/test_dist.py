@@ -1,7 +1,9 @@
 """get_dist_info(): the launcher seam reads torchrun first, then srun's SLURM variables (with node lists
 like jz[001-003,010] and task lists like 4(x2),3), else a single process; the batch script itself is not
 mistaken for a task, and a malformed environment is one clear UsageError. The gloo side group of
-host-side collectives ends a wait for a hung peer within --dist-timeout.
+host-side collectives ends a wait for a hung peer within --dist-timeout. Ranks that share a GPU (--share-gpu
+or MPS, more tasks than GPUs: an injected device count) join with gloo, since NCCL refuses two ranks on one
+device.
 
 Run: python -m pytest -q tests/test_dist.py
 """
@@ -160,3 +162,32 @@ def test_gpu_sharing_needs_mps_or_the_flag(monkeypatch, tmp_path):
     assert not dlojz_dist.mps_active({'CUDA_MPS_PIPE_DIRECTORY': str(tmp_path)})
     (tmp_path / 'control').touch()
     assert dlojz_dist.mps_active({'CUDA_MPS_PIPE_DIRECTORY': str(tmp_path)})
+
+
+@pytest.mark.parametrize('device_type, gpus, per_node, share, backend', [
+    ('cpu', 0, 4, False, 'gloo'),
+    ('cuda', 4, 4, False, 'nccl'),   # one task per GPU
+    ('cuda', 4, 4, True, 'nccl'),    # --share-gpu where nothing is shared
+    ('cuda', 2, 4, True, 'gloo'),    # 4 tasks on 2 GPUs: NCCL would refuse ("Duplicate GPU detected")
+    ('cuda', 1, 8, True, 'gloo'),    # 8 replicas on one GPU under MPS
+    ('cuda', 1, 4, False, 'nccl'),   # srun --gpus-per-task: each task sees its own GPU
+])
+def test_backend_when_ranks_share_a_gpu(device_type, gpus, per_node, share, backend):
+    assert dlojz_dist.process_group_backend(device_type, gpus, per_node, share) == backend
+
+
+def test_setup_joins_with_gloo_when_ranks_share_a_gpu(monkeypatch, capsys):
+    """setup() with an injected device count (no GPU here): 4 tasks, 2 GPUs, --share-gpu -> the process
+    group is gloo, rank 0 says why; 4 tasks on 4 GPUs -> NCCL."""
+    joined = []
+    monkeypatch.setattr(dlojz_dist.tdist, 'init_process_group', lambda backend, **kw: joined.append(backend))
+    monkeypatch.setattr(dlojz_dist.tdist, 'new_group', lambda **kw: None)
+    monkeypatch.setattr(dlojz_dist, '_check_distinct_gpus', lambda *a: None)
+    monkeypatch.setattr(dlojz_dist, '_CPU_GROUP', None)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
+    dist = DistInfo(rank=0, local_rank=0, world_size=4, local_world_size=4, launcher='torchrun')
+    dlojz_dist.setup(dist, torch.device('cuda', 0), share_gpu=True)
+    assert joined == ['gloo'] and 'all-reduced with gloo' in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 4)
+    dlojz_dist.setup(dist, torch.device('cuda', 0), share_gpu=True)
+    assert joined == ['gloo', 'nccl'] and capsys.readouterr().out == ''
