@@ -1,6 +1,9 @@
-"""tests/gpu needs a CUDA GPU: without one, every test of this folder is skipped with the reason. The
-fixtures and helpers of tests/conftest.py (cache_dir, TINY, run_main, torchrun, latest) apply here too."""
+"""tests/gpu needs a CUDA GPU: without one, every test of this folder is skipped with the reason, unless
+DLOJZ_REQUIRE_GPU=1 (set by run.sh) says a GPU was meant: then the session stops with that reason as an
+error, no test run. The fixtures and helpers of tests/conftest.py (cache_dir, TINY, run_main, torchrun,
+latest) apply here too."""
 import gc
+import os
 import pathlib
 
 import pytest
@@ -13,11 +16,12 @@ def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
     # this hook sees the items of the whole session: mark only this folder's
-    skip = pytest.mark.skip(reason='needs a CUDA GPU (torch.cuda.is_available() is False); run bash tests/gpu/run.sh '
-                                   'on a GPU node')
-    for item in items:
-        if HERE in item.path.parents:
-            item.add_marker(skip)
+    ours = [item for item in items if HERE in item.path.parents]
+    why = 'needs a CUDA GPU (torch.cuda.is_available() is False); run bash tests/gpu/run.sh on a GPU node'
+    if ours and os.environ.get('DLOJZ_REQUIRE_GPU') == '1':
+        raise pytest.UsageError(f'DLOJZ_REQUIRE_GPU=1 and tests/gpu {why} (python tests/gpu/cuda_check.py says why)')
+    for item in ours:
+        item.add_marker(pytest.mark.skip(reason=why))
 
 
 @pytest.fixture(autouse=True)

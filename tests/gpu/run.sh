@@ -5,6 +5,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
+# No GPU, no tests: a node where torch sees no GPU (a driver older than the wheel's CUDA, a CPU-only torch)
+# would otherwise report every test skipped and look green. The check prints torch's CUDA, the driver and
+# the GPUs, or one sentence saying what is missing.
+"$PY" tests/gpu/cuda_check.py || exit 1
+export DLOJZ_REQUIRE_GPU=1  # from here on, a test skipped for want of CUDA is a failure (tests/gpu/conftest.py)
 status=0
 "$PY" -m pytest -q tests/gpu || status=$?
 # The table (stdout) is also kept in tests/gpu/last-bench.md, ready to paste into BENCHMARKS.md; progress goes

@@ -1,0 +1,68 @@
+"""tests/gpu cannot look green without a GPU: `bash tests/gpu/run.sh` on a machine where torch sees no CUDA
+GPU exits non-zero with one sentence and starts no test (pytest is never invoked), and DLOJZ_REQUIRE_GPU=1
+turns "skipped for want of CUDA" into a failed session. The check's verdict is a pure function of the facts
+(torch's CUDA, the driver, the GPUs, the wheel's architectures), tested here for each way a node fails.
+
+Run: python -m pytest -q tests/test_gpu_runner.py
+"""
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location('cuda_check', ROOT / 'tests' / 'gpu' / 'cuda_check.py')
+cuda_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cuda_check)
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason='this machine has a GPU: run.sh would run the suite')
+H100 = ('NVIDIA H100 80GB HBM3', (9, 0))
+CU13_ARCHS = ['sm_75', 'sm_80', 'sm_86', 'sm_90', 'sm_100', 'sm_120']
+
+
+@no_gpu
+def test_run_sh_without_cuda_stops_before_any_test(tmp_path):
+    log = tmp_path / 'invocations'
+    wrapper = tmp_path / 'python'
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    p = subprocess.run(['bash', str(ROOT / 'tests' / 'gpu' / 'run.sh')], capture_output=True, text=True,
+                       env={**os.environ, 'PYTHON': str(wrapper)}, timeout=120)
+    out = (p.stdout + p.stderr).strip()
+    assert p.returncode == 1, out
+    assert len(out.splitlines()) == 1 and out.startswith('tests/gpu needs CUDA') and 'Traceback' not in out, out
+    assert log.read_text().splitlines() == ['tests/gpu/cuda_check.py']  # neither pytest nor bench.py started
+
+
+@no_gpu
+@pytest.mark.slow  # two pytest sessions that collect tests/gpu (imports dlojz and torch): ~25 s on 2 cores
+def test_require_gpu_turns_the_skips_into_a_failure():
+    """The same command, with and without the variable: it alone turns the skipped suite into a failure."""
+    run = lambda env: subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:randomly', 'tests/gpu'],
+                                     capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != 'DLOJZ_REQUIRE_GPU'}
+    required = run({**env, 'DLOJZ_REQUIRE_GPU': '1'})
+    assert required.returncode != 0 and 'passed' not in required.stdout and 'skipped' not in required.stdout
+    assert 'DLOJZ_REQUIRE_GPU=1 and tests/gpu needs a CUDA GPU' in required.stdout + required.stderr
+    plain = run(env)  # the default suite on a CPU machine: skipped, green
+    assert plain.returncode == 0 and 'skipped' in plain.stdout and 'failed' not in plain.stdout
+
+
+@pytest.mark.parametrize('facts, ok, words', [
+    (('2.14.1+cpu', None, None, [], []), False, 'is a CPU-only build'),
+    (('2.14.1+cu130', '13.0', None, [], []), False, 'finds no NVIDIA driver'),
+    (('2.14.1+cu130', '13.0', '550.54.15', [], []), False, 'needs NVIDIA driver 580 or newer, but this node has 550.54.15'),
+    (('2.14.1+cu126', '12.6', '550.54.15', [], []), False, 'sees no GPU'),
+    (('2.14.1+cu130', '13.0', '580.65.06', [('Tesla V100-SXM2-32GB', (7, 0))], CU13_ARCHS), False,
+     'has no kernels for the Tesla V100-SXM2-32GB (sm70; the oldest it has is sm_75); install a CUDA 12.6 build'),
+    (('2.14.1+cu126', '12.6', '550.54.15', [H100, H100], ['sm_50', 'sm_70', 'sm_90']), True,
+     'CUDA: torch 2.14.1+cu126 built for CUDA 12.6, driver 550.54.15, 2 x NVIDIA H100 80GB HBM3 (sm90)'),
+    (('2.14.1+cu130', '13.0', '580.65.06', [('NVIDIA B300', (10, 3))], CU13_ARCHS), True, 'NVIDIA B300 (sm103)'),
+])
+def test_the_verdict_for_each_kind_of_node(facts, ok, words):
+    got_ok, line = cuda_check.verdict(*facts)
+    assert got_ok == ok and words in line and len(line.splitlines()) == 1, line
