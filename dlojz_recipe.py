@@ -126,18 +126,19 @@ class EMA:
             mine = list(self.module.parameters()) + list(self.module.buffers())
             theirs = [t.detach() for t in list(model.parameters()) + list(model.buffers())]
             floats = [(a, b) for a, b in zip(mine, theirs) if a.is_floating_point()]
-            self._pairs = (model, [a for a, _ in floats], [b for _, b in floats],
-                           [(a, b) for a, b in zip(mine, theirs) if not a.is_floating_point()])
+            ints = [(a, b) for a, b in zip(mine, theirs) if not a.is_floating_point()]
+            self._pairs = (model, [a for a, _ in floats], [b for _, b in floats], [a for a, _ in ints],
+                           [b for _, b in ints])
         return self._pairs[1:]
 
     @torch.no_grad()
     def update(self, model):
         self.updates += 1
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
-        averaged, current, ints = self.pairs(model)
+        averaged, current, int_mine, int_theirs = self.pairs(model)
         torch._foreach_lerp_(averaged, current, 1 - decay)
-        for a, b in ints:
-            a.copy_(b)
+        if int_mine:  # BatchNorm's counters: one multi-tensor copy (torch >= 2.1), not one launch per layer
+            torch._foreach_copy_(int_mine, int_theirs)
 
     def state_dict(self):
         return {'module': self.module.state_dict(), 'updates': self.updates, 'decay': self.decay}

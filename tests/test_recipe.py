@@ -123,6 +123,33 @@ def test_ema_is_the_hand_rolled_average():
         torch.testing.assert_close(a, 2 / 11 * b + 9 / 11 * m.detach())
 
 
+def test_ema_update_is_a_few_launches():
+    """A ResNet-18 EMA update: one multi-tensor lerp for the floats and one multi-tensor copy for the 20
+    BatchNorm counters, not a copy per layer (each operator is a kernel launch on a GPU); the counters
+    still arrive."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    model = torchvision.models.resnet18(num_classes=4)
+    ema = R.EMA(model, 0.9)
+    ema.update(model)  # the first update lists the tensor pairs
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.num_batches_tracked.fill_(7)
+    with Ops() as ops:
+        ema.update(model)
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()) == 20
+    assert ops.names.count('copy_') == 0 and len(ops.names) <= 4, ops.names
+    assert all(int(m.num_batches_tracked) == 7 for m in ema.module.modules() if isinstance(m, nn.BatchNorm2d))
+
+
 def val_records(recs, kind='val'):
     return [r for r in recs if r['type'] == kind]
 
