@@ -11,7 +11,8 @@
 - the device-clock verdicts: a fake-data ResNet-50 is compute-bound; the same run behind a slow loader is
   loader-bound, and its device clock still measures the same GPU time per step;
 - --decode gpu: nvJPEG's crops equal the CPU seam's (libjpeg-turbo) within 2 levels, decoding never writes
-  into memory that queued training kernels still read (pytorch/vision#9606), and a run trains with it.
+  into memory that queued training kernels still read (pytorch/vision#9606; the same check catches a decode
+  on the training stream, its positive control), and a run trains with it.
 
 Run: python -m pytest -q tests/gpu    (bash tests/gpu/run.sh also runs the benchmark matrix)
 """
@@ -26,6 +27,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+import torchvision
 from torch.autograd import DeviceType
 
 import dlojz
@@ -398,25 +400,48 @@ def test_nvjpeg_crops_match_the_cpu_seam():
     assert on_gpu.shape == on_cpu.shape and diff.max() < 2, diff  # IDCT and chroma upsampling differ slightly
 
 
-def test_decode_never_writes_into_memory_queued_kernels_read():
+def overwritten(batch, decode, trials=20):
     """Tensors the size of the decoded images are filled, reductions over them are queued behind a long
-    kernel, the tensors are freed (their blocks return to the caching allocator at once), then a batch is
-    decoded. With torchvision's decode_jpeg called on the training stream, nvJPEG may be handed those blocks
-    and overwrite them before the reductions run; dlojz decodes with a stream of its own."""
-    batch = encoded_batch(16)
+    kernel, the tensors are freed (their blocks return to the caching allocator at once), then `decode()`
+    runs. -> how many reductions saw other values than the fill: blocks a decoder wrote before the queued
+    kernels read them."""
     sizes = [tuple(img.shape) for img in dlojz_decode.decode_jpeg(list(torch.split(batch.data, batch.sizes)),
                                                                    mode=dlojz_decode.ImageReadMode.RGB)]
     bad = 0
-    for trial in range(20):
+    for trial in range(trials):
         held = [torch.full(s, 7, dtype=torch.uint8, device='cuda') for s in sizes]
         torch.cuda.synchronize()
         torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time ahead of the reductions
         sums = [t.sum(dtype=torch.int64) for t in held]
         del held
-        batch.to('cuda')
+        decode()
         torch.cuda.synchronize()
         bad += sum(int(s.item()) != 7 * math.prod(shape) for s, shape in zip(sums, sizes))
-    assert bad == 0
+    return bad
+
+
+def test_decode_never_writes_into_memory_queued_kernels_read():
+    """With torchvision's decode_jpeg called on the training stream, nvJPEG may be handed blocks that queued
+    kernels still read and overwrite them before they run (pytorch/vision#9606); dlojz decodes with a stream
+    of its own. The next test shows the check sees the race."""
+    batch = encoded_batch(16)
+    assert overwritten(batch, lambda: batch.to('cuda')) == 0
+
+
+def test_the_race_check_sees_a_decode_on_the_training_stream():
+    """Positive control of the test above: torchvision's decode_jpeg called on the current stream, as
+    without dlojz's side stream. From 0.20 its batched decoder writes from a private stream that does not wait
+    for the current one; 0.19 decodes on the current stream (no race to show)."""
+    if not dlojz_decode.decodes_lists(torchvision.__version__):
+        pytest.skip(f'torchvision {torchvision.__version__} decodes on the current stream: no race to show')
+    batch = encoded_batch(16)
+    chunks = list(torch.split(batch.data, batch.sizes))
+    bad = overwritten(batch, lambda: dlojz_decode.decode_jpeg(chunks, mode=dlojz_decode.ImageReadMode.RGB,
+                                                              device='cuda'))
+    # 0 means either the check cannot see the race or this torchvision fixed it: the test above then proves
+    # nothing on this version, which is worth a red line
+    assert bad > 0, (f'torchvision {torchvision.__version__} overwrote nothing in 20 trials on the training stream '
+                     f'(pytorch/vision#9606 fixed here?)')
 
 
 def test_a_run_trains_with_gpu_decode(tmp_path, cache_dir):
