@@ -6,7 +6,8 @@
   fp16's GradScaler with the fused optimizer included, on pinned batches copied without blocking;
 - the Chronometer's CUDA-event phases add up to the kernel time torch.profiler records (within 5 %);
 - NVML energy is positive and within the board's enforced power limit x the elapsed time;
-- torchrun with NCCL at world size 1, and 2 GPUs with --sync-bn where the node has them;
+- torchrun with NCCL at world size 1, and 2 GPUs with --sync-bn where the node has them; 2 ranks sharing
+  one GPU (--share-gpu: gloo, since NCCL refuses it);
 - under --deterministic, a run resumed from a checkpoint reproduces the uninterrupted run's losses exactly;
 - the device-clock verdicts: a fake-data ResNet-50 is compute-bound; the same run behind a slow loader is
   loader-bound, and its device clock still measures the same GPU time per step;
@@ -284,6 +285,18 @@ def test_torchrun_one_gpu_runs_nccl_and_ddp(tmp_path, cache_dir):
     assert s['provenance']['launcher'] == 'torchrun' and 'communication' in s
     log = (tmp_path / 'nccl.rank0.log').read_text()
     assert 'Train step 0 - rank 0' in log and 'NCCL INFO' in log.split('Train step 0 - rank 0', 1)[1], log[-2000:]
+
+
+def test_torchrun_two_ranks_share_one_gpu(tmp_path, cache_dir):
+    """--share-gpu with 2 ranks on 1 GPU: NCCL refuses two ranks on one device ("Duplicate GPU detected"), so
+    the group is gloo (CUDA all-reduce through host memory) and DDP trains to the end on both ranks."""
+    p = torchrun(2, *TINY, *CUDA, '--cache-dir', cache_dir, '--output-dir', tmp_path, '--test-nsteps', 3,
+                 '--share-gpu', '--chkpt', env={'CUDA_VISIBLE_DEVICES': os.environ.get('CUDA_VISIBLE_DEVICES',
+                                                                                         '0').split(',')[0]})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert 'all-reduced with gloo' in p.stdout
+    s, _ = read_run(tmp_path)
+    assert s['status'] == 'completed' and s['world_size'] == 2 and len(s['timing']['ranks']) == 2
 
 
 def test_torchrun_two_gpus_sync_bn(tmp_path, cache_dir):
