@@ -8,8 +8,8 @@ to stdout, progress to stderr:
     python tests/gpu/bench.py --quick                            # 2: low precision, channels-last, fake vs JPEG
     python tests/gpu/bench.py --data-dir /path/imagenet --steps 100 --batch 256
 
-A second table gives the training loader alone (--loader-only) with the host's fast decode and with nvJPEG
-(--decode gpu), same workers, same JPEGs.
+A second table compares the host's fast decode with nvJPEG (--decode gpu), same workers, same JPEGs: the
+training loader alone (--loader-only) and a training run.
 """
 import argparse
 import datetime
@@ -90,19 +90,27 @@ def run_one(flags, out_dir):
 
 
 def loader_rows(opts, out):
-    """--loader-only with --decode fast and gpu: -> Markdown rows."""
+    """--decode fast and gpu, the loader alone (--loader-only) and a training run (same flags): -> Markdown
+    rows. The training run shows what the loader figure cannot: nvJPEG's decode sharing the GPU with the
+    step, and the host waiting for it."""
     rows = []
     for decode in ('fast', 'gpu'):
-        flags = [*common_flags(opts), *row_flags(('auto', True, False, 'jpeg'), opts), '--loader-only',
-                 '--decode', decode]
-        summary, why = run_one(flags, os.path.join(out, f'loader_{decode}'))
+        flags = [*common_flags(opts), *row_flags(('auto', True, False, 'jpeg'), opts), '--decode', decode]
+        summary, why = run_one([*flags, '--loader-only'], os.path.join(out, f'loader_{decode}'))
         loader = (summary or {}).get('loader') or {}
         ips = loader.get('images_per_second')
         cell = f'{ips:.1f}' if ips and not why else f"failed ({why or 'no result'})".replace('|', '/')
-        rows.append(f'| {decode} | {opts.workers} | {cell} |')
         print(f'loader {decode}: {why or "completed"}', file=sys.stderr, flush=True)
-    return ['', f'Training loader alone (`--loader-only`, {opts.batch} images per batch, '
-            f'{opts.steps} batches after the warm-up):', '', '| decode | workers | img/s |', '|---|---:|---:|', *rows]
+        summary, why = run_one(flags, os.path.join(out, f'train_{decode}'))
+        t = (summary or {}).get('timing') or {}
+        train = f"{t['train_throughput']:.1f}" if t.get('train_throughput') and not why else \
+            f"failed ({why or 'no result'})".replace('|', '/')
+        rows.append(f"| {decode} | {opts.workers} | {cell} | {train} | {t.get('bound', '–')} |")
+        print(f'train {decode}: {why or "completed"}', file=sys.stderr, flush=True)
+    return ['', f'Decoding on the host (`--decode fast`) or with nvJPEG (`--decode gpu`): the training loader alone '
+            f'(`--loader-only`) and training (low precision, channels-last, eager), {opts.batch} images per batch, '
+            f'{opts.steps} batches:', '', '| decode | workers | loader alone img/s | training img/s | bound |',
+            '|---|---:|---:|---:|---|', *rows]
 
 
 def label(cfg, summary, opts):
