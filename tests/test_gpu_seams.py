@@ -125,6 +125,18 @@ def test_fp16_host_syncs_per_optimizer_are_counted_and_said(name):
     assert dlojz_recipe.scaler_sync_warning(opt, 'bf16') is None  # no scaler, no read
 
 
+def test_the_sync_warning_reaches_the_summary_warnings(monkeypatch, tmp_path, cache_dir):
+    """build_run puts the scaler's sentence in run.host['warnings'] (the header prints them, summary.json keeps
+    them); CPU runs cannot use fp16, so the sentence is forced here and the wiring checked."""
+    from conftest import TINY
+    from dlojz_io import Console
+    monkeypatch.setattr(dlojz_recipe, 'scaler_sync_warning', lambda opt, amp: f'sync with {type(opt).__name__}')
+    argv = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(tmp_path), '--test-nsteps', '1', '--optimizer', 'lion']
+    args = dlojz.check_args(dlojz.get_args_parser().parse_args(argv), torch.device('cpu'))
+    run, _ = dlojz.build_run(args, dlojz.get_dist_info(), torch.device('cpu'), Console(False))
+    assert run.host['warnings'][-1] == 'sync with Lion'
+
+
 class Launches(TorchDispatchMode):
     """Counts the operators one optimizer step dispatches: each is a kernel launch (or a few) on a GPU."""
 
