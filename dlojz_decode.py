@@ -277,9 +277,10 @@ def decodes_lists(torchvision_version):
 
 
 def lacks_jpeg_engine(capability):
-    """Whether a GPU of this compute capability has no hardware JPEG decoder, so that nvJPEG decodes on its
-    hybrid CPU/CUDA path, one image at a time with a stream synchronisation each: sm70 (V100). The engine is
-    on A100 (sm80) and H100 (sm90); sm75 (T4) has none either, but it is no training GPU dlojz targets."""
+    """Whether a GPU of this compute capability surely has no hardware JPEG decoder, so that nvJPEG decodes on
+    its hybrid CPU/CUDA path, one image at a time with a stream synchronisation each: below sm80 (V100, T4).
+    A100/A30 (sm80) and H100 (sm90) have the engine; capability is only a proxy above that (some sm86 cards,
+    A10 or RTX 30, lack it and are not warned about)."""
     return tuple(capability) < (8, 0)
 
 
