@@ -99,8 +99,12 @@ def final_lines(summary, chrono, steps_per_epoch):
                      f"{t['epoch_time_estimate_s']:.1f} s")
     if t.get('bound'):
         device = 'GPU' if t['clock'] == 'cuda-events' else 'compute'
-        lines.append(f">>> Bound by: {t['bound']} ({device} busy {t['device_busy']:.0%} of the steady steps, data wait "
-                     f"{t['data_share']:.0%}; with no waiting the steps would be {t['compute_headroom']:.2f}x faster)")
+        comm = f", waiting for other ranks {t['comm_share']:.0%}" if t.get('comm_share') else ''
+        headroom = (f"; with no waiting the steps would be {t['compute_headroom']:.2f}x faster"
+                    if t.get('compute_headroom') else '')
+        ranks = ', all ranks' if t.get('bound_all_ranks') else ''
+        lines.append(f">>> Bound by: {t['bound']} ({device} busy {t['device_busy']:.0%} of the steady steps{ranks}, "
+                     f"data wait {t['data_share']:.0%}{comm}{headroom})")
     if t.get('rank_skew') is not None:
         lines.append(f">>> Step time per rank (median): fastest rank {t['fastest_rank']} "
                      f"{t['fastest_step_median_s'] * 1e3:.1f} ms, slowest rank {t['slowest_rank']} "
