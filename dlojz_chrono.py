@@ -240,12 +240,6 @@ class Chronometer:
             return _both(self._timed_phase(name), torch.profiler.record_function(LABELS.get(name, name)))
         return self._timed_phase(name)
 
-    def exclude_current(self):
-        """Leave the current step out of the statistics (a profiled step: the profiler slows it down and
-        writes its trace inside it). It is still timed and listed."""
-        if self._current is not None:
-            self._current['excluded'] = True
-
     def _resolve(self, block):
         if block and self.events and self._pending:
             t = self.clock()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dlojz_chrono import Chronometer, PowerMeter, describe
-from dlojz_summary import final_lines
+from dlojz_summary import final_lines, ranks_summary
 
 
 class FakeClock:
@@ -506,3 +506,34 @@ def test_bursty_loader_throughput_is_a_sum_not_a_median():
     assert s['gpu_throughput'] == pytest.approx(64 / 0.02)
     assert s['bound'] == 'loader'
     assert s['stats']['step']['median'] == pytest.approx(0.02)  # the median stays a per-step latency
+
+
+def drive_phases(chrono, clock, gpu, works, steps, wait=0.002, launch=0.001):
+    for _ in chrono.iterate(SlowLoader(clock, [wait] * steps)):
+        for name, work in works.items():
+            with chrono.phase(name):
+                clock.advance(launch)
+                gpu.launch(work)
+    chrono.finish()
+
+
+def rank(number, works):
+    """One rank of a data-parallel run on its own fake device -> what it sends at the end of the run."""
+    clock = FakeClock()
+    gpu = FakeGPU(clock)
+    chrono = Chronometer('cuda', warmup=2, clock=clock, timeline=gpu)
+    drive_phases(chrono, clock, gpu, works, steps=100)
+    return {'rank': number, 'step_median_s': chrono.stats()['step']['median'], **chrono.totals()}
+
+
+def test_waiting_for_a_straggler_is_communication():
+    """Rank 1 is slow in its forward pass (100 ms); rank 0's gradient all-reduce, at the end of its backward
+    pass, waits for it: 95 ms of its 105 ms backward. Each GPU is busy all the time, yet by hand 95 of the
+    220 device-ms per step are waiting: the run is bound by communication, 95 / 220 of the time."""
+    fast = rank(0, {'h2d': 0.001, 'forward': 0.004, 'backward': 0.105, 'optimizer': 0.0})
+    slow = rank(1, {'h2d': 0.001, 'forward': 0.099, 'backward': 0.010, 'optimizer': 0.0})
+    s = ranks_summary([fast, slow])
+    assert s['bound'] == 'communication' and s['comm_share'] == pytest.approx(95 / 220, rel=0.05)
+    assert s['device_busy_all_ranks'] == pytest.approx(1.0, rel=0.05)
+    same = ranks_summary([rank(0, {'forward': 0.05, 'backward': 0.06}), rank(1, {'forward': 0.05, 'backward': 0.06})])
+    assert same['bound'] == 'compute' and same['comm_share'] == pytest.approx(0.0, abs=1e-9)  # the control
