@@ -431,8 +431,10 @@ def dashboard(run, out):
         ('Train throughput', f"{fmt(n['train_img_s'])} img/s (images / total time of the steady steps)"),
         ('GPU throughput', f"{fmt(n['gpu_img_s'])} img/s (global batch / device work per step, {t.get('clock')} clock, "
                            f"from {t.get('gpu_step_source') or '?'} spans)"),
-        ('Bound by', f"{n['bound']}: device busy {fmt(n['busy_pct'])} % of the steady steps, data wait "
-                     f"{fmt(scaled(t.get('data_share'), 100))} %" if n['bound'] else '—'),
+        ('Bound by', f"{n['bound']}{' (all ranks)' if t.get('bound_all_ranks') else ''}: device busy "
+                     f"{fmt(n['busy_pct'])} % of the steady steps, data wait {fmt(scaled(t.get('data_share'), 100))} %"
+                     + (f", waiting for other ranks {fmt(scaled(t['comm_share'], 100))} %" if t.get('comm_share') else '')
+                     if n['bound'] else '—'),
         ('Epoch time estimate', f"{hms(t.get('epoch_time_estimate_s'))} ({dig(run.summary, 'data', 'batches_per_epoch')}"
                                 f" batches)"),
         ('Full validation estimate', hms(t.get('full_val_time_estimate_s'))),
