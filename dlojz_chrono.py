@@ -112,15 +112,20 @@ class CudaTimeline:
     def synchronize(self):
         torch.cuda.synchronize()
 
-    def delay(self, seconds):
-        """Queue a kernel that keeps the device busy for about `seconds` (a probe step's head start)."""
-        if not hasattr(self, 'hz'):  # clock cycles per second of the spin kernel: measured once, one sync
+    def calibrate(self):
+        """Clock cycles per second of the spin kernel: measured once (one synchronisation), where the
+        Chronometer synchronises anyway (the start of the steady window)."""
+        if not hasattr(self, 'hz'):
             start, end = self.event(), self.event()
             start.record()
             torch.cuda._sleep(10 ** 6)
             end.record()
             end.synchronize()
             self.hz = 10 ** 6 / max(start.elapsed_time(end) / 1e3, 1e-6)
+
+    def delay(self, seconds):
+        """Queue a kernel that keeps the device busy for about `seconds` (a probe step's head start)."""
+        self.calibrate()
         torch.cuda._sleep(int(seconds * self.hz))
 
 
@@ -174,6 +179,8 @@ class Chronometer:
             if self._begun == self.warmup:
                 if self.events:  # the warm-up's queued work is not the steady window's (one sync per run)
                     self.timeline.synchronize()
+                    if self.probe and hasattr(self.timeline, 'calibrate'):
+                        self.timeline.calibrate()
                 for fn in self.on_steady:
                     fn()
             t0 = self.clock()
