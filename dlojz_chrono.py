@@ -140,6 +140,7 @@ class Chronometer:
         self.probe = self.events and hasattr(self.timeline, 'delay')  # probe steps (see the docstring)
         self._probe_s = None   # spin of the next step's probe (seconds), None: no probe
         self._last_probe = None
+        self._clean = 0        # clean steps after the warm-up
         self.labels = False    # --prof: each phase is also a torch.profiler record_function range
         self.steps = []        # completed records: {'data': s, 'step': s, 'compute': s, 'h2d': s, ...}
         self._pending = []     # records whose events may not have completed yet
@@ -214,14 +215,15 @@ class Chronometer:
             del rec['last']
             if not rec['clean']:
                 self._schedule_probe(rec)
+            elif self._begun > self.warmup:
+                self._clean += 1
         self._pending.append(rec)
         self._resolve(block=False)
 
     def _schedule_probe(self, rec):
         """The device waited for the host in this step: measure the next one behind a spin kernel."""
-        clean = sum(bool(r.get('clean')) for r in self.steps[self.warmup:] + self._pending)
         due = self._last_probe is None or self._begun - self._last_probe >= PROBE_EVERY
-        if self.probe and self._begun >= self.warmup and (clean < PROBE_MIN or due):
+        if self.probe and self._begun >= self.warmup and (self._clean < PROBE_MIN or due):
             self._probe_s = min(PROBE_MAX_S, 1.5 * (rec['step'] - rec['data']))
 
     @contextmanager
