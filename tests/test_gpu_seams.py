@@ -297,3 +297,22 @@ def test_power_meter_on_torch_without_device_uuid_says_why():
         name = 'Fake V100'
     s = PowerMeter('cuda:0', nvml=FakeNVML(), props=Old(), synchronize=lambda: None).summary()
     assert not s['available'] and 'gives no UUID or PCI address' in s['why_unavailable']
+
+
+def test_log_line_read_carries_the_nan_guard():
+    """On a GPU the guard is read only with the log line's loss, in one transfer: the loss comes back, and
+    a non-finite loss seen since is raised with its step (global step 7 -> step 8 in the message)."""
+    from dlojz_errors import NonFiniteLoss
+    from dlojz_metrics import NonFiniteGuard
+    guard = NonFiniteGuard(torch.device('cpu'), every=0)
+    guard.reset(5)
+    for loss in (1.0, 2.0):
+        guard.observe(torch.tensor(loss))
+    window = torch.tensor(3.5)
+    with DeviceReads() as mode:
+        assert guard.check(window) == [3.5]
+    assert mode.seen == ['tolist']
+    guard.observe(torch.tensor(float('nan')))
+    guard.observe(torch.tensor(1.0))
+    with pytest.raises(NonFiniteLoss, match='at step 8;'):
+        guard.check(torch.tensor(3.5))
