@@ -60,7 +60,8 @@ def rank_report(run):
     st, memory = run.chrono.stats(), run.memory.summary()
     step, data = st.get('step'), st.get('data')
     profiled = sum(bool(r.get('excluded')) for r in run.chrono.steps)
-    return {**run.chrono.totals(), 'profiled_steps': profiled, 'rank': run.dist.rank, 'host': socket.gethostname(), 'steps': len(run.chrono.steps),
+    return {**run.chrono.totals(), 'profiled_steps': profiled, 'rank': run.dist.rank, 'host': socket.gethostname(),
+            'steps': len(run.chrono.steps),
             'step_median_s': step['median'] if step else None, 'step_mean_s': step['mean'] if step else None,
             'data_mean_s': data['mean'] if data else None, 'val_time_s': run.chrono.val_time,
             'gpu_max_allocated_bytes': memory['gpu_max_allocated_bytes'],
@@ -118,8 +119,9 @@ def final_lines(summary, chrono, steps_per_epoch):
         comm = f", waiting for other ranks {t['comm_share']:.0%}" if t.get('comm_share') else ''
         headroom = (f"; with no waiting the steps would be {t['compute_headroom']:.2f}x faster"
                     if t.get('compute_headroom') else '')
-        ranks = ', all ranks' if t.get('bound_all_ranks') else ''
-        lines.append(f">>> Bound by: {t['bound']} ({device} busy {t['device_busy']:.0%} of the steady steps{ranks}, "
+        busy, ranks = ((t['device_busy_all_ranks'], ', all ranks') if t.get('bound_all_ranks') else
+                       (t['device_busy'], ''))
+        lines.append(f">>> Bound by: {t['bound']} ({device} busy {busy:.0%} of the steady steps{ranks}, "
                      f"data wait {t['data_share']:.0%}{comm}{headroom})")
     if t.get('rank_skew') is not None:
         lines.append(f">>> Step time per rank (median): fastest rank {t['fastest_rank']} "
