@@ -91,7 +91,8 @@ def ranks_summary(ranks):
             r['comm_s'] = (r['backward_s'] - fastest) * r['steady_steps'] if fastest is not None else 0.0
         wall, busy, data, comm = (sum(r[k] for r in measured) for k in ('wall_s', 'busy_s', 'data_s', 'comm_s'))
         res.update(bound=verdict(wall, busy, data, comm), bound_all_ranks=True, device_busy_all_ranks=busy / wall,
-                   comm_share=comm / wall)
+                   comm_share=comm / wall,  # waiting for peers is waiting: the headroom leaves it out
+                   compute_headroom_all_ranks=wall / (busy - comm) if busy > comm else None)
     return res
 
 
@@ -117,8 +118,8 @@ def final_lines(summary, chrono, steps_per_epoch):
     if t.get('bound'):
         device = 'GPU' if t['clock'] == 'cuda-events' else 'compute'
         comm = f", waiting for other ranks {t['comm_share']:.0%}" if t.get('comm_share') else ''
-        headroom = (f"; with no waiting the steps would be {t['compute_headroom']:.2f}x faster"
-                    if t.get('compute_headroom') else '')
+        headroom = t.get('compute_headroom_all_ranks' if t.get('bound_all_ranks') else 'compute_headroom')
+        headroom = f"; with no waiting the steps would be {headroom:.2f}x faster" if headroom else ''
         busy, ranks = ((t['device_busy_all_ranks'], ', all ranks') if t.get('bound_all_ranks') else
                        (t['device_busy'], ''))
         lines.append(f">>> Bound by: {t['bound']} ({device} busy {busy:.0%} of the steady steps{ranks}, "

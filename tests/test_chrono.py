@@ -535,5 +535,6 @@ def test_waiting_for_a_straggler_is_communication():
     s = ranks_summary([fast, slow])
     assert s['bound'] == 'communication' and s['comm_share'] == pytest.approx(95 / 220, rel=0.05)
     assert s['device_busy_all_ranks'] == pytest.approx(1.0, rel=0.05)
+    assert s['compute_headroom_all_ranks'] == pytest.approx(220 / 125, rel=0.05)
     same = ranks_summary([rank(0, {'forward': 0.05, 'backward': 0.06}), rank(1, {'forward': 0.05, 'backward': 0.06})])
     assert same['bound'] == 'compute' and same['comm_share'] == pytest.approx(0.0, abs=1e-9)  # the control
