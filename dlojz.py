@@ -519,9 +519,10 @@ def build_run(args, dist, device, say):
               autocast=torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext(),
               norm=tuple(torch.tensor(v, device=device).view(1, 3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD)),
               chrono=chrono, power=power, memory=memory,
-              # a non-finite loss is looked for every step on CPU (free) and every --log-interval steps on a
-              # GPU (a sync); the LR sweep reads its loss every step anyway and stops on its own
-              guard=NonFiniteGuard(device, 0 if args.findlr else 1 if device.type == 'cpu' else args.log_interval,
+              # a non-finite loss is looked for every step on CPU (free); on a GPU at each log line, in the
+              # same read as the line's loss (one sync per --log-interval steps); the LR sweep reads its loss
+              # every step anyway and stops on its own
+              guard=NonFiniteGuard(device, 1 if device.type == 'cpu' and not args.findlr else 0,
                                    dist.distributed),
               stop=dlojz_dist.StopSignal(),
               log=Logger(os.path.join(args.output_dir, 'metrics.jsonl'), say,
@@ -634,9 +635,7 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
         window += loss
         meters.update(loss, output, labels)
         bar.update()
-        if prof is not None:  # the profiled steps, and the one that writes the trace, are slower: not counted
-            if args.prof_wait <= prof.step_num < args.prof_wait + args.prof_warmup + args.prof_active:
-                run.chrono.exclude_current()
+        if prof is not None:
             prof.step()
         if progress.step % args.log_interval == 0 or progress.step == run.steps_per_epoch:
             t_log = log_train(run, progress, lr, window, t_log)
@@ -653,6 +652,7 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
     bar.close()
     run.guard.check()
     run.chrono.finish()
+    run.memory.end_training()  # before validation's shapes and cudnn trials raise the peak
     run.power.window_stop(run.chrono.images_after_warmup - images_before)
     progress.train = {'steps_run': progress.step - first, **meters.compute()}
     return stopped
@@ -665,8 +665,9 @@ def log_train(run, progress, lr, window, t_last):
     now = time.perf_counter()
     step_s = (now - t_last) / n
     mem = run.memory.peak()
+    loss_sum, = run.guard.check(window)  # one read: the NaN guard's first bad step and the summed loss
     run.log.log(type='train', epoch=progress.epoch + 1, step=progress.step, global_step=progress.global_step,
-                loss=window.item() / n, lr=lr, step_ms=step_s * 1e3, data_ms=data_s * 1e3,
+                loss=loss_sum / n, lr=lr, step_ms=step_s * 1e3, data_ms=data_s * 1e3,
                 img_s=run.global_batch / step_s if step_s else None, mem_bytes=mem)
     window.zero_()
     return now
@@ -744,7 +745,7 @@ def evaluate(run, epoch, progress, max_batches=None, ema=False):
     # rank 0's BatchNorm statistics, as in its checkpoint
     dlojz_dist.broadcast_buffers_(run.ema.module if ema else run.model_without_ddp)
     meters, batches, raw_time = Meters(len(run.data.classes), run.device), 0, chrono.val_time
-    with chrono.validation():
+    with run.memory.validation(), chrono.validation():  # the memory read after the Chronometer's sync
         for x, labels in itertools.islice(run.data.val_loader, max_batches):
             x, labels = to_device(x, labels, run)
             with run.autocast:
@@ -847,6 +848,9 @@ def _main(args, dist, device):
         else:
             # rank 0 only: one trace tells the story, and every rank's export would stall its own step
             run.chrono.labels = args.prof and dist.is_main
+            if args.prof:  # the profiled steps, and the one that writes the trace, are slower; every rank waits
+                # for rank 0's in the collectives, so every rank leaves the same steps out of its statistics
+                run.chrono.exclude_steps = range(args.prof_wait, args.prof_wait + args.prof_warmup + args.prof_active)
             with profiler(device, os.path.join(args.output_dir, 'profiler'), args.prof_wait, args.prof_warmup,
                           args.prof_active) if run.chrono.labels else nullcontext() as prof:
                 train(run, progress, prof)

@@ -12,20 +12,37 @@ Two clocks, never mixed in one subtraction:
   (from asking for a batch to asking for the next one), so the steps of a run tile its wall time.
 - On a GPU (without --sync-timing) the device clock times the step's work: a CUDA event pair around the
   step, from the moment the batch is in hand to the end of the step, and one pair per phase. They are read
-  once they have completed (event.query(), no synchronisation). "compute" is the step pair's span: the
-  time the GPU spent on the step's work. Host step minus data wait would be kernel-launch time whenever the
-  loader wait overlaps queued GPU work, i.e. in exactly the loader-bound runs this tool exists to diagnose.
-  On CPU (and with --sync-timing, which synchronises at each phase boundary) compute = step - data wait.
+  once they have completed (event.query(), no synchronisation). "compute" is the step pair's span. Host step
+  minus data wait would be kernel-launch time whenever the loader wait overlaps queued GPU work.
+- A span is the device's work only if the device ran it back to back. A step's events (its start, each
+  phase's pair, its end) form a chain; each time one is recorded the Chronometer asks whether the one
+  before it has completed (event.query(), no synchronisation). If it never has, the device was always
+  still busy with earlier work when the next piece of the step was queued, so nothing in the span waited
+  for the host: the step is "clean" and its span is pure device work. Otherwise the device may have sat
+  idle inside the span, waiting for launches (a host-bound step) or for the batch. The step after such a
+  starved one is then a probe (until PROBE_MIN clean steps are measured, then at most one per PROBE_EVERY
+  steps): a spin kernel of 1.5x the host's last launch time is queued before its start event, so that the
+  step's kernels queue up behind it and its span is clean. A host blocked by a full launch queue (a
+  compute-bound step with more kernels than the queue holds) is clean too: the device is always ahead of
+  the events. See docs/chronometer.md.
+- GPU work per step = sum of the clean spans / their number; `gpu_throughput` = global batch / that;
+  device busy time = the clean spans + the GPU work per step for each other steady step.
+- Throughputs and estimates are sums: `train_throughput` = images of the steady steps / their total host
+  time, `epoch_time_estimate_s` = mean steady step x batches per epoch, `compute_headroom` = total steady
+  time / device busy time. Medians describe per-phase latencies only (the '>>>' lines, `stats`).
 - "other" is the step's time outside the named phases (scheduler, metrics, logging), measured on the
   compute clock. The phase check compares the named phases with the step span, two independent
   measurements: the named phases can never exceed their step, so `phase_sum_error` > 0 means a timing bug.
-- `device_busy` = sum of compute / sum of host steps over the steady window, and the verdict `bound`:
-  'compute' (the device is busy >= 90% of the time), else 'loader' when the data wait covers at least half
-  of the idle time, else 'host' (Python, launches or synchronisations starve the device).
+- `device_busy` = device busy time / host time of the steady steps, and the verdict `bound` (verdict()):
+  'compute' when the device did useful work >= 90% of the time, else what the idle time went to, the
+  largest of: the data wait ('loader'), waiting for other ranks in collectives ('communication': a rank's
+  backward time above the fastest rank's, known once every rank's numbers are gathered at the end), and
+  the rest ('host': Python, kernel launches, synchronisations).
 - The first `warmup` steps (worker start-up, cudnn autotune, compilation) are reported separately and
   left out of the statistics; `on_steady` callbacks run once, before the first steady step asks for its
   batch (peak-memory reset, start of the energy window). So are an epoch's smaller last batches: a new
-  shape re-tunes cudnn and compiles another graph, inside that step.
+  shape re-tunes cudnn and compiles another graph, inside that step. So are the steps in `exclude_steps`
+  (--prof's profiled steps, the same on every rank).
 """
 import datetime
 import math
@@ -42,6 +59,19 @@ LABELS = {'h2d': 'host to device copy', 'forward': 'inference and loss function'
           'optimizer': 'optimizer step and weights update'}
 GPU_PHASES = ('h2d', 'forward', 'backward', 'optimizer')
 BUSY = 0.9  # device busy at least this fraction of the wall time: compute-bound
+PROBE_MIN, PROBE_EVERY = 5, 100  # probe steps: until 5 clean steps are measured, then one per 100 steps
+PROBE_MAX_S = 0.5  # the longest spin a probe queues (seconds)
+
+
+def verdict(wall, busy, data, comm=0.0):
+    """What bounds a run, from sums over its steady steps (seconds, one rank or all ranks added up): the
+    device's time waiting for peers inside collectives (`comm`) is not useful work."""
+    work = busy - comm
+    if work >= BUSY * wall:
+        return 'compute'
+    idle = wall - work
+    waits = {'loader': data, 'communication': comm, 'host': idle - data - comm}
+    return max(waits, key=waits.get)
 
 
 def describe(values):
@@ -82,6 +112,22 @@ class CudaTimeline:
     def synchronize(self):
         torch.cuda.synchronize()
 
+    def calibrate(self):
+        """Clock cycles per second of the spin kernel: measured once (one synchronisation), where the
+        Chronometer synchronises anyway (the start of the steady window)."""
+        if not hasattr(self, 'hz'):
+            start, end = self.event(), self.event()
+            start.record()
+            torch.cuda._sleep(10 ** 6)
+            end.record()
+            end.synchronize()
+            self.hz = 10 ** 6 / max(start.elapsed_time(end) / 1e3, 1e-6)
+
+    def delay(self, seconds):
+        """Queue a kernel that keeps the device busy for about `seconds` (a probe step's head start)."""
+        self.calibrate()
+        torch.cuda._sleep(int(seconds * self.hz))
+
 
 class Chronometer:
     def __init__(self, device, phases=True, sync=False, warmup=1, clock=time.perf_counter, timeline=None):
@@ -90,6 +136,11 @@ class Chronometer:
         self.timeline = timeline or (CudaTimeline() if self.cuda else None)
         self.events = self.cuda and not sync  # device clock for compute and phases
         self.on_steady = []    # callables run once, before the first steady step
+        self.exclude_steps = range(0)  # indices of steps left out of the statistics (--prof, on every rank)
+        self.probe = self.events and hasattr(self.timeline, 'delay')  # probe steps (see the docstring)
+        self._probe_s = None   # spin of the next step's probe (seconds), None: no probe
+        self._last_probe = None
+        self._clean = 0        # clean steps after the warm-up
         self.labels = False    # --prof: each phase is also a torch.profiler record_function range
         self.steps = []        # completed records: {'data': s, 'step': s, 'compute': s, 'h2d': s, ...}
         self._pending = []     # records whose events may not have completed yet
@@ -113,6 +164,11 @@ class Chronometer:
     def _event(self):
         e = self.timeline.event()
         e.record()
+        rec = self._current
+        if rec is not None:  # a step's events form a chain; see the docstring on clean steps
+            if rec['last'] is not None and rec['last'].query():
+                rec['clean'] = False  # the device reached the previous event before this one was queued
+            rec['last'] = e
         return e
 
     def iterate(self, iterable, max_steps=None):
@@ -122,6 +178,10 @@ class Chronometer:
         n = 0
         while max_steps is None or n < max_steps:
             if self._begun == self.warmup:
+                if self.events:  # the warm-up's queued work is not the steady window's (one sync per run)
+                    self.timeline.synchronize()
+                    if self.probe and hasattr(self.timeline, 'calibrate'):
+                        self.timeline.calibrate()
                 for fn in self.on_steady:
                     fn()
             t0 = self.clock()
@@ -130,7 +190,13 @@ class Chronometer:
             except StopIteration:
                 return
             self._current = {'t0': t0, 'data': self.clock() - t0, 'events': [], 'images': _images(batch)}
+            if self._begun in self.exclude_steps:
+                self._current['excluded'] = True
             if self.events:  # the step's work starts now, on the device's clock
+                if self._probe_s is not None:
+                    self.timeline.delay(self._probe_s)
+                    self._current['probe'], self._probe_s, self._last_probe = True, None, self._begun
+                self._current.update(clean=True, last=None)
                 self._current['span'] = self._event()
             self._interval.append(self._current['data'])
             self._begun += 1
@@ -141,11 +207,24 @@ class Chronometer:
     def _end_step(self):
         rec = self._current
         self._current = None
-        if self.events:
-            rec['span'] = (rec['span'], self._event())
         rec['step'] = self.clock() - rec.pop('t0')
+        if self.events:
+            self._current = rec
+            rec['span'] = (rec['span'], self._event())
+            self._current = None
+            del rec['last']
+            if not rec['clean']:
+                self._schedule_probe(rec)
+            elif self._begun > self.warmup:
+                self._clean += 1
         self._pending.append(rec)
         self._resolve(block=False)
+
+    def _schedule_probe(self, rec):
+        """The device waited for the host in this step: measure the next one behind a spin kernel."""
+        due = self._last_probe is None or self._begun - self._last_probe >= PROBE_EVERY
+        if self.probe and self._begun >= self.warmup and (self._clean < PROBE_MIN or due):
+            self._probe_s = min(PROBE_MAX_S, 1.5 * (rec['step'] - rec['data']))
 
     @contextmanager
     def _timed_phase(self, name):
@@ -170,15 +249,13 @@ class Chronometer:
             return _both(self._timed_phase(name), torch.profiler.record_function(LABELS.get(name, name)))
         return self._timed_phase(name)
 
-    def exclude_current(self):
-        """Leave the current step out of the statistics (a profiled step: the profiler slows it down and
-        writes its trace inside it). It is still timed and listed."""
-        if self._current is not None:
-            self._current['excluded'] = True
-
     def _resolve(self, block):
         if block and self.events and self._pending:
+            t = self.clock()
             self.timeline.synchronize()
+            # the device finishing the queued work belongs to the last step: the steps tile the wall time
+            # until the device is done (a host ahead by a full launch queue would otherwise overstate rates)
+            self._pending[-1]['step'] += self.clock() - t
         while self._pending:
             rec = self._pending[0]
             if self.events and not block and not (rec['span'][1].query() and
@@ -191,6 +268,7 @@ class Chronometer:
                 rec['compute'] = start.elapsed_time(end) / 1e3
             else:
                 rec['compute'] = rec['step'] - rec['data']
+                rec['clean'] = True  # a host interval (CPU, --sync-timing): nothing queued behind the host
             if self.phases_on:
                 rec['other'] = rec['compute'] - sum(rec.get(p, 0.0) for p in GPU_PHASES)
             self.steps.append(rec)
@@ -240,9 +318,32 @@ class Chronometer:
         keys = ['step', 'data', 'compute'] + (list(PHASES[1:]) if self.phases_on else [])
         return {k: describe([r.get(k, 0.0) for r in self.steady]) for k in keys}
 
+    def totals(self):
+        """Sums over the steady steps (seconds): what throughputs, busy time and the verdict are made of;
+        every rank's are gathered at the end of a run. gpu_step_s: the device work of one step, from the
+        clean spans ('clean'), else from every span ('spans': an upper bound, the device may have
+        waited inside them)."""
+        steady = self.steady
+        res = {'steady_steps': len(steady), 'images': sum(r['images'] or 0 for r in steady),
+               'wall_s': sum(r['step'] for r in steady), 'data_s': sum(r['data'] for r in steady),
+               'probe_steps': sum(bool(r.get('probe')) for r in steady), 'busy_s': None, 'gpu_step_s': None,
+               'gpu_step_source': None, 'gpu_measured_steps': 0, 'backward_s': None}
+        for source, keep in (('clean', lambda r: r.get('clean')), ('spans', lambda r: True)):
+            measured = [r for r in steady if keep(r)]
+            if measured:
+                break
+        if not measured:
+            return res
+        work = sum(r['compute'] for r in measured)
+        res.update(gpu_step_s=work / len(measured), gpu_step_source=source, gpu_measured_steps=len(measured),
+                   busy_s=work + work / len(measured) * (len(steady) - len(measured)))
+        if self.phases_on:  # mean backward time of a measured step: where a rank waits for its peers
+            res['backward_s'] = sum(r.get('backward', 0.0) for r in measured) / len(measured)
+        return res
+
     def summary(self, global_batch, batches_per_epoch=None, val_batches_total=None):
         """The dict written to summary.json['timing']."""
-        st, steady = self.stats(), self.steady
+        st, steady, tot = self.stats(), self.steady, self.totals()
         full = self.full_batch
         res = {'steps': len(self.steps), 'warmup_steps': min(self.warmup, len(self.steps)),
                'partial_batch_steps': sum(r['images'] != full for r in self.steps[self.warmup:]),
@@ -250,30 +351,28 @@ class Chronometer:
                'sync_timing': self.sync, 'phase_timing': self.phases_on,
                'clock': ('host+sync' if self.sync else 'cuda-events') if self.cuda else 'host',
                'first_steps': self.steps[:self.warmup],
-               'stats': st,
+               'stats': st, 'totals': tot,
                'per_step': {k: [r.get(k) for r in self.steps] for k in ['step', 'compute', *PHASES]
                             if any(k in r for r in self.steps)}}
-        if st['step'] is not None:
-            compute, step = st['compute']['median'], st['step']['median']
-            res['gpu_throughput'] = global_batch / compute if compute > 0 else None
-            res['train_throughput'] = global_batch / step if step > 0 else None
-            total = sum(r['step'] for r in steady)
-            busy = sum(r['compute'] for r in steady)
-            data = sum(r['data'] for r in steady)
-            res['steady_images_per_s'] = global_batch * len(steady) / total if total > 0 else None
-            if total > 0:
-                res['device_busy'] = busy / total
-                res['data_share'] = data / total
-                res['bound'] = 'compute' if busy >= BUSY * total else                     'loader' if data >= (total - busy) / 2 else 'host'
-                res['compute_headroom'] = step / compute if compute > 0 else None  # speed-up if nothing waited
-            if self.phases_on and busy > 0:
+        total, busy = tot['wall_s'], tot['busy_s']
+        if steady and total > 0:
+            # rates are sums: a median step lands on the short steps of a loader that delivers in bursts
+            res['train_throughput'] = res['steady_images_per_s'] = global_batch * len(steady) / total
+            res['gpu_throughput'] = global_batch / tot['gpu_step_s'] if tot['gpu_step_s'] else None
+            res['gpu_step_source'] = tot['gpu_step_source']
+            res['device_busy'] = busy / total
+            res['data_share'] = tot['data_s'] / total
+            res['bound'] = verdict(total, busy, tot['data_s'])
+            res['compute_headroom'] = total / busy if busy else None  # speed-up if nothing waited
+            spans = sum(r['compute'] for r in steady)
+            if self.phases_on and spans > 0:
                 named = sum(r.get(p, 0.0) for r in steady for p in GPU_PHASES)
                 # the named phases lie inside their step span; measured apart, their sum can exceed it
                 # only through a timing bug (overlapping phases, events on another stream)
-                res['phase_sum_error'] = max(0.0, named - busy) / busy
+                res['phase_sum_error'] = max(0.0, named - spans) / spans
                 res['phase_share'] = {p: sum(r.get(p, 0.0) for r in steady) / total for p in PHASES}
             if batches_per_epoch:
-                res['epoch_time_estimate_s'] = step * batches_per_epoch
+                res['epoch_time_estimate_s'] = total / len(steady) * batches_per_epoch
         if self.val_time is not None:
             res['val_time_s'] = self.val_time
             res['val_batches'] = self.val_batches

@@ -1,6 +1,8 @@
 """What the training loop measures about learning, on the device and without a host sync per step:
 loss and accuracy meters (shared by training and validation), the non-finite-loss guard, and the peak
 memory a steady step needs."""
+from contextlib import contextmanager
+
 import torch
 
 import dlojz_dist
@@ -10,7 +12,8 @@ from dlojz_io import host_memory
 
 class NonFiniteGuard:
     """Remembers on the device the first step whose loss was not finite; read every `every` steps (0: only
-    when check() is called). Distributed, the read is a MIN all-reduce so that every rank stops at the same
+    when check() is called: on a GPU, by each log line, in the same read as its loss). Distributed, the
+    read is a MIN all-reduce so that every rank stops at the same
     step (a rank stopping alone would leave the others waiting in the gradient all-reduce)."""
     GOOD = 2 ** 62  # "no bad step yet"
 
@@ -31,11 +34,16 @@ class NonFiniteGuard:
             self.check()
         self.n += 1
 
-    def check(self):
+    def check(self, *also):
+        """Read the first bad step (a MIN all-reduce first when distributed) and raise if there is one,
+        together with `also` (0-d tensors on the device) in the same read: the log line's loss comes with it,
+        so the guard and the log line share one sync. -> the values of `also`."""
         bad = dlojz_dist.all_reduce_(self.first_bad.clone(), 'min') if self.distributed else self.first_bad
-        bad = int(bad.item())
-        if bad < self.GOOD:
-            raise NonFiniteLoss(bad + 1)
+        # float64 holds every step count exactly, and GOOD = 2**62 too
+        values = torch.stack([bad.double(), *(t.detach().double() for t in also)]).tolist()
+        if values[0] < self.GOOD:
+            raise NonFiniteLoss(int(values[0]) + 1)
+        return values[1:]
 
 
 class Meters:
@@ -71,11 +79,16 @@ class Meters:
 class PeakMemory:
     """Peak memory of this process: the CUDA caching allocator's on a GPU, the resident set (VmHWM) on CPU.
     reset() once the warm-up steps are over, so that cudnn's benchmark trials, compilation and start-up do
-    not count: the batch-size sweep reads what a steady step needs. `cuda` replaces torch.cuda in tests."""
+    not count: the batch-size sweep reads what a steady step needs. On a GPU, training's and validation's
+    peaks are kept apart (validation has other shapes and cudnn tunes its own algorithms): end_training()
+    at the end of an epoch's steps (their work completed), validation() around an evaluation. `cuda`
+    replaces torch.cuda in tests."""
 
     def __init__(self, device, cuda=torch.cuda, clear_refs='/proc/self/clear_refs'):
         self.device, self.gpu, self.cuda, self.clear_refs = device, device.type == 'cuda', cuda, clear_refs
         self.reset_done = False
+        self.train = self.val = None  # (max allocated, max reserved) bytes over every epoch / validation
+        self._validating = False
 
     def reset(self):
         if self.gpu:
@@ -88,12 +101,49 @@ class PeakMemory:
                 return
         self.reset_done = True
 
+    def _live(self):
+        return self.cuda.max_memory_allocated(self.device), self.cuda.max_memory_reserved(self.device)
+
+    @staticmethod
+    def _max(kept, live):
+        return live if kept is None else tuple(map(max, kept, live))
+
+    def end_training(self):
+        """An epoch's training steps are over: keep their peak before a validation can raise it."""
+        if self.gpu and not self._validating:
+            self.train = self._max(self.train, self._live())
+
+    @contextmanager
+    def validation(self):
+        """Around an evaluation whose work has completed at the end (the Chronometer synchronises): its own
+        peak, then the counters reset so that the next epoch's training peak is training's alone."""
+        if not self.gpu:
+            yield
+            return
+        self.end_training()
+        self.cuda.reset_peak_memory_stats(self.device)
+        self._validating = True
+        try:
+            yield
+            self.val = self._max(self.val, self._live())
+        finally:
+            self._validating = False
+            self.cuda.reset_peak_memory_stats(self.device)
+
     def summary(self):
-        """Bytes: {'host_peak_rss_bytes', 'host_rss_bytes', 'gpu_max_allocated_bytes', 'gpu_max_reserved_bytes',
-        'peak_after_warmup'}."""
+        """Bytes: {'host_peak_rss_bytes', 'host_rss_bytes', 'gpu_max_allocated_bytes', 'gpu_max_reserved_bytes'
+        (training's steps; an --evaluate run: its validation's), 'val_gpu_max_allocated_bytes',
+        'val_gpu_max_reserved_bytes', 'peak_after_warmup'}."""
+        train = val = (None, None)
+        if self.gpu:
+            val = self.val or (None, None)
+            # training still under way (a summary after an error) counts its live peak
+            train = self.train if self._validating else self._max(self.train, self._live())
+            if self.train is None and self.val is not None and not self._validating:
+                train = self.val  # no training step ran (--evaluate): the only peak there is
         return {**host_memory(),
-                'gpu_max_allocated_bytes': self.cuda.max_memory_allocated(self.device) if self.gpu else None,
-                'gpu_max_reserved_bytes': self.cuda.max_memory_reserved(self.device) if self.gpu else None,
+                'gpu_max_allocated_bytes': train[0], 'gpu_max_reserved_bytes': train[1],
+                'val_gpu_max_allocated_bytes': val[0], 'val_gpu_max_reserved_bytes': val[1],
                 'peak_after_warmup': self.reset_done}
 
     def peak(self):

@@ -312,8 +312,9 @@ def label(run):
 
 HELP_COLUMNS = ('load_ms: mean data wait + host-to-device copy per step; compute_ms: median compute per step (GPU: '
                 'device time of the step\'s work; CPU: step without the data wait); step_ms: median step; '
-                'train_img_s = global batch / median step; gpu_img_s = global batch / median compute; busy_pct: '
-                'compute / step time over the steady steps; bound: compute, loader or host; host_mem_gib: peak RSS (VmHWM) of rank 0; gpu_mem_gib: max allocated (any '
+                'train_img_s = images / total time of the steady steps; gpu_img_s = global batch / device work per '
+                'step (clean spans, docs/chronometer.md); busy_pct: device busy time / step time over the steady '
+                'steps; bound: compute, loader, host or communication; host_mem_gib: peak RSS (VmHWM) of rank 0; gpu_mem_gib: max allocated (any '
                 'rank); j_per_img: GPU energy per image (all ranks); top1: last validation.')
 
 
@@ -427,10 +428,13 @@ def dashboard(run, out):
     first = (t.get('first_steps') or [None])[0] or {}
     e, m = run.get('energy') or {}, run.get('memory') or {}
     rows = [
-        ('Train throughput', f"{fmt(n['train_img_s'])} img/s (global batch / median step)"),
-        ('GPU throughput', f"{fmt(n['gpu_img_s'])} img/s (global batch / median compute, {t.get('clock')} clock)"),
-        ('Bound by', f"{n['bound']}: device busy {fmt(n['busy_pct'])} % of the steady steps, data wait "
-                     f"{fmt(scaled(t.get('data_share'), 100))} %" if n['bound'] else '—'),
+        ('Train throughput', f"{fmt(n['train_img_s'])} img/s (images / total time of the steady steps)"),
+        ('GPU throughput', f"{fmt(n['gpu_img_s'])} img/s (global batch / device work per step, {t.get('clock')} clock, "
+                           f"from {t.get('gpu_step_source') or '?'} spans)"),
+        ('Bound by', f"{n['bound']}{' (all ranks)' if t.get('bound_all_ranks') else ''}: device busy "
+                     f"{fmt(n['busy_pct'])} % of the steady steps, data wait {fmt(scaled(t.get('data_share'), 100))} %"
+                     + (f", waiting for other ranks {fmt(scaled(t['comm_share'], 100))} %" if t.get('comm_share') else '')
+                     if n['bound'] else '—'),
         ('Epoch time estimate', f"{hms(t.get('epoch_time_estimate_s'))} ({dig(run.summary, 'data', 'batches_per_epoch')}"
                                 f" batches)"),
         ('Full validation estimate', hms(t.get('full_val_time_estimate_s'))),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dlojz_chrono import Chronometer, PowerMeter, describe
-from dlojz_summary import final_lines
+from dlojz_summary import final_lines, ranks_summary
 
 
 class FakeClock:
@@ -96,7 +96,7 @@ def test_phases_off_records_only_host_times():
     clock = FakeClock()
     chrono = Chronometer('cpu', phases=False, warmup=0, clock=clock)
     drive(chrono, clock, [0.1, 0.1], [{'forward': 1.0}] * 2)
-    assert set(chrono.steps[0]) == {'data', 'step', 'compute', 'images'}
+    assert set(chrono.steps[0]) == {'data', 'step', 'compute', 'images', 'clean'}
     assert chrono.stats()['compute']['median'] == pytest.approx(1.0)
 
 
@@ -212,6 +212,9 @@ class FakeGPU:
     def event(self):
         return FakeEvent(self)
 
+    def delay(self, seconds):  # a spin kernel: a probe step's head start
+        self.launch(seconds)
+
     def synchronize(self):
         self.syncs += 1
         self.clock.t = max(self.clock.t, self.free_at)
@@ -256,25 +259,27 @@ def test_loader_bound_gpu_throughput_comes_from_the_device_clock():
     clock = FakeClock()
     gpu = FakeGPU(clock)
     chrono = Chronometer('cuda', warmup=1, clock=clock, timeline=gpu)
-    assert drive_gpu(chrono, clock, gpu, wait=0.128, steps=20) == 0  # no synchronisation between steps
+    assert drive_gpu(chrono, clock, gpu, wait=0.128, steps=20) == 1  # one, where the steady window starts
     s = chrono.summary(global_batch=128)
     true = 128 / sum(GPU_WORK.values())
     assert s['clock'] == 'cuda-events'
     assert s['gpu_throughput'] == pytest.approx(true, rel=0.02)  # launch latency of the first phase: 1 ms
-    assert s['train_throughput'] == pytest.approx(128 / (0.128 + 4 * LAUNCH), rel=1e-6)
-    assert s['bound'] == 'loader' and s['device_busy'] == pytest.approx(0.111 / 0.132, rel=0.01)
+    # 19 steady steps of 132 ms, and the last one waits for the device to finish its work: 111 ms after the
+    # step began (its first launch, then 110 ms of work) instead of 4 ms
+    assert s['train_throughput'] == pytest.approx(128 * 19 / (19 * 0.132 + 0.107), rel=1e-6)
+    assert s['bound'] == 'loader' and s['device_busy'] == pytest.approx(19 * 0.110 / (19 * 0.132 + 0.107), rel=1e-6)
     for rec in chrono.steady:
         assert rec['forward'] == pytest.approx(0.035) and rec['backward'] == pytest.approx(0.065)
         assert rec['other'] >= -1e-12  # the named phases lie inside the step's span
     assert s['phase_sum_error'] == pytest.approx(0.0, abs=1e-9)
-    assert gpu.syncs == 1  # finish()
+    assert gpu.syncs == 2  # and finish()
 
 
 def test_gpu_bound_run_is_compute_bound():
     clock = FakeClock()
     gpu = FakeGPU(clock)
     chrono = Chronometer('cuda', warmup=1, clock=clock, timeline=gpu)
-    assert drive_gpu(chrono, clock, gpu, wait=0.002, steps=60) == 0
+    assert drive_gpu(chrono, clock, gpu, wait=0.002, steps=60) == 1
     s = chrono.summary(global_batch=128)
     assert s['gpu_throughput'] == pytest.approx(128 / 0.110, rel=1e-6)  # queued work: no launch gap
     assert s['bound'] == 'compute' and s['device_busy'] > 0.9
@@ -421,3 +426,115 @@ def test_smaller_last_batch_is_left_out_of_the_statistics():
     s = chrono.summary(8)
     assert s['partial_batch_steps'] == 1 and s['stats']['step']['p90'] == pytest.approx(1.0)
     assert chrono.images_after_warmup == 3 * 8 + 3
+
+
+# ------------------------------------------------------------------------------ the verdict matrix
+
+def drive_timeline(chrono, clock, gpu, wait, launch, work, steps):
+    """Each step: the loader makes the host wait `wait` s; then each of the four phases costs the host
+    `launch` s of kernel launches, after which its `work` s of device work is queued."""
+    for _ in chrono.iterate(SlowLoader(clock, [wait] * steps)):
+        for name in GPU_PHASES:
+            with chrono.phase(name):
+                clock.advance(launch)
+                gpu.launch(work)
+    chrono.finish()
+
+
+GPU_PHASES = ('h2d', 'forward', 'backward', 'optimizer')
+
+# (wait, launch per phase, work per phase, queue depth, batch) -> the expected verdict and the truth by hand:
+# GPU throughput = batch / (4 x work); overall = batch / the host's or the device's step, whichever is longer.
+MATRIX = {
+    # the issue's case: 20 ms of launches, 2 ms of GPU work per step (before: busy 0.985, 'compute', 12.7k)
+    'host': (0.0, 0.005, 0.0005, 0.3, 256, 'host', 256 / 0.002, 256 / 0.020),
+    'loader': (0.128, 0.001, 0.0275, 0.3, 128, 'loader', 128 / 0.110, 128 / 0.132),
+    'compute': (0.002, 0.001, 0.0275, 0.3, 128, 'compute', 128 / 0.110, 128 / 0.110),
+    # a launch queue shorter than a step: the host blocks in it, the device always ahead of the events
+    'compute, shallow queue': (0.002, 0.001, 0.0275, 0.05, 128, 'compute', 128 / 0.110, 128 / 0.110),
+}
+
+
+@pytest.mark.parametrize('case', MATRIX)
+def test_verdict_and_throughputs_on_fake_device_timelines(case):
+    wait, launch, work, depth, batch, bound, gpu_truth, train_truth = MATRIX[case]
+    clock = FakeClock()
+    gpu = FakeGPU(clock, depth=depth)
+    chrono = Chronometer('cuda', warmup=2, clock=clock, timeline=gpu)
+    drive_timeline(chrono, clock, gpu, wait, launch, work, steps=200)
+    s = chrono.summary(global_batch=batch)
+    assert s['bound'] == bound
+    assert s['gpu_throughput'] == pytest.approx(gpu_truth, rel=0.05)
+    assert s['train_throughput'] == pytest.approx(train_truth, rel=0.05)
+    busy_truth = (batch / gpu_truth) / (batch / train_truth)  # device work per step / wall time per step
+    assert s['device_busy'] == pytest.approx(busy_truth, rel=0.05)
+
+
+def test_host_bound_steps_are_measured_by_probes():
+    """The device idles between launches: no plain span is clean; the probe steps (a spin kernel ahead of the
+    step) measure 2 ms, not the 20 ms of launching, and there are few of them."""
+    clock = FakeClock()
+    gpu = FakeGPU(clock)
+    chrono = Chronometer('cuda', warmup=2, clock=clock, timeline=gpu)
+    drive_timeline(chrono, clock, gpu, 0.0, 0.005, 0.0005, steps=400)
+    tot = chrono.totals()
+    assert tot['gpu_step_source'] == 'clean' and tot['gpu_step_s'] == pytest.approx(0.002, rel=1e-6)
+    assert 5 <= tot['probe_steps'] <= 5 + 400 // 100
+    assert chrono.stats()['compute']['median'] == pytest.approx(0.020, rel=0.05)  # a span: the launching
+
+
+def test_without_probes_a_starved_span_is_only_an_upper_bound():
+    clock = FakeClock()
+    gpu = FakeGPU(clock)
+    chrono = Chronometer('cuda', warmup=2, clock=clock, timeline=gpu)
+    chrono.probe = False
+    drive_timeline(chrono, clock, gpu, 0.0, 0.005, 0.0005, steps=50)
+    assert chrono.totals()['gpu_step_source'] == 'spans'
+
+
+def test_bursty_loader_throughput_is_a_sum_not_a_median():
+    """Defect 4: 8 workers deliver in bursts: one 0.43 s wait, then 7 batches already there; 20 ms of compute
+    per step. By hand: 8 steps take 0.43 + 8 x 0.02 = 0.59 s, so 64 x 8 / 0.59 = 867.8 img/s (the median
+    step, 0.02 s, said 3 200), an epoch of 1 000 steps 1000 x 0.59 / 8 = 73.75 s, headroom 0.59 / 0.16."""
+    clock = FakeClock()
+    chrono = Chronometer('cpu', warmup=8, clock=clock)
+    drive(chrono, clock, ([0.43] + [0.0] * 7) * 10, [{'forward': 0.02}] * 80)
+    s = chrono.summary(global_batch=64, batches_per_epoch=1000)
+    assert s['train_throughput'] == pytest.approx(64 * 8 / 0.59)
+    assert s['epoch_time_estimate_s'] == pytest.approx(1000 * 0.59 / 8)
+    assert s['compute_headroom'] == pytest.approx(0.59 / 0.16)
+    assert s['gpu_throughput'] == pytest.approx(64 / 0.02)
+    assert s['bound'] == 'loader'
+    assert s['stats']['step']['median'] == pytest.approx(0.02)  # the median stays a per-step latency
+
+
+def drive_phases(chrono, clock, gpu, works, steps, wait=0.002, launch=0.001):
+    for _ in chrono.iterate(SlowLoader(clock, [wait] * steps)):
+        for name, work in works.items():
+            with chrono.phase(name):
+                clock.advance(launch)
+                gpu.launch(work)
+    chrono.finish()
+
+
+def rank(number, works):
+    """One rank of a data-parallel run on its own fake device -> what it sends at the end of the run."""
+    clock = FakeClock()
+    gpu = FakeGPU(clock)
+    chrono = Chronometer('cuda', warmup=2, clock=clock, timeline=gpu)
+    drive_phases(chrono, clock, gpu, works, steps=100)
+    return {'rank': number, 'step_median_s': chrono.stats()['step']['median'], **chrono.totals()}
+
+
+def test_waiting_for_a_straggler_is_communication():
+    """Rank 1 is slow in its forward pass (100 ms); rank 0's gradient all-reduce, at the end of its backward
+    pass, waits for it: 95 ms of its 105 ms backward. Each GPU is busy all the time, yet by hand 95 of the
+    220 device-ms per step are waiting: the run is bound by communication, 95 / 220 of the time."""
+    fast = rank(0, {'h2d': 0.001, 'forward': 0.004, 'backward': 0.105, 'optimizer': 0.0})
+    slow = rank(1, {'h2d': 0.001, 'forward': 0.099, 'backward': 0.010, 'optimizer': 0.0})
+    s = ranks_summary([fast, slow])
+    assert s['bound'] == 'communication' and s['comm_share'] == pytest.approx(95 / 220, rel=0.05)
+    assert s['device_busy_all_ranks'] == pytest.approx(1.0, rel=0.05)
+    assert s['compute_headroom_all_ranks'] == pytest.approx(220 / 125, rel=0.05)
+    same = ranks_summary([rank(0, {'forward': 0.05, 'backward': 0.06}), rank(1, {'forward': 0.05, 'backward': 0.06})])
+    assert same['bound'] == 'compute' and same['comm_share'] == pytest.approx(0.0, abs=1e-9)  # the control

@@ -204,6 +204,34 @@ def test_gpu_peak_memory_after_warmup_leaves_out_the_autotune_trials():
     assert s['gpu_max_allocated_bytes'] == 3 << 30 and s['peak_after_warmup'] and cuda.resets == 1
 
 
+def test_training_peak_is_read_before_validation_and_validation_apart():
+    """Defect 8: two epochs of training (3 GiB, then 4 GiB) each followed by a validation (6 GiB: other
+    shapes, cudnn's trials). Training's peak is 4 GiB, validation's 6 GiB; before, the one figure was 6."""
+    cuda = FakeCuda()
+    mem = PeakMemory(GPU, cuda=cuda)
+    mem.reset()
+    for train, val in ((3, 6), (4, 5)):
+        cuda.alloc(train << 30)
+        cuda.alloc(-train << 30)
+        mem.end_training()
+        with mem.validation():
+            cuda.alloc(val << 30)
+            cuda.alloc(-val << 30)
+    s = mem.summary()
+    assert s['gpu_max_allocated_bytes'] == 4 << 30 and s['val_gpu_max_allocated_bytes'] == 6 << 30
+    cuda.alloc(7 << 30)  # a third epoch's steps, then an error: the summary still counts them
+    assert mem.summary()['gpu_max_allocated_bytes'] == 7 << 30
+
+
+def test_evaluate_only_reports_its_validation_peak():
+    cuda = FakeCuda()
+    mem = PeakMemory(GPU, cuda=cuda)
+    with mem.validation():
+        cuda.alloc(2 << 30)
+    s = mem.summary()
+    assert s['gpu_max_allocated_bytes'] == s['val_gpu_max_allocated_bytes'] == 2 << 30
+
+
 def test_host_peak_memory_reset_on_linux():
     mem = PeakMemory(torch.device('cpu'))
     block = torch.ones(512 << 20, dtype=torch.uint8)  # 512 MiB, touched
@@ -284,8 +312,8 @@ class DeviceReads(HostSyncs):
 
 @pytest.fixture
 def cpu_run(tmp_path, cache_dir):
-    """A run built as dlojz builds it, on CPU, with the NaN guard read every --log-interval (10) steps as on
-    a GPU (CPU runs read it every step, where it costs nothing)."""
+    """A run built as dlojz builds it, on CPU, with the NaN guard read by the log lines only, as on a GPU
+    (CPU runs read it every step too, where it costs nothing)."""
     from conftest import TINY
     from dlojz_io import Console
     argv = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(tmp_path), '--test-nsteps', '20']
@@ -293,23 +321,23 @@ def cpu_run(tmp_path, cache_dir):
     args = dlojz.check_args(dlojz.get_args_parser().parse_args(argv), device)
     dlojz.seed_everything(args.seed)
     run, _ = dlojz.build_run(args, dlojz.get_dist_info(), device, Console(False))
-    run.guard.every = args.log_interval
-    return run
+    run.guard.every = 0
+    return run, args
 
 
 # Where the training loop may make the host wait for the device, and why. Anything else is a defect.
 ALLOWED = {
-    'guard': 'the NaN guard reads its first bad step every --log-interval steps (never train on NaN)',
-    'log': 'the log line reads the loss summed since the previous line, every --log-interval steps',
+    'log': 'the log line reads, in one transfer, the NaN guard\'s first bad step (never train on NaN) and the '
+           'loss summed since the previous line, every --log-interval steps',
     'compute': 'Meters.compute(): the epoch-end and --metric-step all-reduce of the metric sums',
 }
 
 
 def test_steps_and_validation_batches_never_read_the_device(cpu_run):
     from dlojz_metrics import Meters
-    run, meters = cpu_run, Meters(4, torch.device('cpu'))
+    (run, args), meters = cpu_run, Meters(4, torch.device('cpu'))
     batches = iter(run.data.train_loader)
-    for _ in range(2):  # global steps 0 (the guard's read) and 1
+    for _ in range(2):  # global steps 0 and 1
         images, labels = next(batches)
         meters.update(*dlojz.train_step(run, images, labels))
     images, labels = next(batches)
@@ -321,10 +349,18 @@ def test_steps_and_validation_batches_never_read_the_device(cpu_run):
             output = run.eval_model(x)
             meters.update(run.criterion(output, y), output, y)
     assert mode.seen == []
-    with DeviceReads() as mode:
-        run.guard.n = 10  # a step where the guard reads (ALLOWED['guard'])
-        dlojz.train_step(run, images, labels)
-    assert mode.seen == ['_local_scalar_dense']
+    progress, window = dlojz.Progress(), torch.zeros(())
+    args.log_interval = 5  # the epoch holds 12 steps, 3 of them done
+    steps = 0
+    for images, labels in run.chrono.iterate(run.data.train_loader, args.log_interval):
+        with DeviceReads() as mode:
+            loss = dlojz.train_step(run, images, labels)[0]
+            window += loss
+            progress.advance()
+            if progress.step % args.log_interval == 0:  # the loop's condition
+                dlojz.log_train(run, progress, 0.1, window, 0.0)  # ALLOWED['log']
+        steps += 1
+        assert mode.seen == (['tolist'] if steps == args.log_interval else []), steps
     with DeviceReads() as mode:
         meters.compute()  # ALLOWED['compute']
     assert mode.seen == ['tolist']  # the four sums at once
@@ -344,3 +380,22 @@ def test_power_meter_on_torch_without_device_uuid_says_why():
         name = 'Fake V100'
     s = PowerMeter('cuda:0', nvml=FakeNVML(), props=Old(), synchronize=lambda: None).summary()
     assert not s['available'] and 'gives no UUID or PCI address' in s['why_unavailable']
+
+
+def test_log_line_read_carries_the_nan_guard():
+    """On a GPU the guard is read only with the log line's loss, in one transfer: the loss comes back, and
+    a non-finite loss seen since is raised with its step (global step 7 -> step 8 in the message)."""
+    from dlojz_errors import NonFiniteLoss
+    from dlojz_metrics import NonFiniteGuard
+    guard = NonFiniteGuard(torch.device('cpu'), every=0)
+    guard.reset(5)
+    for loss in (1.0, 2.0):
+        guard.observe(torch.tensor(loss))
+    window = torch.tensor(3.5)
+    with DeviceReads() as mode:
+        assert guard.check(window) == [3.5]
+    assert mode.seen == ['tolist']
+    guard.observe(torch.tensor(float('nan')))
+    guard.observe(torch.tensor(1.0))
+    with pytest.raises(NonFiniteLoss, match='at step 8;'):
+        guard.check(torch.tensor(3.5))

@@ -142,7 +142,9 @@ def header(prov, opts, argv, out):
     gpu = 'unknown GPU'
     if prov:
         mem = f"{prov['gpu_total_memory_bytes'] / 2 ** 30:.0f} GiB, " if prov.get('gpu_total_memory_bytes') else ''
-        gpu = f"{prov['device_name']} ({mem}sm{prov.get('compute_capability', '?')}), driver {prov.get('driver')}"
+        cc = prov.get('compute_capability')  # '9.0' -> 'sm_90 (compute capability 9.0)', as nvcc names it
+        arch = f"sm_{cc.replace('.', '')} (compute capability {cc})" if cc else 'compute capability ?'
+        gpu = f"{prov['device_name']} ({mem}{arch}), driver {prov.get('driver')}"
     versions = (f"torch {prov['torch']} (CUDA {prov['cuda']}, cuDNN {prov['cudnn']})" if prov else
                 f'torch {torch.__version__}')
     command = shlex.join(['python', shown(sys.argv[0]), *argv])

@@ -11,6 +11,9 @@
 - under --deterministic, a run resumed from a checkpoint reproduces the uninterrupted run's losses exactly;
 - the device-clock verdicts: a fake-data ResNet-50 is compute-bound; the same run behind a slow loader is
   loader-bound, and its device clock still measures the same GPU time per step;
+- device busy time on real CUDA events: a step that sleeps on the host between its launches is 'host'
+  bound and its probe steps measure the GPU work queued back to back, not the launch rate; the spin
+  kernel behind the probes lasts what it was asked to;
 - --decode gpu: nvJPEG's crops equal the CPU seam's (libjpeg-turbo) within 2 levels, decoding never writes
   into memory that queued training kernels still read (pytorch/vision#9606; the same check catches a decode
   on the training stream, its positive control), and a run trains with it.
@@ -463,3 +466,51 @@ def test_a_run_trains_with_gpu_decode(tmp_path, cache_dir):
     assert s['status'] == 'completed' and s['config']['decode'] == 'gpu'
     assert sorted(losses(recs)) == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for v in losses(recs).values())
     assert s['data']['gpu_decode']['cpu_after_nvjpeg'] == 0  # the synthetic quirk files go through the workers
+
+
+# ------------------------------------------------------------------------------ device busy time, for real
+
+def spin_steps(chrono, steps, host_gap_s, kernel_s, timeline):
+    """Steps of four phases; each sleeps `host_gap_s` on the host (Python launching slowly), then queues a
+    spin kernel of `kernel_s` seconds."""
+    for _ in chrono.iterate(range(steps)):
+        for name in ('h2d', 'forward', 'backward', 'optimizer'):
+            with chrono.phase(name):
+                time.sleep(host_gap_s)
+                timeline.delay(kernel_s)
+    chrono.finish()
+
+
+def test_probe_spin_lasts_what_it_was_asked():
+    from dlojz_chrono import CudaTimeline
+    timeline = CudaTimeline()
+    timeline.delay(0.001)  # calibrates
+    start, end = timeline.event(), timeline.event()
+    start.record()
+    timeline.delay(0.050)
+    end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) / 1e3 == pytest.approx(0.050, rel=0.1)
+
+
+def test_host_bound_steps_are_called_host_and_measured_by_probes():
+    """20 ms of host time per step, 2 ms of GPU work: before issue 20 the spans said busy ~1 and 'compute'."""
+    from dlojz_chrono import Chronometer, CudaTimeline
+    timeline = CudaTimeline()
+    chrono = Chronometer('cuda', warmup=2, timeline=timeline)
+    spin_steps(chrono, 60, 0.005, 0.0005, timeline)
+    s, tot = chrono.summary(global_batch=256), chrono.totals()
+    assert s['bound'] == 'host' and tot['gpu_step_source'] == 'clean' and tot['probe_steps'] >= 5
+    assert tot['gpu_step_s'] == pytest.approx(0.002, rel=0.2)  # the spin's calibration is within ~10 %
+    assert s['device_busy'] < 0.25
+
+
+def test_queued_work_is_clean_and_compute_bound():
+    from dlojz_chrono import Chronometer, CudaTimeline
+    timeline = CudaTimeline()
+    chrono = Chronometer('cuda', warmup=2, timeline=timeline)
+    spin_steps(chrono, 30, 0.0, 0.02, timeline)
+    s, tot = chrono.summary(global_batch=256), chrono.totals()
+    # the first steady step starts on an idle device (the window's sync): at most a probe or two
+    assert s['bound'] == 'compute' and tot['gpu_step_source'] == 'clean' and tot['probe_steps'] <= 2
+    assert tot['gpu_step_s'] == pytest.approx(0.08, rel=0.2)
