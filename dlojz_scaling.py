@@ -168,7 +168,7 @@ def machine_link(machine):
 
 # ----------------------------------------------------------------------------------- measured: a probe
 
-def allreduce_probe(group=None, sizes=(2 ** 16, 2 ** 20, 2 ** 22), repeats=5, warmup=2, clock=None):
+def allreduce_probe(group=None, sizes=(2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24), repeats=5, warmup=2, clock=None):
     """Time all_reduce of float32 buffers of each size (bytes) on this process group (all its ranks call
     this). -> [(bytes, median seconds)], the median over `repeats` of the slowest rank's time (a collective
     is over when its last rank is). A barrier lines the ranks up before each timed call."""

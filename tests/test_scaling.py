@@ -142,7 +142,7 @@ def test_gloo_probe_under_torchrun(tmp_path):
     r = torchrun(2, '--probe', out, script=os.path.join(ROOT, 'dlojz_scaling.py'), timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     probe = json.loads(out.read_text())
-    assert probe['world_size'] == 2 and [b for b, _ in probe['points']] == [2 ** 16, 2 ** 20, 2 ** 22]
+    assert probe['world_size'] == 2 and [b for b, _ in probe['points']] == [2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24]
     times = [t for _, t in probe['points']]
     assert all(t > 0 for t in times) and times[-1] > times[0]
     b, t = probe['points'][-1]

@@ -1,0 +1,172 @@
+"""The tuner (dlojz_tune): the batch schedule (doubling, then bisection), the sweep over precision and
+channels-last at the largest batch that fits, the time budget, resuming a preempted sweep, the recommended
+command and its learning-rate rule — driven by a fake trial runner whose numbers are written out here — and,
+marked slow, a real --tune sweep on the tiny config whose table is checked against trials run on their own.
+
+    python -m pytest -q tests/test_tune.py               # the real sweep: -m slow
+"""
+import argparse
+import json
+import os
+import re
+
+import pytest
+
+import dlojz_tune as T
+
+MiB = 2 ** 20
+
+
+def test_batch_schedule_doubles_then_bisects():
+    # fits up to 40: 8, 16, 32 fit, 64 does not; then (32+64)/2 = 48 fails, (32+48)/2 = 40 fits, 44 -> 40: done
+    fit = lambda b: b <= 40
+    tried, order = {}, []
+    while (b := T.next_batch(tried, 8, 1024)) is not None:
+        order.append(b)
+        tried[b] = fit(b)
+    assert order == [8, 16, 32, 64, 48, 40]
+    # a cap stops the doubling; a first batch that does not fit stops everything
+    tried = {}
+    while (b := T.next_batch(tried, 8, 20)) is not None:
+        tried[b] = True
+    assert sorted(tried) == [8, 16]
+    assert T.next_batch({8: False}, 8, 1024) is None
+
+
+def fake_summary(batch, amp, channels_last):
+    """A trial's summary.json: 1 MiB of memory per image; 10 b / (1 + b/32) img/s, bf16 1.5x, channels-last
+    1.1x; a backward of half the step."""
+    ips = 10 * batch / (1 + batch / 32) * (1.5 if amp == 'bf16' else 1) * (1.1 if channels_last else 1)
+    step = batch / ips
+    return {'status': 'completed', 'data': {'train_images': 1000, 'classes': 4},
+            'memory': {'host_peak_rss_bytes': batch * MiB, 'gpu_max_allocated_bytes': None},
+            'timing': {'steady_images_per_s': ips, 'bound': 'compute',
+                       'stats': {'step': {'mean': step}, 'backward': {'mean': step / 2}}}}
+
+
+class FakeRunner:
+    def __init__(self, clock=None, per_trial_s=0.0, stop_after=None):
+        self.calls, self.clock, self.per_trial_s, self.stop_after = [], clock, per_trial_s, stop_after
+
+    def __call__(self, argv, out):
+        if self.stop_after is not None and len(self.calls) == self.stop_after:
+            raise KeyboardInterrupt  # preempted in the middle of a trial
+        self.calls.append(argv)
+        if self.clock:
+            self.clock.t += self.per_trial_s
+        b = int(argv[argv.index('-b') + 1])
+        return fake_summary(b, argv[argv.index('--amp') + 1], '--channels-last' in argv), 0, ''
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def args_for(tmp_path, **kw):
+    a = dict(output_dir=str(tmp_path), batch_size=8, tune_budget=30.0, tune_steps=5, tune_memory_gib=40 / 1024,
+             tune_max_batch=1024, tune_machine=None, lr=None, base_lr=0.1, accum_steps=1, arch='resnet18',
+             bucket_cap_mb=25.0)
+    a.update(kw)
+    return argparse.Namespace(**a)
+
+
+def test_sweep_by_hand(tmp_path):
+    runner = FakeRunner()
+    tuner = T.Tuner(args_for(tmp_path), ['--arch', 'resnet18'], False, lambda s: None, runner)
+    record = tuner.sweep()
+    names = [r['name'] for r in record['trials']]
+    # batches in the default configuration (fp32, NCHW), then the 3 other CPU configurations at 40
+    assert names == ['b8-off-nchw-eager', 'b16-off-nchw-eager', 'b32-off-nchw-eager', 'b64-off-nchw-eager',
+                     'b48-off-nchw-eager', 'b40-off-nchw-eager', 'b40-off-cl-eager', 'b40-bf16-nchw-eager',
+                     'b40-bf16-cl-eager']
+    assert len(runner.calls) == 9 and record['status'] == 'completed' and record['skipped'] == []
+    best = T.winner(record, 40 * MiB)
+    assert best['name'] == 'b40-bf16-cl-eager'
+    assert best['images_per_s'] == pytest.approx(10 * 40 / (1 + 40 / 32) * 1.5 * 1.1)
+    on_disk = json.loads((tmp_path / 'tune.json').read_text())
+    assert [r['name'] for r in on_disk['trials']] == names
+
+
+def test_budget_skips_and_says_so(tmp_path):
+    clock = Clock()
+    runner = FakeRunner(clock, per_trial_s=60.0)
+    tuner = T.Tuner(args_for(tmp_path, tune_budget=3.0), [], False, lambda s: None, runner, clock=clock)
+    record = tuner.sweep()
+    # 60 s a trial in 180 s: 3 trials run (8, 16, 32); the 4th would end at 240 s
+    assert [r['name'] for r in record['trials']] == ['b8-off-nchw-eager', 'b16-off-nchw-eager', 'b32-off-nchw-eager']
+    assert record['skipped'] == ['b64-off-nchw-eager', 'b32-off-cl-eager', 'b32-bf16-nchw-eager', 'b32-bf16-cl-eager']
+
+
+def test_preempted_sweep_continues_its_table(tmp_path):
+    first = FakeRunner(stop_after=4)
+    with pytest.raises(KeyboardInterrupt):
+        T.Tuner(args_for(tmp_path), ['--arch', 'resnet18'], False, lambda s: None, first).sweep()
+    assert len(json.loads((tmp_path / 'tune.json').read_text())['trials']) == 4
+    second = FakeRunner()
+    record = T.Tuner(args_for(tmp_path), ['--arch', 'resnet18'], False, lambda s: None, second).sweep()
+    assert len(second.calls) == 5 and len(record['trials']) == 9  # only what was not measured
+    # other user flags: another sweep, nothing reused
+    third = FakeRunner()
+    T.Tuner(args_for(tmp_path), ['--arch', 'resnet50'], False, lambda s: None, third).sweep()
+    assert len(third.calls) == 9
+
+
+def test_recommendation_and_lr_rule(tmp_path):
+    best = dict(T.row_from(fake_summary(40, 'bf16', True), 0, '', 40, 'bf16', True, False, False),
+                name='b40-bf16-cl-eager')
+    cmd, epoch_s, rule = T.recommendation(args_for(tmp_path), ['--arch', 'resnet18'], best)
+    assert cmd == 'python dlojz.py --arch resnet18 -b 40 --amp bf16 --channels-last --no-compile'
+    assert epoch_s == pytest.approx(1000 / best['images_per_s'])
+    assert '0.1 x 40 / 256 = 0.015625' in rule
+    # a --lr given for -b 8 becomes 5x at -b 40, and the old one is not repeated
+    cmd, _, rule = T.recommendation(args_for(tmp_path, lr=0.2), ['--lr', '0.2', '--arch', 'resnet18'], best,
+                                    user_lr=0.2)
+    assert cmd.count('--lr') == 1 and '--lr 1 ' in cmd and 'makes it --lr 1 at -b 40' in rule
+
+
+def test_configurations():
+    assert T.configurations(False) == [('off', False, False), ('off', True, False), ('bf16', False, False),
+                                       ('bf16', True, False)]
+    gpu = T.configurations(True, bf16=False)
+    assert ('bf16', True, False) not in gpu and ('fp16', True, True) in gpu and len(gpu) == 8
+
+
+# ------------------------------------------------------------------------------------- a real sweep
+
+@pytest.fixture(scope='module')
+def real_sweep(tmp_path_factory, cache_dir):
+    import torch
+    import dlojz
+    from conftest import TINY
+    out = tmp_path_factory.mktemp('tune')
+    parser = T.add_tune_flags(dlojz.get_args_parser())
+    args = parser.parse_args(TINY + ['--cache-dir', cache_dir, '--output-dir', str(out), '--tune',
+                                     '--tune-max-batch', '16', '--tune-steps', '12'])
+    raw = dict(vars(args))
+    dlojz.check_args(args, torch.device('cpu'))
+    lines = []
+    record = T.run_tune(args, raw, parser, torch.device('cpu'), lines.append)
+    return record, lines, out
+
+
+@pytest.mark.slow
+def test_real_sweep_matches_trials_run_on_their_own(real_sweep, cache_dir):
+    """Each trial checked here is rerun as a plain `dlojz.py` process with its flags: the table's img/s
+    must agree within 35 % (a shared 2-core machine; the acceptance run in BENCHMARKS.md alternates 3)."""
+    from conftest import TINY, run_cli
+    record, lines, out = real_sweep
+    assert [r['batch'] for r in record['trials'][:2]] == [8, 16] and record['status'] == 'completed'
+    assert any(line.startswith('>>> Recommended: python dlojz.py') for line in lines)
+    assert (out / 'tune.csv').read_text().count('\n') == len(record['trials']) + 1
+    best = next(r for r in record['trials'] if r['name'] == record['recommended']['trial'])
+    for row in (record['trials'][0], best):
+        again = out / f"again-{row['name']}"
+        r = run_cli(*TINY, '--cache-dir', cache_dir, *T.trial_argv(row['batch'], row['amp'], row['channels_last'],
+                                                                     row['compile']),
+                    '--test-nsteps', 15, '--warmup-steps', 3, '-e', 1000, '--output-dir', again)
+        assert r.returncode == 0, r.stderr[-2000:]
+        measured = json.loads((again / 'summary.json').read_text())['timing']['steady_images_per_s']
+        assert row['images_per_s'] == pytest.approx(measured, rel=0.35), row['name']
