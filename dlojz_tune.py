@@ -354,6 +354,10 @@ def run_tune(args, raw, parser, device, say, python=sys.executable, script=None,
     tuner.record = record
     tuner._save()
     write_csv(os.path.join(args.output_dir, 'tune.csv'), record['trials'])
+    # the report (dlojz_report.py, "Tuning") reads run folders through their summary.json
+    write_json(os.path.join(args.output_dir, 'summary.json'), {
+        'version': SUMMARY_VERSION, 'status': 'completed', 'error': None, 'mode': 'tune', 'config': vars(args),
+        'tune': record})
     return record
 
 

@@ -138,27 +138,40 @@ def test_configurations():
 
 @pytest.fixture(scope='module')
 def real_sweep(tmp_path_factory, cache_dir):
+    """-b 8 only (--tune-max-batch 8): the 4 CPU configurations at batch 8, one thread per process (the
+    trials and the reruns alike: two threads per process on 2 busy cores measure the contention)."""
     import torch
+    saved = os.environ.get('OMP_NUM_THREADS')
+    os.environ['OMP_NUM_THREADS'] = '1'
     import dlojz
     from conftest import TINY
     out = tmp_path_factory.mktemp('tune')
     parser = T.add_tune_flags(dlojz.get_args_parser())
     args = parser.parse_args(TINY + ['--cache-dir', cache_dir, '--output-dir', str(out), '--tune',
-                                     '--tune-max-batch', '16', '--tune-steps', '12'])
+                                     '--tune-max-batch', '8', '--tune-steps', '8'])
     raw = dict(vars(args))
     dlojz.check_args(args, torch.device('cpu'))
     lines = []
-    record = T.run_tune(args, raw, parser, torch.device('cpu'), lines.append)
-    return record, lines, out
+    try:
+        record = T.run_tune(args, raw, parser, torch.device('cpu'), lines.append)
+        yield record, lines, out
+    finally:
+        if saved is None:
+            os.environ.pop('OMP_NUM_THREADS', None)
+        else:
+            os.environ['OMP_NUM_THREADS'] = saved
 
 
 @pytest.mark.slow
 def test_real_sweep_matches_trials_run_on_their_own(real_sweep, cache_dir):
     """Each trial checked here is rerun as a plain `dlojz.py` process with its flags: the table's img/s
-    must agree within 35 % (a shared 2-core machine; the acceptance run in BENCHMARKS.md alternates 3)."""
+    must agree within 50 %: the machine is shared (load 7 to 17 on 2 cores while this was written), so the
+    tolerance only catches a table that reads the wrong trial or the wrong quantity (a rate per step instead
+    of per image is 8x off); BENCHMARKS.md has the alternated reruns."""
     from conftest import TINY, run_cli
     record, lines, out = real_sweep
-    assert [r['batch'] for r in record['trials'][:2]] == [8, 16] and record['status'] == 'completed'
+    assert [r['name'] for r in record['trials']] == ['b8-off-nchw-eager', 'b8-off-cl-eager', 'b8-bf16-nchw-eager',
+                                                     'b8-bf16-cl-eager'] and record['status'] == 'completed'
     assert any(line.startswith('>>> Recommended: python dlojz.py') for line in lines)
     assert (out / 'tune.csv').read_text().count('\n') == len(record['trials']) + 1
     best = next(r for r in record['trials'] if r['name'] == record['recommended']['trial'])
@@ -166,7 +179,36 @@ def test_real_sweep_matches_trials_run_on_their_own(real_sweep, cache_dir):
         again = out / f"again-{row['name']}"
         r = run_cli(*TINY, '--cache-dir', cache_dir, *T.trial_argv(row['batch'], row['amp'], row['channels_last'],
                                                                      row['compile']),
-                    '--test-nsteps', 15, '--warmup-steps', 3, '-e', 1000, '--output-dir', again)
+                    '--test-nsteps', 11, '--warmup-steps', 3, '-e', 1000, '--output-dir', again,
+                    env={'OMP_NUM_THREADS': '1'})
         assert r.returncode == 0, r.stderr[-2000:]
         measured = json.loads((again / 'summary.json').read_text())['timing']['steady_images_per_s']
-        assert row['images_per_s'] == pytest.approx(measured, rel=0.35), row['name']
+        assert row['images_per_s'] == pytest.approx(measured, rel=0.5), row['name']
+
+
+def test_run_tune_writes_its_record_and_the_report_shows_it(tmp_path):
+    """run_tune with the fake runner (no process started): the recommendation, tune.csv, summary.json, the
+    forecast on the a100 profile, then dlojz_report's "Tuning" section over that folder."""
+    import torch
+    import dlojz
+    import dlojz_report
+    parser = T.add_tune_flags(dlojz.get_args_parser())
+    argv = ['--arch', 'resnet18', '-b', '8', '--output-dir', str(tmp_path), '--tune', '--tune-memory-gib',
+            str(40 / 1024), '--tune-machine', 'a100']
+    args = parser.parse_args(argv)
+    raw = dict(vars(args))
+    dlojz.check_args(args, torch.device('cpu'))
+    lines = []
+    record = T.run_tune(args, raw, parser, torch.device('cpu'), lines.append, runner=FakeRunner())
+    assert record['recommended']['command'] == \
+        'python dlojz.py --arch resnet18 -b 40 --amp bf16 --channels-last --no-compile'
+    assert [r['gpus'] for r in record['forecast']] == [1, 2, 4, 8, 16, 32] and record['forecast'][0]['efficiency'] == 1
+    assert any(line.startswith('>>> Scaling forecast on a100') for line in lines)
+    assert (tmp_path / 'tune.csv').read_text().count('\n') == 10
+    assert json.loads((tmp_path / 'summary.json').read_text())['mode'] == 'tune'
+    rep = dlojz_report.build_report(dlojz_report.Report([dlojz_report.load_run(str(tmp_path))],
+                                                        str(tmp_path / 'report')))
+    md = (tmp_path / 'report' / 'report.md').read_text()
+    assert '## Tuning' in md and '`python dlojz.py --arch resnet18 -b 40 --amp bf16' in md and not rep.problems
+    section = md.split('## Tuning')[1]
+    assert section.count('\n| 40 |') == 4 and (tmp_path / 'report' / f'tune-{tmp_path.name}.png').exists()
