@@ -40,6 +40,10 @@ import dlojz_scaling
 TRIAL_FLAGS = ('tune', 'tune_budget', 'tune_steps', 'tune_memory_gib', 'tune_max_batch', 'tune_machine',
                'tune_loader', 'loader_only', 'output_dir', 'run_name', 'test', 'test_nsteps', 'overwrite', 'resume',
                'batch_size', 'amp', 'channels_last', 'compile', 'warmup_steps', 'wandb', 'chkpt', 'epochs')
+# and those the recommended command replaces or leaves out (a run of its own: its folder, no resume)
+RECOMMEND_DROP = ('tune', 'tune_budget', 'tune_steps', 'tune_memory_gib', 'tune_max_batch', 'tune_machine',
+                  'tune_loader', 'loader_only', 'output_dir', 'overwrite', 'resume', 'batch_size', 'amp',
+                  'channels_last', 'compile')
 ROUND = 8  # bisection stops at batches a multiple of this apart: smaller steps change little
 
 
@@ -319,15 +323,17 @@ def write_csv(path, rows):
         w.writerows(rows)
 
 
-def run_tune(args, raw, parser, device, say, python=sys.executable, script=None, runner=None, bf16=None):
+def run_tune(args, raw, parser, device, say, python=sys.executable, script=None, runner=None, bf16=None,
+             world_size=1):
     """--tune on one device -> the tune record (also in tune.json). raw: the flags as parsed, before defaults
     were resolved (what the user typed is what the trials and the recommendation repeat)."""
+    check_tune_args(args, world_size)
     script = script or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'dlojz.py')
     cuda = device.type == 'cuda'
     if bf16 is None:
         import torch
         bf16 = not cuda or torch.cuda.is_bf16_supported()
-    base = _to_argv(parser, raw)
+    base = _to_argv(parser, raw, TRIAL_FLAGS)
     runner = runner or (lambda argv, out: run_trial(python, script, [], argv, out, args.tune_steps))
     tuner = Tuner(args, base, cuda, say, runner, bf16=bf16)
     resumed = len(tuner.record['trials'])
@@ -342,7 +348,7 @@ def run_tune(args, raw, parser, device, say, python=sys.executable, script=None,
     if best is None:
         raise UsageError('no --tune trial completed: see the table; the first trial\'s own summary.json is in '
                          f"{os.path.join(args.output_dir, 'tune')}.")
-    cmd, epoch_s, rule = recommendation(args, base, best, raw.get('lr'))
+    cmd, epoch_s, rule = recommendation(args, _to_argv(parser, raw, RECOMMEND_DROP), best, raw.get('lr'))
     say(f">>> Recommended: {cmd}")
     say(f">>> Expected: {best['images_per_s']:.1f} images/second"
         + (f', epoch {epoch_s:.1f} s on one device' if epoch_s else '') + f'; {rule}')
@@ -361,11 +367,11 @@ def run_tune(args, raw, parser, device, say, python=sys.executable, script=None,
     return record
 
 
-def _to_argv(parser, raw):
-    """The user's flags, without those the tuner sets (dlojz_loader.to_argv with this module's list)."""
+def _to_argv(parser, raw, drop):
+    """The user's flags, without those in `drop` (dlojz_loader.to_argv with another list)."""
     import dlojz_loader
     saved = dlojz_loader._TRIAL_FLAGS
-    dlojz_loader._TRIAL_FLAGS = TRIAL_FLAGS
+    dlojz_loader._TRIAL_FLAGS = drop
     try:
         return dlojz_loader.to_argv(parser, raw)
     finally:

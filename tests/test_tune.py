@@ -52,6 +52,7 @@ class FakeRunner:
         if self.stop_after is not None and len(self.calls) == self.stop_after:
             raise KeyboardInterrupt  # preempted in the middle of a trial
         self.calls.append(argv)
+        FakeRunner.last = argv
         if self.clock:
             self.clock.t += self.per_trial_s
         b = int(argv[argv.index('-b') + 1])
@@ -175,7 +176,8 @@ def test_real_sweep_matches_trials_run_on_their_own(real_sweep, cache_dir):
     assert any(line.startswith('>>> Recommended: python dlojz.py') for line in lines)
     assert (out / 'tune.csv').read_text().count('\n') == len(record['trials']) + 1
     best = next(r for r in record['trials'] if r['name'] == record['recommended']['trial'])
-    for row in (record['trials'][0], best):
+    checked = {r['name']: r for r in (record['trials'][0], best, record['trials'][-1])}  # 2 or 3 trials
+    for row in checked.values():
         again = out / f"again-{row['name']}"
         r = run_cli(*TINY, '--cache-dir', cache_dir, *T.trial_argv(row['batch'], row['amp'], row['channels_last'],
                                                                      row['compile']),
@@ -194,14 +196,16 @@ def test_run_tune_writes_its_record_and_the_report_shows_it(tmp_path):
     import dlojz_report
     parser = T.add_tune_flags(dlojz.get_args_parser())
     argv = ['--arch', 'resnet18', '-b', '8', '--output-dir', str(tmp_path), '--tune', '--tune-memory-gib',
-            str(40 / 1024), '--tune-machine', 'a100']
+            str(40 / 1024), '--tune-machine', 'a100', '-e', '7']
     args = parser.parse_args(argv)
     raw = dict(vars(args))
     dlojz.check_args(args, torch.device('cpu'))
     lines = []
     record = T.run_tune(args, raw, parser, torch.device('cpu'), lines.append, runner=FakeRunner())
+    # the user's -e stays in the recommendation (the trials run their own); -b and the rest are the winner's
     assert record['recommended']['command'] == \
-        'python dlojz.py --arch resnet18 -b 40 --amp bf16 --channels-last --no-compile'
+        'python dlojz.py --arch resnet18 --epochs 7 -b 40 --amp bf16 --channels-last --no-compile'
+    assert '--epochs' not in ' '.join(FakeRunner.last) and '-b 8' not in ' '.join(FakeRunner.last)
     assert [r['gpus'] for r in record['forecast']] == [1, 2, 4, 8, 16, 32] and record['forecast'][0]['efficiency'] == 1
     assert any(line.startswith('>>> Scaling forecast on a100') for line in lines)
     assert (tmp_path / 'tune.csv').read_text().count('\n') == 10
@@ -209,6 +213,14 @@ def test_run_tune_writes_its_record_and_the_report_shows_it(tmp_path):
     rep = dlojz_report.build_report(dlojz_report.Report([dlojz_report.load_run(str(tmp_path))],
                                                         str(tmp_path / 'report')))
     md = (tmp_path / 'report' / 'report.md').read_text()
-    assert '## Tuning' in md and '`python dlojz.py --arch resnet18 -b 40 --amp bf16' in md and not rep.problems
+    assert '## Tuning' in md and '`python dlojz.py --arch resnet18 --epochs 7 -b 40 --amp bf16' in md and not rep.problems
     section = md.split('## Tuning')[1]
     assert section.count('\n| 40 |') == 4 and (tmp_path / 'report' / f'tune-{tmp_path.name}.png').exists()
+
+
+def test_refusals_are_one_sentence(tmp_path):
+    from dlojz_errors import UsageError
+    with pytest.raises(UsageError, match='launch it without torchrun/srun'):
+        T.check_tune_args(args_for(tmp_path), world_size=2)
+    with pytest.raises(UsageError, match='--tune-max-batch >= -b'):
+        T.check_tune_args(args_for(tmp_path, tune_max_batch=4), world_size=1)
