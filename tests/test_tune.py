@@ -166,9 +166,9 @@ def real_sweep(tmp_path_factory, cache_dir):
 @pytest.mark.slow
 def test_real_sweep_matches_trials_run_on_their_own(real_sweep, cache_dir):
     """Each trial checked here is rerun as a plain `dlojz.py` process with its flags: the table's img/s
-    must agree within 50 %: the machine is shared (load 7 to 17 on 2 cores while this was written), so the
-    tolerance only catches a table that reads the wrong trial or the wrong quantity (a rate per step instead
-    of per image is 8x off); BENCHMARKS.md has the alternated reruns."""
+    must agree within 50 % with one of up to 3 reruns. The machine is shared (load 7 to 17 on 2 cores while
+    this was written: one rerun once came out 3x slower than the table), so the tolerance only catches a table
+    that reads the wrong trial or the wrong quantity (a rate per step instead of per image is 8x off)."""
     from conftest import TINY, run_cli
     record, lines, out = real_sweep
     assert [r['name'] for r in record['trials']] == ['b8-off-nchw-eager', 'b8-off-cl-eager', 'b8-bf16-nchw-eager',
@@ -178,14 +178,20 @@ def test_real_sweep_matches_trials_run_on_their_own(real_sweep, cache_dir):
     best = next(r for r in record['trials'] if r['name'] == record['recommended']['trial'])
     checked = {r['name']: r for r in (record['trials'][0], best, record['trials'][-1])}  # 2 or 3 trials
     for row in checked.values():
-        again = out / f"again-{row['name']}"
-        r = run_cli(*TINY, '--cache-dir', cache_dir, *T.trial_argv(row['batch'], row['amp'], row['channels_last'],
-                                                                     row['compile']),
-                    '--test-nsteps', 11, '--warmup-steps', 3, '-e', 1000, '--output-dir', again,
-                    env={'OMP_NUM_THREADS': '1'})
-        assert r.returncode == 0, r.stderr[-2000:]
-        measured = json.loads((again / 'summary.json').read_text())['timing']['steady_images_per_s']
-        assert row['images_per_s'] == pytest.approx(measured, rel=0.5), row['name']
+        measured = []
+        for i in range(3):  # a neighbour's burst can slow one run 3x: a wrong table is wrong every time
+            again = out / f"again-{row['name']}-{i}"
+            r = run_cli(*TINY, '--cache-dir', cache_dir, *T.trial_argv(row['batch'], row['amp'],
+                                                                         row['channels_last'], row['compile']),
+                        '--test-nsteps', 11, '--warmup-steps', 3, '-e', 1000, '--output-dir', again,
+                        env={'OMP_NUM_THREADS': '1'})
+            assert r.returncode == 0, r.stderr[-2000:]
+            measured.append(json.loads((again / 'summary.json').read_text())['timing']['steady_images_per_s'])
+            if row['images_per_s'] == pytest.approx(measured[-1], rel=0.5):
+                break
+        else:
+            pytest.fail(f"{row['name']}: the table says {row['images_per_s']:.1f} img/s, three runs of its own "
+                        f"{', '.join(f'{m:.1f}' for m in measured)}")
 
 
 def test_run_tune_writes_its_record_and_the_report_shows_it(tmp_path):
