@@ -33,7 +33,6 @@ Pure functions (no torch import at module level): the probe imports torch.distri
 """
 import argparse
 import json
-import math
 import statistics
 import sys
 from dataclasses import asdict, dataclass

@@ -24,7 +24,6 @@ sweep, resumed parts included: a trial that would not finish in what is left is 
 dlojz.py wires it with add_tune_flags(parser) in get_args_parser() and `if args.tune: return run_tune(args,
 raw, get_args_parser(), dist, device, say)` next to --tune-loader; this module never imports dlojz.py.
 """
-import argparse
 import csv
 import json
 import os

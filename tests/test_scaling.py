@@ -6,7 +6,6 @@ by the module itself.
     python -m pytest -q tests/test_scaling.py            # the slow probe test: -m slow
 """
 import json
-import math
 import os
 import subprocess
 import sys

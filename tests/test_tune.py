@@ -8,7 +8,6 @@ marked slow, a real --tune sweep on the tiny config whose table is checked again
 import argparse
 import json
 import os
-import re
 
 import pytest
 
