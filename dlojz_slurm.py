@@ -33,6 +33,33 @@ MACHINES = {
     'cpu': dict(site='cpu', title='CPU nodes (gloo)', gpus_per_node=0, cpus_per_task=2, constraint=None,
                 modules=None, account=None),
 }
+
+# Interconnects, for dlojz_scaling's forecast when no probe was run. Bandwidths in bytes/s in each direction
+# (what one rank sends while it receives as much); latencies in seconds per ring step. Sources:
+# - NVLink: NVIDIA's datasheets give the total of both directions per GPU: V100 SXM2 300 GB/s (NVLink2,
+#   6 links x 25 GB/s each way: a 4-GPU node without NVSwitch joins each pair by 2 links, and NCCL's 3 rings
+#   use all 6), A100 SXM4 600 GB/s (NVLink3, 12 links, NVSwitch on 8-GPU boards), H100 SXM5 900 GB/s (NVLink4).
+# - PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b coding = 31.5 GB/s each way (PCI-SIG).
+# - Ring latency per step: NCCL's own tuning model (src/graph/tuning.cc, hwLat, Ring/Simple protocol):
+#   NVLink 3.4 us, PCIe 5.7 us, network 9.6 us.
+# - Jean Zay's networks, per node (IDRIS's Jean Zay hardware page, as read when this was written; it could
+#   not be checked from here: `ibstat` on a node says): V100 nodes 4 x Omni-Path 100 Gb/s, A100 nodes (gpu_p5)
+#   4 x InfiniBand HDR 200 Gb/s, H100 nodes (gpu_p6) 4 x InfiniBand NDR 400 Gb/s. Gb/s / 8 = GB/s each way.
+# Peak figures: NCCL reaches roughly 80 % of them on large buffers, so a forecast from them is optimistic.
+GB = 1e9
+INTERCONNECTS = {
+    'v100': dict(intra='NVLink2', intra_bw=150 * GB, intra_lat=3.4e-6, net='4 x Omni-Path 100 Gb/s',
+                 net_bw=4 * 100 / 8 * GB, net_lat=9.6e-6),
+    'a100': dict(intra='NVLink3 + NVSwitch', intra_bw=300 * GB, intra_lat=3.4e-6, net='4 x InfiniBand HDR 200 Gb/s',
+                 net_bw=4 * 200 / 8 * GB, net_lat=9.6e-6),
+    'h100': dict(intra='NVLink4 + NVSwitch', intra_bw=450 * GB, intra_lat=3.4e-6, net='4 x InfiniBand NDR 400 Gb/s',
+                 net_bw=4 * 400 / 8 * GB, net_lat=9.6e-6),
+    # an assumption, not a measurement: GPUs on PCIe 4.0, one 100 Gb/s link per node
+    'generic': dict(intra='PCIe 4.0 x16', intra_bw=31.5 * GB, intra_lat=5.7e-6, net='1 x 100 Gb/s',
+                    net_bw=100 / 8 * GB, net_lat=9.6e-6),
+}
+for _name, _ic in INTERCONNECTS.items():
+    MACHINES[_name]['interconnect'] = _ic
 # (machine, GPUs) of the scripts in slurm/: one GPU, one full node, two nodes.
 SHIPPED = [(m, g) for m in ('v100', 'a100', 'h100')
            for g in (1, MACHINES[m]['gpus_per_node'], 2 * MACHINES[m]['gpus_per_node'])] + [('generic', 4), ('cpu', 0)]

@@ -1,0 +1,281 @@
+"""Scaling forecast: img/s and efficiency at 1..N GPUs from one measured single-device run.
+
+    python dlojz_scaling.py --summary runs/one-gpu/summary.json --machine a100 --gpus 1,4,8,32
+    torchrun --nproc_per_node 2 dlojz_scaling.py --probe probe.json     # all-reduce bandwidth, this world size
+    python dlojz_scaling.py --summary runs/cpu-1rank/summary.json --link probe.json --gpus 1,2,3
+
+The model (docs/scaling.md says it in prose):
+
+* Inputs: the steady step time t_step and the backward time t_bwd of one device at its batch, the gradient
+  bytes G (trainable parameters x 4: DDP reduces the fp32 .grad even under AMP), the DDP buckets (a first
+  1 MiB bucket, then --bucket-cap-mb ones: torch's _DEFAULT_FIRST_BUCKET_BYTES and bucket_cap_mb), and the
+  interconnect: per-rank bandwidth B (bytes/s in each direction) and latency a (s per ring step) inside a
+  node, and the node's network bandwidth and latency between nodes.
+* Backward: gradients come out at a constant rate, G / t_bwd, in bucket order (DDP fills buckets in reverse
+  parameter order, the order the backward produces them). Bucket i is ready when its last byte is out.
+* Communication: the all-reduces run one after another (one communication stream), each starting when its
+  bucket is ready and the previous one is over. All-reduce of b bytes over N ranks in one node, ring:
+  2 (N-1)/N b / B + 2 (N-1) a. Over k nodes of g ranks, hierarchical (reduce-scatter inside the node, ring
+  all-reduce of each rank's 1/g share across the nodes, all-gather inside the node):
+  2 (g-1)/g b / B_intra + 2 (g-1) a_intra + 2 (k-1)/k b / B_node_net + 2 (k-1) a_net.
+  The inter-node term is the least any all-reduce must move through a node's network links (each node
+  sends and receives 2 (k-1)/k of the buffer), which is what NCCL's rings over several NICs get close to
+  for large buffers; a flat ring would be limited the same way by its node-crossing hops.
+* Step at N: t_step + max(0, end of the last all-reduce - end of the backward): only the communication the
+  backward cannot hide is added (at least the last bucket's). img/s = N x batch / step(N); efficiency =
+  t_step / step(N).
+* Left out, so the forecast is an upper bound: compute slowed by communication kernels or threads sharing
+  the device (NCCL uses SMs; gloo uses CPU threads), stragglers and data-loader limits at scale, DDP's own
+  per-bucket copies, CPU oversubscription (more ranks than cores), topology effects (a ring through a slow
+  PCIe hop).
+
+Pure functions (no torch import at module level): the probe imports torch.distributed when it runs.
+"""
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+
+FIRST_BUCKET_BYTES = 2 ** 20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES: DDP's first bucket, 1 MiB
+
+
+@dataclass(frozen=True)
+class Link:
+    """An interconnect. intra_bw: bytes/s each rank sends (and receives) inside a node; intra_lat: seconds
+    per ring step inside a node; net_bw: bytes/s a node sends (and receives) to the others, all its network
+    links together; net_lat: seconds per ring step between nodes; ranks_per_node: ranks in a full node."""
+    intra_bw: float
+    intra_lat: float
+    net_bw: float = None
+    net_lat: float = None
+    ranks_per_node: int = 1 << 30
+    source: str = ''
+
+
+def bucket_sizes(grad_bytes, bucket_cap_mb=25.0, first_bucket_bytes=FIRST_BUCKET_BYTES):
+    """DDP's buckets in the order the backward fills them: a first small bucket, then full ones, the rest
+    last. Parameter boundaries are ignored (a bucket closes at the cap, not at the parameter that crosses it)."""
+    cap = bucket_cap_mb * 2 ** 20
+    sizes, left = [], float(grad_bytes)
+    first = min(first_bucket_bytes, left)
+    if first > 0:
+        sizes.append(first)
+        left -= first
+    while left > 0:
+        sizes.append(min(cap, left))
+        left -= sizes[-1]
+    return sizes
+
+
+def ring_allreduce_s(nbytes, ranks, bandwidth, latency):
+    """Ring all-reduce of nbytes over `ranks` ranks: reduce-scatter then all-gather, 2 (ranks-1) steps, each
+    moving nbytes/ranks per rank."""
+    if ranks <= 1:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * nbytes / bandwidth + 2 * (ranks - 1) * latency
+
+
+def layout(gpus, ranks_per_node):
+    """-> (nodes, ranks per node): fill nodes; beyond one node, whole nodes only (as dlojz_slurm.shape)."""
+    if gpus <= ranks_per_node:
+        return 1, gpus
+    if gpus % ranks_per_node:
+        raise ValueError(f'{gpus} ranks do not fill nodes of {ranks_per_node}: ask for a multiple of '
+                         f'{ranks_per_node}.')
+    return gpus // ranks_per_node, ranks_per_node
+
+
+def allreduce_s(nbytes, gpus, link):
+    """One all-reduce of nbytes over `gpus` ranks: a ring inside one node, hierarchical across nodes."""
+    nodes, per_node = layout(gpus, link.ranks_per_node)
+    inside = ring_allreduce_s(nbytes, per_node, link.intra_bw, link.intra_lat)
+    if nodes == 1:
+        return inside
+    if link.net_bw is None:
+        raise ValueError(f'{gpus} ranks span {nodes} nodes but the interconnect has no network figures.')
+    # the ring across nodes reduces each rank's 1/per_node share; the node's links carry all per_node shares
+    return inside + ring_allreduce_s(nbytes, nodes, link.net_bw, link.net_lat)
+
+
+def exposed_comm_s(sizes, backward_s, comm_s):
+    """Communication left after the backward: bucket i is ready at backward_s x (bytes produced up to and
+    including it) / (all bytes); all-reduces run one at a time, in order. comm_s(bytes) -> seconds."""
+    total, produced, end = sum(sizes), 0.0, 0.0
+    for b in sizes:
+        produced += b
+        start = max(backward_s * produced / total, end)
+        end = start + comm_s(b)
+    return max(0.0, end - backward_s)
+
+
+def forecast(step_s, backward_s, batch_per_device, grad_bytes, link, gpus=(1, 2, 4, 8),
+             bucket_cap_mb=25.0, first_bucket_bytes=FIRST_BUCKET_BYTES):
+    """-> one dict per GPU count: gpus, nodes, comm_s (all-reduce time, hidden or not), exposed_s, step_s,
+    images_per_s (all ranks), efficiency (vs linear from one device)."""
+    if not 0 <= backward_s <= step_s:
+        raise ValueError(f'the backward ({backward_s:.4g} s) must lie inside the step ({step_s:.4g} s).')
+    sizes = bucket_sizes(grad_bytes, bucket_cap_mb, first_bucket_bytes)
+    rows = []
+    for n in gpus:
+        comm = lambda b, n=n: allreduce_s(b, n, link)
+        exposed = exposed_comm_s(sizes, backward_s, comm)
+        step = step_s + exposed
+        rows.append({'gpus': n, 'nodes': layout(n, link.ranks_per_node)[0], 'comm_s': sum(map(comm, sizes)),
+                     'exposed_s': exposed, 'step_s': step, 'images_per_s': n * batch_per_device / step,
+                     'efficiency': step_s / step})
+    return rows
+
+
+# ------------------------------------------------------------------------------------ from a dlojz run
+
+def inputs_from_summary(summary):
+    """The forecast's inputs from a dlojz summary.json of a one-rank run -> dict(step_s, backward_s,
+    batch_per_device, grad_bytes, bucket_cap_mb). Reads: world_size, global_batch,
+    timing.steady_images_per_s (images / steady time: a sum, not a median), timing.stats.backward.mean,
+    communication.gradient_bytes_per_step (written under a launcher, world size 1 included) and
+    config.bucket_cap_mb."""
+    if summary.get('world_size', 1) != 1:
+        raise ValueError(f"the forecast starts from a one-device run; this one had {summary['world_size']} ranks "
+                         '(its steps already hold communication).')
+    t = summary.get('timing') or {}
+    rate = t.get('steady_images_per_s')
+    backward = ((t.get('stats') or {}).get('backward') or {}).get('mean')
+    comm = summary.get('communication') or {}
+    if not rate or backward is None:
+        raise ValueError('the run has no steady steps with phase timing: run it with --timing and more steps '
+                         'than --warmup-steps.')
+    if not comm.get('gradient_bytes_per_step'):
+        raise ValueError('the run has no gradient size: run the one-device reference under torchrun or srun '
+                         '(world size 1) so that summary.json has its "communication" block.')
+    batch = summary['global_batch']
+    return {'step_s': batch / rate, 'backward_s': backward, 'batch_per_device': batch,
+            'grad_bytes': comm['gradient_bytes_per_step'],
+            'bucket_cap_mb': summary.get('config', {}).get('bucket_cap_mb', 25.0)}
+
+
+def machine_link(machine):
+    """The interconnect of a dlojz_slurm machine profile (vendors' figures), as a Link."""
+    import dlojz_slurm
+    m = dlojz_slurm.MACHINES[machine]
+    ic = m.get('interconnect')
+    if not ic:
+        raise ValueError(f'machine {machine!r} has no interconnect figures; measure them with --probe.')
+    return Link(ic['intra_bw'], ic['intra_lat'], ic.get('net_bw'), ic.get('net_lat'),
+                m['gpus_per_node'] or 1 << 30, source=f'dlojz_slurm.MACHINES[{machine!r}]')
+
+
+# ----------------------------------------------------------------------------------- measured: a probe
+
+def allreduce_probe(group=None, sizes=(2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24), repeats=5, warmup=2, clock=None):
+    """Time all_reduce of float32 buffers of each size (bytes) on this process group (all its ranks call
+    this). -> [(bytes, median seconds)], the median over `repeats` of the slowest rank's time (a collective
+    is over when its last rank is). A barrier lines the ranks up before each timed call."""
+    import time
+
+    import torch
+    import torch.distributed as tdist
+    clock = clock or time.perf_counter
+    out = []
+    for size in sizes:
+        buf = torch.ones(max(1, size // 4), dtype=torch.float32)
+        times = []
+        for i in range(warmup + repeats):
+            tdist.barrier(group=group)
+            t0 = clock()
+            tdist.all_reduce(buf, group=group)
+            dt = torch.tensor([clock() - t0], dtype=torch.float64)
+            tdist.all_reduce(dt, op=tdist.ReduceOp.MAX, group=group)
+            if i >= warmup:
+                times.append(dt.item())
+        out.append((buf.numel() * 4, statistics.median(times)))
+    return out
+
+
+def fit_ring(points, ranks):
+    """Bandwidth and latency of a ring from probe points [(bytes, seconds)] at `ranks` ranks: least squares
+    of t = 2 (ranks-1)/ranks x bytes / bw + 2 (ranks-1) x lat. -> (bw bytes/s, lat s per step); a negative
+    latency (noise at small sizes) is clipped to 0 and the bandwidth refitted through the origin."""
+    if ranks < 2 or len(points) < 2:
+        raise ValueError('a fit needs at least 2 ranks and 2 buffer sizes.')
+    xs = [2 * (ranks - 1) / ranks * b for b, _ in points]
+    ys = [t for _, t in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    intercept = my - slope * mx
+    if intercept < 0 or slope <= 0:
+        slope, intercept = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs), 0.0
+    return 1 / slope, intercept / (2 * (ranks - 1))
+
+
+# ------------------------------------------------------------------------------------------ output
+
+def table(rows, measured=None):
+    """Text table of forecast rows; measured: {gpus: images/s} adds a measured column and the error."""
+    head = f"{'GPUs':>5} {'nodes':>5} {'all-reduce ms':>13} {'exposed ms':>10} {'step ms':>8} {'img/s':>10} " \
+           f"{'efficiency':>10}" + (f" {'measured':>10} {'error':>7}" if measured else '')
+    lines = [head]
+    for r in rows:
+        line = f"{r['gpus']:>5} {r['nodes']:>5} {r['comm_s'] * 1e3:>13.2f} {r['exposed_s'] * 1e3:>10.2f} " \
+               f"{r['step_s'] * 1e3:>8.1f} {r['images_per_s']:>10.1f} {r['efficiency']:>10.1%}"
+        if measured and r['gpus'] in measured:
+            m = measured[r['gpus']]
+            line += f" {m:>10.1f} {r['images_per_s'] / m - 1:>+7.1%}"
+        lines.append(line)
+    return lines
+
+
+def _probe_main(path):
+    import torch.distributed as tdist
+    tdist.init_process_group('gloo')
+    try:
+        n = tdist.get_world_size()
+        points = allreduce_probe()
+        if tdist.get_rank() == 0:
+            bw, lat = fit_ring(points, n) if n > 1 else (None, None)
+            with open(path, 'w') as f:
+                json.dump({'world_size': n, 'backend': 'gloo', 'points': points, 'bandwidth': bw,
+                           'latency': lat}, f, indent=1)
+            print(f'{n} ranks: ring bandwidth {bw / 1e9 if bw else float("nan"):.3f} GB/s, latency per step '
+                  f'{lat * 1e6 if lat is not None else float("nan"):.1f} us -> {path}')
+    finally:
+        tdist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--summary', help='summary.json of a one-rank run (under torchrun or srun)')
+    p.add_argument('--machine', help='interconnect from dlojz_slurm.MACHINES (a100, h100, v100, generic)')
+    p.add_argument('--link', help='interconnect from a --probe json (one node: ring bandwidth and latency)')
+    p.add_argument('--gpus', default='1,2,4,8', help='GPU (rank) counts, comma separated')
+    p.add_argument('--probe', metavar='JSON', help='run the all-reduce probe on this torchrun group (gloo) and '
+                   'write its points and fit')
+    a = p.parse_args(argv)
+    if a.probe:
+        _probe_main(a.probe)
+        return 0
+    try:
+        if not a.summary or bool(a.machine) == bool(a.link):
+            raise ValueError('give --summary and one of --machine or --link.')
+        with open(a.summary) as f:
+            x = inputs_from_summary(json.load(f))
+        if a.machine:
+            link = machine_link(a.machine)
+        else:
+            with open(a.link) as f:
+                probe = json.load(f)
+            link = Link(probe['bandwidth'], probe['latency'], source=a.link)
+        gpus = [int(g) for g in a.gpus.split(',')]
+        rows = forecast(link=link, gpus=gpus, **x)
+    except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
+        print(f'dlojz_scaling: error: {e}', file=sys.stderr)
+        return 2
+    print(f"one device: step {x['step_s'] * 1e3:.1f} ms, backward {x['backward_s'] * 1e3:.1f} ms, "
+          f"batch {x['batch_per_device']}, gradients {x['grad_bytes'] / 2**20:.1f} MiB; link {asdict(link)}")
+    print('\n'.join(table(rows)))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

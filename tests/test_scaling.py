@@ -1,0 +1,148 @@
+"""The scaling forecast (dlojz_scaling): DDP's bucket split, the ring and hierarchical all-reduce costs, the
+overlap of all-reduces with the backward, the forecast rows, the probe fit, reading a summary.json, and the
+gloo probe under torchrun. Expected values are computed by hand in each test (timelines written out), never
+by the module itself.
+
+    python -m pytest -q tests/test_scaling.py            # the slow probe test: -m slow
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import dlojz_scaling as S
+import dlojz_slurm
+from conftest import ROOT, torchrun
+
+MiB = 2 ** 20
+
+
+def test_buckets_first_one_mib_then_cap_then_rest():
+    assert S.bucket_sizes(100 * MiB, 25) == [1 * MiB, 25 * MiB, 25 * MiB, 25 * MiB, 24 * MiB]
+    assert S.bucket_sizes(0.5 * MiB, 25) == [0.5 * MiB]
+    # ResNet-152: 60 192 808 parameters x 4 B = 240.77 MB -> 1 MiB + 9 full buckets + 4.41 MB
+    sizes = S.bucket_sizes(60192808 * 4, 25)
+    assert len(sizes) == 11 and sizes[-1] == pytest.approx(60192808 * 4 - MiB - 9 * 25 * MiB)
+
+
+def test_ring_allreduce_hand_values():
+    # 4 ranks, 1 GB at 1 GB/s, 1 ms a step: 2*3/4 s of transfer + 6 steps of latency
+    assert S.ring_allreduce_s(1e9, 4, 1e9, 1e-3) == pytest.approx(1.5 + 0.006)
+    assert S.ring_allreduce_s(1e9, 2, 1e9, 0) == pytest.approx(1.0)
+    assert S.ring_allreduce_s(1e9, 1, 1e9, 1) == 0.0
+
+
+def test_hierarchical_across_nodes():
+    link = S.Link(intra_bw=100.0, intra_lat=1.0, net_bw=10.0, net_lat=2.0, ranks_per_node=4)
+    # one node of 4: 2*3/4*400/100 + 6*1 = 12
+    assert S.allreduce_s(400, 4, link) == pytest.approx(12.0)
+    # 2 nodes of 4: inside 12, across 2*1/2*400/10 + 2*1*2 = 44
+    assert S.allreduce_s(400, 8, link) == pytest.approx(56.0)
+    # 3 ranks: one node of 3
+    assert S.allreduce_s(300, 3, link) == pytest.approx(2 * 2 / 3 * 3 + 4)
+    with pytest.raises(ValueError, match='multiple of 4'):
+        S.allreduce_s(400, 6, link)
+    with pytest.raises(ValueError, match='no network'):
+        S.allreduce_s(400, 8, S.Link(100.0, 1.0, ranks_per_node=4))
+
+
+def test_overlap_timeline_by_hand():
+    comm = lambda b: float(b)  # 1 s per byte
+    # buckets 1 and 3 bytes over a 4 s backward: bucket 1 ready at 1, sent 1..2; bucket 2 ready at 4, sent 4..7
+    assert S.exposed_comm_s([1, 3], 4.0, comm) == pytest.approx(3.0)
+    # communication slower than the backward: ready at 1 and 2; sent 1..5, then 5..9 -> 7 s after the backward
+    assert S.exposed_comm_s([2, 2], 2.0, lambda b: 2.0 * b) == pytest.approx(7.0)
+    # everything hidden but the last bucket: [1,1,1,1] bytes over 8 s, 0.5 s each -> last ready at 8, ends 8.5
+    assert S.exposed_comm_s([1, 1, 1, 1], 8.0, lambda b: 0.5 * b) == pytest.approx(0.5)
+
+
+def test_forecast_rows_by_hand():
+    # step 1 s, backward 0.5 s, 32 images, 2 buckets of 1 MiB (cap 1 MiB), 2 ranks at 1 MiB/s, no latency:
+    # each all-reduce moves 2*1/2*1 MiB / 1 MiB/s = 1 s. Ready at 0.25 and 0.5: sent 0.25..1.25, 1.25..2.25
+    link = S.Link(intra_bw=MiB, intra_lat=0.0)
+    rows = S.forecast(1.0, 0.5, 32, 2 * MiB, link, gpus=(1, 2), bucket_cap_mb=1)
+    assert rows[0] == {'gpus': 1, 'nodes': 1, 'comm_s': 0.0, 'exposed_s': 0.0, 'step_s': 1.0,
+                       'images_per_s': 32.0, 'efficiency': 1.0}
+    two = rows[1]
+    assert two['comm_s'] == pytest.approx(2.0) and two['exposed_s'] == pytest.approx(1.75)
+    assert two['step_s'] == pytest.approx(2.75)
+    assert two['images_per_s'] == pytest.approx(64 / 2.75) and two['efficiency'] == pytest.approx(1 / 2.75)
+    with pytest.raises(ValueError, match='inside the step'):
+        S.forecast(1.0, 1.5, 32, MiB, link)
+
+
+def test_a100_profile_resnet152_by_hand():
+    """The course's case (reference/course.md §7.1) on the A100 profile, computed by hand: 4 GPUs in one
+    node at 300 GB/s and 3.4 us a step; 11 buckets."""
+    link = S.machine_link('a100')
+    assert link.ranks_per_node == 8 and link.intra_bw == 300e9
+    grad = 60192808 * 4
+    rows = S.forecast(512 / 1165.5, 512 / 1165.5 * 2 / 3, 512, grad, link, gpus=(4, 32))
+    assert rows[0]['comm_s'] == pytest.approx(1.5 * grad / 300e9 + 11 * 6 * 3.4e-6)
+    # 4 nodes of 8: inside 2*7/8*G/300e9 + 14*3.4us; across 2*3/4*G/100e9 + 6*9.6us (per bucket)
+    inside = 2 * 7 / 8 * grad / 300e9 + 11 * 14 * 3.4e-6
+    across = 1.5 * grad / 100e9 + 11 * 6 * 9.6e-6
+    assert rows[1]['nodes'] == 4 and rows[1]['comm_s'] == pytest.approx(inside + across)
+
+
+def test_every_gpu_machine_has_an_interconnect():
+    for name, m in dlojz_slurm.MACHINES.items():
+        if m['gpus_per_node']:
+            ic = m['interconnect']
+            assert ic['intra_bw'] > ic['net_bw'] > 0 and ic['intra_lat'] > 0
+
+
+def test_fit_recovers_a_ring():
+    # 3 ranks at 2e8 B/s and 50 us a step: t = 4/3 b / 2e8 + 4 * 50e-6, written out
+    points = [(b, 4 / 3 * b / 2e8 + 4 * 50e-6) for b in (2 ** 16, 2 ** 20, 2 ** 22)]
+    bw, lat = S.fit_ring(points, 3)
+    assert bw == pytest.approx(2e8) and lat == pytest.approx(50e-6)
+    # noise that would make the latency negative: refit through the origin
+    bw, lat = S.fit_ring([(1e6, 0.0009), (2e6, 0.0021)], 2)
+    assert lat == 0.0 and bw == pytest.approx((1e12 + 4e12) / (0.0009e6 + 0.0042e6))
+
+
+def summary(world_size=1, **timing):
+    return {'world_size': world_size, 'global_batch': 8, 'config': {'bucket_cap_mb': 25.0},
+            'communication': {'gradient_bytes_per_step': 4000},
+            'timing': {'steady_images_per_s': 80.0, 'stats': {'backward': {'mean': 0.05}}, **timing}}
+
+
+def test_inputs_from_summary():
+    x = S.inputs_from_summary(summary())
+    assert x == {'step_s': 0.1, 'backward_s': 0.05, 'batch_per_device': 8, 'grad_bytes': 4000,
+                 'bucket_cap_mb': 25.0}
+    with pytest.raises(ValueError, match='one-device run'):
+        S.inputs_from_summary(summary(world_size=2))
+    with pytest.raises(ValueError, match='phase timing'):
+        S.inputs_from_summary(summary(stats={}))
+
+
+def test_cli_error_is_one_sentence(tmp_path):
+    path = tmp_path / 'summary.json'
+    path.write_text(json.dumps(summary(world_size=2)))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_scaling.py'), '--summary', str(path),
+                        '--machine', 'a100'], capture_output=True, text=True)
+    assert r.returncode == 2 and 'Traceback' not in r.stderr
+    assert r.stderr.startswith('dlojz_scaling: error: the forecast starts from a one-device run')
+    path.write_text(json.dumps(summary()))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_scaling.py'), '--summary', str(path),
+                        '--machine', 'a100', '--gpus', '1,8,16'], capture_output=True, text=True)
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 5
+
+
+@pytest.mark.slow
+def test_gloo_probe_under_torchrun(tmp_path):
+    """The probe at 2 ranks: a point per size, times that grow with the size, and a fit that gives back the
+    measured times within a factor of 2 at the largest size (a ring is what gloo's all-reduce does there)."""
+    out = tmp_path / 'probe.json'
+    r = torchrun(2, '--probe', out, script=os.path.join(ROOT, 'dlojz_scaling.py'), timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    probe = json.loads(out.read_text())
+    assert probe['world_size'] == 2 and [b for b, _ in probe['points']] == [2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24]
+    times = [t for _, t in probe['points']]
+    assert all(t > 0 for t in times) and times[-1] > times[0]
+    b, t = probe['points'][-1]
+    assert S.ring_allreduce_s(b, 2, probe['bandwidth'], probe['latency']) == pytest.approx(t, rel=1.0)
