@@ -129,7 +129,7 @@ def check_fits(ckpt, path, arch, model, optimizer=None):
     """Refuse a checkpoint whose weights or optimizer state this run's model and optimizer cannot take (an
     edited 'arch', other model flags, another optimizer's groups), before any log is opened."""
     mine, theirs = model.state_dict(), strip_prefixes(ckpt['model'])
-    if set(mine) != set(theirs) or any(tuple(mine[k].shape) != tuple(theirs[k].shape) for k in mine):
+    if set(mine) != set(theirs) or any(_shape(mine[k]) != _shape(theirs[k]) for k in mine):
         raise UsageError(f"checkpoint {path} (labelled --arch {ckpt.get('arch')}) holds weights that do not fit this "
                          f"run's --arch {arch} model: {_first_difference(mine, theirs)}; pass the flags it was "
                          f"written with, or another checkpoint.")
@@ -161,13 +161,18 @@ def restore(run, ckpt, path='the checkpoint'):
                          f"pass the flags it was written with (its 'args'), or another checkpoint.") from None
 
 
+def _shape(v):
+    """A tensor's shape; None for a module's extra state (the conditional heads' RNG), which has none."""
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
 def _first_difference(mine, theirs):
     theirs = strip_prefixes(theirs)
     for k in mine:
         if k not in theirs:
             return f'{k} is missing from it'
-        if tuple(mine[k].shape) != tuple(theirs[k].shape):
-            return f'{k} is {tuple(theirs[k].shape)} there, {tuple(mine[k].shape)} here'
+        if _shape(mine[k]) != _shape(theirs[k]):
+            return f'{k} is {_shape(theirs[k])} there, {_shape(mine[k])} here'
     extra = [k for k in theirs if k not in mine]
     return f'{extra[0]} is not in this model' if extra else 'no key differs'
 

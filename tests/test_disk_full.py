@@ -24,7 +24,7 @@ import torch
 
 import dlojz
 import dlojz_io
-from conftest import TINY
+from conftest import TINY, run_cli
 from test_exits import at_step, usr2
 
 
@@ -80,15 +80,17 @@ def error_line(err):
     return lines[0]
 
 
-def assert_intact(out, steps, exact=True):
+def assert_intact(out, steps, exact=True, killed=False):
     """The checkpoints of these steps are there (and no other when exact) and every checkpoint loads; no temp
-    file anywhere."""
+    file anywhere (but the one a kill left: the next start removes it)."""
     names = [os.path.basename(p) for p in dlojz_io.list_checkpoints(str(out))]
     wanted = [f'checkpoint-{s:08d}.pt' for s in steps]
     assert names == wanted if exact else set(wanted) <= set(names), names
     for path in dlojz_io.list_checkpoints(str(out)):
         step = torch.load(path, map_location='cpu', weights_only=False)['global_step']
         assert path.endswith(f'checkpoint-{step:08d}.pt')
+    if killed:
+        return
     assert not glob.glob(os.path.join(out, '*.tmp')) and not glob.glob(os.path.join(out, '.*.tmp'))
 
 
@@ -146,6 +148,22 @@ def test_resumed_attempt_never_leaves_the_previous_summary(tmp_path, cache_dir, 
     summary = json.load(open(out / 'summary.json'))
     assert summary['status'] == 'running' and summary['global_step'] == 2  # where this attempt started
     assert_intact(out, [2], exact=False)  # and the final one, whatever --test-nsteps counts from on a resume
+
+
+@pytest.mark.slow  # a subprocess: ~10 s on 2 idle cores
+def test_killed_attempt_never_leaves_the_previous_summary(tmp_path, cache_dir, monkeypatch, capsys):
+    """A preempted run, then a resumed attempt killed (SIGKILL, as a node failure) while writing its first
+    checkpoint: summary.json says 'running' with that attempt's start, not 'preempted' as if it were current."""
+    out = tmp_path / 'run'
+    monkeypatch.setattr(dlojz, 'train_step', at_step(2, usr2))
+    code, cap = run(capsys, out, '--cache-dir', cache_dir, '--test-nsteps', '4', '--chkpt')
+    assert code == 5 and json.load(open(out / 'summary.json'))['status'] == 'preempted'
+    r = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', out, '--test-nsteps', '4', '--chkpt', '--resume',
+                'auto', env={'DLOJZ_FAULT': 'kill-in-checkpoint:1'})
+    assert r.returncode == -9, r.stderr
+    summary = json.load(open(out / 'summary.json'))
+    assert summary['status'] == 'running' and summary['global_step'] == 2 and summary['error'] is None
+    assert_intact(out, [2], killed=True)
 
 
 def test_space_warning():
