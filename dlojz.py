@@ -832,11 +832,11 @@ def _main(args, dist, device):
     power, extra, code = run.power, {}, 1
     run.stop.install()
     try:
-        if dist.is_main:
-            write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
-        # This attempt's record from its start: a kill or a crash leaves 'running' with this attempt's config and
-        # step, never an earlier attempt's summary (a 'preempted' one) that would read as the current state.
-        write_summary(run, progress, 'running')
+        # This attempt's record from its start: a kill or a full disk leaves 'running' with this attempt's config
+        # and step, never an earlier attempt's summary (a 'preempted' one) that would read as the current state.
+        # Rank 0 writes; a failure there (a full disk) stops every rank.
+        dlojz_dist.on_ranks(lambda: (write_json(os.path.join(args.output_dir, 'config.json'), vars(args)),
+                                     write_summary(run, progress, 'running')), when=dist.is_main)
         run.chrono.start()
         power.start()
         if args.evaluate:  # an end-of-epoch checkpoint is the start of the next epoch
