@@ -15,6 +15,9 @@ error, Ctrl-C) into them. Anything it does not recognise is a bug: status 'crash
                         auto once there is room
     crashed         1   anything else (a bug: the traceback is printed)
 """
+import errno
+import os
+import shutil
 
 
 class DlojzError(Exception):
@@ -70,13 +73,11 @@ class DiskFull(DlojzError):
     status, exit_code = 'disk_full', 6
 
 
-NO_SPACE = (28, 122)  # errno ENOSPC, EDQUOT (Linux)
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # no space left, disk quota exceeded
 
 
 def disk_full(path, usage=None):
     """The DiskFull for a failed write to `path`: where, and how much room is left there (MiB)."""
-    import os
-    import shutil
     folder = os.path.dirname(os.path.abspath(path))
     try:
         free = f'{(usage or shutil.disk_usage)(folder).free / 2**20:.0f} MiB free'

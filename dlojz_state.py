@@ -87,7 +87,7 @@ def find_resume_checkpoint(args, dist, say):
     if not args.resume:
         return None, None
     if args.resume != 'auto':
-        return args.resume, load_checkpoint(args.resume)  # a folder: load_checkpoint says what to pass
+        return args.resume, load_checkpoint(args.resume)
     warn = lambda m: print(m, file=sys.stderr, flush=True)
     found = dlojz_dist.on_ranks(lambda: load_latest_checkpoint(args.output_dir, warn), when=dist.is_main)
     path = dlojz_dist.broadcast_object(found[0] if found else None)

@@ -166,6 +166,17 @@ def test_killed_attempt_never_leaves_the_previous_summary(tmp_path, cache_dir, m
     assert_intact(out, [2], killed=True)
 
 
+def test_translate_a_write_site_not_wrapped(tmp_path):
+    """A profiler trace or any other write that raises ENOSPC itself still ends as disk_full, exit 6."""
+    import dlojz_errors as E
+    args = dlojz.get_args_parser().parse_args([])
+    err = E.translate(OSError(errno.ENOSPC, 'No space left on device', str(tmp_path / 'trace.json')), args, step=3)
+    assert type(err) is E.DiskFull and (err.status, err.exit_code) == ('disk_full', 6)
+    assert str(err).startswith(f'no space left on {tmp_path} (') and 'trace.json' in str(err)
+    assert err.extra['failed_step'] == 3
+    assert E.translate(OSError(errno.EACCES, 'Permission denied'), args) is None  # another OSError: a crash
+
+
 def test_space_warning():
     """Twice the newest checkpoint's size is the line: this write and the next."""
     with tempfile.TemporaryDirectory() as d:
