@@ -212,7 +212,8 @@ class Logger:
         self.console = console
         self.path = path
         try:
-            self.f = open_for_write(path, 'a' if append else 'w') if console.enabled else None
+            # unbuffered bytes: a record a full disk refuses is cut off whole (log), never left half-written
+            self.f = open_for_write(path, 'ab' if append else 'wb', buffering=0) if console.enabled else None
         except OSError as e:
             if no_space(e):
                 raise disk_full(path, disk_usage) from None
@@ -229,10 +230,16 @@ class Logger:
     def log(self, **record):
         if self.f is None:
             return
+        line = memoryview((json.dumps(record, default=_json_default) + '\n').encode())
+        end = self.f.tell()
         try:
-            self.f.write(json.dumps(record, default=_json_default) + '\n')
-            self.f.flush()
+            while line:  # a raw write may be short
+                line = line[self.f.write(line):]
         except OSError as e:
+            try:  # the part of the line that was written goes: a resumed run appends after whole lines only
+                self.f.truncate(end)
+            except OSError:
+                pass
             if no_space(e):
                 raise disk_full(self.path, disk_usage) from None
             raise
