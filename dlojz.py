@@ -39,12 +39,12 @@ import dlojz_recipe
 from dlojz_chrono import Chronometer, PowerMeter, profiler
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
-from dlojz_errors import CommFailure, DlojzError, Interrupted, Preempted, UsageError, translate
+from dlojz_errors import CommFailure, DiskFull, DlojzError, Interrupted, Preempted, UsageError, translate
 from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
 from dlojz_io import (Console, Logger, default_output_dir, host_check, intra_op_threads, prepare_output_dir,
                       remove_if_empty, run_status, usable_cores, write_json)
-from dlojz_state import (Progress, check_checkpoint, find_resume_checkpoint, note_validation, preempt, restore,
-                         run_wall_s, save)
+from dlojz_state import (Progress, check_checkpoint, check_fits, find_resume_checkpoint, note_validation, preempt,
+                         restore, run_wall_s, save)
 from dlojz_summary import final_lines, write_summary
 
 
@@ -510,6 +510,7 @@ def build_run(args, dist, device, say):
     ckpt_path, ckpt = find_resume_checkpoint(args, dist, say)
     if ckpt is not None:
         check_checkpoint(args, ckpt, ckpt_path, len(data.classes), global_batch, dist.world_size)
+        check_fits(ckpt, ckpt_path, args.arch, plain, None if args.evaluate else optimizer)
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
     chrono = Chronometer(device, phases=args.timing, sync=args.sync_timing, warmup=args.warmup_steps)
     power, memory = PowerMeter(device), PeakMemory(device)
@@ -535,7 +536,7 @@ def build_run(args, dist, device, say):
               started=time.time())
     sync = dlojz_recipe.scaler_sync_warning(optimizer, args.amp)
     run.host['warnings'] += [sync] if sync else []  # printed in the header, kept in summary.json
-    return run, restore(run, ckpt) if ckpt is not None else Progress()
+    return run, restore(run, ckpt, ckpt_path) if ckpt is not None else Progress()
 
 
 # ------------------------------------------------------------------------------------------------ training
@@ -831,11 +832,14 @@ def _main(args, dist, device):
     seed_everything(args.seed)  # same seed on every rank: same initial weights, same augmentation streams
     run, progress = build_run(args, dist, device, Console(dist.is_main))
     print_header(run)
-    if dist.is_main:
-        write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
     power, extra, code = run.power, {}, 1
     run.stop.install()
     try:
+        # This attempt's record from its start: a kill or a full disk leaves 'running' with this attempt's config
+        # and step, never an earlier attempt's summary (a 'preempted' one) that would read as the current state.
+        # Rank 0 writes; a failure there (a full disk) stops every rank.
+        dlojz_dist.on_ranks(lambda: (write_json(os.path.join(args.output_dir, 'config.json'), vars(args)),
+                                     write_summary(run, progress, 'running')), when=dist.is_main)
         run.chrono.start()
         power.start()
         if args.evaluate:  # an end-of-epoch checkpoint is the start of the next epoch
@@ -865,8 +869,12 @@ def _main(args, dist, device):
         err = translate(e, args, dist.rank, dist.distributed, progress.global_step + 1)
         power.stop()  # not chrono.stop(): its GPU synchronise may raise again after a CUDA error
         status, msg = (err.status, str(err)) if err else ('crashed', f'{type(e).__name__}: {e}')
-        write_summary(run, progress, status, msg,
-                      extra=err.extra if err else {'failed_step': progress.global_step + 1})
+        try:
+            write_summary(run, progress, status, msg,
+                          extra=err.extra if err else {'failed_step': progress.global_step + 1})
+        except DiskFull as full:  # summary.json keeps this attempt's 'running' record; a crash keeps its traceback
+            if err is not None and not isinstance(err, DiskFull):
+                err.args = (f'{err} (summary.json could not record it: {full})',)
         code = err.exit_code if err else 1
         if err is None:
             raise

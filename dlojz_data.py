@@ -75,43 +75,71 @@ def synthetic_root(args):
     return os.path.join(os.path.expanduser(args.cache_dir), name)
 
 
-def find_classes(split_dir):
-    """Class folders of one split, sorted, each holding at least one image file."""
+def warn_stderr(msg):
+    print(f'dlojz: warning: {msg}', file=sys.stderr, flush=True)
+
+
+def _shown(names, n=5):
+    return ', '.join(names[:n]) + (f' and {len(names) - n} more' if len(names) > n else '')
+
+
+def find_classes(split_dir, warn=warn_stderr):
+    """Class folders of one split, sorted, each holding at least one image file; -> (classes, samples, the
+    class folders without an image). Only regular files (or links to them) are samples: opening a FIFO
+    named x.JPEG blocks forever, a socket or a dangling link fails; those are named in a warning."""
     if not os.path.isdir(split_dir):
         raise DataError(f'{split_dir} does not exist; expected the ImageFolder layout '
                         f'<data-dir>/train/<class>/*.JPEG and <data-dir>/val/<class>/*.JPEG.')
-    classes, samples = [], []
+    classes, samples, empty, odd = [], [], [], []
     for name in sorted(os.listdir(split_dir)):
         folder = os.path.join(split_dir, name)
         if not os.path.isdir(folder):
             continue
-        files = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMG_EXTENSIONS))
+        files = []
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if not entry.name.lower().endswith(IMG_EXTENSIONS):
+                    continue
+                if entry.is_file():  # follows links: a link to a regular file is a sample
+                    files.append(entry.name)
+                else:
+                    odd.append(os.path.join(name, entry.name))
         if not files:
+            empty.append(name)
             continue
-        samples.extend((os.path.join(folder, f), len(classes)) for f in files)
+        samples.extend((os.path.join(folder, f), len(classes)) for f in sorted(files))
         classes.append(name)
+    if odd:
+        warn(f'{split_dir}: {len(odd)} image name(s) are not regular files (a FIFO, a socket, a folder or a '
+             f'dangling link) and are left out: {_shown(sorted(odd))}.')
     if not classes:
         flat = [f for f in os.listdir(split_dir) if f.lower().endswith(IMG_EXTENSIONS)]
         hint = (f' It holds {len(flat)} images directly: ImageNet\'s raw val/ is flat; sort it into class '
                 f'folders (the usual valprep.sh script does it).') if flat else ''
         raise DataError(f'{split_dir} has no class folder with images; expected '
                         f'{split_dir}/<class>/*.JPEG.{hint}')
-    return classes, samples
+    return classes, samples, empty
 
 
-def scan_imagefolder(root):
+def scan_imagefolder(root, warn=warn_stderr):
     """(classes, train samples, val samples) with the train/val checks users need."""
     if not os.path.isdir(root):
         raise DataError(f'data directory {root} does not exist; pass --data-dir pointing at a folder '
                         f'with train/ and val/ (or omit it to use the built-in synthetic dataset).')
-    train_classes, train = find_classes(os.path.join(root, 'train'))
-    val_classes, val = find_classes(os.path.join(root, 'val'))
+    if os.path.exists(os.path.join(root, 'prepare.json')) and not os.path.isdir(os.path.join(root, 'train')):
+        raise dlojz_shards.incomplete(root, dlojz_shards.INDEX)
+    train_classes, train, train_empty = find_classes(os.path.join(root, 'train'), warn)
+    val_classes, val, val_empty = find_classes(os.path.join(root, 'val'), warn)
     if train_classes != val_classes:
         only_train = sorted(set(train_classes) - set(val_classes))[:3]
         only_val = sorted(set(val_classes) - set(train_classes))[:3]
         raise DataError(f'train/ and val/ of {root} hold different classes ({len(train_classes)} vs '
                         f'{len(val_classes)}; only in train: {only_train}, only in val: {only_val}); '
                         f'both splits need the same class folders.')
+    dropped = sorted(set(train_empty) & set(val_empty))
+    if dropped:
+        warn(f'{root}: {len(dropped)} class folder(s) hold no image in train/ nor val/ and are not classes of '
+             f'this run: {_shown(dropped)}.')
     return train_classes, train, val
 
 
@@ -320,7 +348,15 @@ class StepBatchSampler(torch.utils.data.Sampler):
 
     def steps(self):
         n = len(self.parts[0])
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return n // self.batch_size if self.drop_last or self.single_last else -(-n // self.batch_size)
+
+    @property
+    def single_last(self):
+        """Whether the epoch's last batch would hold one image (on every rank: the shares are padded to one
+        length). BatchNorm cannot normalise a batch of one in training ("Expected more than 1 value per
+        channel"), so that image is left out of the epoch, as --drop-last would do, and only it: the batch
+        size the user chose is kept. The next epoch's shuffle gives it its turn again."""
+        return self.batch_size > 1 and len(self.parts[0]) % self.batch_size == 1
 
     def __len__(self):
         return self.steps() * len(self.parts)
@@ -535,6 +571,11 @@ def build_data(args, dist, log=print, on_ranks=None):
                                                                       args.res_end_epoch)
     batches = StepBatchSampler(train_set, args.seed, args.batch_size, args.drop_last, dist.rank, dist.world_size,
                                args.accum_steps)
+    if batches.single_last and not args.drop_last:
+        log(f'Note: each epoch\'s last batch would hold a single image ({len(batches.parts[0])} images per '
+            f'{"process" if dist.world_size * args.accum_steps == 1 else "micro-batch stream"}, -b '
+            f'{args.batch_size}), which BatchNorm cannot train on: that image is left out of each epoch (as '
+            f'--drop-last would; another -b keeps it).')
     train_loader = DataLoader(train_set, batch_sampler=batches, collate_fn=collate, **loader_kwargs(args))
     val_loader = DataLoader(val_set, batch_size=args.val_batch_size, drop_last=False, **loader_kwargs(args),
                             sampler=ShardSampler(len(val_set), dist.rank, dist.world_size))

@@ -10,8 +10,14 @@ error, Ctrl-C) into them. Anything it does not recognise is a bug: status 'crash
     failed          4   another rank died or stopped answering
     preempted     5 / 0 SIGUSR2/SIGTERM: checkpoint written (0 when SLURM requeued the job)
     interrupted   130   Ctrl-C
+    disk_full       6   no space left (or quota exceeded) where a checkpoint, summary.json, metrics.jsonl or
+                        config.json was being written; earlier checkpoints are kept, continue with --resume
+                        auto once there is room
     crashed         1   anything else (a bug: the traceback is printed)
 """
+import errno
+import os
+import shutil
 
 
 class DlojzError(Exception):
@@ -61,6 +67,27 @@ class Preempted(DlojzError):
         self.exit_code = 0 if requeued else 5
 
 
+class DiskFull(DlojzError):
+    """A write failed for want of space (ENOSPC) or quota (EDQUOT). Its own status and exit code: not the
+    user's flags (2) nor a bug (1), and a job script may free space and resubmit."""
+    status, exit_code = 'disk_full', 6
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # no space left, disk quota exceeded
+
+
+def disk_full(path, usage=None):
+    """The DiskFull for a failed write to `path`: where, and how much room is left there (MiB)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        free = f'{(usage or shutil.disk_usage)(folder).free / 2**20:.0f} MiB free'
+    except OSError:
+        free = 'free space unknown'
+    return DiskFull(f'no space left on {folder} ({free}) while writing {os.path.basename(path)}; earlier '
+                    f'checkpoints are kept: free some space (or choose another --output-dir) and continue '
+                    f'with --resume auto.', disk_full_path=path)
+
+
 class Interrupted(DlojzError):
     status, exit_code, label = 'interrupted', 130, None
 
@@ -105,6 +132,10 @@ def translate(e, args, rank=0, distributed=False, step=0):
         if not isinstance(e, (NonFiniteLoss, Preempted)):
             e.extra = {**failed, **e.extra}
         return e
+    if isinstance(e, OSError) and e.errno in NO_SPACE:  # a write site not wrapped (a profiler trace)
+        d = disk_full(e.filename or '.')
+        d.extra.update(failed)
+        return d
     if isinstance(e, KeyboardInterrupt):
         return Interrupted('interrupted', **failed)
     if isinstance(e, torch.OutOfMemoryError):

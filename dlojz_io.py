@@ -5,6 +5,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from dlojz_errors import UsageError
+from dlojz_errors import NO_SPACE, UsageError, disk_full
 
 SUMMARY_VERSION = 1
 
@@ -131,12 +132,30 @@ def _fsync_replace(tmp, path):
     os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half of one
 
 
+# The seams the full-disk tests drive: every file a run writes is opened by open_for_write, and the free space
+# is read by disk_usage (bytes, shutil's named tuple).
+open_for_write = open
+disk_usage = shutil.disk_usage
+
+
+def no_space(e):
+    return isinstance(e, OSError) and e.errno in NO_SPACE
+
+
 def write_json(path, obj):
+    """Atomic: a failed write (a full disk) leaves the previous file and no temp file."""
     tmp = f'{path}.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(obj, f, indent=2, default=_json_default)
-        f.write('\n')
-    _fsync_replace(tmp, path)
+    try:
+        with open_for_write(tmp, 'w') as f:
+            json.dump(obj, f, indent=2, default=_json_default)
+            f.write('\n')
+        _fsync_replace(tmp, path)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if no_space(e):
+            raise disk_full(path, disk_usage) from None
+        raise
 
 
 def _json_default(o):
@@ -191,7 +210,14 @@ class Logger:
     def __init__(self, path, console, append=False, lines=None, wandb=None):
         # A resumed run continues its log; a fresh run in a reused folder starts a new one.
         self.console = console
-        self.f = open(path, 'a' if append else 'w') if console.enabled else None
+        self.path = path
+        try:
+            # unbuffered bytes: a record a full disk refuses is cut off whole (log), never left half-written
+            self.f = open_for_write(path, 'ab' if append else 'wb', buffering=0) if console.enabled else None
+        except OSError as e:
+            if no_space(e):
+                raise disk_full(path, disk_usage) from None
+            raise
         self.lines = lines or {}
         self.wandb = wandb
 
@@ -204,8 +230,19 @@ class Logger:
     def log(self, **record):
         if self.f is None:
             return
-        self.f.write(json.dumps(record, default=_json_default) + '\n')
-        self.f.flush()
+        line = memoryview((json.dumps(record, default=_json_default) + '\n').encode())
+        end = self.f.tell()
+        try:
+            while line:  # a raw write may be short
+                line = line[self.f.write(line):]
+        except OSError as e:
+            try:  # the part of the line that was written goes: a resumed run appends after whole lines only
+                self.f.truncate(end)
+            except OSError:
+                pass
+            if no_space(e):
+                raise disk_full(self.path, disk_usage) from None
+            raise
         line = self.lines.get(record['type'])
         if line:
             self.console(line(record))
@@ -218,8 +255,11 @@ class Logger:
     def close(self, exit_code=0):
         """Idempotent: every exit path calls it."""
         if self.f is not None:
-            self.f.close()
-            self.f = None
+            f, self.f = self.f, None
+            try:
+                f.close()
+            except OSError:  # the flush of a line a full disk refused: that error was reported already
+                pass
         if self.wandb is not None:
             self.wandb.finish(exit_code=exit_code)
             self.wandb = None
@@ -372,17 +412,41 @@ def save_checkpoint(path, state, keep=None):
         _save_checkpoint(path, state, keep)
 
 
+class _Writes:
+    """A file for torch.save that remembers the OSError a write raised: torch's zip writer replaces it with
+    'RuntimeError: [enforce fail at inline_container.cc] unexpected pos', which names neither the disk nor
+    the file."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, b):
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        return self.f.flush()
+
+
 def _save_checkpoint(path, state, keep):
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix='.checkpoint-', suffix='.tmp')
+    os.close(fd)
+    writes = None
     try:
-        with os.fdopen(fd, 'wb') as f:
+        with open_for_write(tmp, 'wb') as f:
             if _fault('kill-in-checkpoint'):
                 _die_half_written(f, state)
-            torch.save(state, f)
+            writes = _Writes(f)
+            torch.save(state, writes)
         _fsync_replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if no_space(e) or (writes is not None and no_space(writes.error)):
+            raise disk_full(path, disk_usage) from None
         raise
     if keep:
         for old in list_checkpoints(os.path.dirname(path) or '.')[:-keep]:
@@ -422,7 +486,27 @@ def _die_half_written(f, state):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def space_warning(folder, usage=None):
+    """A sentence when the folder may not hold the next checkpoint: less free space than twice the size of
+    its newest one (this write and the next); None otherwise or when there is no checkpoint yet."""
+    found = list_checkpoints(folder)
+    if not found:
+        return None
+    try:
+        size, free = os.path.getsize(found[-1]), (usage or disk_usage)(folder).free
+    except OSError:
+        return None
+    if free >= 2 * size:
+        return None
+    return (f'{folder} has {free / 2**20:.0f} MiB free and a checkpoint takes {size / 2**20:.0f} MiB: '
+            f'{"the next checkpoint will not fit" if free < size else "room for one more checkpoint only"}; '
+            f'free some space or lower --keep-checkpoints.')
+
+
 def load_checkpoint(path):
+    if os.path.isdir(path):
+        raise UsageError(f'--resume {path} is a folder, not a checkpoint file; pass a checkpoint-*.pt file, '
+                         f'or --resume auto --output-dir {path} to continue the run it holds.')
     if not os.path.isfile(path):
         raise UsageError(f'checkpoint {path} does not exist; pass --resume with the path of a checkpoint-*.pt '
                          f'written by --chkpt, or --resume auto.')

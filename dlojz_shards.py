@@ -162,13 +162,27 @@ def is_shards(root):
         return False
 
 
+def incomplete(root, missing):
+    """The DataError for a shards folder that a prepare has not finished (it writes index.json last)."""
+    from dlojz_errors import DataError
+    return DataError(f'{root} looks like an incomplete `dlojz_data.py prepare` ({missing} is missing); finish it '
+                     f'by running `python dlojz_data.py prepare SRC {root}` again with the same SRC and options '
+                     f'(it resumes, keeping the shards already written).')
+
+
 def load_index(root):
     """-> (classes, {split: (shard names, table)}); the table's rows: shard, offset, size, label."""
     with open(os.path.join(root, INDEX)) as f:
         index = json.load(f)
     splits = {}
     for split, meta in index['splits'].items():
-        splits[split] = ([s['name'] for s in meta['shards']], np.load(os.path.join(root, f'index-{split}.npy')))
+        path = os.path.join(root, f'index-{split}.npy')
+        if not os.path.isfile(path):
+            raise incomplete(root, os.path.basename(path))
+        missing = [s['name'] for s in meta['shards'] if not os.path.isfile(os.path.join(root, s['name']))]
+        if missing:
+            raise incomplete(root, f"{len(missing)} shard(s) of {split}, {missing[0]} first,")
+        splits[split] = ([s['name'] for s in meta['shards']], np.load(path))
     return index['classes'], splits
 
 

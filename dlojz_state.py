@@ -14,7 +14,7 @@ import torch
 import dlojz_dist
 from dlojz_errors import Preempted, UsageError
 from dlojz_io import (SUMMARY_VERSION, checkpoint_path, load_checkpoint, load_latest_checkpoint, save_checkpoint,
-                      strip_prefixes)
+                      space_warning, strip_prefixes)
 
 
 @dataclass
@@ -70,8 +70,13 @@ def save(run, progress, path=None):
     device_rng = dlojz_dist.all_gather_object(device_rng_state(run.device))
     keep = None if path else run.args.keep_checkpoints
     path = path or checkpoint_path(run.args.output_dir, progress.global_step)
-    dlojz_dist.on_ranks(lambda: save_checkpoint(path, checkpoint_state(run, progress, device_rng), keep=keep),
-                        when=run.dist.is_main)
+
+    def write():
+        warning = space_warning(run.args.output_dir)
+        if warning:
+            print(f'dlojz: warning: {warning}', file=sys.stderr, flush=True)
+        save_checkpoint(path, checkpoint_state(run, progress, device_rng), keep=keep)
+    dlojz_dist.on_ranks(write, when=run.dist.is_main)
     run.log.print(f'Checkpoint {path} written (step {progress.global_step})')
     return path
 
@@ -93,8 +98,20 @@ def find_resume_checkpoint(args, dist, say):
     return path, found[1] if dist.is_main else load_checkpoint(path)  # rank 0 has already read it
 
 
+# What restore() reads from a checkpoint (checkpoint_state writes them all); 'ema' and 'race' may be absent.
+RESUME_KEYS = ('model', 'epoch', 'step_in_epoch', 'global_step', 'global_batch')
+TRAIN_KEYS = ('optimizer', 'scheduler', 'scaler', 'rng')
+
+
 def check_checkpoint(args, ckpt, path, num_classes, global_batch, world_size):
     """Refuse a checkpoint this run cannot continue, before anything is written."""
+    if not isinstance(ckpt, dict):
+        raise UsageError(f'{path} is not a dlojz checkpoint (it holds a {type(ckpt).__name__}, not a dict); pass a '
+                         f'checkpoint-*.pt written by --chkpt.')
+    missing = [k for k in RESUME_KEYS + (() if args.evaluate else TRAIN_KEYS) if k not in ckpt]
+    if missing:
+        raise UsageError(f"checkpoint {path} lacks {', '.join(repr(k) for k in missing)}, which resuming needs; it "
+                         f"was not written by this version of dlojz --chkpt (or was edited); pass another checkpoint.")
     if ckpt.get('arch') != args.arch or ckpt.get('num_classes') != num_classes:
         raise UsageError(f"checkpoint {path} holds {ckpt.get('arch')} with {ckpt.get('num_classes')} classes but "
                          f"this run is --arch {args.arch} with {num_classes} classes; pass the same --arch and "
@@ -108,8 +125,59 @@ def check_checkpoint(args, ckpt, path, num_classes, global_batch, world_size):
                          f'{args.accum_steps}); use {hint}or pass --allow-batch-change to continue with the new one.')
 
 
-def restore(run, ckpt):
-    """Load a checkpoint (already checked) into the run; -> the Progress to continue from."""
+def check_fits(ckpt, path, arch, model, optimizer=None):
+    """Refuse a checkpoint whose weights or optimizer state this run's model and optimizer cannot take (an
+    edited 'arch', other model flags, another optimizer's groups), before any log is opened."""
+    mine, theirs = model.state_dict(), strip_prefixes(ckpt['model'])
+    if set(mine) != set(theirs) or any(_shape(mine[k]) != _shape(theirs[k]) for k in mine):
+        raise UsageError(f"checkpoint {path} (labelled --arch {ckpt.get('arch')}) holds weights that do not fit this "
+                         f"run's --arch {arch} model: {_first_difference(mine, theirs)}; pass the flags it was "
+                         f"written with, or another checkpoint.")
+    if optimizer is None:
+        return
+    groups, saved = optimizer.state_dict()['param_groups'], (ckpt.get('optimizer') or {}).get('param_groups')
+    if saved is not None and [len(g['params']) for g in groups] != [len(g['params']) for g in saved]:
+        raise UsageError(f"checkpoint {path}'s optimizer has {len(saved)} parameter groups of "
+                         f"{[len(g['params']) for g in saved]} tensors but this run's has {len(groups)} of "
+                         f"{[len(g['params']) for g in groups]}; pass the optimizer flags it was written with "
+                         f"(--optimizer {(ckpt.get('args') or {}).get('optimizer', '?')}, its weight-decay "
+                         f"options), or another checkpoint.")
+
+
+def restore(run, ckpt, path='the checkpoint'):
+    """Load a checkpoint (already checked) into the run; -> the Progress to continue from. What torch refuses
+    (another model's weights, another number of parameter groups) becomes one sentence naming the file."""
+    try:
+        return _restore(run, ckpt)
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, RuntimeError) and 'state_dict' in what:  # load_state_dict: the keys and shapes
+            what = (f"its weights do not fit --arch {run.args.arch} ({what.rstrip(':. ')}; e.g. "
+                    f"{_first_difference(run.model_without_ddp.state_dict(), ckpt['model'])})")
+        elif isinstance(e, KeyError):
+            what = f'it lacks the entry {e}'
+        raise UsageError(f"checkpoint {path} (written by --arch {ckpt.get('arch')}, optimizer "
+                         f"{(ckpt.get('args') or {}).get('optimizer', '?')}) cannot be loaded into this run: {what[:200]}; "
+                         f"pass the flags it was written with (its 'args'), or another checkpoint.") from None
+
+
+def _shape(v):
+    """A tensor's shape; None for a module's extra state (the conditional heads' RNG), which has none."""
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _first_difference(mine, theirs):
+    theirs = strip_prefixes(theirs)
+    for k in mine:
+        if k not in theirs:
+            return f'{k} is missing from it'
+        if _shape(mine[k]) != _shape(theirs[k]):
+            return f'{k} is {_shape(theirs[k])} there, {_shape(mine[k])} here'
+    extra = [k for k in theirs if k not in mine]
+    return f'{extra[0]} is not in this model' if extra else 'no key differs'
+
+
+def _restore(run, ckpt):
     run.model_without_ddp.load_state_dict(ckpt['model'])
     race = ckpt.get('race') or {}
     progress = Progress(epoch=ckpt['epoch'], step=ckpt['step_in_epoch'], global_step=ckpt['global_step'],
