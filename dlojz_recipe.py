@@ -16,12 +16,7 @@ import math
 import torch
 import torch.nn as nn
 
-# peak learning rate per 256 images (the linear scaling rule multiplies it by global batch / 256): SGD's from
-# Goyal et al. 2017; AdamW's dlojz's earlier default; Lion's timm's default. LARS's and LAMB's from a 6-epoch
-# sweep on the synthetic data (BENCHMARKS.md): values that reached 0.9+ top-1 there; top-1 still rose at the
-# largest values tried, so a short run cannot pick them: tune them on real data (--findlr).
-BASE_LR = {'sgd': 0.1, 'adamw': 0.001, 'lars': 2.0, 'lamb': 0.005, 'lion': 0.0001}
-ADAPTIVE = ('lars', 'lamb')  # layer-wise trust ratios: the norm/bias group is left out of them
+from dlojz_flags import ADAPTIVE, BASE_LR  # noqa: F401 (beside the flags, which read them without torch)
 
 
 def param_groups(model, wd, wd_norm_bias=True, adaptive=False):
