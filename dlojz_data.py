@@ -32,11 +32,11 @@ import dlojz_decode
 import dlojz_shards
 from dlojz_decode import BadImageError, Blob, source_name
 from dlojz_errors import DataError
+from dlojz_folder import IMG_EXTENSIONS, find_classes, scan_imagefolder  # noqa: F401 (dlojz_data's API too)
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, never silently half-grey
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-IMG_EXTENSIONS = ('.jpeg', '.jpg', '.png', '.bmp', '.webp')
 SYNTH_VERSION = 1  # bump when the generator changes so old caches are not reused
 
 
@@ -73,46 +73,6 @@ def synthetic_root(args):
     name = (f'synthetic-v{SYNTH_VERSION}-c{args.synthetic_classes}-n{args.synthetic_train_per_class}'
             f'-v{args.synthetic_val_per_class}-s{args.synthetic_seed}')
     return os.path.join(os.path.expanduser(args.cache_dir), name)
-
-
-def find_classes(split_dir):
-    """Class folders of one split, sorted, each holding at least one image file."""
-    if not os.path.isdir(split_dir):
-        raise DataError(f'{split_dir} does not exist; expected the ImageFolder layout '
-                        f'<data-dir>/train/<class>/*.JPEG and <data-dir>/val/<class>/*.JPEG.')
-    classes, samples = [], []
-    for name in sorted(os.listdir(split_dir)):
-        folder = os.path.join(split_dir, name)
-        if not os.path.isdir(folder):
-            continue
-        files = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMG_EXTENSIONS))
-        if not files:
-            continue
-        samples.extend((os.path.join(folder, f), len(classes)) for f in files)
-        classes.append(name)
-    if not classes:
-        flat = [f for f in os.listdir(split_dir) if f.lower().endswith(IMG_EXTENSIONS)]
-        hint = (f' It holds {len(flat)} images directly: ImageNet\'s raw val/ is flat; sort it into class '
-                f'folders (the usual valprep.sh script does it).') if flat else ''
-        raise DataError(f'{split_dir} has no class folder with images; expected '
-                        f'{split_dir}/<class>/*.JPEG.{hint}')
-    return classes, samples
-
-
-def scan_imagefolder(root):
-    """(classes, train samples, val samples) with the train/val checks users need."""
-    if not os.path.isdir(root):
-        raise DataError(f'data directory {root} does not exist; pass --data-dir pointing at a folder '
-                        f'with train/ and val/ (or omit it to use the built-in synthetic dataset).')
-    train_classes, train = find_classes(os.path.join(root, 'train'))
-    val_classes, val = find_classes(os.path.join(root, 'val'))
-    if train_classes != val_classes:
-        only_train = sorted(set(train_classes) - set(val_classes))[:3]
-        only_val = sorted(set(val_classes) - set(train_classes))[:3]
-        raise DataError(f'train/ and val/ of {root} hold different classes ({len(train_classes)} vs '
-                        f'{len(val_classes)}; only in train: {only_train}, only in val: {only_val}); '
-                        f'both splits need the same class folders.')
-    return train_classes, train, val
 
 
 # --------------------------------------------------------------------------------------------------
@@ -276,6 +236,11 @@ class ShardDataset(ImageFolderDataset):
         except OSError as e:
             raise DataError(f'cannot read shard {os.path.join(self.root, self.names[shard])} ({e.strerror}); '
                             f'check --data-dir (a missing shard: run dlojz_data.py prepare again).') from None
+        if len(data) < size:  # the file ends before the sample does: the shard's fault, not the image's
+            path = os.path.join(self.root, self.names[shard])
+            raise DataError(f'shard {path} is truncated: it holds {offset + len(data)} bytes and sample {i} ends at '
+                            f'byte {offset + size}; copy it again from where the shards were prepared, or run '
+                            f'dlojz_data.py prepare again.')
         return Blob(data, f'{self.names[shard]}:{i:08d}'), label
 
     @property
@@ -543,7 +508,4 @@ def build_data(args, dist, log=print, on_ranks=None):
 
 
 if __name__ == '__main__':
-    if sys.argv[1:2] != ['prepare']:
-        print('usage: python dlojz_data.py prepare SRC DST [--max-side N] [--shard-size MB]', file=sys.stderr)
-        sys.exit(2)
-    sys.exit(dlojz_shards.main(sys.argv[2:]))
+    sys.exit(dlojz_shards.main(sys.argv[1:]))
