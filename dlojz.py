@@ -48,8 +48,8 @@ from dlojz_errors import CommFailure, DlojzError, Interrupted, Preempted, UsageE
 from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
 from dlojz_io import (Console, Logger, default_output_dir, host_check, intra_op_threads, prepare_output_dir,
                       remove_if_empty, run_status, usable_cores, write_json)
-from dlojz_state import (Progress, check_checkpoint, find_resume_checkpoint, note_validation, preempt, restore,
-                         run_wall_s, save)
+from dlojz_state import (Progress, check_checkpoint, find_resume_checkpoint, interrupted, note_validation, preempt,
+                         restore, run_wall_s, save)
 from dlojz_summary import final_lines, write_summary
 
 
@@ -422,7 +422,11 @@ def find_lr(run, progress, beta=0.98, explode=4.0):
     It reads the rank-mean loss every step (a sync per step: this is a measurement, not training)."""
     run.model.train()
     lrs, losses, why, avg, best = [], [], 'end of the sweep', 0.0, math.inf
-    curve = lambda: {'lr': lrs, 'loss': losses, 'steps': len(lrs), 'stopped': why}
+
+    def curve():
+        suggested, reason = dlojz_recipe.suggest_lr(lrs, losses)
+        return {'lr': lrs, 'loss': losses, 'steps': len(lrs), 'stopped': why, 'suggested_lr': suggested,
+                'suggestion': reason}
 
     def batches():  # the sweep crosses epoch boundaries
         for epoch in range(run.args.epochs):
@@ -456,7 +460,12 @@ def find_lr(run, progress, beta=0.98, explode=4.0):
     run.chrono.finish()
     run.log.print(f'LR sweep: {len(lrs)} steps, lr {lrs[0] if lrs else 1e-8:.3g} to {lrs[-1] if lrs else 1e-8:.3g}; '
                   f'stopped: {why}')
-    return curve()
+    result = curve()
+    if result['suggested_lr'] is None:
+        run.log.print(f'LR sweep: no suggestion ({result["suggestion"]})')
+    else:
+        run.log.print(f'LR sweep: suggested --lr {result["suggested_lr"]:.3g} ({result["suggestion"]})')
+    return result
 
 
 @torch.inference_mode()
@@ -543,8 +552,11 @@ def loader_mode(args, raw, dist, device):
     say = Console(dist.is_main)
     write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
     if args.loader_only:
-        return dlojz_loader.loader_only(args, dist, device, say)
-    return dlojz_loader.tune_loader(args, raw, get_args_parser(), dist, device, say)
+        result = dlojz_loader.loader_only(args, dist, device, say)
+    else:
+        result = dlojz_loader.tune_loader(args, raw, get_args_parser(), dist, device, say)
+    say(f'Run written to {args.output_dir}')
+    return result
 
 
 def _main(args, dist, device):
@@ -585,6 +597,8 @@ def _main(args, dist, device):
         return summary
     except BaseException as e:
         err = translate(e, args, dist.rank, dist.distributed, progress.global_step + 1)
+        if isinstance(err, Interrupted):  # Ctrl-C: where the run can continue from, as a preemption says
+            err = interrupted(args, progress.global_step + 1)
         power.stop()  # not chrono.stop(): its GPU synchronise may raise again after a CUDA error
         status, msg = (err.status, str(err)) if err else ('crashed', f'{type(e).__name__}: {e}')
         write_summary(run, progress, status, msg,
@@ -608,6 +622,11 @@ def print_header(run):
         (f' ({args.accum_steps} micro-batches per step)' if args.accum_steps > 1 else ''))
     if args.findlr:
         say(f'learning rate: sweep from 1e-08 to {args.lr:g} over {run.total_steps} steps')
+        if run.total_steps < dlojz_recipe.FINDLR_MIN_STEPS:
+            say(f'Warning: an LR sweep of {run.total_steps} steps multiplies the LR by '
+                f'{(args.lr / 1e-8) ** (1 / max(1, run.total_steps - 1)):.2g} per step: its suggestion is coarse; '
+                f'give it {dlojz_recipe.FINDLR_MIN_STEPS} steps or more (--test-nsteps, and -e so that the epochs '
+                f'hold them).')
     else:
         rule = '--lr' if args.lr != args.base_lr * run.global_batch / 256 else \
             f'--base-lr {args.base_lr:g} per 256 images x global batch {run.global_batch}'
