@@ -11,6 +11,7 @@ import io
 import math
 import multiprocessing as mp
 import sys
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -281,7 +282,7 @@ class DeviceDecode:
         self.refused = 0                # images nvJPEG refused, decoded by PIL
         self.bad = 0                    # images nothing could decode (--skip-bad-images)
         self.skip_bad_images = False
-        self._streams = {}
+        self._streams, self.deprecation_said = {}, False
 
     def __call__(self, batch, device, non_blocking=False):
         out = [None] * batch.n
@@ -331,14 +332,32 @@ class DeviceDecode:
             return None
         return torch.from_numpy(np.array(img)).permute(2, 0, 1).to(device)
 
+    def _decode(self, data, device):
+        """self.decode_jpeg, with torchvision's deprecation of its decoders (0.29 and later, in favour of
+        TorchCodec, which dlojz does not depend on and which has no nvJPEG batch decode into the caller's stream)
+        said once per process instead of at every batch; any other warning passes through."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always', DeprecationWarning)
+            images = self.decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        for w in caught:
+            if issubclass(w.category, DeprecationWarning) and 'TorchCodec' in str(w.message):
+                if not self.deprecation_said:
+                    self.deprecation_said = True
+                    print('dlojz: note: torchvision deprecates decode_jpeg, which --decode gpu uses (nvJPEG), for '
+                          'TorchCodec; it still works here; --decode fast does without it.', file=sys.stderr,
+                          flush=True)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return images
+
     def _batched(self, chunks, device):
         if device.type != 'cuda':  # the CPU seam the tests drive: libjpeg-turbo, same code after it (one image
             # per call: torchvision 0.19 takes lists on CUDA only)
-            return [self.decode_jpeg(c, mode=ImageReadMode.RGB, device=device) for c in chunks]
+            return [self._decode(c, device) for c in chunks]
         main = torch.cuda.current_stream(device)
         side = self._streams.setdefault(device, torch.cuda.Stream(device))
         with torch.cuda.stream(side):
-            images = self.decode_jpeg(chunks, mode=ImageReadMode.RGB, device=device)
+            images = self._decode(chunks, device)
         main.wait_stream(side)
         for img in images:
             img.record_stream(main)

@@ -1049,7 +1049,9 @@ def accuracy_curve(run, kind):
 
 def plot_race(runs, targets, out):
     """The race's figure: validation top-1 against wall time and against images seen, one colour per run,
-    the EMA dashed, the --target-top1 lines dotted."""
+    the EMA dashed, the --target-top1 lines dotted. A run with one validation (a --test run) is one point: it
+    gets a large marker and its top-1 written beside it, and both axes start at 0, so it does not vanish in a
+    corner of an empty figure."""
     p = plt()
     fig, axes = p.subplots(1, 2, figsize=(11, 4), sharey=True)
     longest = max(w for r in runs for w, _, _ in accuracy_curve(r, 'val'))
@@ -1061,12 +1063,18 @@ def plot_race(runs, targets, out):
             if not pts:
                 continue
             name = r.name + (' (EMA)' if kind == 'val_ema' else '')
-            axes[0].plot([w / unit for w, _, _ in pts], [t for _, _, t in pts], style, color=color, marker='o',
-                         markersize=3, label=name)
-            axes[1].plot([n for _, n, _ in pts], [t for _, _, t in pts], style, color=color, marker='o', markersize=3)
+            size = 7 if len(pts) <= 3 else 3  # few validations: the markers are the figure
+            for ax, xs in ((axes[0], [w / unit for w, _, _ in pts]), (axes[1], [n for _, n, _ in pts])):
+                ax.plot(xs, [t for _, _, t in pts], style, color=color, marker='o', markersize=size,
+                        label=name if ax is axes[0] else None)
+                if len(pts) == 1:
+                    ax.annotate(f'{pts[0][2]:.3f}', (xs[0], pts[0][2]), textcoords='offset points', xytext=(6, 4),
+                                fontsize=7, color=color)
     for ax, xlabel in zip(axes, (f'wall time since the start, {unit_name}', 'training images seen')):
         for t in targets:
             ax.axhline(t, color='grey', linestyle=':', linewidth=1)
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel('validation top-1')

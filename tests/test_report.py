@@ -4,7 +4,7 @@ Run directories come from real tiny CPU runs of dlojz.py made once per session (
 a batch-size sweep, world sizes 1 and 2 with checkpoints and --metric-sync-log, --findlr, a NaN run
 and a run killed mid-checkpoint); NCCL logs, which need GPUs, are written here in NCCL's own line
 format with hand-counted bytes. Expected values come from the summaries, numpy or torchvision, never
-from dlojz_report itself.
+from dlojz_report itself. The time-to-accuracy figure keeps runs with one validation visible.
 
     python -m pytest -q tests/test_report.py
 """
@@ -434,3 +434,20 @@ def test_time_to_accuracy_view(tmp_path, cache_dir):
                 assert int(rows[name][f'{col}_epoch']) == hit['epoch'], (name, kind)
                 assert int(rows[name][f'{col}_images']) == hit['global_step'] * 8
     assert rows['ema']['ema_epoch'] != ''  # the EMA's validations are there to be read
+
+
+def test_time_to_accuracy_shows_runs_with_one_validation(tmp_path, monkeypatch):
+    """Two --test runs, one validation each: each is a visible point with its top-1 beside it, the axes from 0
+    (it was a dot of 3 points in an otherwise empty corner)."""
+    from types import SimpleNamespace
+    figs = []
+    monkeypatch.setattr(dlojz_report, 'save_fig', lambda fig, out, name: figs.append(fig) or name)
+    runs = [SimpleNamespace(name=f'run{i}', records=[{'type': 'val', 'wall_s': 30.0 + i, 'train_images': 800,
+                                                      'top1': 0.25 + 0.5 * i}]) for i in range(2)]
+    dlojz_report.plot_race(runs, [0.7], str(tmp_path))
+    [fig] = figs
+    for ax in fig.axes:
+        assert ax.get_xlim()[0] == 0 and ax.get_ylim()[0] == 0
+        points = [line for line in ax.get_lines() if line.get_marker() == 'o']
+        assert len(points) == 2 and all(line.get_markersize() >= 6 for line in points)
+        assert sorted(t.get_text() for t in ax.texts) == ['0.250', '0.750']
