@@ -23,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 from torchvision.ops import stochastic_depth
 
+import dlojz_flags
+
 RESNETS = {
     'resnet18': (BasicBlock, [2, 2, 2, 2]),
     'resnet34': (BasicBlock, [3, 4, 6, 3]),
@@ -30,7 +32,8 @@ RESNETS = {
     'resnet101': (Bottleneck, [3, 4, 23, 3]),
     'resnet152': (Bottleneck, [3, 8, 36, 3]),
 }
-ARCHS = sorted(RESNETS) + sorted(f'{r}-{v}' for r in RESNETS for v in ('heads', 'sd'))
+assert tuple(RESNETS) == dlojz_flags.RESNETS  # the parser lists the names without importing torch
+ARCHS = dlojz_flags.ARCHS
 
 
 class ClassifierMixture(nn.Module):

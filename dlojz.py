@@ -18,12 +18,17 @@ import itertools
 import math
 import os
 import random
-import re
 import shutil
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+
+import dlojz_flags
+from dlojz_flags import get_args_parser  # noqa: F401 (dlojz.get_args_parser: the tests' and tune_loader's way in)
+
+if __name__ == '__main__':  # flags first: --help and usage errors answer before torch is imported (seconds)
+    dlojz_flags.parse_or_exit()
 
 import numpy as np
 import torch
@@ -36,6 +41,7 @@ import dlojz_dist
 import dlojz_io
 import dlojz_loader
 import dlojz_recipe
+import dlojz_tune
 from dlojz_chrono import Chronometer, PowerMeter, profiler
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
@@ -43,240 +49,12 @@ from dlojz_errors import CommFailure, DiskFull, DlojzError, Interrupted, Preempt
 from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
 from dlojz_io import (Console, Logger, default_output_dir, host_check, intra_op_threads, prepare_output_dir,
                       remove_if_empty, run_status, usable_cores, write_json)
-from dlojz_state import (Progress, check_checkpoint, check_fits, find_resume_checkpoint, note_validation, preempt,
-                         restore, run_wall_s, save)
+from dlojz_state import (Progress, check_checkpoint, check_fits, find_resume_checkpoint, interrupted, note_validation,
+                         preempt, restore, run_wall_s, save)
 from dlojz_summary import final_lines, write_summary
 
 
 # ------------------------------------------------------------------------------------------------ flags
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help shows every default (unless the help text already says it) and keeps the examples' layout."""
-
-    def _get_help_string(self, action):
-        text = action.help or ''
-        if 'default' in text or action.default is None or action.default is False or \
-                action.default == argparse.SUPPRESS or not action.option_strings:
-            return text
-        return f'{text} (default: %(default)s)' if text else 'default: %(default)s'
-
-
-EXAMPLES = """examples:
-  python dlojz.py --test-nsteps 40 --arch resnet18 --image-size 64 -b 16 --num-workers 2   CPU demo
-  python dlojz.py --data-dir /path/imagenet --test-nsteps 50 --amp bf16 -b 256           one GPU benchmark
-  torchrun --standalone --nproc_per_node 4 dlojz.py --test-nsteps 50                     4 GPUs
-  sbatch slurm/jz-a100-8gpu.slurm --amp bf16 -b 256                                      a Slurm job
-  python dlojz.py --resume auto --output-dir runs/myrun                                  continue a run
-"""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one sentence and exit 2, like every other user error (no usage block)
-        message = re.sub(r'^argument (\S+): ', r'\1 ', message)
-        self.exit(2, f'dlojz: error: {message}; see python dlojz.py --help.\n')
-
-
-def _number(cast, ok, rule):
-    """An argparse type: an int or float (`cast`) for which `ok` holds; the error says `rule`."""
-    def parse(text):
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {'an integer' if cast is int else 'a number'} (got {text})")
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f'must be {rule} (got {text})')
-        return value
-    return parse
-
-
-POSITIVE_INT = _number(int, lambda v: v > 0, 'positive')
-COUNT = _number(int, lambda v: v >= 0, '0 or more')
-POSITIVE = _number(float, lambda v: v > 0 and math.isfinite(v), 'positive')
-NON_NEGATIVE = _number(float, lambda v: v >= 0 and math.isfinite(v), '0 or more')
-FRACTION = _number(float, lambda v: 0 <= v < 1, 'in [0, 1)')
-
-
-def get_args_parser(add_help=True):
-    p = Parser(description='dlojz: ResNet training and benchmarking', add_help=add_help, allow_abbrev=False,
-               formatter_class=HelpFormatter, epilog=EXAMPLES)
-    B, I, N = argparse.BooleanOptionalAction, POSITIVE_INT, COUNT
-    g = p.add_argument_group('data')
-    g.add_argument('--data-dir', help='ImageNet in ImageFolder layout (DIR/train/<class>/*.JPEG, DIR/val/...); '
-                   'default $DLOJZ_DATA_DIR, then $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet (Jean Zay), else the built-in '
-                   'synthetic dataset')
-    g.add_argument('--cache-dir', default='~/.cache/dlojz', help='where the synthetic dataset is generated, once')
-    g.add_argument('--synthetic-classes', type=I, default=10, help='synthetic dataset: number of classes')
-    g.add_argument('--synthetic-train-per-class', type=I, default=64, help='synthetic: train images per class')
-    g.add_argument('--synthetic-val-per-class', type=I, default=16, help='synthetic: val images per class')
-    g.add_argument('--synthetic-seed', type=int, default=0, help='synthetic dataset content seed')
-    g.add_argument('--fake-data', action='store_true', help='random uint8 batches in memory, no decoding: '
-                   'the compute ceiling')
-    g.add_argument('--fake-train-size', type=I, default=1281167, help='--fake-data: images per epoch')
-    g.add_argument('--fake-val-size', type=I, default=50000, help='--fake-data: validation images')
-    g.add_argument('--fake-classes', type=I, default=1000, help='--fake-data: number of classes')
-    g.add_argument('--image-size', type=I, default=224, help='train RandomResizedCrop size, pixels')
-    g.add_argument('--val-resize', type=I, default=None, help='validation: shorter side resized to, pixels '
-                   '(default 256, i.e. val-image-size x 256/224)')
-    g.add_argument('--val-image-size', type=I, default=None, help='validation: center crop, pixels (default '
-                   '224 when --image-size is 224, else --image-size)')
-    g.add_argument('--decode', choices=['auto', 'fast', 'pil', 'gpu'], default='auto', help='training decode '
-                   'path (auto: fast when simplejpeg is installed, else pil): "fast" '
-                   'decodes no more pixels than the crop needs (libjpeg-turbo DCT scaling via simplejpeg, uint8 '
-                   'crop and resize), PIL for the files it cannot read; "pil" decodes every full image with PIL '
-                   '(torchvision\'s way); "gpu" has the workers read the files and nvJPEG decode each batch on the '
-                   'GPU, which crops, resizes and flips (CUDA only; the host decodes what nvJPEG refuses). Same '
-                   'crops and flips every way; validation decodes on the host')
-    g.add_argument('--skip-bad-images', action='store_true', help='replace undecodable files and count them '
-                   'instead of stopping')
-    g = p.add_argument_group('loader')
-    g.add_argument('-b', '--batch-size', type=I, default=128, help='images per device; global batch = this x '
-                   'world size')
-    g.add_argument('--val-batch-size', type=I, default=250, help='validation images per device')
-    g.add_argument('--num-workers', type=N, default=None, help='DataLoader worker processes (train and val; '
-                   'default $SLURM_CPUS_PER_TASK under SLURM, else 8 or the usable cores if fewer)')
-    g.add_argument('--persistent-workers', action=B, default=None, help='keep workers between epochs '
-                   '(default: on when --num-workers > 0)')
-    g.add_argument('--pin-memory', action=B, default=None, help='page-locked batches (default: on with CUDA)')
-    g.add_argument('--non-blocking', action=B, default=True, help='asynchronous host-to-device copies')
-    g.add_argument('--prefetch-factor', type=I, default=None, help='batches loaded ahead per worker (default 2)')
-    g.add_argument('--drop-last', action=B, default=False, help='drop the last incomplete batch')
-    g.add_argument('--loader-only', action='store_true', help='run the training loader alone (sampler, decode, '
-                   'augmentation, collation, pinned memory, copy to the GPU), no model, for --test-nsteps batches '
-                   '(default 50): its images/second')
-    g.add_argument('--tune-loader', action='store_true', help='the loader doctor: the compute ceiling '
-                   '(--fake-data) and --loader-only over workers x prefetch x pinned memory, each in its own '
-                   'process; a trials table, a verdict and tune-loader.json/.csv (--test-nsteps per trial, default '
-                   '30)')
-    g = p.add_argument_group('model')
-    g.add_argument('--arch', default='resnet50', help=f'one of {", ".join(custom_models.ARCHS)}')
-    g.add_argument('--sd-prob', type=FRACTION, default=0.5, help='-sd archs: drop probability of the last block')
-    g.add_argument('--n-heads', type=_number(int, lambda v: v >= 2, 'at least 2 (head 0 for training plus at '
-                   'least one other)'), default=3, help='-heads archs: number of classifier heads')
-    g.add_argument('--grad-checkpointing', action='store_true', help='recompute ResNet stage activations in '
-                   'backward (less memory, ~30%% more compute)')
-    g = p.add_argument_group('precision and compilation')
-    g.add_argument('--amp', choices=['auto', 'off', 'fp16', 'bf16'], default='auto', help='autocast dtype; auto '
-                   '= bf16 where the GPU supports it, fp16 on older GPUs, off on CPU')
-    g.add_argument('--channels-last', action=B, default=None, help='NHWC memory format (default: on with CUDA)')
-    g.add_argument('--tf32', action=B, default=True, help='TF32 matmuls/convolutions on Ampere and newer')
-    g.add_argument('--cudnn-benchmark', action=B, default=True, help='cudnn autotuning (first steps slower)')
-    g.add_argument('--deterministic', action='store_true', help='deterministic algorithms only (bit-exact reruns '
-                   'and resumes on a GPU; slower; turns --cudnn-benchmark off)')
-    g.add_argument('--compile', action=B, default=False, help='torch.compile the model')
-    g.add_argument('--compile-mode', default='default', choices=['default', 'reduce-overhead', 'max-autotune',
-                   'max-autotune-no-cudagraphs'], help='torch.compile mode')
-    g = p.add_argument_group('optimization')
-    g.add_argument('--optimizer', choices=['sgd', 'adamw', 'lars', 'lamb', 'lion'], default='sgd', help='SGD with '
-                   'momentum, AdamW (torch); LARS, LAMB (layer-wise trust ratios, for large global batches) or Lion '
-                   '(timm)')
-    g.add_argument('--lr', type=POSITIVE, default=None, help='peak learning rate; overrides --base-lr (with '
-                   '--findlr: the upper end of the sweep, default 10)')
-    g.add_argument('--base-lr', type=POSITIVE, default=None, help='peak learning rate per 256 images, scaled by '
-                   'the global batch (linear scaling rule); default ' + ', '.join(
-                       f'{v:g} for {k}' for k, v in dlojz_recipe.BASE_LR.items()))
-    g.add_argument('--wd', type=NON_NEGATIVE, default=0.0, help='weight decay (adamw, lion: decoupled)')
-    g.add_argument('--wd-norm-bias', action=B, default=None, help='weight decay on BatchNorm weights and biases '
-                   'too (default: yes, except for lars and lamb, which also leave them out of their adaptation)')
-    g.add_argument('--mom', type=FRACTION, default=0.9, help='momentum of SGD and LARS (beta1 of AdamW, LAMB, Lion)')
-    g.add_argument('--accum-steps', type=I, default=1, help='micro-batches of -b images per optimizer step, their '
-                   'gradients added up (DDP all-reduces once, during the last): global batch = -b x processes x N, '
-                   'and one GPU sees the batches N GPUs would')
-    g.add_argument('--label-smoothing', type=FRACTION, default=0.1, help='cross-entropy label smoothing')
-    g.add_argument('--scheduler', choices=['onecycle', 'cosine', 'poly', 'constant'], default='onecycle',
-                   help='learning-rate schedule, stepped every optimizer step (onecycle warms up over its first '
-                   '30%%; poly: (1 - progress)^--poly-power, as MLPerf\'s LARS runs)')
-    g.add_argument('--warmup-epochs', type=NON_NEGATIVE, default=0.0, help='cosine, poly, constant: linear '
-                   'warm-up length, epochs')
-    g.add_argument('--poly-power', type=POSITIVE, default=2.0, help='poly schedule exponent')
-    g.add_argument('--ema-decay', type=FRACTION, default=None, help='keep an exponential moving average of the '
-                   'weights with this decay per optimizer step (e.g. 0.9998), validated beside the raw model, saved '
-                   'and resumed (default: none)')
-    g.add_argument('--ema-warmup', action=B, default=True, help='EMA decay min(decay, (1 + n) / (10 + n)) after n '
-                   'steps, so that the average forgets the initial weights')
-    g.add_argument('--findlr', action='store_true', help='LR range test: geometric from 1e-8 to --lr over the '
-                   'run, stopped when the loss diverges')
-    g = p.add_argument_group('augmentation')
-    g.add_argument('--randaugment', default=None, metavar='N,M', help='RandAugment in the workers: N operations '
-                   'per image at magnitude M (0-30), e.g. 2,9 (torchvision v2 on uint8)')
-    g.add_argument('--trivialaugment', action='store_true', help='TrivialAugmentWide in the workers')
-    g.add_argument('--random-erasing', type=FRACTION, default=0.0, help='probability of erasing a random '
-                   'rectangle of each image, in the workers')
-    g.add_argument('--mixup', type=NON_NEGATIVE, default=0.0, help='mixup on the device: Beta(alpha, alpha) '
-                   'weight alpha (e.g. 0.2; 0: off); soft targets, label smoothing applies on top')
-    g.add_argument('--cutmix', type=NON_NEGATIVE, default=0.0, help='cutmix on the device: Beta(alpha, alpha) '
-                   'alpha (e.g. 1.0; 0: off); with --mixup, one of the two per batch')
-    g.add_argument('--res-start', type=I, default=None, help='progressive resizing: training resolution at epoch '
-                   '0, pixels, growing linearly to --image-size at --res-end-epoch (multiples of 8)')
-    g.add_argument('--res-end-epoch', type=NON_NEGATIVE, default=None, help='progressive resizing: epoch where '
-                   '--image-size is reached (default: the last epoch)')
-    g = p.add_argument_group('run')
-    g.add_argument('-e', '--epochs', type=I, default=1, help='number of epochs')
-    g.add_argument('--test', action='store_true', help='benchmark mode: --test-nsteps train steps, 20 val batches')
-    g.add_argument('--test-nsteps', type=I, default=None, help='train steps in test mode (default 50; implies '
-                   '--test)')
-    g.add_argument('--seed', type=int, default=123, help='weights, data order and augmentation (same on every rank)')
-    g.add_argument('--device', choices=['auto', 'cuda', 'cpu'], default='auto')
-    g.add_argument('--output-dir', default=None, help='run directory (default runs/<run name>, else '
-                   'runs/<job id or time>_<arch>_bs<b>); one that holds another run is refused unless --resume '
-                   'continues it or --overwrite replaces it')
-    g.add_argument('--run-name', default=None, help='run directory runs/<NAME>, independent of the job id: a '
-                   'resubmitted job with --resume auto continues it; when its run is over (completed, NaN, '
-                   'OOM), runs/<NAME>.2, .3, ... (the slurm/ scripts pass one: $DLOJZ_RUN, or the job name and '
-                   'a checksum of the flags)')
-    g.add_argument('--overwrite', action='store_true', help='delete the run files (config, metrics, summary, '
-                   'checkpoints) of a non-empty --output-dir first')
-    g.add_argument('--val-every', type=I, default=1, help='validate every N epochs (and after the last)')
-    g.add_argument('--target-top1', type=FRACTION, default=None, help='time to accuracy: record the wall time, '
-                   'epoch and images seen when validation top-1 (a fraction, e.g. 0.759) first reaches this, for '
-                   'the raw weights and the EMA')
-    g.add_argument('--chkpt', action='store_true', help='write checkpoint-<step>.pt at the end of each epoch and run, '
-                   'and best.pt when validation top-1 improves')
-    g.add_argument('--chkpt-every', type=N, default=0, help='also every N steps (implies --chkpt)')
-    g.add_argument('--keep-checkpoints', type=I, default=2, help='newest checkpoints kept in the run directory')
-    g.add_argument('--resume', default=None, help='checkpoint to continue from, or "auto": the newest readable '
-                   'checkpoint of --output-dir if there is one (what a requeued job uses)')
-    g.add_argument('--requeue', action=B, default=True, help='under SLURM, on SIGUSR2/SIGTERM: checkpoint, then '
-                   '`scontrol requeue` the job')
-    g.add_argument('--allow-batch-change', action='store_true', help='--resume with another global batch size '
-                   '(the position in the epoch and the LR schedule are converted in images)')
-    g.add_argument('--evaluate', action='store_true', help='validation only, of the --resume checkpoint, at any '
-                   'world size (like torchvision\'s --test-only)')
-    g = p.add_argument_group('distributed (under srun or torchrun)')
-    g.add_argument('--sync-bn', action='store_true', help='SyncBatchNorm: batch statistics over all ranks (CUDA only)')
-    g.add_argument('--find-unused-parameters', action='store_true', help='DDP: allow parameters without a gradient '
-                   'in a step (needed by the -heads archs)')
-    g.add_argument('--bucket-cap-mb', type=POSITIVE, default=25.0, help='DDP gradient bucket size, MiB')
-    g.add_argument('--static-graph', action='store_true', help='DDP static_graph (same graph every step)')
-    g.add_argument('--gradient-as-bucket-view', action='store_true', help='DDP: gradients are views into the '
-                   'buckets (saves one gradient copy of memory)')
-    g.add_argument('--broadcast-buffers', action=B, default=True, help='DDP: rank 0\'s BatchNorm buffers are '
-                   'broadcast before every training forward')
-    g.add_argument('--dist-timeout', type=POSITIVE, default=None, help='minutes a collective may wait before the '
-                   'job ends with an error (default: PyTorch\'s, 10 min NCCL / 30 min gloo)')
-    g.add_argument('--nccl-debug', action='store_true', help='NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,COLL; each '
-                   'rank\'s stdout, with step markers, is also written to <output-dir>/nccl.rank<r>.log')
-    g.add_argument('--dist-debug', action='store_true', help='TORCH_DISTRIBUTED_DEBUG=DETAIL')
-    g.add_argument('--share-gpu', action='store_true', help='allow several tasks per GPU (on by itself when an '
-                   'NVIDIA MPS daemon runs; without MPS they take turns on the GPU)')
-    g = p.add_argument_group('logging and profiling')
-    g.add_argument('--log-interval', type=I, default=10, help='steps between log lines')
-    g.add_argument('--metric-step', type=I, default=100, help='steps between train accuracy computations (one '
-                   'all-reduce of every rank\'s sums)')
-    g.add_argument('--metric-sync-log', action='store_true', help='print and record each rank\'s train metrics '
-                   'before and after the sync at every --metric-step')
-    g.add_argument('--wandb', choices=['off', 'offline', 'online'], default=None, help='default: offline for full '
-                   'runs, off in test mode')
-    g.add_argument('--prof', action='store_true', help='torch.profiler traces into <output-dir>/profiler')
-    g.add_argument('--prof-wait', type=N, default=1, help='--prof: steps before the profiler starts')
-    g.add_argument('--prof-warmup', type=N, default=1, help='--prof: profiled steps thrown away (its own warm-up)')
-    g.add_argument('--prof-active', type=I, default=5, help='--prof: steps recorded in the trace')
-    g = p.add_argument_group('benchmark')
-    g.add_argument('--timing', action=B, default=True, help='per-phase timing (CUDA events on GPU)')
-    g.add_argument('--sync-timing', action='store_true', help='synchronise at phase boundaries (wall-clock '
-                   'splits, slower)')
-    g.add_argument('--warmup-steps', type=N, default=1, help='first steps left out of the statistics')
-    return p
-
 
 def pick_device(choice, dist, share=False):
     if choice == 'cuda' and not torch.cuda.is_available():
@@ -288,77 +66,28 @@ def pick_device(choice, dist, share=False):
     return torch.device('cuda', torch.cuda.current_device())
 
 
-def check_args(args, device, world_size=1, capability=None):
+def check_args(args, device, world_size=1, capability=None, job_id=None):
     """Refuse flag combinations that mean nothing and resolve the defaults that depend on other flags, on
     the device or on the world size. The parser has already checked each value's type and range.
-    capability: the GPU's (major, minor) compute capability (default: asked from CUDA)."""
-    if args.test_nsteps is not None:
-        args.test = True
-    elif args.test:
-        args.test_nsteps = 50
-    if args.val_image_size is None:  # validate at the training resolution unless told otherwise
-        args.val_image_size = args.image_size
-    if args.val_resize is None:
-        args.val_resize = round(args.val_image_size * 256 / 224)
+    capability: the GPU's (major, minor) compute capability (default: asked from CUDA). job_id: SLURM's, which
+    names the default run folder (a requeued job keeps it)."""
+    args = dlojz_flags.check_flags(args)  # those that need only the flags (`python dlojz.py` ran it already)
     if args.num_workers is None:
         args.num_workers = dlojz_dist.slurm_cpus_per_task() or min(8, usable_cores())
-    args.chkpt = args.chkpt or args.chkpt_every > 0
-    if args.randaugment:
-        try:
-            dlojz_augment.parse_randaugment(args.randaugment)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
     if args.decode == 'auto':  # a cluster module may lack simplejpeg: the run still goes, the summary says how
         args.decode = 'fast' if dlojz_decode.simplejpeg is not None else 'pil'
-    loader_mode = args.loader_only or args.tune_loader  # no model: the loader alone
-    if loader_mode and args.resume == 'auto':
-        args.resume = None  # the slurm/ scripts pass --resume auto to every run; nothing to resume here
-    args.cudnn_benchmark = args.cudnn_benchmark and not args.deterministic
     mode = '--loader-only' if args.loader_only else '--tune-loader'
     refusals = [
-        (args.arch not in custom_models.ARCHS, f'unknown --arch {args.arch}; choose one of '
-                                               f'{", ".join(custom_models.ARCHS)}.'),
-        (args.val_image_size > args.val_resize, f'--val-image-size {args.val_image_size} is larger than '
-         f'--val-resize {args.val_resize}; the center crop must fit in the resized image.'),
-        (args.num_workers == 0 and (args.prefetch_factor is not None or args.persistent_workers),
-         '--prefetch-factor and --persistent-workers need worker processes; drop them or set --num-workers to 1 '
-         'or more.'),
-        (args.run_name is not None and args.output_dir is not None, '--run-name and --output-dir both name the '
-         'run folder; give one.'),
-        (args.run_name is not None and (not args.run_name.strip('.') or '/' in args.run_name),
-         f'--run-name {args.run_name!r} is not a folder name; use letters, digits, "-", "_" or "." without "/".'),
-        (args.loader_only and args.tune_loader, '--loader-only and --tune-loader exclude each other; drop one.'),
-        (args.tune_loader and args.test_nsteps is not None and args.test_nsteps < 3, f'--tune-loader needs at '
-         f'least 3 batches per trial (--test-nsteps {args.test_nsteps}); give 3 or more (default 30).'),
-        (loader_mode and (args.fake_data or args.evaluate or args.findlr or args.resume),
-         f'{mode} measures the data loader of a new run; drop --fake-data, --evaluate, --findlr and --resume.'),
-        (loader_mode and world_size > 1, f'{mode} measures one process\'s loader; run '
+        (args.resume == 'auto' and not (args.output_dir or args.run_name or job_id), '--resume auto continues the '
+         'run of --output-dir or --run-name (or, in a SLURM job, the job\'s own folder), and none was given: this '
+         'run would start afresh in a new folder; name the run folder with --output-dir or --run-name.'),
+        ((args.loader_only or args.tune_loader) and world_size > 1, f'{mode} measures one process\'s loader; run '
          f'it as a single process (no torchrun, one task).'),
-        (args.findlr and args.resume, '--findlr starts from a fresh model; drop --resume.'),
-        (args.decode == 'gpu' and (bool(dlojz_augment.worker_ops(args)) or args.res_start is not None),
-         '--decode gpu decodes after the workers, where --randaugment, --trivialaugment, --random-erasing and '
-         '--res-start act; use --decode fast with them.'),
-        (args.res_start is not None and args.res_start > args.image_size, f'--res-start {args.res_start} is larger '
-         f'than --image-size {args.image_size}; progressive resizing grows the resolution up to --image-size.'),
-        (args.res_start is not None and args.fake_data, '--res-start resizes decoded images and --fake-data has '
-         'none; drop one.'),
-        (args.wd_norm_bias and args.optimizer in dlojz_recipe.ADAPTIVE, f'--optimizer {args.optimizer} leaves '
-         f'BatchNorm weights and biases out of weight decay and of its adaptation, as published; drop '
-         f'--wd-norm-bias.'),
-        (args.evaluate and not args.resume, '--evaluate validates a trained model; give its checkpoint with '
-                                            '--resume PATH.'),
-        (args.evaluate and args.findlr, '--evaluate and --findlr exclude each other; drop one.'),
         # measured on CPU: torch 2.5-2.8 (inductor and aot_eager) and 2.4 (aot_eager) update BatchNorm's running
         # statistics again in the compiled recompute; 2.9 and later once
         (args.compile and args.grad_checkpointing and torch.__version__ < '2.9', f'--compile with '
          f'--grad-checkpointing needs torch 2.9 or later (torch {torch.__version__} updates the BatchNorm '
          f'statistics of recomputed stages twice); drop one of the two or upgrade torch.'),
-        (args.static_graph and args.accum_steps > 1, '--static-graph does not work with the no_sync() of '
-         '--accum-steps (DDP asserts, pytorch/pytorch#143580); drop one of the two.'),
-        (args.compile and args.res_start is not None, '--compile makes one graph per image size and runs eager '
-         'after 8 of them, while --res-start changes the size every few epochs; drop one of the two.'),
-        (args.static_graph and args.arch.endswith('-heads'), f'--static-graph needs the same parameters used at '
-         f'every step, but {args.arch} uses a different head from step to step; drop --static-graph.'),
     ]
     cpu = device.type == 'cpu'
     if cpu:
@@ -390,11 +119,11 @@ def check_args(args, device, world_size=1, capability=None):
     if args.num_workers > 0:
         args.prefetch_factor = args.prefetch_factor or 2
         args.persistent_workers = True if args.persistent_workers is None else args.persistent_workers
-    args.base_lr = args.base_lr or dlojz_recipe.BASE_LR[args.optimizer]
+    args.base_lr = args.base_lr or dlojz_flags.BASE_LR[args.optimizer]
     if args.res_start is not None and args.res_end_epoch is None:
         args.res_end_epoch = max(0, args.epochs - 1)
     if args.wd_norm_bias is None:
-        args.wd_norm_bias = args.optimizer not in dlojz_recipe.ADAPTIVE
+        args.wd_norm_bias = args.optimizer not in dlojz_flags.ADAPTIVE
     if args.lr is None:  # Goyal et al. 2017: the learning rate grows with the global batch
         args.lr = 10.0 if args.findlr else args.base_lr * args.batch_size * world_size * args.accum_steps / 256
     if args.wandb is None:
@@ -698,7 +427,11 @@ def find_lr(run, progress, beta=0.98, explode=4.0):
     It reads the rank-mean loss every step (a sync per step: this is a measurement, not training)."""
     run.model.train()
     lrs, losses, why, avg, best = [], [], 'end of the sweep', 0.0, math.inf
-    curve = lambda: {'lr': lrs, 'loss': losses, 'steps': len(lrs), 'stopped': why}
+
+    def curve():
+        suggested, reason = dlojz_recipe.suggest_lr(lrs, losses)
+        return {'lr': lrs, 'loss': losses, 'steps': len(lrs), 'stopped': why, 'suggested_lr': suggested,
+                'suggestion': reason}
 
     def batches():  # the sweep crosses epoch boundaries
         for epoch in range(run.args.epochs):
@@ -732,7 +465,12 @@ def find_lr(run, progress, beta=0.98, explode=4.0):
     run.chrono.finish()
     run.log.print(f'LR sweep: {len(lrs)} steps, lr {lrs[0] if lrs else 1e-8:.3g} to {lrs[-1] if lrs else 1e-8:.3g}; '
                   f'stopped: {why}')
-    return curve()
+    result = curve()
+    if result['suggested_lr'] is None:
+        run.log.print(f'LR sweep: no suggestion ({result["suggestion"]})')
+    else:
+        run.log.print(f'LR sweep: suggested --lr {result["suggested_lr"]:.3g} ({result["suggestion"]})')
+    return result
 
 
 @torch.inference_mode()
@@ -776,7 +514,7 @@ def main(args, dist=None):
     share = args.share_gpu or dlojz_dist.mps_active()
     device = pick_device(args.device, dist, share)
     raw = dict(vars(args))  # the flags as given: --tune-loader passes them on to its trials
-    args = check_args(args, device, dist.world_size)
+    args = check_args(args, device, dist.world_size, job_id=dist.job_id)
     threads = intra_op_threads(args.num_workers, device.type == 'cpu', dist.local_world_size)
     if threads:  # before the first parallel op: OpenMP sizes its pool then
         torch.set_num_threads(threads)
@@ -804,6 +542,8 @@ def main(args, dist=None):
     try:
         if args.loader_only or args.tune_loader:
             return loader_mode(args, raw, dist, device)
+        if args.tune:
+            return tune_mode(args, raw, dist, device)
         return _main(args, dist, device)
     except BaseException:
         if dist.is_main:  # an error before anything was written (bad data, a refused checkpoint): no empty folder
@@ -814,13 +554,25 @@ def main(args, dist=None):
             tee.close()
 
 
+def tune_mode(args, raw, dist, device):
+    """--tune (dlojz_tune): trials in processes of their own, a recommended command line, a scaling forecast."""
+    say = Console(dist.is_main)
+    write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
+    record = dlojz_tune.run_tune(args, raw, get_args_parser(), device, say, world_size=dist.world_size)
+    say(f'Run written to {args.output_dir}')
+    return record
+
+
 def loader_mode(args, raw, dist, device):
     """--loader-only and --tune-loader (dlojz_loader): no model is built."""
     say = Console(dist.is_main)
     write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
     if args.loader_only:
-        return dlojz_loader.loader_only(args, dist, device, say)
-    return dlojz_loader.tune_loader(args, raw, get_args_parser(), dist, device, say)
+        result = dlojz_loader.loader_only(args, dist, device, say)
+    else:
+        result = dlojz_loader.tune_loader(args, raw, get_args_parser(), dist, device, say)
+    say(f'Run written to {args.output_dir}')
+    return result
 
 
 def _main(args, dist, device):
@@ -867,6 +619,8 @@ def _main(args, dist, device):
         return summary
     except BaseException as e:
         err = translate(e, args, dist.rank, dist.distributed, progress.global_step + 1)
+        if isinstance(err, Interrupted):  # Ctrl-C: where the run can continue from, as a preemption says
+            err = interrupted(args, progress.global_step + 1)
         power.stop()  # not chrono.stop(): its GPU synchronise may raise again after a CUDA error
         status, msg = (err.status, str(err)) if err else ('crashed', f'{type(e).__name__}: {e}')
         try:
@@ -894,6 +648,11 @@ def print_header(run):
         (f' ({args.accum_steps} micro-batches per step)' if args.accum_steps > 1 else ''))
     if args.findlr:
         say(f'learning rate: sweep from 1e-08 to {args.lr:g} over {run.total_steps} steps')
+        if run.total_steps < dlojz_recipe.FINDLR_MIN_STEPS:
+            say(f'Warning: an LR sweep of {run.total_steps} steps multiplies the LR by '
+                f'{(args.lr / 1e-8) ** (1 / max(1, run.total_steps - 1)):.2g} per step: its suggestion is coarse; '
+                f'give it {dlojz_recipe.FINDLR_MIN_STEPS} steps or more (--test-nsteps, and -e so that the epochs '
+                f'hold them).')
     else:
         rule = '--lr' if args.lr != args.base_lr * run.global_batch / 256 else \
             f'--base-lr {args.base_lr:g} per 256 images x global batch {run.global_batch}'

@@ -14,16 +14,7 @@ import math
 import torch
 from torchvision.transforms import v2
 
-
-def parse_randaugment(text):
-    """'N,M' -> (N operations per image, magnitude M of 0-30), as torchvision's RandAugment takes them."""
-    try:
-        n, m = (int(v) for v in text.split(','))
-    except ValueError:
-        raise ValueError(f'--randaugment takes N,M (operations per image, magnitude 0-30), e.g. 2,9; got {text!r}') from None
-    if n < 1 or not 0 <= m <= 30:
-        raise ValueError(f'--randaugment {text}: N must be 1 or more and M within 0-30 (e.g. 2,9)')
-    return n, m
+from dlojz_flags import parse_randaugment  # noqa: F401 (the flags check it without torch)
 
 
 def worker_ops(args):

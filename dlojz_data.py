@@ -32,11 +32,11 @@ import dlojz_decode
 import dlojz_shards
 from dlojz_decode import BadImageError, Blob, source_name
 from dlojz_errors import DataError
+from dlojz_folder import IMG_EXTENSIONS, find_classes, scan_imagefolder  # noqa: F401 (dlojz_data's API too)
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, never silently half-grey
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-IMG_EXTENSIONS = ('.jpeg', '.jpg', '.png', '.bmp', '.webp')
 SYNTH_VERSION = 1  # bump when the generator changes so old caches are not reused
 
 
@@ -73,74 +73,6 @@ def synthetic_root(args):
     name = (f'synthetic-v{SYNTH_VERSION}-c{args.synthetic_classes}-n{args.synthetic_train_per_class}'
             f'-v{args.synthetic_val_per_class}-s{args.synthetic_seed}')
     return os.path.join(os.path.expanduser(args.cache_dir), name)
-
-
-def warn_stderr(msg):
-    print(f'dlojz: warning: {msg}', file=sys.stderr, flush=True)
-
-
-def _shown(names, n=5):
-    return ', '.join(names[:n]) + (f' and {len(names) - n} more' if len(names) > n else '')
-
-
-def find_classes(split_dir, warn=warn_stderr):
-    """Class folders of one split, sorted, each holding at least one image file; -> (classes, samples, the
-    class folders without an image). Only regular files (or links to them) are samples: opening a FIFO
-    named x.JPEG blocks forever, a socket or a dangling link fails; those are named in a warning."""
-    if not os.path.isdir(split_dir):
-        raise DataError(f'{split_dir} does not exist; expected the ImageFolder layout '
-                        f'<data-dir>/train/<class>/*.JPEG and <data-dir>/val/<class>/*.JPEG.')
-    classes, samples, empty, odd = [], [], [], []
-    for name in sorted(os.listdir(split_dir)):
-        folder = os.path.join(split_dir, name)
-        if not os.path.isdir(folder):
-            continue
-        files = []
-        with os.scandir(folder) as entries:
-            for entry in entries:
-                if not entry.name.lower().endswith(IMG_EXTENSIONS):
-                    continue
-                if entry.is_file():  # follows links: a link to a regular file is a sample
-                    files.append(entry.name)
-                else:
-                    odd.append(os.path.join(name, entry.name))
-        if not files:
-            empty.append(name)
-            continue
-        samples.extend((os.path.join(folder, f), len(classes)) for f in sorted(files))
-        classes.append(name)
-    if odd:
-        warn(f'{split_dir}: {len(odd)} image name(s) are not regular files (a FIFO, a socket, a folder or a '
-             f'dangling link) and are left out: {_shown(sorted(odd))}.')
-    if not classes:
-        flat = [f for f in os.listdir(split_dir) if f.lower().endswith(IMG_EXTENSIONS)]
-        hint = (f' It holds {len(flat)} images directly: ImageNet\'s raw val/ is flat; sort it into class '
-                f'folders (the usual valprep.sh script does it).') if flat else ''
-        raise DataError(f'{split_dir} has no class folder with images; expected '
-                        f'{split_dir}/<class>/*.JPEG.{hint}')
-    return classes, samples, empty
-
-
-def scan_imagefolder(root, warn=warn_stderr):
-    """(classes, train samples, val samples) with the train/val checks users need."""
-    if not os.path.isdir(root):
-        raise DataError(f'data directory {root} does not exist; pass --data-dir pointing at a folder '
-                        f'with train/ and val/ (or omit it to use the built-in synthetic dataset).')
-    if os.path.exists(os.path.join(root, 'prepare.json')) and not os.path.isdir(os.path.join(root, 'train')):
-        raise dlojz_shards.incomplete(root, dlojz_shards.INDEX)
-    train_classes, train, train_empty = find_classes(os.path.join(root, 'train'), warn)
-    val_classes, val, val_empty = find_classes(os.path.join(root, 'val'), warn)
-    if train_classes != val_classes:
-        only_train = sorted(set(train_classes) - set(val_classes))[:3]
-        only_val = sorted(set(val_classes) - set(train_classes))[:3]
-        raise DataError(f'train/ and val/ of {root} hold different classes ({len(train_classes)} vs '
-                        f'{len(val_classes)}; only in train: {only_train}, only in val: {only_val}); '
-                        f'both splits need the same class folders.')
-    dropped = sorted(set(train_empty) & set(val_empty))
-    if dropped:
-        warn(f'{root}: {len(dropped)} class folder(s) hold no image in train/ nor val/ and are not classes of '
-             f'this run: {_shown(dropped)}.')
-    return train_classes, train, val
 
 
 # --------------------------------------------------------------------------------------------------
@@ -304,6 +236,11 @@ class ShardDataset(ImageFolderDataset):
         except OSError as e:
             raise DataError(f'cannot read shard {os.path.join(self.root, self.names[shard])} ({e.strerror}); '
                             f'check --data-dir (a missing shard: run dlojz_data.py prepare again).') from None
+        if len(data) < size:  # the file ends before the sample does: the shard's fault, not the image's
+            path = os.path.join(self.root, self.names[shard])
+            raise DataError(f'shard {path} is truncated: it holds {offset + len(data)} bytes and sample {i} ends at '
+                            f'byte {offset + size}; copy it again from where the shards were prepared, or run '
+                            f'dlojz_data.py prepare again.')
         return Blob(data, f'{self.names[shard]}:{i:08d}'), label
 
     @property
@@ -563,6 +500,9 @@ def build_data(args, dist, log=print, on_ranks=None):
         train_set = ShardDataset(source.root, *splits['train'], transform, args.seed, args.skip_bad_images)
         val_set = ShardDataset(source.root, *splits['val'], val_transform, args.seed, args.skip_bad_images)
     else:
+        if os.path.exists(os.path.join(source.root, 'prepare.json')) and \
+                not os.path.isdir(os.path.join(source.root, 'train')):  # prepare writes index.json last
+            raise dlojz_shards.incomplete(source.root, dlojz_shards.INDEX)
         classes, train_samples, val_samples = scan_imagefolder(source.root)
         train_set = ImageFolderDataset(train_samples, transform, args.seed, args.skip_bad_images)
         val_set = ImageFolderDataset(val_samples, val_transform, args.seed, args.skip_bad_images)
@@ -584,7 +524,4 @@ def build_data(args, dist, log=print, on_ranks=None):
 
 
 if __name__ == '__main__':
-    if sys.argv[1:2] != ['prepare']:
-        print('usage: python dlojz_data.py prepare SRC DST [--max-side N] [--shard-size MB]', file=sys.stderr)
-        sys.exit(2)
-    sys.exit(dlojz_shards.main(sys.argv[2:]))
+    sys.exit(dlojz_shards.main(sys.argv[1:]))

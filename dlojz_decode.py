@@ -310,11 +310,7 @@ class DeviceDecode:
         self.bad = 0                    # images nothing could decode (--skip-bad-images)
         self.skip_bad_images = False
         self.warned = False             # the first refusal has been printed
-        self._streams = {}
-        # torchvision 0.29 deprecates its image decoders with a DeprecationWarning on every call: silenced
-        # for decode_jpeg's module and that message only (the decoder stays until TorchCodec replaces it)
-        warnings.filterwarnings('ignore', message='The image decoding and encoding capabilities of TorchVision',
-                                category=DeprecationWarning, module='torchvision.io.image')
+        self._streams, self.deprecation_said = {}, False
 
     def __call__(self, batch, device, non_blocking=False):
         out = [None] * batch.n
@@ -373,12 +369,30 @@ class DeviceDecode:
             return None
         return torch.from_numpy(np.array(img)).permute(2, 0, 1).to(device)
 
+    def _decode(self, data, device):
+        """self.decode_jpeg, with torchvision's deprecation of its decoders (0.29 and later, in favour of
+        TorchCodec, which dlojz does not depend on and which has no nvJPEG batch decode into the caller's stream)
+        said once per process instead of at every batch; any other warning passes through."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always', DeprecationWarning)
+            images = self.decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        for w in caught:
+            if issubclass(w.category, DeprecationWarning) and 'TorchCodec' in str(w.message):
+                if not self.deprecation_said:
+                    self.deprecation_said = True
+                    print('dlojz: note: torchvision deprecates decode_jpeg, which --decode gpu uses (nvJPEG), for '
+                          'TorchCodec; it still works here; --decode fast does without it.', file=sys.stderr,
+                          flush=True)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return images
+
     def _call(self, chunks, device):
         """decode_jpeg as this torchvision takes it: the list in one call (>= 0.20), else one tensor per call
         (0.19). The CPU seam the tests drive goes through the same choice, with libjpeg-turbo."""
         if self.lists:
-            return self.decode_jpeg(chunks, mode=ImageReadMode.RGB, device=device)
-        return [self.decode_jpeg(c, mode=ImageReadMode.RGB, device=device) for c in chunks]
+            return self._decode(chunks, device)
+        return [self._decode(c, device) for c in chunks]
 
     def _on_device(self, chunks, device):
         if device.type != 'cuda':

@@ -26,7 +26,9 @@ def default_output_dir(args, dist):
     if args.run_name:
         return named_run_dir(args.run_name, continues=bool(args.resume), job_id=dist.job_id)
     tag = dist.job_id or datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
-    return os.path.join('runs', f'{tag}_{args.arch}_bs{args.batch_size}')
+    # the loader modes build no model: their folders are named after what they measure, not after --arch
+    what = 'loader' if args.loader_only else 'tune-loader' if args.tune_loader else args.arch
+    return os.path.join('runs', f'{tag}_{what}_bs{args.batch_size}')
 
 
 # A run that ended this way is over: continuing it would only repeat its end (an OOM, a NaN). 'failed' is not

@@ -17,12 +17,7 @@ import math
 import torch
 import torch.nn as nn
 
-# peak learning rate per 256 images (the linear scaling rule multiplies it by global batch / 256): SGD's from
-# Goyal et al. 2017; AdamW's dlojz's earlier default; Lion's timm's default. LARS's and LAMB's from a 6-epoch
-# sweep on the synthetic data (BENCHMARKS.md): values that reached 0.9+ top-1 there; top-1 still rose at the
-# largest values tried, so a short run cannot pick them: tune them on real data (--findlr).
-BASE_LR = {'sgd': 0.1, 'adamw': 0.001, 'lars': 2.0, 'lamb': 0.005, 'lion': 0.0001}
-ADAPTIVE = ('lars', 'lamb')  # layer-wise trust ratios: the norm/bias group is left out of them
+from dlojz_flags import ADAPTIVE, BASE_LR  # noqa: F401 (beside the flags, which read them without torch)
 
 
 def param_groups(model, wd, wd_norm_bias=True, adaptive=False):
@@ -146,3 +141,59 @@ class EMA:
     def load_state_dict(self, state):
         self.module.load_state_dict(state['module'])
         self.updates = state['updates']
+
+
+# ------------------------------------------------------------------------------------------- LR range test
+# Fewer steps than this and the suggestion is coarse: over 1e-8..10 (9 decades) 100 steps multiply the LR by
+# 1.23 per step, so the steepest point is placed within about a quarter of its value, and the divergence test's
+# EMA (beta 0.98: a memory of ~50 steps) has had time to warm up; fastai's LR finder also runs 100 by default.
+FINDLR_MIN_STEPS = 100
+
+
+def diverged_at(losses, beta=0.98, explode=4.0):
+    """Index of the first loss where the sweep counts as diverged (dlojz's stopping rule: not finite, or the
+    bias-corrected EMA of the losses above `explode` x its minimum so far); len(losses) if none."""
+    avg, best = 0.0, math.inf
+    for i, loss in enumerate(losses):
+        if not math.isfinite(loss):
+            return i
+        avg = beta * avg + (1 - beta) * loss
+        smoothed = avg / (1 - beta ** (i + 1))
+        if smoothed > explode * best:
+            return i
+        best = min(best, smoothed)
+    return len(losses)
+
+
+def centered_mean(values, half):
+    """Moving average over i-h..i+h, the window shrunk symmetrically at the ends: no lag, unlike an EMA,
+    which shifts the curve towards larger LRs by its memory (~50 steps at 0.98)."""
+    out = []
+    for i in range(len(values)):
+        h = min(half, i, len(values) - 1 - i)
+        out.append(sum(values[i - h:i + h + 1]) / (2 * h + 1))
+    return out
+
+
+def suggest_lr(lrs, losses):
+    """The LR range test's suggestion: the LR where the smoothed loss falls fastest per decade of LR (steepest
+    descent), searched between the sweep's start and the LR of the smoothed loss's minimum, before the
+    divergence. It is one of the swept LRs, so it lies within the sweep by construction; the other common rule,
+    the minimum's LR divided by 10, can fall below the sweep's start (it suggested 1e-9 for a sweep from 1e-8)
+    and depends on where the noise puts the minimum. The losses are smoothed by a centered moving average over
+    ~10% of the sweep (no lag), and the slope is taken across that window.
+    -> (suggested lr or None, why): None when the curve has too few points or never descends."""
+    cut = diverged_at(losses)
+    n = cut
+    if n < 5:
+        return None, f'{n} steps before the divergence: too few to find a descent'
+    half = max(1, n // 20)
+    sm = centered_mean(losses[:n], half)
+    i_min = min(range(n), key=sm.__getitem__)
+    logs = [math.log10(lr) for lr in lrs[:n]]
+    slopes = {i: (sm[i + half] - sm[i - half]) / (logs[i + half] - logs[i - half])
+              for i in range(half, min(i_min + 1, n - half))}
+    if not slopes or min(slopes.values()) >= 0:
+        return None, 'the smoothed loss never falls: no descent to follow (sweep further, or start higher)'
+    i = min(slopes, key=slopes.get)
+    return lrs[i], f'steepest descent of the smoothed loss, {-slopes[i]:.3g} per decade of LR'

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from dlojz_chrono import PHASES
 from dlojz_errors import UsageError
 from dlojz_io import SUMMARY_VERSION, list_checkpoints, load_checkpoint, strip_prefixes
+from dlojz_recipe import FINDLR_MIN_STEPS, centered_mean, diverged_at, suggest_lr
 
 # Config keys that name places, not what was measured: they always differ between runs.
 PATH_KEYS = {'output_dir', 'cache_dir', 'resume'}
@@ -945,37 +946,32 @@ def metric_sync_view(rep):
 
 # ------------------------------------------------------------------------------------ view: LR finder
 
-def smooth(values, beta=0.98):
-    """Exponential moving average with bias correction (the course's lrfind smoothing)."""
-    avg, out = 0.0, []
-    for i, v in enumerate(values, 1):
-        avg = beta * avg + (1 - beta) * v
-        out.append(avg / (1 - beta ** i))
-    return out
+def lr_suggestion(lrs, losses):
+    """-> (smoothed curve, cut, suggested lr or None, why): dlojz's own rule (dlojz_recipe.suggest_lr, the
+    steepest descent of the smoothed loss), so the report says what the console and summary.json said. The
+    curve is cut where the sweep counts as diverged; `smoothed` is the centered mean the suggestion follows."""
+    cut = diverged_at(losses)
+    suggested, why = suggest_lr(lrs, losses)
+    return centered_mean(losses[:cut], max(1, cut // 20)), cut, suggested, why
 
 
-def lr_suggestion(lrs, losses, beta=0.98):
-    """-> (smoothed, cut, lr at the minimum smoothed loss, suggested lr = that / 10). The curve is cut where the
-    smoothed loss passes 4x its minimum so far (diverged) or stops being finite."""
-    sm = smooth(losses, beta)
-    cut = len(sm)
-    for i, v in enumerate(sm):
-        if not math.isfinite(v) or (i and v > 4 * min(sm[:i])):
-            cut = i
-            break
-    if cut == 0:
-        return sm, 0, None, None
-    i_min = min(range(cut), key=sm.__getitem__)
-    return sm, cut, lrs[i_min], lrs[i_min] / 10
+def lr_plot_ylim(losses, smoothed):
+    """The loss axis of the LR finder plot: the smoothed curve with a margin; raw spikes above it are clipped
+    (one loss of 120 squashed the descent into a flat line)."""
+    lo = min([v for v in losses if math.isfinite(v)] + list(smoothed))
+    hi = max(smoothed)
+    margin = 0.15 * (hi - lo) or 0.1 * abs(hi) or 1.0
+    return lo - margin / 3, hi + margin
 
 
 def plot_lr(run, lrs, losses, sm, cut, suggested, out):
     p = plt()
     fig, ax = p.subplots(figsize=(7, 3.5))
     ax.plot(lrs[:cut], losses[:cut], color='#9ecae1', lw=1, label='loss')
-    ax.plot(lrs[:cut], sm[:cut], color='navy', label='smoothed (EMA 0.98)')
+    ax.plot(lrs[:cut], sm, color='navy', label='smoothed (centered mean)')
     if suggested:
-        ax.axvline(suggested, color='#d62728', ls='--', label=f'suggested lr {suggested:.3g}')
+        ax.axvline(suggested, color='#d62728', ls='--', label=f'suggested lr {suggested:.3g} (steepest descent)')
+    ax.set_ylim(*lr_plot_ylim(losses[:cut], sm))
     ax.set_xscale('log')
     ax.set_xlabel('learning rate')
     ax.set_ylabel('training loss')
@@ -993,13 +989,16 @@ def lr_finder_view(rep):
         if not fl or not fl.get('lr'):
             continue
         lrs, losses = fl['lr'], [v if v is not None else float('nan') for v in fl['loss']]
-        sm, cut, at_min, suggested = lr_suggestion(lrs, losses)
-        lines += [f'### {r.name}', '', f"{len(lrs)} steps from lr {lrs[0]:.3g} to {lrs[-1]:.3g}; smoothed loss "
-                  f"lowest at lr {at_min:.3g}; **suggested lr {suggested:.3g}** (a tenth of that)." if suggested else
-                  f"{len(lrs)} steps: the smoothed loss is not finite from the start, no suggestion.", '']
+        sm, cut, suggested, why = lr_suggestion(lrs, losses)
+        lines += [f'### {r.name}', '', f"{len(lrs)} steps from lr {lrs[0]:.3g} to {lrs[-1]:.3g}; " +
+                  (f"**suggested lr {suggested:.3g}** ({why})." if suggested else f"no suggestion: {why}."), '']
+        if len(lrs) < FINDLR_MIN_STEPS:
+            lines += [f'A sweep of fewer than {FINDLR_MIN_STEPS} steps places the suggestion coarsely; sweep '
+                      f'longer (--test-nsteps).', '']
         if fl.get('stopped'):  # dlojz stops a sweep when the loss diverges
             lines += [f"The sweep ended: {fl['stopped']}.", '']
-        lines += [f'![LR finder]({plot_lr(r, lrs, losses, sm, cut or len(lrs), suggested, out)})', '']
+        if cut:
+            lines += [f'![LR finder]({plot_lr(r, lrs, losses, sm, cut, suggested, out)})', '']
     return ['## LR finder', ''] + lines if lines else []
 
 
@@ -1104,7 +1103,9 @@ def accuracy_curve(run, kind):
 
 def plot_race(runs, targets, out):
     """The race's figure: validation top-1 against wall time and against images seen, one colour per run,
-    the EMA dashed, the --target-top1 lines dotted."""
+    the EMA dashed, the --target-top1 lines dotted. A run with one validation (a --test run) is one point: it
+    gets a large marker and its top-1 written beside it, and both axes start at 0, so it does not vanish in a
+    corner of an empty figure."""
     p = plt()
     fig, axes = p.subplots(1, 2, figsize=(11, 4), sharey=True)
     longest = max(w for r in runs for w, _, _ in accuracy_curve(r, 'val'))
@@ -1116,12 +1117,18 @@ def plot_race(runs, targets, out):
             if not pts:
                 continue
             name = r.name + (' (EMA)' if kind == 'val_ema' else '')
-            axes[0].plot([w / unit for w, _, _ in pts], [t for _, _, t in pts], style, color=color, marker='o',
-                         markersize=3, label=name)
-            axes[1].plot([n for _, n, _ in pts], [t for _, _, t in pts], style, color=color, marker='o', markersize=3)
+            size = 7 if len(pts) <= 3 else 3  # few validations: the markers are the figure
+            for ax, xs in ((axes[0], [w / unit for w, _, _ in pts]), (axes[1], [n for _, n, _ in pts])):
+                ax.plot(xs, [t for _, _, t in pts], style, color=color, marker='o', markersize=size,
+                        label=name if ax is axes[0] else None)
+                if len(pts) == 1:
+                    ax.annotate(f'{pts[0][2]:.3f}', (xs[0], pts[0][2]), textcoords='offset points', xytext=(6, 4),
+                                fontsize=7, color=color)
     for ax, xlabel in zip(axes, (f'wall time since the start, {unit_name}', 'training images seen')):
         for t in targets:
             ax.axhline(t, color='grey', linestyle=':', linewidth=1)
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel('validation top-1')

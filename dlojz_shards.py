@@ -27,6 +27,9 @@ import tarfile
 import numpy as np
 from PIL import Image
 
+from dlojz_errors import DataError
+from dlojz_folder import scan_imagefolder
+
 FORMAT = 'dlojz-shards-v1'
 INDEX = 'index.json'
 
@@ -40,21 +43,35 @@ def _fsync_write(path, data):
     os.replace(tmp, path)  # atomic: a reader sees no file or the whole file
 
 
+def check_decodes(data, path):
+    """Refuse a file that does not decode, by its source path: packed, it would stop training much later under
+    a shard:key name (or be skipped unseen with --skip-bad-images). A JPEG is decoded at 1/8 scale (PIL's
+    draft: libjpeg's DCT scaling), which reads every byte of its compressed data, truncation and corruption
+    included, for a fraction of a full decode's time."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.draft('RGB', (1, 1))
+            img.load()
+    except Exception as e:
+        raise DataError(f'{path} cannot be decoded ({type(e).__name__}: {str(e)[:120]}); replace it with a good '
+                        f'copy and run the same command again (the finished shards are kept), or delete it and '
+                        f'start again in an empty DST.') from None
+
+
 def encode(path, max_side, quality=90):
     """The bytes stored for one image and their extension: the file itself, or with --max-side a JPEG of
-    the image resized so that its longer side is max_side (only when it is longer)."""
+    the image resized so that its longer side is max_side (only when it is longer). A file that does not
+    decode is refused (check_decodes)."""
     with open(path, 'rb') as f:
         data = f.read()
     ext = os.path.splitext(path)[1].lower().lstrip('.') or 'jpg'
+    check_decodes(data, path)
     if not max_side:
         return data, ext
-    try:
-        img = Image.open(io.BytesIO(data))
-        if max(img.size) <= max_side:
-            return data, ext
-        img = img.convert('RGB')
-    except Exception:  # an unreadable file is stored as it is: training reports it by name (or skips it)
+    img = Image.open(io.BytesIO(data))
+    if max(img.size) <= max_side:
         return data, ext
+    img = img.convert('RGB')
     scale = max_side / max(img.size)
     img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))), Image.BILINEAR,
                      reducing_gap=3.0)
@@ -105,8 +122,7 @@ def plan(samples, shard_bytes):
 def prepare(src, dst, max_side=None, shard_size_mb=256, log=print, stop_after=None):
     """ImageFolder tree src -> shards + index in dst. stop_after: for the tests, stop after that many new
     shards (as an interruption would)."""
-    from dlojz_data import scan_imagefolder
-    classes, train, val = scan_imagefolder(src)
+    classes, train, val = scan_imagefolder(src, given='SRC')
     spec = {'format': FORMAT, 'classes': classes, 'max_side': max_side, 'shard_size_mb': shard_size_mb,
             # relative paths: the same tree named another way (relative, absolute, a link) resumes
             'files': hashlib.sha256('\n'.join(f'{os.path.relpath(p, src)}\t{y}' for p, y in train + val)
@@ -118,8 +134,8 @@ def prepare(src, dst, max_side=None, shard_size_mb=256, log=print, stop_after=No
             old = json.load(f)
         if old != spec:
             changed = ', '.join(k for k in spec if old.get(k) != spec[k])
-            raise SystemExit(f'dlojz_data.py prepare: error: {dst} holds a prepare with other arguments or '
-                             f'another source ({changed}); choose another DST or delete it.')
+            raise DataError(f'{dst} holds a prepare with other arguments or another source ({changed}); choose '
+                            f'another DST or delete it.')
     else:
         _fsync_write(spec_path, json.dumps(spec, indent=1).encode())
     written, index = 0, {'format': FORMAT, 'classes': classes, 'max_side': max_side, 'splits': {}}
@@ -210,18 +226,23 @@ class ShardReader:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog='dlojz_data.py prepare', description='ImageFolder tree -> WebDataset-style '
-                                'tar shards + an index, for dlojz.py --data-dir DST.')
+    """`python dlojz_data.py prepare SRC DST ...` (argv: what follows dlojz_data.py) -> exit code."""
+    top = argparse.ArgumentParser(prog='dlojz_data.py', description='Data tools of dlojz. The training data '
+                                  'itself needs none: dlojz.py reads ImageFolder trees and shards, and generates '
+                                  'its synthetic dataset.', epilog='python dlojz_data.py prepare --help: its flags.')
+    commands = top.add_subparsers(dest='command', required=True, metavar='COMMAND')
+    description = ('ImageFolder tree -> WebDataset-style tar shards + an index, for dlojz.py --data-dir DST: a '
+                   'few file opens per worker and shard instead of one per image (a parallel file system\'s cost).')
+    p = commands.add_parser('prepare', help=description, description=description)
     p.add_argument('src', help='ImageFolder root: SRC/train/<class>/*.JPEG, SRC/val/<class>/*.JPEG')
     p.add_argument('dst', help='folder for the shards (created; an interrupted prepare continues there)')
     p.add_argument('--max-side', type=int, default=None, help='re-encode images whose longer side exceeds N '
                    'pixels (JPEG quality 90); default: store the files as they are')
     p.add_argument('--shard-size', type=float, default=256, help='shard size, MiB of source files (default 256)')
-    a = p.parse_args(argv)
-    from dlojz_errors import DataError
+    a = top.parse_args(argv)
     try:
         prepare(a.src, a.dst, a.max_side, a.shard_size)
-    except DataError as e:
+    except DataError as e:  # a usage error: exit 2, as dlojz.py's
         print(f'dlojz_data.py prepare: error: {e}', file=sys.stderr)
         return 2
     return 0

@@ -77,7 +77,9 @@ def shape(machine, gpus):
     cap = MACHINES[machine]['gpus_per_node']
     if machine == 'cpu':
         return 1, 1
-    if gpus < 1 or (gpus > cap and gpus % cap):
+    if gpus < 1:
+        raise ValueError(f'--gpus {gpus}: ask for at least 1 GPU (--machine cpu runs without any).')
+    if gpus > cap and gpus % cap:
         raise ValueError(f'{gpus} GPUs on {machine} nodes of {cap} GPUs: ask for at most {cap}, or a multiple of it.')
     return max(1, gpus // cap), min(gpus, cap)
 
@@ -189,8 +191,10 @@ def parse(argv):
 
 
 def parser():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--machine', choices=sorted(MACHINES), default='a100')
+    p = argparse.ArgumentParser(prog='dlojz_slurm.py', description=__doc__.split('\n\n')[0].replace('\n', ' '),
+                                epilog=__doc__[__doc__.index('\n\n') + 2:], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--machine', choices=sorted(MACHINES), default='a100', help='node shape: ' + '; '.join(
+        f"{m}: {MACHINES[m]['title']}" for m in sorted(MACHINES)))
     p.add_argument('--gpus', type=int, default=1, help='GPUs in all (a multiple of the node size beyond one node)')
     p.add_argument('--time', default='02:00:00', help='wall-time limit, HH:MM:SS')
     p.add_argument('--account', help='project to charge (Jean Zay: <idrproj>@a100, @h100 or @v100)')

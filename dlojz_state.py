@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 import dlojz_dist
-from dlojz_errors import Preempted, UsageError
-from dlojz_io import (SUMMARY_VERSION, checkpoint_path, load_checkpoint, load_latest_checkpoint, save_checkpoint,
-                      space_warning, strip_prefixes)
+from dlojz_errors import Interrupted, Preempted, UsageError
+from dlojz_io import (SUMMARY_VERSION, checkpoint_path, list_checkpoints, load_checkpoint, load_latest_checkpoint,
+                      save_checkpoint, space_warning, strip_prefixes)
 
 
 @dataclass
@@ -258,3 +258,16 @@ def note_validation(run, progress):
     progress.best_top1 = max(top1, progress.best_top1 or 0.0)
     if run.args.chkpt and not run.args.test and improved:
         save(run, progress, os.path.join(run.args.output_dir, 'best.pt'))
+
+
+def interrupted(args, step):
+    """Ctrl-C: the step under way is lost (the interrupt can land anywhere in it, so nothing is saved now);
+    -> Interrupted saying, like a preemption, which checkpoint the run can continue from and how."""
+    found = list_checkpoints(args.output_dir) if args.output_dir and os.path.isdir(args.output_dir) else []
+    folder = f'--run-name {args.run_name}' if args.run_name else f'--output-dir {args.output_dir}'
+    if not found:
+        return Interrupted(f'interrupted at step {step}; no checkpoint was written (--chkpt, --chkpt-every N write '
+                           f'them), so this run cannot be continued: run it again.', failed_step=step)
+    return Interrupted(f'interrupted at step {step}; its newest checkpoint is {found[-1]}: continue with --resume '
+                       f'auto {folder} (the steps after that checkpoint run again).', failed_step=step,
+                       checkpoint=found[-1])

@@ -111,8 +111,9 @@ def final_lines(summary, chrono, steps_per_epoch):
     """The course's '>>>' lines (Chronometer's) and dlojz's own, from the summary just written."""
     lines = chrono.display_lines(steps_per_epoch)
     t = summary['timing']
-    if t.get('gpu_throughput'):
-        lines.append(f">>> Train throughput: {t['train_throughput']:.2f} images/second; GPU throughput: "
+    if t.get('gpu_throughput'):  # summary.json keeps the key gpu_throughput; on a CPU the line says what it is
+        device = 'GPU' if t.get('clock') != 'host' else 'Compute'
+        lines.append(f">>> Train throughput: {t['train_throughput']:.2f} images/second; {device} throughput: "
                      f"{t['gpu_throughput']:.2f} images/second; epoch time estimate: "
                      f"{t['epoch_time_estimate_s']:.1f} s")
     if t.get('bound'):

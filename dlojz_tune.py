@@ -21,7 +21,7 @@ scaling forecast (dlojz_scaling) from the winner's trial follows. tune.json (rew
 a preempted --tune continues its table) and tune.csv go to --output-dir. --tune-budget MIN bounds the whole
 sweep, resumed parts included: a trial that would not finish in what is left is skipped and listed.
 
-dlojz.py wires it with add_tune_flags(parser) in get_args_parser() and `if args.tune: return run_tune(args,
+dlojz.py wires it (its flags are in dlojz_flags.get_args_parser()) with `if args.tune: return run_tune(args,
 raw, get_args_parser(), dist, device, say)` next to --tune-loader; this module never imports dlojz.py.
 """
 import csv
@@ -44,25 +44,6 @@ RECOMMEND_DROP = ('tune', 'tune_budget', 'tune_steps', 'tune_memory_gib', 'tune_
                   'tune_loader', 'loader_only', 'output_dir', 'overwrite', 'resume', 'batch_size', 'amp',
                   'channels_last', 'compile')
 ROUND = 8  # bisection stops at batches a multiple of this apart: smaller steps change little
-
-
-def add_tune_flags(parser):
-    """The --tune flags, in their own group."""
-    g = parser.add_argument_group('tuning (--tune)')
-    g.add_argument('--tune', action='store_true', help='measured trials over batch size, precision, channels-last '
-                   'and compile, each in its own process; prints a recommended command line and a scaling forecast; '
-                   'writes tune.json/.csv into --output-dir')
-    g.add_argument('--tune-budget', type=float, default=30.0, metavar='MIN', help='--tune: minutes for the whole '
-                   'sweep (resumed parts included); trials that would not fit are skipped and listed')
-    g.add_argument('--tune-steps', type=int, default=20, help='--tune: steady training steps per trial (after 3 '
-                   'warm-up steps)')
-    g.add_argument('--tune-memory-gib', type=float, default=None, help='--tune: largest memory peak a batch may '
-                   'reach, GiB (GPU memory on a GPU, host peak on CPU); default: until out of memory (GPU) or '
-                   '--tune-max-batch')
-    g.add_argument('--tune-max-batch', type=int, default=1024, help='--tune: largest batch per device tried')
-    g.add_argument('--tune-machine', default=None, help='--tune: machine profile of dlojz_slurm (a100, h100, v100, '
-                   'generic) for the scaling forecast; default: a100 on a GPU, none on CPU')
-    return parser
 
 
 def check_tune_args(args, world_size):

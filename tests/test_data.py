@@ -1,9 +1,12 @@
 """Data pipeline: the synthetic dataset (layout, ImageNet-like sizes, determinism, valid JPEGs, the quirk
 files real ImageNet holds), bad-file handling, data-source resolution and data-directory errors, and
-per-sample augmentation that does not depend on the number of workers.
+per-sample augmentation that does not depend on the number of workers. The companion modules import one
+another one way only (no cycle, e.g. dlojz_data <-> dlojz_shards), and none imports dlojz.py.
 
 Run: python -m pytest -q tests/test_data.py
 """
+import ast
+import glob
 import os
 import shutil
 from argparse import Namespace
@@ -188,6 +191,9 @@ def test_data_source_resolution_order(tmp_path):
 def test_data_directory_errors(tmp_path, synth):
     with pytest.raises(D.DataError, match='does not exist'):
         D.scan_imagefolder(str(tmp_path / 'missing'))
+    (tmp_path / 'a-file').write_text('')  # --data-dir naming a file: not "does not exist"
+    with pytest.raises(D.DataError, match='^--data-dir .*a-file is a file, not a folder; .*synthetic dataset'):
+        D.scan_imagefolder(str(tmp_path / 'a-file'))
     (tmp_path / 'empty' / 'train').mkdir(parents=True)
     (tmp_path / 'empty' / 'val').mkdir(parents=True)
     with pytest.raises(D.DataError, match='no class folder'):
@@ -197,3 +203,30 @@ def test_data_directory_errors(tmp_path, synth):
     shutil.rmtree(mism / 'val' / 'n00000002')
     with pytest.raises(D.DataError, match='different classes'):
         D.scan_imagefolder(str(mism))
+
+
+def test_companions_import_one_way():
+    """Every import between the repository's modules, at any depth in a file (lazy ones too): no cycle, and no
+    companion imports dlojz.py."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    mods = {os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(root, '*.py'))}
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name.split('.')[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                deps.add(node.module.split('.')[0])
+        graph[name] = (deps & set(mods)) - {name}
+    assert not any('dlojz' in deps for name, deps in graph.items() if name != 'dlojz')
+
+    def reach(start):
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo += graph[m]
+        return seen
+    assert [m for m in graph if m in reach(m)] == []

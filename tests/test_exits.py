@@ -143,7 +143,11 @@ PATHS = {  # name -> (fault, extra flags, summary status, exit code, stderr word
     'comm': (raise_(RuntimeError(GLOO_PEER)), ['--launch'], 'failed', 4, 'another rank died'),
     'unused': (raise_(RuntimeError(UNUSED)), ['--launch'], 'failed', 2, 'rerun with --find-unused-parameters'),
     'preempted': (usr2, [], 'preempted', 5, 'dlojz: stopped by SIGUSR2 at step 2'),
-    'interrupted': (raise_(KeyboardInterrupt()), [], 'interrupted', 130, 'dlojz: interrupted'),
+    'interrupted': (raise_(KeyboardInterrupt()), [], 'interrupted', 130,
+                    'dlojz: interrupted at step 2; no checkpoint was written'),
+    # Ctrl-C, like SIGTERM, names the checkpoint to continue from and how (step 1's, from --chkpt-every 1)
+    'interrupted_after_checkpoint': (raise_(KeyboardInterrupt()), ['--chkpt-every', '1'], 'interrupted', 130,
+                                     'checkpoint-00000001.pt: continue with --resume auto --output-dir'),
     'crashed': (raise_(ValueError('a bug')), [], 'crashed', None, None),
 }
 

@@ -1,13 +1,19 @@
 """Flags: the parser refuses bad values with one sentence (exit 2, no usage block); check_args resolves the
 learning rate by the linear scaling rule (hand-computed values), keeps --lr as an override, and adds no
-attribute the parser does not define.
+attribute the parser does not define. Every flag has a help text. `python dlojz.py` answers --help, a bad flag
+and a refused flag combination without importing torch (seconds on a loaded node), checked in a fresh
+interpreter that runs the script's own entry path.
 
 Run: python -m pytest -q tests/test_flags.py
 """
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import dlojz
+from conftest import ROOT
 
 CPU = torch.device('cpu')
 
@@ -73,3 +79,58 @@ def test_no_abbreviations_and_help_shows_defaults(capsys):
         block = text[text.index(flag):]
         assert f'(default: {default})' in block[:block.index('\n  -')], flag
     assert text.rstrip().splitlines()[-1].endswith('continue a run')
+
+
+def test_every_flag_has_help():
+    missing = [a.option_strings[-1] for a in dlojz.get_args_parser()._actions if a.option_strings and not a.help]
+    assert missing == []
+
+
+# A fresh interpreter runs dlojz.py as `python dlojz.py` would (runpy, __main__), then says whether torch was
+# imported on the way: the answer must come before the seconds torch takes to import.
+ENTRY = """
+import runpy, sys
+sys.argv = ['dlojz.py'] + sys.argv[1:]
+try:
+    runpy.run_path('dlojz.py', run_name='__main__')
+except SystemExit as e:
+    code = e.code
+else:
+    code = 'ran'
+print('EXIT', code, 'torch' in sys.modules, 'torchvision' in sys.modules, 'numpy' in sys.modules)
+"""
+
+
+@pytest.mark.parametrize('argv, code, words', [
+    (['--help'], 0, 'continue a run'),
+    (['--num-work', '1'], 2, 'unrecognized arguments: --num-work 1'),
+    (['-b', '0'], 2, '-b/--batch-size must be positive (got 0)'),
+    (['--evaluate'], 2, '--evaluate validates a trained model'),        # a combination check_flags refuses
+    (['--arch', 'resnet51'], 2, 'unknown --arch resnet51'),
+    (['--randaugment', '2'], 2, '--randaugment takes N,M'),
+])
+def test_usage_answers_come_before_torch(argv, code, words):
+    r = subprocess.run([sys.executable, '-c', ENTRY, *argv], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.stdout.rstrip().splitlines()[-1] == f'EXIT {code} False False False', r.stdout[-2000:] + r.stderr
+    assert words in r.stdout + r.stderr and 'Traceback' not in r.stderr
+    if code == 2:  # one sentence, as check_args says it in-process
+        assert r.stderr.count('\n') == 1 and r.stderr.startswith('dlojz: error: '), r.stderr
+
+
+def test_check_flags_and_check_args_refuse_alike(capsys):
+    """The early check (torch-free) and cli() in-process give the same line and exit code."""
+    assert dlojz.cli(['--evaluate']) == 2
+    assert capsys.readouterr().err == ('dlojz: error: --evaluate validates a trained model; give its checkpoint '
+                                       'with --resume PATH.\n')
+
+
+def test_resume_auto_needs_a_run_folder():
+    """Outside a SLURM job the default folder is new each time (a timestamp): --resume auto would silently start
+    afresh. A run name, an output dir or a SLURM job id (a requeued job keeps its id, hence its folder) name it."""
+    with pytest.raises(dlojz.UsageError, match='--resume auto continues the run of --output-dir or --run-name'):
+        resolved('--resume', 'auto')
+    parse = lambda *a: dlojz.get_args_parser().parse_args(['--resume', 'auto', *a])
+    assert dlojz.check_args(parse('--output-dir', 'runs/x'), CPU).resume == 'auto'
+    assert dlojz.check_args(parse('--run-name', 'x'), CPU).resume == 'auto'
+    assert dlojz.check_args(parse(), CPU, job_id='4242').resume == 'auto'
+    assert dlojz.check_args(parse('--loader-only'), CPU).resume is None  # the slurm/ scripts pass it to every run

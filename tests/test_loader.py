@@ -2,7 +2,8 @@
 
 - the measurement against a hand count on a fake clock (warm-up left out, epochs crossed);
 - --loader-only on the built-in data: batches, images and epochs counted by hand, the console line, the
-  summary's loader section, the workers' memory counted;
+  summary's loader section, the workers' memory counted; its folder is named after the loader (not
+  --arch) and the console says where it is;
 - the flags passed on to the doctor's trials parse back to the same run; the sweep and the verdict;
 - the doctor end to end: a table row per trial, a verdict, tune-loader.json/.csv, and the report's section.
 
@@ -61,6 +62,18 @@ def test_loader_only_measures_the_training_loader(tmp_path, cache_dir, capsys):
     assert m['images_per_second_per_worker'] == pytest.approx(m['images_per_second'] / 2)
     assert m['host_peak_workers_bytes'] > 0 and m['host_peak_main_bytes'] > 0  # two workers' VmHWM counted
     assert sorted(os.listdir(out)) == ['config.json', 'summary.json']
+    assert text.rstrip().splitlines()[-1] == f'Run written to {out}'
+
+
+def test_loader_modes_name_their_default_folder():
+    from argparse import Namespace
+    from dlojz_io import default_output_dir
+    dist = Namespace(job_id='77')
+    for flags, name in ((dict(loader_only=True), '77_loader_bs8'), (dict(tune_loader=True), '77_tune-loader_bs8'),
+                        (dict(), '77_resnet50_bs8')):
+        args = Namespace(**{'run_name': None, 'arch': 'resnet50', 'batch_size': 8, 'loader_only': False,
+                            'tune_loader': False, **flags})
+        assert default_output_dir(args, dist) == os.path.join('runs', name)
 
 
 def test_loader_modes_refuse_what_they_cannot_measure(tmp_path, capsys):

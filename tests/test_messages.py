@@ -1,8 +1,11 @@
 """What a person reads: the steps actually run when --test-nsteps asks for more than the epochs hold, a
-warning on single-class data, the hint for ImageNet's flat val/ folder, a short config line.
+warning on single-class data, the hint for ImageNet's flat val/ folder, a short config line, and on a CPU
+the compute throughput is not called "GPU throughput" (the course's tools do not read that line).
 
 Run: python -m pytest -q tests/test_messages.py
 """
+import re
+
 import numpy as np
 from PIL import Image
 
@@ -27,6 +30,8 @@ def test_steps_run_and_short_config(tmp_path, cache_dir, capsys):
     config = next(line for line in out.splitlines() if line.startswith('Config'))
     assert 'test_nsteps=200' in config and 'seed=' not in config and 'optimizer=' not in config
     assert '>>> Training on 1 node and 1 process\n' in out
+    assert 'GPU throughput' not in out and re.search(r'>>> Train throughput: [\d.]+ images/second; Compute '
+                                                     r'throughput: [\d.]+ images/second', out), out
 
 
 def test_flat_val_folder_gets_the_hint(tmp_path, capsys):

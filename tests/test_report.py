@@ -4,7 +4,7 @@ Run directories come from real tiny CPU runs of dlojz.py made once per session (
 a batch-size sweep, world sizes 1 and 2 with checkpoints and --metric-sync-log, --findlr, a NaN run
 and a run killed mid-checkpoint); NCCL logs, which need GPUs, are written here in NCCL's own line
 format with hand-counted bytes. Expected values come from the summaries, numpy or torchvision, never
-from dlojz_report itself.
+from dlojz_report itself. The time-to-accuracy figure keeps runs with one validation visible.
 
     python -m pytest -q tests/test_report.py
 """
@@ -22,7 +22,8 @@ import torchvision
 
 from conftest import run_cli, run_main, torchrun, TINY
 import dlojz_report
-from dlojz_report import bn_view, collect_runs, comm_view, fit_line, lr_suggestion, parse_nccl, smooth, sweeps
+from dlojz_report import (bn_view, collect_runs, comm_view, fit_line, lr_plot_ylim, lr_suggestion, parse_nccl,
+                          sweeps)
 
 STEPS = ['--test-nsteps', '6', '--log-interval', '2']
 
@@ -239,18 +240,24 @@ def test_metric_sync_log_from_two_ranks(runs, tmp_path):
     assert 'every rank holds the same values: yes (3 syncs)' in (out / 'report.md').read_text()
 
 
-def test_lr_finder_smoothing_and_suggestion(runs, tmp_path):
-    assert smooth([1.0, 2.0], beta=0.5) == pytest.approx([1.0, 5 / 3])  # (0.5·1)/0.5, (0.25+1)/0.75
-    lrs = [10 ** (-6 + i * 0.25) for i in range(25)]  # 1e-6 .. 1
+def test_lr_finder_view_uses_dlojz_rule_and_clips_spikes(runs, tmp_path):
+    """The report's suggestion is the one in summary.json (dlojz_recipe.suggest_lr, tested on known curves in
+    test_findlr.py); the plot's loss axis follows the smoothed curve, so a raw spike is clipped, not scaled to."""
+    lrs = [10 ** (-6 + i * 0.03) for i in range(200)]  # 1e-6 .. 1e-0.03
     losses = [0.1 * (math.log10(lr) + 3) ** 2 + 1 for lr in lrs]  # minimum at lr = 1e-3, at most 1.9
-    losses[-3:] = [50, float('nan'), float('inf')]  # divergence
-    sm, cut, at_min, suggested = lr_suggestion(lrs, losses, beta=0.0)
-    assert at_min == pytest.approx(1e-3) and suggested == pytest.approx(1e-4) and cut == 22
+    losses[150] = 60.0  # one spike that the EMA of the stopping rule absorbs
+    sm, cut, suggested, _ = lr_suggestion(lrs, losses)
+    assert cut == 200 and lrs[0] <= suggested <= 1e-3
+    lo, hi = lr_plot_ylim(losses[:cut], sm)
+    assert lo <= 1.0 and max(sm) < hi < 60 / 2
     code, out = report(tmp_path, runs['findlr'])
     s = summary(runs['findlr'])
     text = (out / 'report.md').read_text()
     assert code == 0 and f"{len(s['findlr']['lr'])} steps from lr 1e-08" in text and 'lrfind-findlr.png' in \
         check_figures(out)
+    shown = s['findlr']['suggested_lr']
+    assert (f'suggested lr {shown:.3g}' if shown else 'no suggestion') in text
+    assert 'fewer than 100 steps' in text  # the fixture's sweep has 12
     assert f"The sweep ended: {s['findlr']['stopped']}." in text
 
 
@@ -428,3 +435,20 @@ def test_time_to_accuracy_view(tmp_path, cache_dir):
                 assert int(rows[name][f'{col}_epoch']) == hit['epoch'], (name, kind)
                 assert int(rows[name][f'{col}_images']) == hit['global_step'] * 8
     assert rows['ema']['ema_epoch'] != ''  # the EMA's validations are there to be read
+
+
+def test_time_to_accuracy_shows_runs_with_one_validation(tmp_path, monkeypatch):
+    """Two --test runs, one validation each: each is a visible point with its top-1 beside it, the axes from 0
+    (it was a dot of 3 points in an otherwise empty corner)."""
+    from types import SimpleNamespace
+    figs = []
+    monkeypatch.setattr(dlojz_report, 'save_fig', lambda fig, out, name: figs.append(fig) or name)
+    runs = [SimpleNamespace(name=f'run{i}', records=[{'type': 'val', 'wall_s': 30.0 + i, 'train_images': 800,
+                                                      'top1': 0.25 + 0.5 * i}]) for i in range(2)]
+    dlojz_report.plot_race(runs, [0.7], str(tmp_path))
+    [fig] = figs
+    for ax in fig.axes:
+        assert ax.get_xlim()[0] == 0 and ax.get_ylim()[0] == 0
+        points = [line for line in ax.get_lines() if line.get_marker() == 'o']
+        assert len(points) == 2 and all(line.get_markersize() >= 6 for line in points)
+        assert sorted(t.get_text() for t in ax.texts) == ['0.250', '0.750']

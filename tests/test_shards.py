@@ -5,13 +5,17 @@
 - training from the shards gives the folder run's losses and validation bit for bit (same bytes, same
   sampler, same per-sample seeds);
 - an interrupted prepare continues to the same bytes as an uninterrupted one; other arguments are refused;
-- --max-side re-encodes large images; a damaged sample is named (shard:key) or skipped and counted;
+- --max-side re-encodes large images; a damaged sample is named (shard:key) or skipped and counted; a
+  truncated shard is named as such (not one of its images); a source image that does not decode is refused
+  by its path before it is packed;
+- `dlojz_data.py --help` and `prepare --help` answer (exit 0); prepare's errors speak of SRC/DST and exit 2;
 - file opens: at most one per worker and shard, against one per image for folders.
 
 Run: python -m pytest -q tests/test_shards.py
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -103,8 +107,15 @@ def test_an_interrupted_prepare_continues_to_the_same_bytes(folder, shards, tmp_
         if n != 'prepare.json':
             with open(os.path.join(dst, n), 'rb') as a, open(os.path.join(shards, n), 'rb') as b:
                 assert a.read() == b.read(), n
-    with pytest.raises(SystemExit, match='holds a prepare with other arguments or another source \\(max_side\\)'):
+    with pytest.raises(D.DataError, match='holds a prepare with other arguments or another source \\(max_side\\)'):
         S.prepare(folder, dst, max_side=64, shard_size_mb=SHARD_MB, log=lambda m: None)
+    r = prepare_cli(folder, dst, '--max-side', '64', '--shard-size', SHARD_MB)  # the same refusal, exit 2
+    assert r.returncode == 2 and r.stderr.count('\n') == 1 and 'other arguments' in r.stderr, r.stderr
+
+
+def prepare_cli(*argv):
+    return subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_data.py'), 'prepare', *map(str, argv)],
+                          capture_output=True, text=True)
 
 
 def test_max_side_reencodes_and_trains(folder, tmp_path):
@@ -116,13 +127,40 @@ def test_max_side_reencodes_and_trains(folder, tmp_path):
     sizes = {ds[i][0].size for i in range(len(ds))}
     assert max(max(s) for s in sizes) == 64  # ImageNet-sized sources, longer side now 64
     assert dlojz.cli([*TINY, '--data-dir', dst, '--output-dir', str(tmp_path / 'run'), '--test-nsteps', '3']) == 0
-    r = subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_data.py'), 'prepare', str(tmp_path / 'no'),
-                        str(tmp_path / 'x')], capture_output=True, text=True)
-    assert r.returncode == 2 and 'does not exist' in r.stderr and 'Traceback' not in r.stderr
+    r = prepare_cli(tmp_path / 'no', tmp_path / 'x')
+    assert r.returncode == 2 and f'SRC {tmp_path / "no"} does not exist' in r.stderr and 'Traceback' not in r.stderr
+    assert '--data-dir' not in r.stderr and 'synthetic' not in r.stderr  # prepare's own words, not training's
+
+
+def test_data_tool_help():
+    for argv, words in ((['--help'], 'prepare'), (['prepare', '--help'], '--max-side')):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_data.py'), *argv], capture_output=True,
+                           text=True)
+        assert r.returncode == 0 and words in r.stdout and 'ImageFolder tree' in r.stdout, r.stdout + r.stderr
+
+
+def test_a_source_image_that_does_not_decode_is_refused_by_name(folder, tmp_path):
+    src = tmp_path / 'src'
+    shutil.copytree(folder, src)
+    bad = sorted((src / 'train').glob('*/*'))[7]
+    bad.write_bytes(bad.read_bytes()[:len(bad.read_bytes()) // 2])  # truncated JPEG
+    with pytest.raises(D.DataError, match=f'{bad} cannot be decoded'):
+        S.prepare(str(src), str(tmp_path / 'dst'), shard_size_mb=SHARD_MB, log=lambda m: None)
+
+
+def test_a_truncated_shard_is_named_as_such(shards, tmp_path):
+    dst = str(tmp_path / 'cut')
+    shutil.copytree(shards, dst)
+    names, table = S.load_index(dst)[1]['train']
+    shard, offset, size, _ = (int(v) for v in table[5])
+    with open(os.path.join(dst, names[shard]), 'r+b') as f:
+        f.truncate(offset + size // 2)  # cut inside sample 5
+    ds = D.ShardDataset(dst, names, table, DD.FastTrainTransform(32), skip_bad_images=True)
+    with pytest.raises(D.DataError, match=f'shard {os.path.join(dst, names[shard])} is truncated'):
+        ds[(5, 0)]
 
 
 def test_a_damaged_sample_is_named_or_skipped(shards, tmp_path):
-    import shutil
     dst = str(tmp_path / 'bad')
     shutil.copytree(shards, dst)
     names, table = S.load_index(dst)[1]['train']

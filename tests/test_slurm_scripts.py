@@ -1,5 +1,5 @@
 """slurm/: the shipped scripts are exactly what dlojz_slurm renders (one source of truth), every #SBATCH
-line says why, one task per GPU, flags forwarded, and the submit helper's dry run and shape rules.
+line says why, one task per GPU, flags forwarded, and the submit helper's dry run, shape rules and help.
 
 Run: python -m pytest -q tests/test_slurm_scripts.py
 """
@@ -74,6 +74,18 @@ def test_helper_dry_run_and_shape_errors(capsys):
     assert S.main(['--machine', 'v100', '--gpus', '6', '--dry-run']) == 2
     assert 'a multiple of it' in capsys.readouterr().err
     assert S.shape('v100', 2) == (1, 2) and S.shape('h100', 12) == (3, 4)
+    assert S.main(['--machine', 'a100', '--gpus', '0', '--dry-run']) == 2
+    assert capsys.readouterr().err == ('dlojz_slurm: error: --gpus 0: ask for at least 1 GPU (--machine cpu runs '
+                                       'without any).\n')
+
+
+def test_helper_help_is_whole(capsys):
+    """The description was the docstring's first line, cut mid-sentence; the examples follow it now."""
+    with pytest.raises(SystemExit) as e:
+        S.main(['--help'])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and 'from one source (in the spirit of the course\'s gpu_jobs_submitter).' in out
+    assert 'python dlojz_slurm.py --write' in out and 'a100: Jean Zay A100' in out
 
 
 def _srun_argv(tmp_path, script, *flags, **env):

@@ -146,7 +146,7 @@ def real_sweep(tmp_path_factory, cache_dir):
     import dlojz
     from conftest import TINY
     out = tmp_path_factory.mktemp('tune')
-    parser = T.add_tune_flags(dlojz.get_args_parser())
+    parser = dlojz.get_args_parser()
     args = parser.parse_args(TINY + ['--cache-dir', cache_dir, '--output-dir', str(out), '--tune',
                                      '--tune-max-batch', '8', '--tune-steps', '8'])
     raw = dict(vars(args))
@@ -199,7 +199,7 @@ def test_run_tune_writes_its_record_and_the_report_shows_it(tmp_path):
     import torch
     import dlojz
     import dlojz_report
-    parser = T.add_tune_flags(dlojz.get_args_parser())
+    parser = dlojz.get_args_parser()
     argv = ['--arch', 'resnet18', '-b', '8', '--output-dir', str(tmp_path), '--tune', '--tune-memory-gib',
             str(40 / 1024), '--tune-machine', 'a100', '-e', '7']
     args = parser.parse_args(argv)

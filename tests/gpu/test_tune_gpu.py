@@ -17,7 +17,7 @@ from conftest import TINY, run_cli
 @pytest.fixture(scope='module')
 def gpu_sweep(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp('tune-gpu')
-    parser = T.add_tune_flags(dlojz.get_args_parser())
+    parser = dlojz.get_args_parser()
     args = parser.parse_args(TINY + ['--cache-dir', cache_dir, '--output-dir', str(out), '--tune', '--tune-max-batch',
                                      '64', '--tune-steps', '20', '--tune-budget', '8', '--tune-machine', 'a100'])
     raw = dict(vars(args))

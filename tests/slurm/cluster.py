@@ -1,7 +1,7 @@
 """A real single-machine Slurm for the tests: Debian's slurmctld/slurmd/munge, two emulated nodes
 (node1, node2) with 8 fake GPUs and 64 advertised CPUs each, bound to localhost traffic.
 
-Facts behind every setting: ../shared/reference/slurm-localhost.md. Everything lives in one state
+Why each setting: the comment beside it, and Slurm's slurm.conf(5) and gres.conf(5). Everything lives in one state
 directory (config via $SLURM_CONF, no file under /etc/slurm is written); /etc/hosts gets node1/node2
 for the duration; only the daemons started here are stopped, by their pid files.
 
