@@ -609,11 +609,7 @@ def train(run, progress, prof=None):
                 break
             first = progress.step
             run.data.set_epoch(progress.epoch, first * args.batch_size)
-            stopped = train_one_epoch(run, progress, left, prof)
-            # it returns at the epoch's end, after --test-nsteps, or at a stop (which may be either)
-            progress.end_due = not stopped or progress.step == run.steps_per_epoch or \
-                (args.test and progress.global_step >= args.test_nsteps)
-            if stopped:
+            if train_one_epoch(run, progress, left, prof):  # it sets end_due when the epoch or --test-nsteps ends
                 preempt(run, progress)
         close_epoch(run, progress)
         over = progress.epoch >= args.epochs or (args.test and progress.global_step >= args.test_nsteps)
@@ -628,15 +624,16 @@ def close_epoch(run, progress):
     and at the end of --test-nsteps), then the position moves to the next epoch, then best.pt (which so holds
     a closed epoch)."""
     args = run.args
-    last = progress.epoch == args.epochs - 1 or (args.test and progress.global_step >= args.test_nsteps)
-    if last or (not args.test and (progress.epoch + 1) % args.val_every == 0):
+    epoch_end = progress.step == run.steps_per_epoch  # else --test-nsteps ended mid-epoch (this run's or the last)
+    last = (epoch_end and progress.epoch == args.epochs - 1) or (args.test and progress.global_step >= args.test_nsteps)
+    if last or (epoch_end and not args.test and (progress.epoch + 1) % args.val_every == 0):
         progress.val = evaluate(run, progress.epoch, progress, 20 if args.test else None)
         if run.ema is not None:
             progress.val_ema = evaluate(run, progress.epoch, progress, 20 if args.test else None, ema=True)
         validated = True
     else:
         validated = False
-    if progress.step == run.steps_per_epoch:
+    if epoch_end:
         progress.epoch, progress.step = progress.epoch + 1, 0
     progress.end_due = False
     if validated:
@@ -668,6 +665,8 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
         lr = run.optimizer.param_groups[0]['lr']
         loss, output, labels = train_step(run, images, labels)
         progress.advance(labels.shape[0] * run.dist.world_size)  # every rank's batch has this size
+        # the epoch's (or --test-nsteps') last step: a checkpoint from here on owes the closing validation
+        progress.end_due = progress.step == run.steps_per_epoch or progress.step - first == max_steps
         window += loss
         meters.update(loss, output, labels)
         bar.update()

@@ -119,7 +119,12 @@ class FolderLock:
         self.fd = self.path = self.token = self.folder = None
 
     def acquire(self, folder, job_id=None):
-        os.makedirs(folder, exist_ok=True)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            os.close(os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CREAT, 0o644))
+        except OSError as e:
+            raise UsageError(f'cannot write to output directory {folder} ({e.strerror}); pass --output-dir with a '
+                             f'writable folder.') from None
         me = json.dumps({'pid': self.pid, 'host': self.host, 'job_id': job_id,
                          'since': datetime.datetime.now().isoformat(timespec='seconds')}).encode()
         path, deadline = os.path.join(folder, LOCK), time.time() + self.wait_s
