@@ -119,8 +119,8 @@ def restore(run, ckpt):
                         images=race.get('images', ckpt['global_step'] * ckpt['global_batch']),
                         val=race.get('val'), val_ema=race.get('val_ema'), end_due=ckpt.get('end_due', False))
     if progress.end_due and not run.args.evaluate:
-        run.log.print(f'The checkpoint was written before the validation of epoch {progress.epoch + 1}: it comes '
-                      f'first')
+        run.log.print(f'The checkpoint was written as epoch {progress.epoch + 1} (or --test-nsteps) ended, before '
+                      f'its validation and closing checkpoint: they come first')
     run.started -= race.get('wall_s') or 0.0  # time to accuracy counts the earlier attempts too
     if run.ema is not None:  # a checkpoint without an EMA starts one from its weights
         run.ema.load_state_dict(ckpt['ema'] if ckpt.get('ema') else

@@ -17,7 +17,6 @@ Run: python -m pytest -q tests/test_faults.py            (the full matrix: -m sl
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
