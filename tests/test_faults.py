@@ -8,7 +8,8 @@ validation, must be what an uninterrupted run's holds, or say why not.
   signal-val:<batch>:<SIG>), which the process sends to its own group at that exact point. The whole matrix
   is marked slow; the epoch's last step and a validation run by default.
 - Two runs started in one folder: exactly one runs, the other gets one sentence and exit 2 and writes
-  nothing; with flock, and with the O_EXCL fallback of file systems without it (DLOJZ_FAULT=no-flock).
+  nothing; with flock, and with the O_EXCL fallback of file systems without it (DLOJZ_FAULT=no-flock; the
+  fallback's rules are also tested in-process in tests/test_output_dir.py). Started together: slow.
 - A non-finite validation loss ends with status 'nan' and exit 3, never 'completed'.
 - dlojz_report counts a step once in a metrics.jsonl written before resumes trimmed it.
 
@@ -123,7 +124,7 @@ def wait_for_step(out, proc, timeout=120):
     raise AssertionError('training did not start')
 
 
-@pytest.mark.parametrize('fault', ['slow-steps:0.5', 'slow-steps:0.5,no-flock'])
+@pytest.mark.parametrize('fault', ['slow-steps:0.5', pytest.param('slow-steps:0.5,no-flock', marks=pytest.mark.slow)])
 def test_a_second_run_in_a_busy_folder_is_refused(tmp_path, cache_dir, fault):
     """A run is training in the folder; a second start there, fresh or --resume auto, gets one sentence and
     exit 2 and changes nothing; the first ends as if alone. no-flock: the O_EXCL fallback."""
@@ -143,6 +144,7 @@ def test_a_second_run_in_a_busy_folder_is_refused(tmp_path, cache_dir, fault):
     assert sorted(os.listdir(out)) == ['config.json', 'metrics.jsonl', 'summary.json']  # the claim is gone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('fault', ['slow-steps:0.5', 'slow-steps:0.5,no-flock'])
 def test_two_runs_started_together_in_one_folder(tmp_path, cache_dir, fault):
     """Two jobs with --resume auto started at the same moment: exactly one runs."""
