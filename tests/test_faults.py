@@ -6,10 +6,11 @@ validation, must be what an uninterrupted run's holds, or say why not.
   validation records, the losses (each step logged once), best top-1, best.pt and time to accuracy equal the
   uninterrupted run's. The signal comes from the test-only seam DLOJZ_FAULT=signal-step:<n>:<SIG> (or
   signal-val:<batch>:<SIG>), which the process sends to its own group at that exact point. The whole matrix
-  is marked slow; the epoch's last step and a validation run by default.
+  is marked slow (each point is two runs, 25-45 s on 2 shared cores); test_a_stop_loses_no_validation holds
+  its representative points (an epoch's last step, a validation): run it first.
 - Two runs started in one folder: exactly one runs, the other gets one sentence and exit 2 and writes
   nothing; with flock, and with the O_EXCL fallback of file systems without it (DLOJZ_FAULT=no-flock; the
-  fallback's rules are also tested in-process in tests/test_output_dir.py). Started together: slow.
+  fallback's rules are also tested in-process, fast, in tests/test_output_dir.py). Subprocess runs: slow.
 - A non-finite validation loss ends with status 'nan' and exit 3, never 'completed'.
 - dlojz_report counts a step once in a metrics.jsonl written before resumes trimmed it.
 
@@ -101,6 +102,7 @@ MATRIX = [f"signal-step:{n}:{'SIGUSR2' if n % 2 else 'SIGTERM'}" for n in range(
     [f"signal-val:{n}:{'SIGUSR2' if n % 2 else 'SIGTERM'}" for n in range(1, 5)]
 
 
+@pytest.mark.slow  # 25 s and 43 s on the 2 shared cores (load 5): over the 15 s a default test may take
 @pytest.mark.parametrize('fault', QUICK)
 def test_a_stop_loses_no_validation(tmp_path, cache_dir, reference, fault):
     stop_and_resume(tmp_path, cache_dir, reference, fault)
@@ -124,7 +126,8 @@ def wait_for_step(out, proc, timeout=120):
     raise AssertionError('training did not start')
 
 
-@pytest.mark.parametrize('fault', ['slow-steps:0.5', pytest.param('slow-steps:0.5,no-flock', marks=pytest.mark.slow)])
+@pytest.mark.slow  # 23 s
+@pytest.mark.parametrize('fault', ['slow-steps:0.5', 'slow-steps:0.5,no-flock'])
 def test_a_second_run_in_a_busy_folder_is_refused(tmp_path, cache_dir, fault):
     """A run is training in the folder; a second start there, fresh or --resume auto, gets one sentence and
     exit 2 and changes nothing; the first ends as if alone. no-flock: the O_EXCL fallback."""
