@@ -45,10 +45,11 @@ import dlojz_tune
 from dlojz_chrono import Chronometer, PowerMeter, profiler
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
-from dlojz_errors import CommFailure, DiskFull, DlojzError, Interrupted, Preempted, UsageError, translate
+from dlojz_errors import (CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation, Preempted,
+                          UsageError, translate)
 from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
 from dlojz_io import (Console, Logger, default_output_dir, host_check, intra_op_threads, prepare_output_dir,
-                      remove_if_empty, run_status, usable_cores, write_json)
+                      remove_if_empty, run_status, trim_metrics, usable_cores, write_json)
 from dlojz_state import (Progress, check_checkpoint, check_fits, find_resume_checkpoint, interrupted, note_validation,
                          preempt, restore, run_wall_s, save)
 from dlojz_summary import final_lines, write_summary
@@ -240,6 +241,12 @@ def build_run(args, dist, device, say):
     if ckpt is not None:
         check_checkpoint(args, ckpt, ckpt_path, len(data.classes), global_batch, dist.world_size)
         check_fits(ckpt, ckpt_path, args.arch, plain, None if args.evaluate else optimizer)
+    resumed = ckpt is not None and not args.evaluate
+    metrics = os.path.join(args.output_dir, 'metrics.jsonl')
+    dropped = None
+    if resumed and dist.is_main and os.path.samefile(os.path.dirname(os.path.abspath(ckpt_path)), args.output_dir):
+        # the steps logged after the checkpoint are run again: their records are written again, not repeated
+        dropped = trim_metrics(metrics, ckpt.get('metrics_bytes'), ckpt['global_step'])
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
     chrono = Chronometer(device, phases=args.timing, sync=args.sync_timing, warmup=args.warmup_steps)
     power, memory = PowerMeter(device), PeakMemory(device)
@@ -255,8 +262,7 @@ def build_run(args, dist, device, say):
               guard=NonFiniteGuard(device, 1 if device.type == 'cpu' and not args.findlr else 0,
                                    dist.distributed),
               stop=dlojz_dist.StopSignal(),
-              log=Logger(os.path.join(args.output_dir, 'metrics.jsonl'), say,
-                         append=ckpt is not None and not args.evaluate, lines=console_lines(args, steps_per_epoch),
+              log=Logger(metrics, say, append=resumed, lines=console_lines(args, steps_per_epoch),
                          wandb=build_wandb(args, dist)),
               global_batch=global_batch, host=host_check(args.num_workers, device.type == 'cpu'),
               steps_per_epoch=steps_per_epoch, total_steps=total_steps,
@@ -265,6 +271,8 @@ def build_run(args, dist, device, say):
               started=time.time())
     sync = dlojz_recipe.scaler_sync_warning(optimizer, args.amp)
     run.host['warnings'] += [sync] if sync else []  # printed in the header, kept in summary.json
+    if resumed:  # where this attempt starts, and what it replaced of the one before
+        run.log.log(type='resume', global_step=ckpt['global_step'], checkpoint=ckpt_path, dropped_records=dropped)
     return run, restore(run, ckpt, ckpt_path) if ckpt is not None else Progress()
 
 
@@ -321,26 +329,54 @@ def train_step(run, images, labels):
 
 
 def train(run, progress, prof=None):
-    """Epochs from where progress stands: train, validate, checkpoint. With --test, --test-nsteps steps in
-    all, then a short validation. A stop signal ends it through preempt()."""
+    """Epochs from where progress stands: train, then close the epoch (validation, best.pt, checkpoint). With
+    --test, --test-nsteps steps in all, a resumed run's earlier steps included, then a short validation. A stop
+    signal ends it through preempt(): during training at the next step boundary (a stop during an epoch's
+    last step leaves a checkpoint that owes the epoch's validation, which the resumed run runs first); during
+    the closing of an epoch, once it is done."""
     args = run.args
-    remaining = args.test_nsteps if args.test else None
-    while progress.epoch < args.epochs and remaining != 0:
-        first = progress.step
-        run.data.set_epoch(progress.epoch, first * args.batch_size)
-        if train_one_epoch(run, progress, remaining, prof):
+    while progress.epoch < args.epochs:
+        if not progress.end_due:
+            left = args.test_nsteps - progress.global_step if args.test else None
+            if left is not None and left <= 0:  # resumed from the end of a --test-nsteps run
+                break
+            first = progress.step
+            run.data.set_epoch(progress.epoch, first * args.batch_size)
+            if train_one_epoch(run, progress, left, prof):  # it sets end_due when the epoch or --test-nsteps ends
+                preempt(run, progress)
+        close_epoch(run, progress)
+        over = progress.epoch >= args.epochs or (args.test and progress.global_step >= args.test_nsteps)
+        if not over and stop_now(run):  # a signal during the validation
             preempt(run, progress)
-        remaining = remaining - (progress.step - first) if remaining is not None else None
-        last = remaining == 0 or progress.epoch == args.epochs - 1
-        if last or (not args.test and (progress.epoch + 1) % args.val_every == 0):
-            progress.val = evaluate(run, progress.epoch, progress, 20 if args.test else None)
-            if run.ema is not None:
-                progress.val_ema = evaluate(run, progress.epoch, progress, 20 if args.test else None, ema=True)
-            note_validation(run, progress)
         if args.chkpt:  # after the validation: it holds the best top-1 and time to accuracy so far
             save(run, progress)
-        if progress.step == run.steps_per_epoch:
-            progress.epoch, progress.step = progress.epoch + 1, 0
+
+
+def close_epoch(run, progress):
+    """The end of an epoch or of --test-nsteps: validation when due (every --val-every epochs, after the last
+    and at the end of --test-nsteps), then the position moves to the next epoch, then best.pt (which so holds
+    a closed epoch)."""
+    args = run.args
+    epoch_end = progress.step == run.steps_per_epoch  # else --test-nsteps ended mid-epoch (this run's or the last)
+    last = (epoch_end and progress.epoch == args.epochs - 1) or (args.test and progress.global_step >= args.test_nsteps)
+    if last or (epoch_end and not args.test and (progress.epoch + 1) % args.val_every == 0):
+        progress.val = evaluate(run, progress.epoch, progress, 20 if args.test else None)
+        if run.ema is not None:
+            progress.val_ema = evaluate(run, progress.epoch, progress, 20 if args.test else None, ema=True)
+        validated = True
+    else:
+        validated = False
+    if epoch_end:
+        progress.epoch, progress.step = progress.epoch + 1, 0
+    progress.end_due = False
+    if validated:
+        note_validation(run, progress)
+
+
+def stop_now(run):
+    """Whether a stop signal reached any rank: agreed() starts the agreement, settle() waits for it (blocking:
+    between epochs only; alone, agreed() answers a step later)."""
+    return run.stop.agreed() or run.stop.settle()
 
 
 def train_one_epoch(run, progress, max_steps=None, prof=None):
@@ -362,6 +398,8 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
         lr = run.optimizer.param_groups[0]['lr']
         loss, output, labels = train_step(run, images, labels)
         progress.advance(labels.shape[0] * run.dist.world_size)  # every rank's batch has this size
+        # the epoch's (or --test-nsteps') last step: a checkpoint from here on owes the closing validation
+        progress.end_due = progress.step == run.steps_per_epoch or progress.step - first == max_steps
         window += loss
         meters.update(loss, output, labels)
         bar.update()
@@ -375,6 +413,7 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
             run.guard.check()  # every rank, before rank 0 saves: never checkpoint weights a NaN reached
             save(run, progress)
         dlojz_io.slow_step()
+        dlojz_io.signal_fault('step', progress.global_step)
         if run.stop.agreed():  # a step boundary: a consistent state to checkpoint
             stopped = True
             break
@@ -492,6 +531,7 @@ def evaluate(run, epoch, progress, max_batches=None, ema=False):
                 loss = run.criterion(output, labels)
             meters.update(loss, output, labels)
             batches += 1
+            dlojz_io.signal_fault('val')
         # compute() is a collective; inside the timed block so that waiting for slower ranks counts
         res = dict(type='val_ema' if ema else 'val', epoch=epoch + 1, global_step=progress.global_step,
                    **meters.compute(), batches=batches, train_images=progress.images, wall_s=run_wall_s(run))
@@ -501,6 +541,8 @@ def evaluate(run, epoch, progress, max_batches=None, ema=False):
     else:
         chrono.val_batches = batches
     run.log.log(**res)
+    if not math.isfinite(res.get('loss', 0.0)):  # on every rank: the loss is the all-reduced one
+        raise NonFiniteValidation(epoch + 1, progress.global_step)
     return res
 
 
@@ -523,33 +565,42 @@ def main(args, dist=None):
     if args.nccl_debug:
         dlojz_dist.nccl_debug_env()
     dlojz_dist.setup(dist, device, args.dist_timeout, share)
-    # Rank 0 chooses the folder (a timestamp would differ between ranks) and creates it; all ranks agree.
-    args.output_dir = dlojz_dist.broadcast_object(dlojz_dist.on_ranks(
-        lambda: prepare_output_dir(args.output_dir or default_output_dir(args, dist),
-                                   continues=bool(args.resume) and not args.evaluate, overwrite=args.overwrite),
-        when=dist.is_main))
-    if dist.is_main and args.run_name and os.path.basename(args.output_dir) != args.run_name:
-        first = os.path.join('runs', args.run_name)
-        why = f'a finished run ({run_status(first)})' if run_status(first) else 'the run of another live job'
-        print(f'{first} holds {why}; this run goes to {args.output_dir}', flush=True)
-    if dist.is_main and args.run_name and dist.job_id:  # who writes here: a duplicate job goes elsewhere
-        write_json(os.path.join(args.output_dir, dlojz_io.OWNER), {'job_id': dist.job_id})
-    tee = None
-    if args.nccl_debug:  # before the first NCCL collective, so that the communicator's INIT lines are in it
-        os.makedirs(args.output_dir, exist_ok=True)  # node-local folders: ranks on other nodes create their own
-        tee = dlojz_dist.StdoutTee(os.path.join(args.output_dir, f'nccl.rank{dist.rank}.log'))
-        print(f'Train step 0 - rank {dist.rank}', flush=True)  # marker: what follows is initialisation
+    # Rank 0 chooses the folder (a timestamp would differ between ranks), takes it (one run per folder at a
+    # time: the lock comes before anything in it is read or deleted) and prepares it; all ranks agree.
+    lock, tee = dlojz_io.FolderLock(), None
+
+    def take_folder():
+        path = lock.acquire(args.output_dir or default_output_dir(args, dist), dist.job_id).folder
+        try:
+            return prepare_output_dir(path, continues=bool(args.resume) and not args.evaluate,
+                                      overwrite=args.overwrite)
+        except BaseException:
+            lock.release()
+            raise
+    args.output_dir = dlojz_dist.broadcast_object(dlojz_dist.on_ranks(take_folder, when=dist.is_main))
     try:
+        if dist.is_main and args.run_name and os.path.basename(args.output_dir) != args.run_name:
+            first = os.path.join('runs', args.run_name)
+            why = f'a finished run ({run_status(first)})' if run_status(first) else 'the run of another live job'
+            print(f'{first} holds {why}; this run goes to {args.output_dir}', flush=True)
+        if dist.is_main and args.run_name and dist.job_id:  # who writes here: a duplicate job goes elsewhere
+            write_json(os.path.join(args.output_dir, dlojz_io.OWNER), {'job_id': dist.job_id})
+        if args.nccl_debug:  # before the first NCCL collective, so that the communicator's INIT lines are in it
+            os.makedirs(args.output_dir, exist_ok=True)  # node-local folders: ranks on other nodes create their own
+            tee = dlojz_dist.StdoutTee(os.path.join(args.output_dir, f'nccl.rank{dist.rank}.log'))
+            print(f'Train step 0 - rank {dist.rank}', flush=True)  # marker: what follows is initialisation
         if args.loader_only or args.tune_loader:
             return loader_mode(args, raw, dist, device)
         if args.tune:
             return tune_mode(args, raw, dist, device)
         return _main(args, dist, device)
     except BaseException:
+        lock.release()
         if dist.is_main:  # an error before anything was written (bad data, a refused checkpoint): no empty folder
             remove_if_empty(args.output_dir)
         raise
     finally:
+        lock.release()
         if tee:
             tee.close()
 

@@ -53,6 +53,18 @@ class NonFiniteLoss(DlojzError):
                          failed_step=step)
 
 
+class NonFiniteValidation(NonFiniteLoss):
+    """The validation loss is NaN or infinite while training's was finite (weights or BatchNorm statistics gone
+    non-finite): the same status and exit code as a training NaN, never 'completed'."""
+
+    def __init__(self, epoch, step):
+        DlojzError.__init__(self, f'the validation loss of epoch {epoch} (after step {step}) is NaN or infinite '
+                                  f'although the training loss was finite: the weights or the BatchNorm statistics '
+                                  f'hold non-finite values; the run stopped before the checkpoint that closes the '
+                                  f'epoch; resume from an earlier checkpoint with a lower --lr or --amp bf16/off, or '
+                                  f'check the data.', failed_step=step)
+
+
 class CommFailure(DlojzError):
     exit_code = 4
 

@@ -1,5 +1,7 @@
 """Run directory, console and metrics logger, JSON outputs, provenance and atomic checkpoints for dlojz."""
 import datetime
+import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -80,6 +82,204 @@ def named_run_dir(name, continues, root='runs', job_id=None, alive=job_alive):
     return path
 
 
+LOCK = '.dlojz.lock'         # flocked by the process that owns a run folder; says who it is
+LOCK_EXCL = '.dlojz.owner'   # the same, created with O_EXCL, where the file system has no flock
+NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # Lustre/GPFS/NFS mounts without it
+
+
+def _flock(fd, operation):
+    if _fault_arg('no-flock') is not None:  # the tests' stand-in for a file system without flock
+        raise OSError(errno.ENOLCK, 'No locks available')
+    fcntl.flock(fd, operation)
+
+
+def pid_alive(pid):
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True  # another user's process, or no pid to test: assume it lives
+    return True
+
+
+class FolderLock:
+    """One owner per run folder at a time, taken atomically before anything in the folder is read, deleted
+    or written: two runs in one folder would interleave metrics.jsonl and prune each other's checkpoints.
+
+    fcntl.flock on <folder>/.dlojz.lock, which the OS releases when the process dies (Lustre and GPFS mounted
+    with flock support it across nodes). A file system without flock raises ENOLCK/EOPNOTSUPP: then the claim
+    is the creation of <folder>/.dlojz.owner with O_EXCL, removed at the end; one left by a killed run is stale
+    when its pid is dead on this host, when it is an earlier attempt of this Slurm job (requeued), or when
+    squeue no longer knows its job. Both files hold the owner's pid, host, Slurm job id and start time, for
+    the sentence a second run gets (exit 2, nothing written). Rank 0 alone holds it under DDP.
+    flock, host, pid, alive: injected by tests (a flock that raises ENOLCK, another host)."""
+
+    def __init__(self, flock=_flock, host=None, pid=None, alive=job_alive, say=print, wait_s=10.0):
+        self.flock, self.alive, self.say, self.wait_s = flock, alive, say, wait_s
+        self.host, self.pid = host or socket.gethostname(), pid or os.getpid()
+        self.fd = self.path = self.token = self.folder = None
+
+    def acquire(self, folder, job_id=None):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            os.close(os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CREAT, 0o644))
+        except OSError as e:
+            raise UsageError(f'cannot write to output directory {folder} ({e.strerror}); pass --output-dir with a '
+                             f'writable folder.') from None
+        me = json.dumps({'pid': self.pid, 'host': self.host, 'job_id': job_id,
+                         'since': datetime.datetime.now().isoformat(timespec='seconds')}).encode()
+        path, deadline = os.path.join(folder, LOCK), time.time() + self.wait_s
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                self.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in NO_FLOCK:
+                    self.path = path  # created above, empty: removed with the claim
+                    return self._acquire_exclusive(folder, me, job_id)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                    raise
+                owner = _read_owner(path)
+                # A killed run's DataLoader workers keep its lock until they notice (about 5 s): wait for them.
+                if owner and owner.get('host') == self.host and not pid_alive(owner.get('pid')) \
+                        and time.time() < deadline:
+                    time.sleep(0.5)
+                    continue
+                raise UsageError(busy_sentence(folder, owner)) from None
+            try:  # the owner removes the file as it ends: a lock on a removed file is no claim, take the new one
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, me)
+        self.fd, self.path, self.folder = fd, path, folder
+        return self
+
+    def _acquire_exclusive(self, folder, me, job_id):
+        token = os.path.join(folder, LOCK_EXCL)
+        for _ in range(3):
+            try:
+                fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                owner = _read_owner(token)
+                if not self._stale(token, owner, job_id):
+                    raise UsageError(busy_sentence(folder, owner)) from None
+                # set the stale file aside under a name of our own, and check it is still the one judged stale
+                aside = f'{token}.stale-{self.host}-{self.pid}'
+                try:
+                    os.rename(token, aside)
+                except FileNotFoundError:
+                    continue
+                if _read_owner(aside) != owner:  # another process claimed it meanwhile: give it back
+                    try:
+                        os.link(aside, token)
+                    except OSError:
+                        pass
+                    os.remove(aside)
+                    raise UsageError(busy_sentence(folder, _read_owner(token))) from None
+                os.remove(aside)
+                self.say(f'Removed the stale claim {token} of a run that is over ({describe_owner(owner)})')
+                continue
+            with os.fdopen(fd, 'wb') as f:
+                f.write(me)
+                f.flush()
+                os.fsync(f.fileno())
+            self.token, self.folder = token, folder
+            return self
+        raise UsageError(busy_sentence(folder, _read_owner(token)))
+
+    def _stale(self, token, owner, job_id):
+        if owner is None:  # a claim with no content: its process died between creating and writing it
+            try:
+                return time.time() - os.path.getmtime(token) > 60
+            except OSError:
+                return True
+        if owner.get('host') == self.host and not pid_alive(owner.get('pid')):
+            return True
+        owned_by = owner.get('job_id')
+        if owned_by and job_id and str(owned_by) == str(job_id):
+            return owner.get('host') != self.host or not pid_alive(owner.get('pid'))  # this job, requeued
+        return bool(owned_by) and shutil.which('squeue') is not None and not self.alive(owned_by)
+
+    def release(self):
+        """Idempotent. The lock file is removed while still held, so that a process waiting on it retries."""
+        if self.fd is not None:
+            try:
+                os.remove(self.path)
+            except OSError:
+                pass
+            os.close(self.fd)
+            self.fd = None
+        if self.token is not None:
+            mine = (_read_owner(self.token) or {}).get('pid') == self.pid
+            for path in ([self.token] if mine else []) + [self.path]:
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+            self.token = None
+
+
+def _read_owner(path):
+    try:
+        with open(path) as f:
+            owner = json.load(f)
+        return owner if isinstance(owner, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def describe_owner(owner):
+    if not owner:
+        return 'its owner is not recorded'
+    job = f", Slurm job {owner['job_id']}" if owner.get('job_id') else ''
+    return f"pid {owner.get('pid')} on {owner.get('host')}{job}, since {owner.get('since')}"
+
+
+def busy_sentence(folder, owner):
+    return (f'--output-dir {folder} is in use by another dlojz run ({describe_owner(owner)}) and two runs in one '
+            f'folder would mix their records; wait for it to end, or pass another --output-dir.')
+
+
+def trim_metrics(path, size, global_step):
+    """A resumed run continues metrics.jsonl from where its checkpoint was written: the records of the steps
+    after it, which the resumed run writes again, are dropped, so that no reader has to deduplicate. `size`:
+    the file's length the checkpoint recorded; None (an older checkpoint): records of steps after
+    `global_step` are dropped. Atomic (temp file + rename). -> the number of records dropped."""
+    try:
+        with open(path, 'rb') as f:
+            data = f.read()
+    except FileNotFoundError:
+        return 0
+    if size is not None and size <= len(data) and (size == 0 or data[size - 1:size] == b'\n'):
+        kept = data[:size]
+    else:  # an older checkpoint, or a file that is not the one it saw
+        lines = data.splitlines(keepends=True)
+        kept = b''.join(line for line in lines if not _after(line, global_step))
+    if len(kept) == len(data):
+        return 0
+    dropped = data[len(kept):].count(b'\n') if data.startswith(kept) else \
+        len(data.splitlines()) - len(kept.splitlines())
+    tmp = f'{path}.tmp'
+    with open(tmp, 'wb') as f:
+        f.write(kept)
+    _fsync_replace(tmp, path)
+    return dropped
+
+
+def _after(line, global_step):
+    try:
+        step = json.loads(line).get('global_step')
+    except (ValueError, AttributeError):
+        return True  # a line cut by a kill
+    return isinstance(step, int) and step > global_step
+
+
 RUN_FILES = ('config.json', 'metrics.jsonl', 'summary.json', 'best.pt')
 
 
@@ -105,6 +305,8 @@ def prepare_output_dir(path, continues=False, overwrite=False):
     if found and overwrite and not continues:
         for name in found:
             os.remove(os.path.join(path, name))
+    if continues or overwrite:
+        remove_partial_checkpoints(path)
     try:
         os.makedirs(path, exist_ok=True)
         probe = tempfile.NamedTemporaryFile(dir=path, prefix='.write-test-', delete=True)
@@ -115,10 +317,34 @@ def prepare_output_dir(path, continues=False, overwrite=False):
     return path
 
 
+PARTIAL_RE = re.compile(r'\.checkpoint-\w+\.tmp$')  # save_checkpoint's temporary files
+
+
+def remove_partial_checkpoints(path, say=print):
+    """Delete the temporary files of checkpoint writes that a kill interrupted (up to a checkpoint's size each).
+    Called by the folder's owner only (FolderLock): no other process is writing one."""
+    try:
+        names = [n for n in os.listdir(path) if PARTIAL_RE.fullmatch(n)]
+    except OSError:
+        return
+    size = 0
+    for n in names:
+        try:
+            size += os.path.getsize(os.path.join(path, n))
+            os.remove(os.path.join(path, n))
+        except OSError:
+            pass
+    if names:
+        say(f'Removed {len(names)} partial checkpoint file(s) ({size / 2**20:.1f} MiB) left in {path} by an '
+            f'interrupted checkpoint write')
+
+
 def remove_if_empty(path):
     try:
-        if os.listdir(path) == [OWNER]:  # only the job's claim on the folder: nothing of a run
-            os.remove(os.path.join(path, OWNER))
+        if sorted(os.listdir(path)) in ([OWNER], [LOCK], sorted([LOCK, OWNER])):  # only claims: nothing of a run
+            for name in (OWNER, LOCK):
+                if os.path.exists(os.path.join(path, name)):
+                    os.remove(os.path.join(path, name))
     except OSError:
         pass
     try:
@@ -253,6 +479,11 @@ class Logger:
                        if k not in self.NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)}
             if numbers:
                 self.wandb.log(numbers, step=record.get('global_step'))
+
+    def size(self):
+        """Bytes of metrics.jsonl written so far (each record is flushed), None off rank 0: a checkpoint keeps it,
+        so that a run resumed from it drops the records of the steps after it (trim_metrics)."""
+        return os.fstat(self.f.fileno()).st_size if self.f is not None else None
 
     def close(self, exit_code=0):
         """Idempotent: every exit path calls it."""
@@ -458,22 +689,46 @@ def _save_checkpoint(path, state, keep):
 _FAULT_COUNT = {}
 
 
+def _fault_arg(name):
+    """The argument of fault `name` in DLOJZ_FAULT (comma-separated <name>:<argument> entries; <name> alone
+    for a flag), '' for a flag, None when absent. Test seams only."""
+    for entry in os.environ.get('DLOJZ_FAULT', '').split(','):
+        key, _, arg = entry.partition(':')
+        if key == name:
+            return arg
+    return None
+
+
 def _fault(name):
     """Fault injection for the crash tests only: DLOJZ_FAULT=<name>:<n> fires at the n-th occurrence."""
-    spec = os.environ.get('DLOJZ_FAULT', '')
-    if not spec.startswith(name + ':'):
+    arg = _fault_arg(name)
+    if not arg:
         return False
     _FAULT_COUNT[name] = _FAULT_COUNT.get(name, 0) + 1
-    return _FAULT_COUNT[name] == int(spec.split(':')[1])
+    return _FAULT_COUNT[name] == int(arg)
 
 
 def slow_step():
     """For the time-limit tests only: DLOJZ_FAULT=slow-steps:<s> sleeps s seconds after each training step, so
     that a run of a few tiny steps lasts until Slurm's signal comes (up to a minute early, checked every 30 s);
     in the job's first attempt only (a requeued job has SLURM_RESTART_COUNT >= 1)."""
-    spec = os.environ.get('DLOJZ_FAULT', '')
-    if spec.startswith('slow-steps:') and int(os.environ.get('SLURM_RESTART_COUNT') or 0) == 0:
-        time.sleep(float(spec.split(':')[1]))
+    arg = _fault_arg('slow-steps')
+    if arg and int(os.environ.get('SLURM_RESTART_COUNT') or 0) == 0:
+        time.sleep(float(arg))
+
+
+def signal_fault(where, step=None):
+    """For the preemption tests only: DLOJZ_FAULT=signal-<where>:<n>:<SIGNAL> sends SIGNAL to this process's
+    whole group, DataLoader workers included, as Slurm does: where='step' once global step n is done, 'val'
+    after the n-th validation batch this process runs. The test starts dlojz in a session of its own."""
+    arg = _fault_arg(f'signal-{where}')
+    if not arg:
+        return
+    at, name = arg.split(':')
+    if step is None:
+        step = _FAULT_COUNT[where] = _FAULT_COUNT.get(where, 0) + 1
+    if step == int(at):
+        os.killpg(os.getpgrp(), getattr(signal, name))
 
 
 def _die_half_written(f, state):

@@ -128,7 +128,24 @@ def load_run(path):
             run.notes.append(f'metrics.jsonl is unreadable ({e.strerror})')
     if bad:
         run.notes.append(f'{bad} unreadable line(s) in metrics.jsonl (cut by a crash?)')
+    run.records, repeated = latest_records(run.records)
+    if repeated:
+        run.notes.append(f'{repeated} record(s) of metrics.jsonl were logged again by a resumed run (written '
+                         f'before dlojz trimmed them on resume): each step is counted once, from the resumed run')
     return run
+
+
+def latest_records(records):
+    """A run resumed by a dlojz older than the trimming of metrics.jsonl (dlojz_io.trim_metrics) logged the
+    steps after its checkpoint twice: keep the last record of each (type, global step), in order.
+    -> (records, number dropped)."""
+    last = {}
+    for i, r in enumerate(records):
+        if isinstance(r.get('global_step'), int):
+            last[(r.get('type'), r['global_step'])] = i
+    kept = [r for i, r in enumerate(records)
+            if not isinstance(r.get('global_step'), int) or last[(r.get('type'), r['global_step'])] == i]
+    return kept, len(records) - len(kept)
 
 
 def is_run_dir(path):

@@ -29,6 +29,7 @@ class Progress:
     val_ema: dict = None   # the last validation of the EMA weights
     best_top1: float = None
     reached: dict = field(default_factory=dict)  # 'raw'/'ema' -> when validation first reached --target-top1
+    end_due: bool = False  # the epoch (or --test-nsteps) is trained; its validation and checkpoint are to come
 
     def advance(self, images=0):
         self.step += 1
@@ -48,17 +49,18 @@ def set_device_rng_state(state, device):
 
 
 def checkpoint_state(run, progress, device_rng):
-    """device_rng: every rank's device_rng_state(), indexed by rank."""
+    """device_rng: every rank's device_rng_state(), indexed by rank. The position is the loop's own: an epoch
+    that is trained but not yet closed (end_due: a stop during its last step) is resumed by its validation.
+    metrics_bytes: how much of metrics.jsonl was written then (the resumed run keeps that much)."""
     epoch, step = progress.epoch, progress.step
-    if step >= run.steps_per_epoch:  # the end of an epoch is the start of the next
-        epoch, step = epoch + 1, 0
     return {'version': SUMMARY_VERSION, 'arch': run.args.arch, 'num_classes': len(run.data.classes),
             'model': strip_prefixes(run.model_without_ddp.state_dict()), 'optimizer': run.optimizer.state_dict(),
             'scheduler': run.scheduler.state_dict(), 'scaler': run.scaler.state_dict(), 'epoch': epoch,
-            'step_in_epoch': step, 'global_step': progress.global_step, 'global_batch': run.global_batch,
+            'step_in_epoch': step, 'end_due': progress.end_due, 'metrics_bytes': run.log.size(),
+            'global_step': progress.global_step, 'global_batch': run.global_batch,
             'args': vars(run.args), 'ema': run.ema.state_dict() if run.ema is not None else None,
             'race': {'best_top1': progress.best_top1, 'reached': progress.reached, 'images': progress.images,
-                     'wall_s': run_wall_s(run)},
+                     'wall_s': run_wall_s(run), 'val': progress.val, 'val_ema': progress.val_ema},
             'rng': {'torch': torch.get_rng_state(), 'numpy': np.random.get_state(), 'python': random.getstate(),
                     'device': device_rng}}
 
@@ -182,7 +184,11 @@ def _restore(run, ckpt):
     race = ckpt.get('race') or {}
     progress = Progress(epoch=ckpt['epoch'], step=ckpt['step_in_epoch'], global_step=ckpt['global_step'],
                         best_top1=race.get('best_top1'), reached=race.get('reached') or {},
-                        images=race.get('images', ckpt['global_step'] * ckpt['global_batch']))
+                        images=race.get('images', ckpt['global_step'] * ckpt['global_batch']),
+                        val=race.get('val'), val_ema=race.get('val_ema'), end_due=ckpt.get('end_due', False))
+    if progress.end_due and not run.args.evaluate:
+        run.log.print(f'The checkpoint was written as epoch {progress.epoch + 1} (or --test-nsteps) ended, before '
+                      f'its validation and closing checkpoint: they come first')
     run.started -= race.get('wall_s') or 0.0  # time to accuracy counts the earlier attempts too
     if run.ema is not None:  # a checkpoint without an EMA starts one from its weights
         run.ema.load_state_dict(ckpt['ema'] if ckpt.get('ema') else

@@ -265,7 +265,7 @@ def three_steps(tmp_path_factory, cache_dir):
 def test_resume_at_another_world_size(tmp_path, cache_dir, three_steps):
     """Same global batch (8) as 2 ranks x 4: allowed, continues at step 4."""
     p = torchrun(2, *TINY, '-b', '4', '--cache-dir', cache_dir, '--output-dir', tmp_path, '--resume', three_steps,
-                 '--test-nsteps', '2', '-e', '2', '--log-interval', '1')
+                 '--test-nsteps', '5', '-e', '2', '--log-interval', '1')
     assert p.returncode == 0, p.stderr[-3000:]
     assert [r['global_step'] for r in records_of(tmp_path) if r['type'] == 'train'] == [4, 5]
 
@@ -279,7 +279,7 @@ def test_another_global_batch_is_refused(tmp_path, cache_dir, three_steps, capsy
 
 
 def test_another_global_batch_with_the_flag_keeps_the_position_in_images(tmp_path, cache_dir, three_steps):
-    run_main(tmp_path, cache_dir, '-b', '4', '--resume', three_steps, '--allow-batch-change', '--test-nsteps', '2',
+    run_main(tmp_path, cache_dir, '-b', '4', '--resume', three_steps, '--allow-batch-change', '--test-nsteps', '8',
              '-e', '2', '--log-interval', '1')
     steps = [r['global_step'] for r in records_of(tmp_path) if r['type'] == 'train']
     assert steps == [7, 8]  # 3 steps of 8 images = 24 images = 6 steps of 4
@@ -328,11 +328,11 @@ def test_each_rank_resumes_its_own_device_rng(tmp_path, cache_dir):
     assert p.returncode == 0, p.stderr[-3000:]
     saved = torch.load(latest(out), weights_only=False)['rng']['device']
     assert [s.tolist() for s in saved] == [[0, 3], [1, 3]]
-    p = torchrun(2, *flags, '--test-nsteps', '2', '--resume', 'auto', script=script, env={'FAKE_RNG_LOG': log})
+    p = torchrun(2, *flags, '--test-nsteps', '5', '--resume', 'auto', script=script, env={'FAKE_RNG_LOG': log})
     assert p.returncode == 0, p.stderr[-3000:]
     assert [json.load(open(f'{log}.rank{r}')) for r in (0, 1)] == [[0, 3], [1, 3]]
     os.remove(f'{log}.rank0')
-    one = subprocess.run([sys.executable, script, *map(str, flags), '-b', '16', '--test-nsteps', '1', '--resume',
+    one = subprocess.run([sys.executable, script, *map(str, flags), '-b', '16', '--test-nsteps', '6', '--resume',
                           str(latest(out))], capture_output=True, text=True, env={**os.environ, 'FAKE_RNG_LOG': log})
     assert one.returncode == 0, one.stderr[-3000:]
     assert json.load(open(f'{log}.rank0')) == [0, 5]

@@ -1,11 +1,17 @@
 """A run folder holds one run: a second run into a folder that holds another is refused with a sentence and
 nothing of the first is touched; --overwrite replaces it (its checkpoints included); --resume continues it.
-Each checkpoint write prints its path and step.
+Each checkpoint write prints its path and step. A folder has one owner at a time (FolderLock): flock, or an
+O_EXCL owner file where the file system has no flock, whose stale claims are taken over.
 
 Run: python -m pytest -q tests/test_output_dir.py
 """
+import errno
 import json
 import os
+import socket
+import subprocess
+
+import pytest
 
 import dlojz
 from conftest import TINY
@@ -85,3 +91,47 @@ def test_a_duplicate_live_job_gets_its_own_folder(tmp_path):
     assert named_run_dir('r', True, str(root), job_id='11', alive=alive.__contains__) == str(root / 'r')  # requeued
     alive.clear()  # job 11 is over: job 12 continues its run
     assert named_run_dir('r', True, str(root), job_id='12', alive=alive.__contains__) == str(root / 'r')
+
+
+def test_one_owner_per_folder_with_flock(tmp_path):
+    from dlojz_errors import UsageError
+    from dlojz_io import LOCK, FolderLock
+    folder = str(tmp_path / 'run')
+    first = FolderLock().acquire(folder, job_id='11')
+    with open(os.path.join(folder, LOCK)) as f:
+        assert json.load(f)['pid'] == os.getpid()
+    with pytest.raises(UsageError, match=rf'--output-dir {folder} is in use by another dlojz run \(pid '
+                                         rf'{os.getpid()} on {socket.gethostname()}, Slurm job 11, since '):
+        FolderLock(wait_s=0).acquire(folder)  # another open file: flock refuses it, even in this process
+    first.release()
+    assert os.listdir(folder) == []  # the claim leaves nothing behind
+    FolderLock().acquire(folder).release()
+
+
+def test_the_owner_file_where_flock_is_missing(tmp_path):
+    """A file system without flock (ENOLCK, as some Lustre/GPFS mounts): the claim is an O_EXCL file, and the
+    one a killed run left is taken over when it is stale, never when its owner may live."""
+    from dlojz_errors import UsageError
+    from dlojz_io import LOCK_EXCL, FolderLock
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, 'No locks available')
+    folder, notes = tmp_path / 'run', []
+    claim = lambda **kw: FolderLock(flock=no_flock, say=notes.append, alive=lambda job: True, **kw)
+    first = claim().acquire(str(folder), job_id='11')
+    owner = json.loads((folder / LOCK_EXCL).read_text())
+    assert (owner['pid'], owner['host'], owner['job_id']) == (os.getpid(), socket.gethostname(), '11')
+    with pytest.raises(UsageError, match=rf'is in use by another dlojz run \(pid {os.getpid()} on '):
+        claim().acquire(str(folder), job_id='12')  # a live pid on this host
+    first.release()
+    assert os.listdir(folder) == []
+    dead = subprocess.Popen(['true'])
+    dead.wait()
+    (folder / LOCK_EXCL).write_text(json.dumps({'pid': dead.pid, 'host': socket.gethostname(), 'job_id': None}))
+    claim().acquire(str(folder)).release()  # killed on this host: stale
+    assert notes and notes[-1].startswith(f'Removed the stale claim {folder / LOCK_EXCL} of a run that is over')
+    (folder / LOCK_EXCL).write_text(json.dumps({'pid': 1, 'host': 'node2', 'job_id': '13'}))
+    with pytest.raises(UsageError, match=r'\(pid 1 on node2, Slurm job 13, since None\)'):
+        claim().acquire(str(folder), job_id='14')  # another node, a job squeue may still run
+    claim(host='node3').acquire(str(folder), job_id='13').release()  # job 13 requeued on node3: its own claim
+    assert os.listdir(folder) == []

@@ -5,7 +5,9 @@
 - SIGTERM to the whole process group with DataLoader workers (as Slurm sends it), at random steps: the
   same, the workers surviving it;
 - SIGKILL halfway through writing a checkpoint leaves the previous one, which --resume auto uses;
-- a truncated newest checkpoint is skipped with a warning; only --keep-checkpoints files remain.
+- a truncated newest checkpoint is skipped with a warning; only --keep-checkpoints files remain;
+- a resumed run logs each step once (metrics.jsonl is cut back to its checkpoint) and removes the partial
+  checkpoint files a kill left; --test-nsteps counts the steps before a resume.
 
 Run: python -m pytest -q tests/test_preempt.py
 """
@@ -33,8 +35,8 @@ def train_losses(run_dir):
     out = {}
     for r in recs:
         if r['type'] == 'train':
-            out.setdefault(r['global_step'], r['loss'])  # a step logged twice must have the same loss
-            assert out[r['global_step']] == r['loss']
+            assert r['global_step'] not in out, f"step {r['global_step']} logged twice"  # trimmed on resume
+            out[r['global_step']] = r['loss']
     return out
 
 
@@ -96,8 +98,25 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, cache_
     r = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', out, *LONG, '--resume', 'auto', '--chkpt-every', '5')
     assert r.returncode == 0, r.stderr[-2000:]
     assert 'checkpoint-00000005.pt' in r.stdout
-    got = train_losses(out)
+    got = train_losses(out)  # steps 6-10 were logged before the kill: once each all the same
     assert [got[k] for k in range(1, 25)] == [ref[k] for k in range(1, 25)]
+    assert f'Removed 1 partial checkpoint file(s)' in r.stdout and f'left in {out} by an interrupted' in r.stdout
+    assert not [n for n in os.listdir(out) if n.endswith('.tmp')]
+    resume = [json.loads(line) for line in open(out / 'metrics.jsonl') if '"resume"' in line]
+    assert [(x['global_step'], x['dropped_records']) for x in resume] == [(5, 5)]
+
+
+def test_test_nsteps_counts_the_steps_before_a_resume(tmp_path, cache_dir):
+    """--test-nsteps N is the run's length: stopped at step 5 of 9, the resumed run runs the 4 steps left, with
+    the losses of an uninterrupted 9-step run (it went on for 9 more)."""
+    run_main(tmp_path / 'ref', cache_dir, *LONG, '--test-nsteps', '9')
+    out = tmp_path / 'run'
+    p = start(out, cache_dir, '--test-nsteps', '9', env={'DLOJZ_FAULT': 'signal-step:5:SIGUSR2'})
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 5 and 'stopped by SIGUSR2 at step 5' in err, err[-2000:]
+    summary, _ = run_main(out, cache_dir, *LONG, '--test-nsteps', '9', '--resume', 'auto')
+    assert summary['global_step'] == 9 and summary['val']['global_step'] == 9
+    assert train_losses(out) == train_losses(tmp_path / 'ref')
 
 
 def test_truncated_checkpoint_is_skipped_and_old_ones_pruned(tmp_path, cache_dir):
@@ -107,8 +126,8 @@ def test_truncated_checkpoint_is_skipped_and_old_ones_pruned(tmp_path, cache_dir
     assert names == ['checkpoint-00000006.pt', 'checkpoint-00000008.pt']
     newest = out / names[-1]
     newest.write_bytes(newest.read_bytes()[:1000])  # what a crash during a non-atomic copy leaves
-    r = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', out, '--test-nsteps', '2', '--resume', 'auto',
-                '--log-interval', '1')
+    r = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', out, '--test-nsteps', '8', '--resume', 'auto',
+                '--log-interval', '1')  # --test-nsteps: the run's steps in all, those before the resume included
     assert r.returncode == 0, r.stderr[-2000:]
     assert 'warning' in r.stderr and 'checkpoint-00000008.pt cannot be read' in r.stderr
     assert 'continuing from' in r.stdout and 'checkpoint-00000006.pt' in r.stdout
