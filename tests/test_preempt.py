@@ -117,6 +117,7 @@ def test_truncated_checkpoint_is_skipped_and_old_ones_pruned(tmp_path, cache_dir
     assert steps[-2:] == [7, 8]
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_process_group_with_workers(tmp_path, cache_dir, six_epochs):
     """Slurm signals every process of a step, DataLoader workers included (scancel, the time limit). SIGTERM
     to the whole group at a random step, with 2 workers: exit 5, a checkpoint at the step it stopped, no

@@ -99,6 +99,7 @@ def check_figures(out):
     return names
 
 
+@pytest.mark.slow
 def test_dataloader_trial_table_matches_summaries(runs, tmp_path, capsys):
     trial = [runs[n] for n in ('w0', 'w1', 'w2', 'w2np', 'w0b')]
     code, out = report(tmp_path, *trial)
@@ -130,6 +131,7 @@ def test_dataloader_trial_table_matches_summaries(runs, tmp_path, capsys):
     assert '## Problems' not in (out / 'report.md').read_text()
 
 
+@pytest.mark.slow
 def test_sort_column_and_bad_column(runs, tmp_path, capsys):
     code, out = report(tmp_path, runs['w0'], runs['w2'], args=['--sort', 'load_ms'])
     rows = read_csv(out / 'comparison.csv')
@@ -150,6 +152,7 @@ def test_fit_recovers_a_known_line_from_non_doubling_batch_sizes():
     assert fit_line([4, 4], [1.0, 2.0]) is None
 
 
+@pytest.mark.slow
 def test_batch_size_sweep_from_real_runs(runs, tmp_path):
     oom = tmp_path / 'b16'  # what dlojz writes on CUDA out of memory (a CPU run cannot be made to OOM here)
     shutil.copytree(runs['b10'], oom)
@@ -171,6 +174,7 @@ def test_batch_size_sweep_from_real_runs(runs, tmp_path):
     assert 'out of memory at step 1 with batch 16 per process' in text
 
 
+@pytest.mark.slow
 def test_sweep_of_gpu_runs_uses_gpu_memory_and_the_gpu_size(runs, tmp_path):
     """The GPU fields as dlojz writes them on CUDA, put into real CPU run directories (no GPU here)."""
     dirs = []
@@ -194,6 +198,7 @@ def test_sweep_of_gpu_runs_uses_gpu_memory_and_the_gpu_size(runs, tmp_path):
     assert read_csv(out / 'comparison.csv')[0]['j_per_img'] == '0.5' and 'peak 300.0 W, mean 250.0 W' in text
 
 
+@pytest.mark.slow
 def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
     code, out = report(tmp_path, runs['ws1'], runs['ws2'])
     t1 = summary(runs['ws1'])['timing']['train_throughput']
@@ -208,6 +213,7 @@ def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
         assert f"| {r['rank']} | {r['host']} | {r['step_median_s'] * 1e3:.1f} |" in text
 
 
+@pytest.mark.slow
 def test_batchnorm_view_covers_every_batchnorm(runs):
     bn = bn_view(collect_runs([runs['ws1'], runs['ws2']])[0])
     for name in ('ws1', 'ws2'):  # reference: torchvision's own modules, loaded with the checkpoint
@@ -224,6 +230,7 @@ def test_batchnorm_view_covers_every_batchnorm(runs):
     assert bn['runs']['ws1'] != bn['runs']['ws2']
 
 
+@pytest.mark.slow
 def test_metric_sync_log_from_two_ranks(runs, tmp_path):
     rows = dlojz_report.metric_sync_rows(collect_runs([runs['ws2']])[0][0])
     logged = {r['global_step']: r for r in map(json.loads, (runs['ws2'] / 'metrics.jsonl').read_text().splitlines())
@@ -238,6 +245,7 @@ def test_metric_sync_log_from_two_ranks(runs, tmp_path):
     assert 'every rank holds the same values: yes (3 syncs)' in (out / 'report.md').read_text()
 
 
+@pytest.mark.slow
 def test_lr_finder_smoothing_and_suggestion(runs, tmp_path):
     assert smooth([1.0, 2.0], beta=0.5) == pytest.approx([1.0, 5 / 3])  # (0.5·1)/0.5, (0.25+1)/0.75
     lrs = [10 ** (-6 + i * 0.25) for i in range(25)]  # 1e-6 .. 1
@@ -254,6 +262,7 @@ def test_lr_finder_smoothing_and_suggestion(runs, tmp_path):
 
 
 
+@pytest.mark.slow
 def test_failed_and_crashed_runs_get_a_verdict(runs, tmp_path, capsys):
     step = int(re.search(r'at step (\d+)', runs['nan_stderr']).group(1))  # what dlojz told the user
     broken = tmp_path / 'broken'  # a summary cut in the middle of writing (not dlojz's atomic write: a copy)
@@ -273,6 +282,7 @@ def test_failed_and_crashed_runs_get_a_verdict(runs, tmp_path, capsys):
     assert '## Problems' not in text
 
 
+@pytest.mark.slow
 def test_every_kind_of_run_reports_cleanly(runs, tmp_path):
     code, out = report(tmp_path, runs['notiming'], runs['evaluate'], runs['ws1'], runs['ws2'])
     text = (out / 'report.md').read_text()
@@ -282,6 +292,7 @@ def test_every_kind_of_run_reports_cleanly(runs, tmp_path):
     assert os.path.getsize(runs['ws2'] / 'nccl.rank1.log') > 0
 
 
+@pytest.mark.slow
 def test_older_and_newer_summaries(runs, tmp_path):
     old = tmp_path / 'old'
     shutil.copytree(runs['w1'], old)
@@ -302,6 +313,7 @@ def test_older_and_newer_summaries(runs, tmp_path):
     assert float(read_csv(out / 'comparison.csv')[0]['train_img_s']) > 0
 
 
+@pytest.mark.slow
 def test_diff_and_usage_errors(runs, tmp_path, capsys):
     assert dlojz_report.cli(['diff', str(runs['w0']), str(runs['w2np'])]) == 0
     out = capsys.readouterr().out

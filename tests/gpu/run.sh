@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
 status=0
-"$PY" -m pytest -q tests/gpu || status=$?
+"$PY" -m pytest -q -m "not slurm" tests/gpu || status=$?
 # The table (stdout) is also kept in tests/gpu/last-bench.md, ready to paste into BENCHMARKS.md; progress goes
 # to stderr. A run that prints no table (no GPU, bad option) leaves the previous file alone.
 table=$(mktemp)
