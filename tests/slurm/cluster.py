@@ -10,9 +10,9 @@ suites can run side by side; only the daemons started here are stopped, by their
 Why the settings are what they are (measured on Debian 12 with Slurm 22.05.8):
 - no systemd and package scripts start no service: munged (as user munge), slurmctld and slurmd are
   started by hand, each with its stdio in a log file (a daemon holding a caller's pipes blocks it);
-- the nodes are named after names that already resolve to this machine (localhost and the host name):
-  inside a job dlojz joins the process group at the first node's name, and Slurm itself reaches each
-  slurmd at NodeAddr=127.0.0.1 on its own port (one `slurmd -N <node>` per emulated node);
+- the nodes are named after loopback addresses (127.0.0.1, 127.0.0.2): inside a job dlojz joins the
+  process group at the first node's name, which must resolve, and Slurm reaches each slurmd there on its
+  own port (one `slurmd -N <node>` per emulated node); no /etc/hosts entry is needed;
 - fake GPUs are character devices with NVIDIA's major (195): file-less GRES drain the node, regular files
   only warn; more CPUs/GPUs than the machine has need SlurmdParameters=config_overrides;
 - EnforcePartLimits=ALL refuses impossible jobs at submission instead of leaving them pending forever;
@@ -51,17 +51,10 @@ def why_unavailable():
 
 
 def node_names():
-    """Names for the emulated nodes that resolve to this machine without an /etc/hosts entry: localhost and
-    the host name when it resolves and differs (one node otherwise)."""
-    names = ['localhost']
-    host = socket.gethostname().split('.')[0]
-    try:
-        socket.gethostbyname(host)
-        if host and host != 'localhost':
-            names.append(host)
-    except OSError:
-        pass
-    return names
+    """The emulated nodes are named after loopback addresses, which need no name resolution: dlojz joins the
+    process group at the first node's name, and an /etc/hosts entry for node1/node2 would change the system.
+    (Slurm maps a node named localhost to the host name, so localhost and the host name collide.)"""
+    return ['127.0.0.1', '127.0.0.2']
 
 
 def free_ports(n):
@@ -106,7 +99,6 @@ class Cluster:
 
     def _write_config(self):
         d = self.d
-        hostname = socket.gethostname().split('.')[0]
         fake = os.path.join(d, 'fakegpu')
         gres = []
         for node in self.nodes:
@@ -131,8 +123,9 @@ class Cluster:
             'AccountingStorageType=accounting_storage/none', 'GresTypes=gpu', 'SlurmdParameters=config_overrides',
         ]
         for node, port in zip(self.nodes, self.node_ports):
-            # 64 CPUs and 8 GPUs advertised (Jean Zay A100 node shape); the features the scripts ask for
-            lines.append(f'NodeName={node} NodeHostname={hostname} NodeAddr=127.0.0.1 Port={port} CPUs=64 '
+            # 64 CPUs and 8 GPUs advertised (Jean Zay A100 node shape); the features the scripts ask for. Each
+            # node its own NodeHostname: two nodes on one host name are refused ("Duplicated NodeHostName")
+            lines.append(f'NodeName={node} NodeHostname={node} NodeAddr={node} Port={port} CPUs=64 '
                          f'Boards=1 SocketsPerBoard=1 CoresPerSocket=64 ThreadsPerCore=1 RealMemory=256000 '
                          f'Gres=gpu:8 Features=v100-32g,a100,h100 State=UNKNOWN')
         lines.append(f'PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP')
