@@ -127,6 +127,7 @@ def val_records(recs, kind='val'):
     return [r for r in recs if r['type'] == kind]
 
 
+@pytest.mark.slow
 def test_ema_is_resumed_exactly(tmp_path, cache_dir):
     """2 epochs with an EMA, and the same run stopped mid-epoch 2 then resumed: the same EMA validation."""
     flags = ['-e', '2', '--ema-decay', '0.9', '--log-interval', '1']

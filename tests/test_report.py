@@ -420,6 +420,7 @@ def test_ranks_that_differ_are_flagged(tmp_path):
     assert code == 0 and '**Ranks differ**' in text and 'incomplete: no summary.json' in text
 
 
+@pytest.mark.slow
 def test_time_to_accuracy_view(tmp_path, cache_dir):
     """Two 3-epoch runs with a target, one with an EMA: the table's epochs and images are the first
     validation records at or above the target in each run's own metrics.jsonl; the figure is drawn."""

@@ -66,6 +66,7 @@ def test_shards_are_tars_of_the_source_files(folder, shards):
                 assert f.read() == data  # stored as they are without --max-side
 
 
+@pytest.mark.slow
 def test_training_from_shards_equals_training_from_folders(folder, shards, tmp_path, cache_dir):
     runs = {}
     for name, data in (('folder', folder), ('shards', shards)):
