@@ -141,6 +141,7 @@ def test_ema_is_resumed_exactly(tmp_path, cache_dir):
     assert val_records(full, 'val')[-1]['loss'] != ref['loss']  # the EMA is another model than the raw one
 
 
+@pytest.mark.slow
 def test_val_every_best_checkpoint_and_time_to_accuracy(tmp_path, cache_dir):
     s, recs = run_main(tmp_path, cache_dir, '-e', '4', '--val-every', '2', '--chkpt', '--target-top1', '0.3',
                        '--ema-decay', '0.5')
