@@ -1,12 +1,21 @@
 """Shared helpers: a small synthetic dataset generated once per session, and ways to run dlojz."""
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
-import dlojz
+# matplotlib (the report's figures) writes its font cache under ~/.cache and ~/.config unless told where: the
+# tests leave the home folder alone, so it goes to a temporary folder, inherited by the runs they launch.
+if 'MPLCONFIGDIR' not in os.environ:
+    os.environ['MPLCONFIGDIR'] = tempfile.mkdtemp(prefix='dlojz-tests-matplotlib-')
+    atexit.register(shutil.rmtree, os.environ['MPLCONFIGDIR'], True)
+
+import dlojz  # noqa: E402 - after MPLCONFIGDIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -122,6 +122,7 @@ def test_mix_draws_depend_on_step_and_rank_only():
     assert not torch.equal(b(x, y, 7, 1)[1], b(x, y, 8, 1)[1]) and not torch.equal(b(x, y, 7, 1)[1], b(x, y, 7, 0)[1])
 
 
+@pytest.mark.slow
 def test_a_mixed_run_resumes_exactly(tmp_path, cache_dir):
     """Stopped mid-epoch 2 and resumed, a cutmix + mixup run trains on the uninterrupted run's batches: the
     same losses, bit for bit (a DataLoader iterator draws from torch's global generator, so draws taken
@@ -143,6 +144,7 @@ def test_progressive_resizing_by_hand(train_set):
     assert ds[(0, 0)][0].shape[-1] == 16 and ds[(0, 1)][0].shape[-1] == 24 and ds[(0, 2)][0].shape[-1] == 32
 
 
+@pytest.mark.slow
 def test_a_run_with_every_augmentation_trains(tmp_path, cache_dir):
     s, recs = run_main(tmp_path, cache_dir, '-e', '2', '--num-workers', '2', '--mixup', '0.2', '--cutmix', '1.0',
                        '--randaugment', '2,9', '--random-erasing', '0.25', '--trivialaugment', '--res-start', '16',

@@ -130,6 +130,7 @@ def test_one_rank_accumulating_two_micro_batches_equals_two_ranks(two_ranks, tmp
     assert 'global batch size: 16 - mini batch size: 8 (2 micro-batches per step)' in p.stdout
 
 
+@pytest.mark.slow
 def test_accumulation_resumes_at_another_world_size(two_ranks, tmp_path, cache_dir):
     """The 2-rank run's checkpoint after 4 steps continued by one process with --accum-steps 2: the same
     global batch, so no flag is needed, and the position in each virtual rank's order is kept: steps 5 and 6
@@ -176,6 +177,7 @@ def test_nccl_debug_logs_each_rank_with_step_markers(two_ranks):
         assert f'Validation - rank {r}' in log
 
 
+@pytest.mark.slow
 def test_exact_validation_at_any_world_size(tmp_path, cache_dir):
     """25 validation images: not divisible by 2 or 3; DistributedSampler would evaluate 26 and 27."""
     five = ['--synthetic-classes', '5', '--synthetic-val-per-class', '5', '--val-batch-size', '4']
@@ -203,6 +205,7 @@ def test_exact_validation_at_any_world_size(tmp_path, cache_dir):
 HEADS = ['--arch', 'resnet18-heads', '--test-nsteps', '3']
 
 
+@pytest.mark.slow
 def test_unused_parameters_get_a_sentence(tmp_path, cache_dir):
     procs = srun_like(2, *TINY, *HEADS, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'bad', log_dir=tmp_path)
     assert wait_all(procs) == [2, 2]
@@ -212,12 +215,14 @@ def test_unused_parameters_get_a_sentence(tmp_path, cache_dir):
     assert summary_of(tmp_path / 'bad')['status'] == 'failed'
 
 
+@pytest.mark.slow
 def test_unused_parameters_train_with_the_flag(tmp_path, cache_dir):
     p = torchrun(2, *TINY, *HEADS, '--cache-dir', cache_dir, '--output-dir', tmp_path, '--find-unused-parameters')
     assert p.returncode == 0, p.stderr[-3000:]
     assert summary_of(tmp_path)['global_step'] == 3
 
 
+@pytest.mark.slow
 def test_stochastic_depth_needs_no_unused_parameter_flag(tmp_path, cache_dir):
     """It masks branches instead of skipping them: every parameter gets a gradient."""
     p = torchrun(2, *TINY, '--arch', 'resnet18-sd', '--test-nsteps', '3', '--cache-dir', cache_dir,
@@ -225,6 +230,7 @@ def test_stochastic_depth_needs_no_unused_parameter_flag(tmp_path, cache_dir):
     assert p.returncode == 0, p.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGSTOP], ids=['killed', 'hung'])
 def test_dead_rank_ends_the_job_within_dist_timeout(tmp_path, cache_dir, sig):
     timeout_s = 15
@@ -262,6 +268,7 @@ def three_steps(tmp_path_factory, cache_dir):
     return latest(out)
 
 
+@pytest.mark.slow
 def test_resume_at_another_world_size(tmp_path, cache_dir, three_steps):
     """Same global batch (8) as 2 ranks x 4: allowed, continues at step 4."""
     p = torchrun(2, *TINY, '-b', '4', '--cache-dir', cache_dir, '--output-dir', tmp_path, '--resume', three_steps,
@@ -316,6 +323,7 @@ print('after')
     assert p.stdout.split('\n')[:-1] == expected + ['after']
 
 
+@pytest.mark.slow
 def test_each_rank_resumes_its_own_device_rng(tmp_path, cache_dir):
     """Checkpoints hold every rank's own device generator (gathered to rank 0), and each rank restores its
     own: the whole-node get_rng_state_all() of rank 0 made other ranks restart a stream rank 0 never drew
@@ -338,6 +346,7 @@ def test_each_rank_resumes_its_own_device_rng(tmp_path, cache_dir):
     assert json.load(open(f'{log}.rank0')) == [0, 5]
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """The stop flag is agreed by an all-reduce started at each step and read at the next: SIGUSR2 to rank 1
     only stops both ranks at one step, and rank 0 checkpoints it."""

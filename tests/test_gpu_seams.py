@@ -271,6 +271,7 @@ def test_heads_compile_once():
 
 @pytest.mark.skipif(torch.__version__ < '2.9', reason='torch < 2.9 updates BatchNorm again in the compiled recompute '
                     '(measured on 2.4.0 aot_eager, 2.5.1-2.8.0 aot_eager and inductor); dlojz refuses the combination')
+@pytest.mark.slow
 def test_grad_checkpointing_compiles_and_updates_batchnorm_once():
     """--compile --grad-checkpointing failed at the first step (a context_fn that is not two
     TorchDispatchModes); compiled, the checkpointed model's BatchNorm statistics equal an uncheckpointed

@@ -125,6 +125,7 @@ def test_sweep_and_verdict_by_hand():
     assert L.verdict_lines(v)[-1].endswith('use --num-workers 8 --decode fast --prefetch-factor 2.')
 
 
+@pytest.mark.slow
 def test_the_doctor_measures_trials_and_the_ceiling(tmp_path, cache_dir, capsys, monkeypatch):
     monkeypatch.setattr(L, 'usable_cores', lambda: 1)  # 0 workers; 1 worker x prefetch 2, 4 x decode fast, pil
     out = tmp_path / 'doctor'

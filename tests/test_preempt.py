@@ -65,6 +65,7 @@ def wait_for_steps(out, n, proc, timeout=120):
     raise AssertionError('training did not start')
 
 
+@pytest.mark.slow
 def test_signal_checkpoints_and_auto_resume_is_exact(tmp_path, cache_dir, six_epochs):
     longer, ref = ['-e', '6'], six_epochs
     out = tmp_path / 'run'
@@ -87,6 +88,7 @@ def test_signal_checkpoints_and_auto_resume_is_exact(tmp_path, cache_dir, six_ep
     assert json.load(open(out / 'summary.json'))['status'] == 'completed'
 
 
+@pytest.mark.slow
 def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, cache_dir, two_epochs):
     ref = {r['global_step']: r['loss'] for r in two_epochs[1] if r['type'] == 'train'}  # LONG's losses
     out = tmp_path / 'run'
@@ -136,6 +138,7 @@ def test_truncated_checkpoint_is_skipped_and_old_ones_pruned(tmp_path, cache_dir
     assert steps[-2:] == [7, 8]
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_process_group_with_workers(tmp_path, cache_dir, six_epochs):
     """Slurm signals every process of a step, DataLoader workers included (scancel, the time limit). SIGTERM
     to the whole group at a random step, with 2 workers: exit 5, a checkpoint at the step it stopped, no

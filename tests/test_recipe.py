@@ -154,6 +154,7 @@ def val_records(recs, kind='val'):
     return [r for r in recs if r['type'] == kind]
 
 
+@pytest.mark.slow
 def test_ema_is_resumed_exactly(tmp_path, cache_dir):
     """2 epochs with an EMA, and the same run stopped mid-epoch 2 then resumed: the same EMA validation."""
     flags = ['-e', '2', '--ema-decay', '0.9', '--log-interval', '1']
@@ -167,6 +168,7 @@ def test_ema_is_resumed_exactly(tmp_path, cache_dir):
     assert val_records(full, 'val')[-1]['loss'] != ref['loss']  # the EMA is another model than the raw one
 
 
+@pytest.mark.slow
 def test_val_every_best_checkpoint_and_time_to_accuracy(tmp_path, cache_dir):
     s, recs = run_main(tmp_path, cache_dir, '-e', '4', '--val-every', '2', '--chkpt', '--target-top1', '0.3',
                        '--ema-decay', '0.5')

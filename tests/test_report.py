@@ -100,6 +100,7 @@ def check_figures(out):
     return names
 
 
+@pytest.mark.slow
 def test_dataloader_trial_table_matches_summaries(runs, tmp_path, capsys):
     trial = [runs[n] for n in ('w0', 'w1', 'w2', 'w2np', 'w0b')]
     code, out = report(tmp_path, *trial)
@@ -132,6 +133,7 @@ def test_dataloader_trial_table_matches_summaries(runs, tmp_path, capsys):
     assert '## Problems' not in (out / 'report.md').read_text()
 
 
+@pytest.mark.slow
 def test_sort_column_and_bad_column(runs, tmp_path, capsys):
     code, out = report(tmp_path, runs['w0'], runs['w2'], args=['--sort', 'load_ms'])
     rows = read_csv(out / 'comparison.csv')
@@ -152,6 +154,7 @@ def test_fit_recovers_a_known_line_from_non_doubling_batch_sizes():
     assert fit_line([4, 4], [1.0, 2.0]) is None
 
 
+@pytest.mark.slow
 def test_batch_size_sweep_from_real_runs(runs, tmp_path):
     oom = tmp_path / 'b16'  # what dlojz writes on CUDA out of memory (a CPU run cannot be made to OOM here)
     shutil.copytree(runs['b10'], oom)
@@ -173,6 +176,7 @@ def test_batch_size_sweep_from_real_runs(runs, tmp_path):
     assert 'out of memory at step 1 with batch 16 per process' in text
 
 
+@pytest.mark.slow
 def test_sweep_of_gpu_runs_uses_gpu_memory_and_the_gpu_size(runs, tmp_path):
     """The GPU fields as dlojz writes them on CUDA, put into real CPU run directories (no GPU here)."""
     dirs = []
@@ -196,6 +200,7 @@ def test_sweep_of_gpu_runs_uses_gpu_memory_and_the_gpu_size(runs, tmp_path):
     assert read_csv(out / 'comparison.csv')[0]['j_per_img'] == '0.5' and 'peak 300.0 W, mean 250.0 W' in text
 
 
+@pytest.mark.slow
 def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
     code, out = report(tmp_path, runs['ws1'], runs['ws2'])
     t1 = summary(runs['ws1'])['timing']['train_throughput']
@@ -210,6 +215,7 @@ def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
         assert f"| {r['rank']} | {r['host']} | {r['step_median_s'] * 1e3:.1f} |" in text
 
 
+@pytest.mark.slow
 def test_batchnorm_view_covers_every_batchnorm(runs):
     bn = bn_view(collect_runs([runs['ws1'], runs['ws2']])[0])
     for name in ('ws1', 'ws2'):  # reference: torchvision's own modules, loaded with the checkpoint
@@ -226,6 +232,7 @@ def test_batchnorm_view_covers_every_batchnorm(runs):
     assert bn['runs']['ws1'] != bn['runs']['ws2']
 
 
+@pytest.mark.slow
 def test_metric_sync_log_from_two_ranks(runs, tmp_path):
     rows = dlojz_report.metric_sync_rows(collect_runs([runs['ws2']])[0][0])
     logged = {r['global_step']: r for r in map(json.loads, (runs['ws2'] / 'metrics.jsonl').read_text().splitlines())
@@ -240,6 +247,7 @@ def test_metric_sync_log_from_two_ranks(runs, tmp_path):
     assert 'every rank holds the same values: yes (3 syncs)' in (out / 'report.md').read_text()
 
 
+@pytest.mark.slow
 def test_lr_finder_view_uses_dlojz_rule_and_clips_spikes(runs, tmp_path):
     """The report's suggestion is the one in summary.json (dlojz_recipe.suggest_lr, tested on known curves in
     test_findlr.py); the plot's loss axis follows the smoothed curve, so a raw spike is clipped, not scaled to."""
@@ -262,6 +270,7 @@ def test_lr_finder_view_uses_dlojz_rule_and_clips_spikes(runs, tmp_path):
 
 
 
+@pytest.mark.slow
 def test_failed_and_crashed_runs_get_a_verdict(runs, tmp_path, capsys):
     step = int(re.search(r'at step (\d+)', runs['nan_stderr']).group(1))  # what dlojz told the user
     broken = tmp_path / 'broken'  # a summary cut in the middle of writing (not dlojz's atomic write: a copy)
@@ -281,6 +290,7 @@ def test_failed_and_crashed_runs_get_a_verdict(runs, tmp_path, capsys):
     assert '## Problems' not in text
 
 
+@pytest.mark.slow
 def test_every_kind_of_run_reports_cleanly(runs, tmp_path):
     code, out = report(tmp_path, runs['notiming'], runs['evaluate'], runs['ws1'], runs['ws2'])
     text = (out / 'report.md').read_text()
@@ -290,6 +300,7 @@ def test_every_kind_of_run_reports_cleanly(runs, tmp_path):
     assert os.path.getsize(runs['ws2'] / 'nccl.rank1.log') > 0
 
 
+@pytest.mark.slow
 def test_older_and_newer_summaries(runs, tmp_path):
     old = tmp_path / 'old'
     shutil.copytree(runs['w1'], old)
@@ -310,6 +321,7 @@ def test_older_and_newer_summaries(runs, tmp_path):
     assert float(read_csv(out / 'comparison.csv')[0]['train_img_s']) > 0
 
 
+@pytest.mark.slow
 def test_diff_and_usage_errors(runs, tmp_path, capsys):
     assert dlojz_report.cli(['diff', str(runs['w0']), str(runs['w2np'])]) == 0
     out = capsys.readouterr().out
@@ -416,6 +428,7 @@ def test_ranks_that_differ_are_flagged(tmp_path):
     assert code == 0 and '**Ranks differ**' in text and 'incomplete: no summary.json' in text
 
 
+@pytest.mark.slow
 def test_time_to_accuracy_view(tmp_path, cache_dir):
     """Two 3-epoch runs with a target, one with an EMA: the table's epochs and images are the first
     validation records at or above the target in each run's own metrics.jsonl; the figure is drawn."""

@@ -70,6 +70,7 @@ def test_shards_are_tars_of_the_source_files(folder, shards):
                 assert f.read() == data  # stored as they are without --max-side
 
 
+@pytest.mark.slow
 def test_training_from_shards_equals_training_from_folders(folder, shards, tmp_path, cache_dir):
     runs = {}
     for name, data in (('folder', folder), ('shards', shards)):
@@ -191,6 +192,7 @@ def _train_losses(out):
         return {r['global_step']: r['loss'] for r in map(json.loads, f) if r['type'] == 'train'}
 
 
+@pytest.mark.slow
 def test_a_run_from_shards_resumes_mid_epoch_exactly(folder, shards, tmp_path):
     """Killed (SIGKILL) while writing its checkpoint at step 10; --resume auto continues from step 5, in the
     middle of the first epoch, to the losses of the uninterrupted folder run."""
@@ -204,6 +206,7 @@ def test_a_run_from_shards_resumes_mid_epoch_exactly(folder, shards, tmp_path):
     assert _train_losses(out) == _train_losses(ref) and len(_train_losses(ref)) == 24
 
 
+@pytest.mark.slow
 def test_validation_from_shards_is_exact_at_any_world_size(cache_dir, tmp_path):
     """25 validation images in shards: 1 and 2 ranks (13 + 12 images) give the same loss and top-1."""
     five = ['--synthetic-classes', '5', '--synthetic-val-per-class', '5', '--val-batch-size', '4']

@@ -243,6 +243,7 @@ def test_cli_bad_flag_is_one_line(tmp_path):
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_compile(tmp_path, cache_dir, monkeypatch):
     """--compile wraps the model in torch.compile (here with the aot_eager backend: it traces the graph and
     autograd as inductor would, in seconds instead of ~40 s); the checkpoint holds plain state-dict keys that
@@ -261,6 +262,7 @@ def test_compile(tmp_path, cache_dir, monkeypatch):
     torchvision.models.resnet18(num_classes=4).load_state_dict(state)
 
 
+@pytest.mark.slow
 def test_readme_demo_learns(tmp_path):
     """The README's demo command, as written there, learns: validation loss below 1.3 ln(classes) and top-1
     above chance on the built-in data (generated here into a fresh cache, as on a new machine)."""

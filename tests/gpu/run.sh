@@ -11,7 +11,7 @@ PY=${PYTHON:-python}
 "$PY" tests/gpu/cuda_check.py || exit 1
 export DLOJZ_REQUIRE_GPU=1  # from here on, a test skipped for want of CUDA is a failure (tests/gpu/conftest.py)
 status=0
-"$PY" -m pytest -q tests/gpu || status=$?
+"$PY" -m pytest -q -m "not slurm" tests/gpu || status=$?
 # The table (stdout) is also kept in tests/gpu/last-bench.md, ready to paste into BENCHMARKS.md; progress goes
 # to stderr. A run that prints no table (no GPU, bad option) leaves the previous file alone.
 table=$(mktemp)

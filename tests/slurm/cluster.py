@@ -1,77 +1,107 @@
-"""A real single-machine Slurm for the tests: Debian's slurmctld/slurmd/munge, two emulated nodes
-(node1, node2) with 8 fake GPUs and 64 advertised CPUs each, bound to localhost traffic.
+"""A real single-machine Slurm for the tests: Debian's slurmctld/slurmd/munge (Slurm 22.05), two emulated
+nodes with 8 fake GPUs and 64 advertised CPUs each, all traffic on localhost.
 
-Why each setting: the comment beside it, and Slurm's slurm.conf(5) and gres.conf(5). Everything lives in one state
-directory (config via $SLURM_CONF, no file under /etc/slurm is written); /etc/hosts gets node1/node2
-for the duration; only the daemons started here are stopped, by their pid files.
+Nothing on the machine is changed unless asked: the tests run only with DLOJZ_SLURM_SETUP=1, as root, with
+the packages already installed (.ci/run installs them with apt-get and sets the variable); the fixture
+installs nothing and never edits /etc/hosts. Everything else lives in one state directory (configuration
+via $SLURM_CONF, nothing written under /etc/slurm); the ports are free ones picked at start-up, so two
+suites can run side by side; only the daemons started here are stopped, by their pid files.
 
-    cluster = Cluster(state_dir).up()    # installs the packages if needed (root + apt), ~6-15 s
+Why the settings are what they are (measured on Debian 12 with Slurm 22.05.8):
+- no systemd and package scripts start no service: munged (as user munge), slurmctld and slurmd are
+  started by hand, each with its stdio in a log file (a daemon holding a caller's pipes blocks it);
+- the nodes are named after loopback addresses (127.0.0.1, 127.0.0.2): inside a job dlojz joins the
+  process group at the first node's name, which must resolve, and Slurm reaches each slurmd there on its
+  own port (one `slurmd -N <node>` per emulated node); no /etc/hosts entry is needed;
+- fake GPUs are character devices with NVIDIA's major (195): file-less GRES drain the node, regular files
+  only warn; more CPUs/GPUs than the machine has need SlurmdParameters=config_overrides;
+- EnforcePartLimits=ALL refuses impossible jobs at submission instead of leaving them pending forever;
+  batch_sched_delay=0 starts back-to-back jobs at once (3 s apart otherwise); MailProg=/bin/true because
+  there is no mail(1); jobcomp/filetxt records outcomes without slurmdbd;
+- FirstJobId is random: dlojz derives its rendezvous port from the job id (20000 + id % 20000).
+
+    cluster = Cluster(state_dir).up()    # ~6 s
     ...                                   # sbatch with env=cluster.env
     cluster.down()
 """
 import os
+import random
 import shutil
 import socket
 import subprocess
 import time
 
 PACKAGES = ['slurmctld', 'slurmd', 'slurm-client', 'munge']
-NODES = ('node1', 'node2')
-HOSTS_TAG = '# dlojz-test-slurm'
+ENABLE = 'DLOJZ_SLURM_SETUP'
+HOW = (f'{ENABLE}=1 python -m pytest -q -m slurm tests/slurm, as root, after apt-get install '
+       f'--no-install-recommends {" ".join(PACKAGES)}')
 
 
 def why_unavailable():
-    """None when a cluster can be brought up here, else the reason (for pytest.skip)."""
+    """None when a cluster may be brought up here, else the reason (for pytest.skip)."""
+    if os.environ.get(ENABLE) != '1':
+        return f'the real-Slurm tests start Slurm and munge daemons on this machine; to run them: {HOW}'
     if os.geteuid() != 0:
-        return 'needs root to run slurmctld/slurmd'
-    if not shutil.which('slurmctld', path='/usr/sbin:/usr/bin') and not shutil.which('apt-get'):
-        return 'Slurm is not installed and apt-get is missing'
+        return f'{ENABLE}=1 but slurmctld/slurmd need root'
+    missing = [b for b in ('slurmctld', 'slurmd', 'sbatch', 'munged') if not shutil.which(b, path='/usr/sbin:/usr/bin')]
+    if missing:
+        return (f'{ENABLE}=1 but {", ".join(missing)} not found; the tests install nothing: apt-get install '
+                f'--no-install-recommends {" ".join(PACKAGES)}')
     return None
 
 
-def _install():
-    if all(shutil.which(b, path='/usr/sbin:/usr/bin') for b in ('slurmctld', 'slurmd', 'sbatch', 'munged')):
-        return
-    env = {**os.environ, 'DEBIAN_FRONTEND': 'noninteractive'}
-    subprocess.run(['apt-get', 'update', '-qq'], env=env, capture_output=True, timeout=300)
-    r = subprocess.run(['apt-get', 'install', '-y', '-qq', '--no-install-recommends', *PACKAGES], env=env,
-                       capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        raise RuntimeError(f'apt-get install {" ".join(PACKAGES)} failed: {r.stderr[-500:]}')
+def node_names():
+    """The emulated nodes are named after loopback addresses, which need no name resolution: dlojz joins the
+    process group at the first node's name, and an /etc/hosts entry for node1/node2 would change the system.
+    (Slurm maps a node named localhost to the host name, so localhost and the host name collide.)"""
+    return ['127.0.0.1', '127.0.0.2']
+
+
+def free_ports(n):
+    """n distinct TCP ports that nothing listens on now (the kernel picks them)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(('127.0.0.1', 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class Cluster:
     def __init__(self, state_dir):
         self.d = os.path.abspath(state_dir)
+        self.nodes = node_names()
+        self.ctld_port, *self.node_ports = free_ports(1 + len(self.nodes))
         self.conf = os.path.join(self.d, 'slurm.conf')
         self.env = {**os.environ, 'SLURM_CONF': self.conf}
         self.pidfiles = []  # (pid file, expected /proc/PID/comm) of what we started
 
     # ------------------------------------------------------------------ set-up
     def up(self, timeout=60):
-        _install()
-        for sub in ('state/ctld', 'run', 'log', *(f'state/slurmd-{n}' for n in NODES)):
+        for sub in ('state/ctld', 'run', 'log', *(f'state/slurmd-{n}' for n in self.nodes)):
             os.makedirs(os.path.join(self.d, sub), exist_ok=True)
         self._write_config()
-        self._hosts(add=True)
         self._start_munge()
         self._daemon(['/usr/sbin/slurmctld', '-f', self.conf], 'run/slurmctld.pid', 'slurmctld')
-        for i, node in enumerate(NODES):
+        for node in self.nodes:
             self._daemon(['/usr/sbin/slurmd', '-f', self.conf, '-N', node], f'run/slurmd-{node}.pid', 'slurmd')
         deadline = time.time() + timeout
         while time.time() < deadline:
             states = self.run('sinfo', '-h', '-N', '-o', '%N %T', check=False).stdout.split()
-            if states.count('idle') == len(NODES):
+            if states.count('idle') == len(self.nodes):
                 return self
             time.sleep(0.2)
         raise RuntimeError(f'Slurm nodes not idle after {timeout} s: {states}; see {self.d}/log')
 
     def _write_config(self):
         d = self.d
-        hostname = socket.gethostname()
         fake = os.path.join(d, 'fakegpu')
         gres = []
-        for node in NODES:
+        for node in self.nodes:
             os.makedirs(os.path.join(fake, node), exist_ok=True)
             for i in range(8):
                 dev = os.path.join(fake, node, f'nvidia{i}')
@@ -80,7 +110,8 @@ class Cluster:
             gres.append(f'NodeName={node} Name=gpu File={fake}/{node}/nvidia[0-7]')
         lines = [
             'ClusterName=dlojztest', 'SlurmctldHost=localhost', 'SlurmUser=root', 'SlurmdUser=root',
-            'AuthType=auth/munge', 'CredType=cred/munge', 'SlurmctldPort=6817', 'SlurmdPort=6818',
+            'AuthType=auth/munge', 'CredType=cred/munge', f'SlurmctldPort={self.ctld_port}',
+            f'SlurmdPort={self.node_ports[0]}', f'FirstJobId={random.randrange(1000, 19000)}',
             f'StateSaveLocation={d}/state/ctld', f'SlurmdSpoolDir={d}/state/slurmd-%n',
             f'SlurmctldPidFile={d}/run/slurmctld.pid', f'SlurmdPidFile={d}/run/slurmd-%n.pid',
             f'SlurmctldLogFile={d}/log/slurmctld.log', f'SlurmdLogFile={d}/log/slurmd-%n.log',
@@ -91,31 +122,23 @@ class Cluster:
             'ProctrackType=proctrack/linuxproc', 'TaskPlugin=task/none', 'JobAcctGatherType=jobacct_gather/none',
             'AccountingStorageType=accounting_storage/none', 'GresTypes=gpu', 'SlurmdParameters=config_overrides',
         ]
-        for i, node in enumerate(NODES):
-            # 64 CPUs and 8 GPUs advertised (Jean Zay A100 node shape); the features the scripts ask for
-            lines.append(f'NodeName={node} NodeHostname={hostname} NodeAddr=127.0.0.1 Port={6818 + 10 * i} CPUs=64 '
+        for node, port in zip(self.nodes, self.node_ports):
+            # 64 CPUs and 8 GPUs advertised (Jean Zay A100 node shape); the features the scripts ask for. Each
+            # node its own NodeHostname: two nodes on one host name are refused ("Duplicated NodeHostName")
+            lines.append(f'NodeName={node} NodeHostname={node} NodeAddr={node} Port={port} CPUs=64 '
                          f'Boards=1 SocketsPerBoard=1 CoresPerSocket=64 ThreadsPerCore=1 RealMemory=256000 '
                          f'Gres=gpu:8 Features=v100-32g,a100,h100 State=UNKNOWN')
-        lines.append('PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP')
+        lines.append(f'PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP')
         with open(self.conf, 'w') as f:
             f.write('\n'.join(lines) + '\n')
         with open(os.path.join(d, 'gres.conf'), 'w') as f:
             f.write('\n'.join(gres) + '\n')
 
-    def _hosts(self, add):
-        with open('/etc/hosts') as f:
-            kept = [line for line in f if HOSTS_TAG not in line]
-        if add:
-            kept.append(f'127.0.0.1 {" ".join(NODES)} {HOSTS_TAG}\n')
-        with open('/etc/hosts', 'w') as f:
-            f.writelines(kept)
-
     def _start_munge(self):
         if subprocess.run('munge -n | unmunge', shell=True, capture_output=True).returncode == 0:
             return  # a munged is already serving: not ours to start or stop
-        if not os.path.exists('/etc/munge/munge.key'):
-            subprocess.run(['mungekey', '--create'], check=True)
-            shutil.chown('/etc/munge/munge.key', 'munge', 'munge')
+        if not os.path.exists('/etc/munge/munge.key'):  # the munge package creates it; the tests do not
+            raise RuntimeError('/etc/munge/munge.key is missing: create it with mungekey --create (as root)')
         subprocess.run(['install', '-d', '-o', 'munge', '-g', 'munge', '/run/munge'], check=True)
         self._daemon(['runuser', '-u', 'munge', '--', '/usr/sbin/munged'], None, 'munged',
                      pidfile='/run/munge/munged.pid')
@@ -180,4 +203,3 @@ class Cluster:
             except (OSError, ValueError):
                 continue
         self.pidfiles = []
-        self._hosts(add=False)
