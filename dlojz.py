@@ -19,6 +19,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -27,7 +28,19 @@ from dataclasses import dataclass
 import dlojz_flags
 from dlojz_flags import get_args_parser  # noqa: F401 (dlojz.get_args_parser: the tests' and tune_loader's way in)
 
+# Stop signals that arrive before the run's own handler exists: importing torch, scanning the data and building
+# the model take seconds to minutes on a loaded node, and Slurm's warning (--signal=USR2@N) or a scancel may
+# come then; the default action would end the job without a checkpoint (measured: exit 140 on a real Slurm).
+EARLY_SIGNALS = []
+
+
+def _record_early(signum, frame):
+    EARLY_SIGNALS.append(signal.Signals(signum).name)
+
+
 if __name__ == '__main__':  # flags first: --help and usage errors answer before torch is imported (seconds)
+    for _s in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(_s, _record_early)
     dlojz_flags.parse_or_exit()
 
 import numpy as np
@@ -589,6 +602,8 @@ def main(args, dist=None):
             os.makedirs(args.output_dir, exist_ok=True)  # node-local folders: ranks on other nodes create their own
             tee = dlojz_dist.StdoutTee(os.path.join(args.output_dir, f'nccl.rank{dist.rank}.log'))
             print(f'Train step 0 - rank {dist.rank}', flush=True)  # marker: what follows is initialisation
+        if args.loader_only or args.tune_loader or args.tune:  # no StopSignal there: the default actions
+            release_early_signals()
         if args.loader_only or args.tune_loader:
             return loader_mode(args, raw, dist, device)
         if args.tune:
@@ -603,6 +618,15 @@ def main(args, dist=None):
         lock.release()
         if tee:
             tee.close()
+
+
+def release_early_signals():
+    """Back to the default actions, and a stop signal that came during start-up delivered again."""
+    if signal.getsignal(signal.SIGUSR2) is _record_early:
+        for s in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)
+        if EARLY_SIGNALS:
+            os.kill(os.getpid(), getattr(signal, EARLY_SIGNALS[-1]))
 
 
 def tune_mode(args, raw, dist, device):
@@ -636,7 +660,7 @@ def _main(args, dist, device):
     run, progress = build_run(args, dist, device, Console(dist.is_main))
     print_header(run)
     power, extra, code = run.power, {}, 1
-    run.stop.install()
+    run.stop.install(EARLY_SIGNALS)  # one that came during start-up stops the run at its first step boundary
     try:
         # This attempt's record from its start: a kill or a full disk leaves 'running' with this attempt's config
         # and step, never an earlier attempt's summary (a 'preempted' one) that would read as the current state.

@@ -324,10 +324,14 @@ class StopSignal:
         self.received, self._old = None, {}
         self._work = self._flag = None  # the all-reduce started at the previous step
 
-    def install(self):
+    def install(self, pending=()):
+        """pending: names of the stop signals received before (dlojz.EARLY_SIGNALS), read after the handlers
+        are in place so that none falls between the two."""
         if threading.current_thread() is threading.main_thread():  # Python only allows it there
             for s in self.SIGNALS:
                 self._old[s] = signal.signal(s, self._handler)
+        if pending and self.received is None:
+            self.received = pending[-1]
         return self
 
     def _handler(self, signum, frame):

@@ -136,7 +136,7 @@ def test_accumulation_resumes_at_another_world_size(two_ranks, tmp_path, cache_d
     global batch, so no flag is needed, and the position in each virtual rank's order is kept: steps 5 and 6
     are those of a single process accumulating from the start."""
     p = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'more', *EQUIV[2:], '--test-nsteps',
-                '2', '--accum-steps', '2', '--resume', latest(two_ranks[0]), env={'OMP_NUM_THREADS': '1'})
+                '6', '--accum-steps', '2', '--resume', latest(two_ranks[0]), env={'OMP_NUM_THREADS': '1'})
     assert p.returncode == 0, p.stderr[-3000:]
     ref = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'ref', *EQUIV[2:], '--test-nsteps',
                   '6', '--accum-steps', '2', env={'OMP_NUM_THREADS': '1'})

@@ -208,3 +208,31 @@ def test_a_signal_while_the_workers_start_spares_them(persistent):
                                         worker_init_fn=_signalled_while_starting)
     with pytest.raises(RuntimeError, match='DataLoader worker'):  # the same with torch's own: the test can fail
         list(plain)
+
+
+def catches(pid, sig):
+    """True once the process has a handler for sig (/proc/<pid>/status SigCgt, a hex mask of signals)."""
+    try:
+        with open(f'/proc/{pid}/status') as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith('SigCgt:'))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (sig - 1) & 1)
+
+
+def test_a_stop_signal_during_start_up_stops_at_the_first_step(tmp_path, cache_dir):
+    """Slurm's warning or a scancel can come while torch is imported and the data scanned (seconds on a loaded
+    node): the default action used to end the job with no checkpoint (exit 140 under a real Slurm's 1-minute
+    time limit). The signal is sent as soon as dlojz.py catches it (at most 1 s after the start, well before
+    torch is imported); the run stops with a checkpoint at its first step boundary and exit 5."""
+    out = tmp_path / 'run'
+    p = start(out, cache_dir, '--test-nsteps', '20')
+    deadline = time.time() + 1.0
+    while time.time() < deadline and not catches(p.pid, signal.SIGUSR2):
+        time.sleep(0.002)
+    p.send_signal(signal.SIGUSR2)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 5, err[-2000:]
+    summary = json.load(open(out / 'summary.json'))
+    assert summary['status'] == 'preempted' and summary['global_step'] == 1
+    assert list_checkpoints(str(out))[-1].endswith('checkpoint-00000001.pt')
