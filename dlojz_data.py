@@ -145,6 +145,13 @@ def _write_one(job):
     return len(buf.getvalue())
 
 
+def default_stop_signals():
+    """A pool worker forked while dlojz.py records early stop signals (dlojz.EARLY_SIGNALS) would inherit that
+    handler and outlive a SIGTERM meant to end it (the pool's own, or Slurm's to the process group)."""
+    for s in (signal.SIGTERM, signal.SIGUSR2):
+        signal.signal(s, signal.SIG_DFL)
+
+
 def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, seed, workers=None,
                              log=print):
     """Generate the synthetic dataset under root unless a complete copy is already there."""
@@ -162,8 +169,10 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
     workers = workers or min(len(os.sched_getaffinity(0)), 8)
     log(f'Generating the synthetic dataset: {len(jobs)} JPEGs into {root} ({workers} processes)')
     if workers > 1:
-        with mp.get_context('fork').Pool(workers) as pool:
+        with mp.get_context('fork').Pool(workers, initializer=default_stop_signals) as pool:
             sizes = pool.map(_write_one, jobs, chunksize=8)
+            pool.close()  # the workers end on their own: Pool's exit would SIGTERM them
+            pool.join()
     else:
         sizes = [_write_one(j) for j in jobs]
     with open(os.path.join(tmp, 'COMPLETE.json'), 'w') as f:

@@ -226,12 +226,13 @@ def test_a_stop_signal_during_start_up_stops_at_the_first_step(tmp_path, cache_d
     time limit). The signal is sent as soon as dlojz.py catches it (at most 1 s after the start, well before
     torch is imported); the run stops with a checkpoint at its first step boundary and exit 5."""
     out = tmp_path / 'run'
-    p = start(out, cache_dir, '--test-nsteps', '20')
+    fresh = tmp_path / 'cache'  # the synthetic dataset is generated during start-up, by forked pool workers
+    p = start(out, fresh, '--test-nsteps', '20')
     deadline = time.time() + 1.0
     while time.time() < deadline and not catches(p.pid, signal.SIGUSR2):
         time.sleep(0.002)
     p.send_signal(signal.SIGUSR2)
-    _, err = p.communicate(timeout=300)
+    _, err = p.communicate(timeout=300)  # (a pool worker that outlived its SIGTERM hung here forever)
     assert p.returncode == 5, err[-2000:]
     summary = json.load(open(out / 'summary.json'))
     assert summary['status'] == 'preempted' and summary['global_step'] == 1
