@@ -80,11 +80,12 @@ def pick_device(choice, dist, share=False):
     return torch.device('cuda', torch.cuda.current_device())
 
 
-def check_args(args, device, world_size=1, capability=None, job_id=None):
+def check_args(args, device, world_size=1, capability=None, job_id=None, backend=None):
     """Refuse flag combinations that mean nothing and resolve the defaults that depend on other flags, on
     the device or on the world size. The parser has already checked each value's type and range.
     capability: the GPU's (major, minor) compute capability (default: asked from CUDA). job_id: SLURM's, which
-    names the default run folder (a requeued job keeps it)."""
+    names the default run folder (a requeued job keeps it). backend: the process group's
+    (dlojz_dist.process_group_backend)."""
     args = dlojz_flags.check_flags(args)  # those that need only the flags (`python dlojz.py` ran it already)
     if args.num_workers is None:
         args.num_workers = dlojz_dist.slurm_cpus_per_task() or min(8, usable_cores())
@@ -123,6 +124,10 @@ def check_args(args, device, world_size=1, capability=None, job_id=None):
         refusals.append((args.amp == 'bf16' and not bf16, f'--amp bf16 needs a GPU of compute capability 8.0 or '
                          f'more (A100, H100); this one is {major}.{minor} (V100: 7.0) and would emulate it slowly; '
                          f'use --amp fp16.'))
+        # gloo (ranks sharing a GPU) all-reduces and broadcasts CUDA tensors, but SyncBatchNorm all-gathers them
+        refusals.append((args.sync_bn and backend == 'gloo' and world_size > 1, '--sync-bn all-gathers BatchNorm '
+                         'statistics on the GPU, which the gloo group of ranks sharing a GPU cannot do; drop '
+                         '--sync-bn, or give each task a GPU of its own.'))
         args.amp = ('bf16' if bf16 else 'fp16') if args.amp == 'auto' else args.amp
     for refused, sentence in refusals:
         if refused:
@@ -569,7 +574,8 @@ def main(args, dist=None):
     share = args.share_gpu or dlojz_dist.mps_active()
     device = pick_device(args.device, dist, share)
     raw = dict(vars(args))  # the flags as given: --tune-loader passes them on to its trials
-    args = check_args(args, device, dist.world_size, job_id=dist.job_id)
+    backend = dlojz_dist.process_group_backend(device.type, torch.cuda.device_count(), dist.local_world_size, share)
+    args = check_args(args, device, dist.world_size, job_id=dist.job_id, backend=backend)
     threads = intra_op_threads(args.num_workers, device.type == 'cpu', dist.local_world_size)
     if threads:  # before the first parallel op: OpenMP sizes its pool then
         torch.set_num_threads(threads)

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import custom_models
 import dlojz
+import dlojz_dist
 import dlojz_recipe
 from dlojz_errors import UsageError
 from dlojz_chrono import PowerMeter
@@ -400,3 +401,15 @@ def test_log_line_read_carries_the_nan_guard():
     guard.observe(torch.tensor(1.0))
     with pytest.raises(NonFiniteLoss, match='at step 8;'):
         guard.check(torch.tensor(3.5))
+
+
+def test_sync_bn_is_refused_where_ranks_share_a_gpu_through_gloo():
+    """gloo has no all_gather of CUDA tensors, which SyncBatchNorm needs: with ranks sharing a GPU (the gloo
+    group, dlojz_dist.process_group_backend) --sync-bn is one sentence, not a traceback inside the first
+    forward; with NCCL, or alone, it is allowed."""
+    args = lambda: dlojz.get_args_parser().parse_args(['--sync-bn'])
+    backend = dlojz_dist.process_group_backend('cuda', device_count=1, local_world_size=4, share=True)
+    with pytest.raises(UsageError, match='--sync-bn all-gathers'):
+        dlojz.check_args(args(), GPU, 4, capability=(8, 0), backend=backend)
+    assert dlojz.check_args(args(), GPU, 4, capability=(8, 0), backend='nccl').sync_bn
+    assert dlojz.check_args(args(), GPU, 1, capability=(8, 0), backend='gloo').sync_bn
