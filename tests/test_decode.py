@@ -320,7 +320,9 @@ def test_device_decode_streams_and_the_sm70_warning(monkeypatch, capsys, capabil
     for name in ('Stream', 'stream', 'current_stream', 'get_device_capability'):
         monkeypatch.setattr(DD.torch.cuda, name, getattr(cuda, name))
     decoder = DD.DeviceDecode()
-    decoder.decode_jpeg = lambda chunks, **kw: [Decoded(cuda.current) for _ in chunks]
+    # a list in one call from torchvision 0.20, one tensor per call before (the floors' 0.19): both are fine here
+    decoder.decode_jpeg = lambda data, **kw: [Decoded(cuda.current) for _ in data] if isinstance(data, list) \
+        else Decoded(cuda.current)
     device = torch.device('cuda', 0)
     chunks = [torch.zeros(4, dtype=torch.uint8)] * 3
     outs = [decoder._on_device(chunks, device) for _ in range(3)]
