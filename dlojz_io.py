@@ -386,6 +386,18 @@ def write_json(path, obj):
         raise
 
 
+def run_for_summary(cmd, out):
+    """A dlojz process of its own (a trial of the loader doctor or the tuner) -> (its out/summary.json or None,
+    exit code, its last stderr line)."""
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        with open(os.path.join(out, 'summary.json')) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        summary = None
+    return summary, r.returncode, (r.stderr.strip().splitlines() or ['no output'])[-1]
+
+
 def _json_default(o):
     if isinstance(o, (torch.device, torch.dtype)):
         return str(o)

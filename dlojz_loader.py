@@ -11,11 +11,9 @@ memory, each trial in its own process (its own memory peak), and says which one 
 import argparse
 import csv
 import glob
-import json
 import math
 import os
 import re
-import subprocess
 import sys
 import time
 
@@ -23,7 +21,7 @@ import torch
 
 from dlojz_data import build_data
 from dlojz_errors import UsageError
-from dlojz_io import SUMMARY_VERSION, host_memory, provenance, usable_cores, write_json
+from dlojz_io import SUMMARY_VERSION, host_memory, provenance, run_for_summary, usable_cores, write_json
 
 # ------------------------------------------------------------------------------------------ host memory
 
@@ -223,15 +221,9 @@ def trial_argv(trial):
 
 def _run(cmd, out):
     """One trial in its own process -> its summary.json, or a UsageError that says what failed."""
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    try:
-        with open(os.path.join(out, 'summary.json')) as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        summary = None
-    if r.returncode != 0 or summary is None or summary.get('status') != 'completed':
-        tail = (r.stderr.strip().splitlines() or ['no output'])[-1]
-        raise UsageError(f'a --tune-loader trial failed (exit {r.returncode}: {tail}); its command: '
+    summary, code, tail = run_for_summary(cmd, out)
+    if code != 0 or summary is None or summary.get('status') != 'completed':
+        raise UsageError(f'a --tune-loader trial failed (exit {code}: {tail}); its command: '
                          f'{" ".join(cmd[1:])}')
     return summary
 

@@ -186,10 +186,11 @@ def last_record(run, kind):
 
 def verdict(run):
     """One line: completed, or what stopped the run and at which step (from the run's recorded status)."""
-    if run.summary is None:
+    if run.summary is None or run.status == 'running':  # dlojz writes 'running' as each attempt starts
         last = last_record(run, 'train')
         ckpts = list_checkpoints(run.path)
-        return ('incomplete: no summary.json, the run crashed, was killed or is still running; last logged '
+        why = 'no summary.json' if run.summary is None else "summary.json still says 'running'"
+        return (f'incomplete: {why}, the run crashed, was killed or is still running; last logged '
                 f"step {last.get('global_step') if last else 'none'}; newest checkpoint "
                 f"{os.path.basename(ckpts[-1]) if ckpts else 'none'}")
     status, step, error = run.status, run.get('failed_step'), run.get('error')

@@ -27,12 +27,11 @@ raw, get_args_parser(), dist, device, say)` next to --tune-loader; this module n
 import csv
 import json
 import os
-import subprocess
 import sys
 import time
 
 from dlojz_errors import UsageError
-from dlojz_io import SUMMARY_VERSION, write_json
+from dlojz_io import SUMMARY_VERSION, run_for_summary, write_json
 import dlojz_scaling
 
 # flags the tuner sets itself in each trial, left out of the user's flags it passes on
@@ -79,13 +78,7 @@ def run_trial(python, script, base, argv, out, steps, warmup=3):
     # -e: enough epochs that a small dataset holds the trial's steps (test mode stops at --test-nsteps)
     cmd = [python, script, *base, *argv, '--test-nsteps', str(warmup + steps), '--warmup-steps', str(warmup),
            '-e', '1000', '--wandb', 'off', '--overwrite', '--output-dir', out]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    try:
-        with open(os.path.join(out, 'summary.json')) as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        summary = None
-    return summary, r.returncode, (r.stderr.strip().splitlines() or [''])[-1]
+    return run_for_summary(cmd, out)
 
 
 def row_from(summary, code, last_line, batch, amp, channels_last, compile_, cuda):
