@@ -377,17 +377,15 @@ def close_epoch(run, progress):
     args = run.args
     epoch_end = progress.step == run.steps_per_epoch  # else --test-nsteps ended mid-epoch (this run's or the last)
     last = (epoch_end and progress.epoch == args.epochs - 1) or (args.test and progress.global_step >= args.test_nsteps)
-    if last or (epoch_end and not args.test and (progress.epoch + 1) % args.val_every == 0):
+    validate = last or (epoch_end and not args.test and (progress.epoch + 1) % args.val_every == 0)
+    if validate:
         progress.val = evaluate(run, progress.epoch, progress, 20 if args.test else None)
         if run.ema is not None:
             progress.val_ema = evaluate(run, progress.epoch, progress, 20 if args.test else None, ema=True)
-        validated = True
-    else:
-        validated = False
     if epoch_end:
         progress.epoch, progress.step = progress.epoch + 1, 0
     progress.end_due = False
-    if validated:
+    if validate:
         note_validation(run, progress)
 
 

@@ -161,11 +161,11 @@ class Chronometer:
         if self.stop_time is None:
             self.stop_time = datetime.datetime.now()
 
-    def _event(self):
+    def _event(self, rec):
+        """Record an event; `rec`'s step (None outside a step) chains it (see the docstring on clean steps)."""
         e = self.timeline.event()
         e.record()
-        rec = self._current
-        if rec is not None:  # a step's events form a chain; see the docstring on clean steps
+        if rec is not None:
             if rec['last'] is not None and rec['last'].query():
                 rec['clean'] = False  # the device reached the previous event before this one was queued
             rec['last'] = e
@@ -197,7 +197,7 @@ class Chronometer:
                     self.timeline.delay(self._probe_s)
                     self._current['probe'], self._probe_s, self._last_probe = True, None, self._begun
                 self._current.update(clean=True, last=None)
-                self._current['span'] = self._event()
+                self._current['span'] = self._event(self._current)
             self._interval.append(self._current['data'])
             self._begun += 1
             n += 1
@@ -209,9 +209,7 @@ class Chronometer:
         self._current = None
         rec['step'] = self.clock() - rec.pop('t0')
         if self.events:
-            self._current = rec
-            rec['span'] = (rec['span'], self._event())
-            self._current = None
+            rec['span'] = (rec['span'], self._event(rec))
             del rec['last']
             if not rec['clean']:
                 self._schedule_probe(rec)
@@ -230,9 +228,9 @@ class Chronometer:
     def _timed_phase(self, name):
         rec = self._current
         if self.events:
-            start = self._event()
+            start = self._event(rec)
             yield
-            rec['events'].append((name, start, self._event()))
+            rec['events'].append((name, start, self._event(rec)))
         else:
             if self.sync and self.cuda:
                 self.timeline.synchronize()
@@ -328,10 +326,8 @@ class Chronometer:
                'wall_s': sum(r['step'] for r in steady), 'data_s': sum(r['data'] for r in steady),
                'probe_steps': sum(bool(r.get('probe')) for r in steady), 'busy_s': None, 'gpu_step_s': None,
                'gpu_step_source': None, 'gpu_measured_steps': 0, 'backward_s': None}
-        for source, keep in (('clean', lambda r: r.get('clean')), ('spans', lambda r: True)):
-            measured = [r for r in steady if keep(r)]
-            if measured:
-                break
+        clean = [r for r in steady if r.get('clean')]
+        measured, source = (clean, 'clean') if clean else (steady, 'spans')
         if not measured:
             return res
         work = sum(r['compute'] for r in measured)

@@ -341,10 +341,10 @@ def remove_partial_checkpoints(path, say=print):
 
 def remove_if_empty(path):
     try:
-        if sorted(os.listdir(path)) in ([OWNER], [LOCK], sorted([LOCK, OWNER])):  # only claims: nothing of a run
-            for name in (OWNER, LOCK):
-                if os.path.exists(os.path.join(path, name)):
-                    os.remove(os.path.join(path, name))
+        names = set(os.listdir(path))
+        if names and names <= {OWNER, LOCK}:  # only claims on the folder: nothing of a run
+            for name in names:
+                os.remove(os.path.join(path, name))
     except OSError:
         pass
     try:

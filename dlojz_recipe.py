@@ -183,8 +183,7 @@ def suggest_lr(lrs, losses):
     and depends on where the noise puts the minimum. The losses are smoothed by a centered moving average over
     ~10% of the sweep (no lag), and the slope is taken across that window.
     -> (suggested lr or None, why): None when the curve has too few points or never descends."""
-    cut = diverged_at(losses)
-    n = cut
+    n = diverged_at(losses)
     if n < 5:
         return None, f'{n} steps before the divergence: too few to find a descent'
     half = max(1, n // 20)

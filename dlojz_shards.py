@@ -180,7 +180,6 @@ def is_shards(root):
 
 def incomplete(root, missing):
     """The DataError for a shards folder that a prepare has not finished (it writes index.json last)."""
-    from dlojz_errors import DataError
     return DataError(f'{root} looks like an incomplete `dlojz_data.py prepare` ({missing} is missing); finish it '
                      f'by running `python dlojz_data.py prepare SRC {root}` again with the same SRC and options '
                      f'(it resumes, keeping the shards already written).')
