@@ -109,9 +109,13 @@ def first_line(e):
     return (text[0] if text else type(e).__name__)[:300]
 
 
-COMM_FAILURE_PATTERNS = ('Connection reset by peer', 'Connection closed by peer', 'Timed out waiting',
-                         'Broken pipe', 'NCCL communicator was aborted', 'Watchdog caught collective',
-                         'DistBackendError', 'ProcessGroupNCCL', 'ProcessGroupGloo')
+# Messages of a collective that lost its peer, lower case (gloo's strings are read from libtorch_cpu.so's
+# gloo/transport/tcp; a hung peer in the middle of DDP's backward gives "Application timeout caused pair
+# closure", not "Timed out waiting"). Gloo raises them as plain RuntimeErrors, some through autograd's engine.
+COMM_FAILURE_PATTERNS = ('connection reset by peer', 'connection closed by peer', 'timed out waiting',
+                         'application timeout caused pair closure', 'socket timeout', 'connect timeout',
+                         'broken pipe', 'nccl communicator was aborted', 'watchdog caught collective',
+                         'distbackenderror', 'processgroupnccl', 'processgroupgloo', 'gloo/transport')
 
 
 def is_comm_failure(exc):
@@ -119,7 +123,8 @@ def is_comm_failure(exc):
     import torch.distributed as tdist
     if isinstance(exc, getattr(tdist, 'DistError', ())):
         return True
-    return isinstance(exc, RuntimeError) and any(p in str(exc) for p in COMM_FAILURE_PATTERNS)
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(p in text for p in COMM_FAILURE_PATTERNS)
 
 
 def loader_error_message(exc):

@@ -69,6 +69,9 @@ def test_translate_compile_failure_only_when_compiling():
 def test_comm_failure_patterns():
     assert E.is_comm_failure(RuntimeError('[gloo/pair.cc:545] Read error: Connection reset by peer.'))
     assert E.is_comm_failure(RuntimeError('Timed out waiting 5000ms for recv operation to complete'))
+    # what rank 0's backward raised in CI when its peer was SIGSTOPped (DDP's reducer, gloo, torch 2.15)
+    assert E.is_comm_failure(RuntimeError('Application timeout caused pair closure'))
+    assert E.is_comm_failure(RuntimeError('[gloo/transport/tcp/unbound_buffer.cc:81] Socket Timeout'))
     assert not E.is_comm_failure(RuntimeError('CUDA error: device-side assert triggered'))
     assert not E.is_comm_failure(ValueError('Connection reset by peer'))
 
