@@ -385,11 +385,17 @@ class Data:
     n_train: int = 0
     n_val: int = 0
     accum: int = 1  # --accum-steps: micro-batches per optimizer step
+    ahead: object = None  # --decode gpu --decode-ahead: the device the batches are decoded on, one batch ahead
+
+    @property
+    def train_batches(self):
+        """The training loader's batches, decoded one batch ahead with --decode gpu --decode-ahead."""
+        return self.train_loader if self.ahead is None else dlojz_decode.DecodeAhead(self.train_loader, self.ahead)
 
     @property
     def train_steps(self):
         """What the training loop iterates: batches, or groups of --accum-steps micro-batches."""
-        return self.train_loader if self.accum == 1 else Accumulate(self.train_loader, self.accum)
+        return self.train_batches if self.accum == 1 else Accumulate(self.train_batches, self.accum)
 
     @property
     def bad_images(self):

@@ -5,14 +5,16 @@ dlojz_data from seed, epoch and index), so they differ by decoder and resampler 
 - pil: PIL decodes the whole image (TrainTransform).
 - fast: libjpeg-turbo (simplejpeg) decodes at the smallest DCT scale the crop allows (FastTrainTransform).
 - gpu: the workers read the bytes and draw; nvJPEG decodes the batch on the GPU, which crops, resizes and
-  flips (GpuTrainTransform -> EncodedBatch -> EncodedBatch.to(device)).
+  flips (GpuTrainTransform -> EncodedBatch -> DeviceDecode), one batch ahead of training (DecodeAhead).
 """
+import collections
 import io
 import math
 import multiprocessing as mp
 import re
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -258,13 +260,20 @@ class GpuCollate:
         return EncodedBatch(list(samples), self.size), torch.tensor(labels, dtype=torch.int64)
 
 
-def crop_resize(img, box, size):
-    """uint8 (3, H, W) on the device -> float (3, size, size): crop, bilinear antialiased resize (as
-    torchvision's RandomResizedCrop on tensors; CUDA has no uint8 antialiased kernel), flip."""
-    top, left, h, w, flip = box
-    x = img[:, top:top + h, left:left + w].unsqueeze(0).float()
-    x = torch.nn.functional.interpolate(x, size=(size, size), mode='bilinear', antialias=True, align_corners=False)[0]
-    return x.flip(-1) if flip else x
+def crop_resize(images, boxes, size, device):
+    """Decoded uint8 (3, H_i, W_i) images on the device -> uint8 (N, 3, size, size): crop, bilinear antialiased
+    resize (torchvision's RandomResizedCrop on tensors; CUDA has no uint8 antialiased kernel), flip. Each image
+    has its own crop size and scale and torch has no batched resize over ragged inputs, so two kernels per image
+    remain (the crop's float copy, the resize); the flip, the rounding and the cast run once for the batch."""
+    resized = [torch.nn.functional.interpolate(img[:, t:t + h, l:l + w].unsqueeze(0).float(), size=(size, size),
+                                               mode='bilinear', antialias=True, align_corners=False)
+               for img, (t, l, h, w, _) in zip(images, boxes)]
+    x = torch.cat(resized)
+    flips = torch.tensor([box[4] for box in boxes], dtype=torch.bool)
+    if device.type == 'cuda':  # pinned, so that the copy does not wait for the stream on the host
+        flips = flips.pin_memory().to(device, non_blocking=True)
+    x = torch.where(flips.view(-1, 1, 1, 1), x.flip(-1), x)
+    return x.round_().clamp_(0, 255).to(torch.uint8)
 
 
 def decodes_lists(torchvision_version):
@@ -289,6 +298,26 @@ SM70_WARNING = ('--decode gpu on a GPU without a hardware JPEG decoder (compute 
                 '--decode fast with enough workers; compare them with --loader-only.')
 
 
+class DecodedBatch:
+    """A --decode gpu batch decoded by DeviceDecode.decoded(): uint8 (N, 3, size, size) on the device, ready
+    once `event` has passed on the decoder's stream. .to() makes the caller's stream wait for that event (a
+    device-side wait, no host sync) and marks the images as used by it, so that their memory is not reused
+    before the step that reads them has run."""
+
+    def __init__(self, images, replaced, event):
+        self.images, self.replaced, self.event = images, replaced, event
+
+    def __len__(self):
+        return len(self.images)
+
+    def to(self, device, non_blocking=False):
+        if self.event is not None:
+            stream = torch.cuda.current_stream(self.images.device)
+            stream.wait_event(self.event)
+            self.images.record_stream(stream)
+        return self.images
+
+
 class DeviceDecode:
     """EncodedBatch.to(device): nvJPEG decode (the batch in one call from torchvision 0.20, image by image
     on 0.19), then crop, resize and flip on the device. An image nvJPEG refuses is decoded by PIL on the
@@ -296,12 +325,15 @@ class DeviceDecode:
     --skip-bad-images is replaced by the batch's previous sample and counted. The first refusal is printed
     with nvJPEG's own message, once: a decoder that refuses everything must not pass for a slow run.
 
-    torchvision's CUDA decode_jpeg allocates its outputs on the current stream but writes them from a private
-    stream that does not wait for it, so a block just freed by queued training kernels can be overwritten
-    while they still read it (pytorch/vision#9606). Decoding with a stream of our own current keeps its
-    outputs in that stream's pool, which only ever holds earlier decode outputs, released after the training
-    stream is done with them (record_stream). decode_jpeg waits on the host for its own stream (its
-    cudaStreamSynchronize), not for the training stream."""
+    Streams, on CUDA: two of our own per device, for the whole run. torchvision's CUDA decode_jpeg allocates
+    its outputs on the current stream but writes them from a private stream that does not wait for it, so a
+    block just freed by queued kernels can be overwritten while they still read it (pytorch/vision#9606).
+    Decoding with the `decode` stream current keeps its outputs in that stream's pool, which only ever holds
+    earlier decode outputs, released once the `geometry` stream, which crops and resizes them, is done
+    (record_stream). decode_jpeg waits on the host for its own stream (its cudaStreamSynchronize), not for
+    the training stream. The batch is ready at an event on the geometry stream, which the training stream
+    waits for when it takes the batch (DecodedBatch.to), so that decoding can run ahead, on another thread
+    (DecodeAhead), while the training stream holds queued work."""
 
     def __init__(self, torchvision_version=torchvision.__version__):
         self.decode_jpeg = decode_jpeg  # seam: tests make it refuse
@@ -313,15 +345,46 @@ class DeviceDecode:
         self._streams, self.deprecation_said = {}, False
 
     def __call__(self, batch, device, non_blocking=False):
+        return self.decoded(batch, device, non_blocking).to(device)
+
+    def decoded(self, batch, device, non_blocking=False):
+        """-> DecodedBatch: `batch` decoded, cropped, resized and flipped, queued on this decoder's streams."""
+        streams = self._streams_of(device)
+        if streams is None:
+            return DecodedBatch(self._assemble(batch, device, non_blocking, None), batch.replaced, None)
+        with torch.cuda.stream(streams['geometry']):
+            images = self._assemble(batch, device, non_blocking, streams)
+            event = torch.cuda.Event()
+            event.record(streams['geometry'])
+        return DecodedBatch(images, batch.replaced, event)
+
+    def _streams_of(self, device):
+        """{'decode', 'geometry'} streams of `device`, made once per run; None off CUDA."""
+        if device.type != 'cuda':
+            return None
+        if device not in self._streams:
+            self._streams[device] = {'decode': torch.cuda.Stream(device), 'geometry': torch.cuda.Stream(device)}
+            capability = torch.cuda.get_device_capability(device)
+            if lacks_jpeg_engine(capability):
+                print(f'dlojz: warning: {SM70_WARNING.format(*capability)}', file=sys.stderr, flush=True)
+        return self._streams[device]
+
+    def _assemble(self, batch, device, non_blocking, streams):
+        """-> uint8 (N, 3, size, size) in the batch's order: the samples decoded on the device and those the
+        workers decoded on the host; sets batch.replaced (--skip-bad-images)."""
         out = [None] * batch.n
+        if batch.at:
+            chunks = list(torch.split(batch.data, batch.sizes))
+            images = self.decode(chunks, batch.names, device, streams)
+            good = [k for k, img in enumerate(images) if img is not None]
+            if good:
+                done = crop_resize([images[k] for k in good], [batch.boxes[k] for k in good], batch.size, device)
+                for k, img in zip(good, done):
+                    out[batch.at[k]] = img
         if batch.pixels.numel():
             pixels = batch.pixels.to(device, non_blocking=non_blocking)
             for j, i in enumerate(sorted(set(range(batch.n)) - set(batch.at))):
-                out[i] = pixels[j].float()
-        if batch.at:
-            chunks = list(torch.split(batch.data, batch.sizes))
-            for i, img, box in zip(batch.at, self.decode(chunks, batch.names, device), batch.boxes):
-                out[i] = crop_resize(img, box, batch.size) if img is not None else None
+                out[i] = pixels[j]
         good = [i for i, x in enumerate(out) if x is not None]
         if not good:
             raise BadImageError(f'no image of a batch could be decoded ({", ".join(batch.names)}); check the data '
@@ -331,19 +394,19 @@ class DeviceDecode:
         batch.replaced = [(i, max((g for g in good if g < i), default=good[0])) for i, x in enumerate(out) if x is None]
         for i, j in batch.replaced:
             out[i] = out[j]
-        return torch.stack(out).round_().clamp_(0, 255).to(torch.uint8)
+        return torch.stack(out)
 
-    def decode(self, chunks, names, device):
+    def decode(self, chunks, names, device, streams=None):
         """-> the decoded images, None where no decoder could read one (--skip-bad-images)."""
         if self.lists:
             try:
-                return self._on_device(chunks, device)
+                return self._on_device(chunks, device, streams)
             except RuntimeError as e:  # one image spoils the batch: find it below
                 self._warn(e, 'a batch')
         images = []
         for chunk, name in zip(chunks, names):
             try:
-                images += self._on_device([chunk], device)
+                images += self._on_device([chunk], device, streams)
             except RuntimeError as e:
                 self._warn(e, name)
                 self.refused += 1
@@ -394,21 +457,56 @@ class DeviceDecode:
             return self._decode(chunks, device)
         return [self._decode(c, device) for c in chunks]
 
-    def _on_device(self, chunks, device):
-        if device.type != 'cuda':
+    def _on_device(self, chunks, device, streams):
+        """decode_jpeg on the decode stream; the current (geometry) stream waits for it and is recorded on the
+        outputs, which it reads."""
+        if streams is None:
             return self._call(chunks, device)
-        if device not in self._streams:  # one stream per device for the whole run, not one per call
-            self._streams[device] = torch.cuda.Stream(device)
-            capability = torch.cuda.get_device_capability(device)
-            if lacks_jpeg_engine(capability):
-                print(f'dlojz: warning: {SM70_WARNING.format(*capability)}', file=sys.stderr, flush=True)
-        main, side = torch.cuda.current_stream(device), self._streams[device]
-        with torch.cuda.stream(side):
+        reader = torch.cuda.current_stream(device)
+        with torch.cuda.stream(streams['decode']):
             images = self._call(chunks, device)
-        main.wait_stream(side)
+        reader.wait_stream(streams['decode'])
         for img in images:
-            img.record_stream(main)
+            img.record_stream(reader)
         return images
+
+
+class DecodeAhead:
+    """The training loader of --decode gpu, each batch decoded while the step before it trains: a thread
+    decodes batch k+1 (nvJPEG's host work and its kernel launches, the GIL released inside torch's ops) while
+    the training thread queues step k, and the training stream waits for the decode on the device only
+    (DecodedBatch.to). The batches and their order are the loader's; the DataLoader is only touched from the
+    calling thread. At most `depth` batches are decoded and not yet taken (~N*3*size^2 bytes each on the
+    device: 38 MB at 256 x 224 px). An error in the decode (a bad image) is raised when its batch is taken."""
+
+    def __init__(self, loader, device, decoder=None, depth=1):
+        self.loader, self.device, self.depth = loader, torch.device(device), depth
+        self.decoder = decoder
+
+    def __len__(self):
+        return len(self.loader)
+
+    def _decode(self, item):
+        batch, labels = item
+        decoder = self.decoder or DEVICE_DECODE
+        return decoder.decoded(batch, self.device, non_blocking=True), labels
+
+    def __iter__(self):
+        it = iter(self.loader)  # the workers start (fork) before the thread does
+        pending = collections.deque()
+        # a new thread's current CUDA device is 0 whatever this rank's is: set it, so that what torch allocates
+        # or launches without naming a device lands on this rank's GPU
+        on_device = (lambda: torch.cuda.set_device(self.device)) if self.device.type == 'cuda' else None
+        pool = ThreadPoolExecutor(1, thread_name_prefix='dlojz-decode', initializer=on_device)
+        try:
+            for item in it:
+                pending.append(pool.submit(self._decode, item))
+                if len(pending) > self.depth:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:  # a stop mid-epoch: the decode under way ends, the queued ones do not start
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 DEVICE_DECODE = DeviceDecode()  # one per process: only the main process decodes on the device

@@ -98,6 +98,9 @@ def get_args_parser(add_help=True):
                    '(torchvision\'s way); "gpu" has the workers read the files and nvJPEG decode each batch on the '
                    'GPU, which crops, resizes and flips (CUDA only; the host decodes what nvJPEG refuses). Same '
                    'crops and flips every way; validation decodes on the host')
+    g.add_argument('--decode-ahead', action=B, default=True, help='--decode gpu: decode the next batch on a '
+                   'thread and side streams while the step before it trains (--no-decode-ahead: decode each '
+                   'batch at the start of its step, to compare)')
     g.add_argument('--skip-bad-images', action='store_true', help='replace undecodable files and count them '
                    'instead of stopping')
     g = p.add_argument_group('loader')

@@ -134,6 +134,8 @@ def measure(loader, steps, warmup, device, non_blocking=True, set_epoch=lambda e
 def loader_only(args, dist, device, say):
     """--loader-only: measure the training loader, print its line, write summary.json (mode 'loader')."""
     data = build_data(args, dist, log=say)
+    if args.decode == 'gpu' and args.decode_ahead:  # what the training loop iterates
+        data.ahead = device
     say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train images, '
         f'{len(data.classes)} classes')
     steps = args.test_nsteps or 50
@@ -142,7 +144,7 @@ def loader_only(args, dist, device, say):
     warmup = max(args.warmup_steps, args.num_workers * (args.prefetch_factor or 0))
     say(f'>>> Loader only: {steps} batches of {args.batch_size} after {warmup} warm-up batches, {args.num_workers} '
         f'workers, prefetch {args.prefetch_factor}, pin memory {args.pin_memory}, decode {args.decode}, on {device}')
-    m = measure(data.train_loader, warmup + steps, warmup, device, args.non_blocking, data.set_epoch)
+    m = measure(data.train_batches, warmup + steps, warmup, device, args.non_blocking, data.set_epoch)
     workers = args.num_workers
     loader = {**m, 'num_workers': workers, 'prefetch_factor': args.prefetch_factor, 'pin_memory': args.pin_memory,
               'persistent_workers': args.persistent_workers, 'batch_size': args.batch_size, 'decode': args.decode,

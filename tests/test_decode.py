@@ -4,8 +4,10 @@ not decode go through PIL; the default path decodes at a reduced DCT scale when 
 --decode gpu, driven on CPU through its seam (torchvision's CPU decode_jpeg in place of nvJPEG, the same code
 after it): the same crops as the PIL path sample by sample, what nvJPEG refuses decoded on the host, a batch
 that crosses worker processes; against torchvision 0.19's decode_jpeg (one tensor per call: the floor) it
-decodes image by image, and a refusal is printed once; one side stream for the run (torch.cuda faked), the
-V100 warning, torchvision 0.29's per-call deprecation said once as a note and no other warning swallowed.
+decodes image by image, and a refusal is printed once; the decoder's two streams for the run, the events the
+training stream waits for (torch.cuda faked), the V100 warning, torchvision 0.29's per-call deprecation said
+once as a note and no other warning swallowed; the batched geometry against torchvision's resized_crop and its
+kernel count; decoding one batch ahead on a thread (order, overlap, errors, a clean stop, same batches).
 tests/gpu/ runs it with nvJPEG.
 
 The image encodes its own coordinates (red = x, green = y), so each output tells the crop box it came from
@@ -267,11 +269,12 @@ def test_gpu_decode_at_the_torchvision_floor(coords, monkeypatch, capsys, versio
 
 
 class FakeCudaStreams:
-    """torch.cuda's stream calls as DeviceDecode makes them, recorded: a CPU test sees which streams exist,
-    which waits are queued and which stream each decode ran on."""
+    """torch.cuda's stream and event calls as DeviceDecode and DecodedBatch make them, recorded: a CPU test sees
+    which streams exist, which waits are queued (stream on stream, stream on event), which stream each step
+    ran on, and which streams are recorded on the batch's images."""
 
     def __init__(self, capability):
-        self.made, self.waits, self.current, self.capability = [], [], 'main', capability
+        self.made, self.waits, self.current, self.capability, self.events = [], [], 'main', capability, []
         fake = self
 
         class Stream:
@@ -280,6 +283,14 @@ class FakeCudaStreams:
 
             def wait_stream(self, other):
                 fake.waits.append((self, other))
+
+            def wait_event(self, event):
+                fake.waits.append((self, event))
+
+        class Event:
+            def record(self, stream):
+                self.stream = stream
+                fake.events.append(self)
 
         class StreamContext:
             def __init__(self, stream):
@@ -290,19 +301,20 @@ class FakeCudaStreams:
 
             def __exit__(self, *exc):
                 fake.current = self.saved
-        self.Stream, self.stream = Stream, StreamContext
+        self.Stream, self.stream, self.Event = Stream, StreamContext, Event
         self.main = Stream(None)
         self.made.clear()
 
-    def current_stream(self, device):
-        return self.main
+    def current_stream(self, device=None):
+        return self.main if self.current == 'main' else self.current
 
     def get_device_capability(self, device):
         return self.capability
 
 
 class Decoded:
-    """A decode output: the stream it was written on and the streams recorded as using it."""
+    """A decode output: the stream it was written on and the streams recorded as using it. The geometry reads
+    it as a 3 x 8 x 8 image."""
 
     def __init__(self, stream):
         self.stream, self.used_by = stream, []
@@ -313,26 +325,195 @@ class Decoded:
 
 @pytest.mark.parametrize('capability', [(7, 0), (8, 0), (9, 0)])
 def test_device_decode_streams_and_the_sm70_warning(monkeypatch, capsys, capability):
-    """On CUDA (torch.cuda faked): one side stream for the whole run, not one per call; every decode runs on
-    it, the training stream waits for it and is recorded on each output (pytorch/vision#9606); a GPU without
-    a hardware JPEG decoder (sm70, V100) is warned about once."""
+    """On CUDA (torch.cuda faked): two streams of the decoder's own for the whole run, not per call; every decode
+    runs on the decode stream, whose outputs the geometry stream waits for and is recorded on (pytorch/vision#9606);
+    the crops and resizes run on the geometry stream, which records the batch's event; the training stream
+    waits for that event only when it takes the batch, and is recorded on the batch's images; nothing waits on
+    the training stream's side. A GPU without a hardware JPEG decoder (sm70, V100) is warned about once."""
     cuda = FakeCudaStreams(capability)
-    for name in ('Stream', 'stream', 'current_stream', 'get_device_capability'):
+    for name in ('Stream', 'stream', 'current_stream', 'get_device_capability', 'Event'):
         monkeypatch.setattr(DD.torch.cuda, name, getattr(cuda, name))
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, 'record_stream', lambda self, stream: recorded.append((self, stream)))
+    geometry_on = []
+
+    def crop_resize(images, boxes, size, device):
+        geometry_on.append(cuda.current)
+        return torch.zeros(len(images), 3, size, size, dtype=torch.uint8)
+    monkeypatch.setattr(DD, 'crop_resize', crop_resize)
     decoder = DD.DeviceDecode()
     # a list in one call from torchvision 0.20, one tensor per call before (the floors' 0.19): both are fine here
     decoder.decode_jpeg = lambda data, **kw: [Decoded(cuda.current) for _ in data] if isinstance(data, list) \
         else Decoded(cuda.current)
     device = torch.device('cuda', 0)
-    chunks = [torch.zeros(4, dtype=torch.uint8)] * 3
-    outs = [decoder._on_device(chunks, device) for _ in range(3)]
-    assert len(cuda.made) == 1 and cuda.made[0] is not cuda.main
-    side = cuda.made[0]
-    assert all(img.stream is side and img.used_by == [cuda.main] for out in outs for img in out)
-    assert cuda.waits == [(cuda.main, side)] * 3 and cuda.current == 'main'
+    outs, batches = [], []
+    for k in range(3):
+        batch = SimpleNamespace(n=3, at=[0, 1, 2], data=torch.zeros(12, dtype=torch.uint8), sizes=[4] * 3,
+                                names=['a', 'b', 'c'], boxes=[(0, 0, 8, 8, False)] * 3, size=S,
+                                pixels=torch.empty(0, 3, S, S, dtype=torch.uint8), replaced=[])
+        batches.append(decoder.decoded(batch, device))
+        assert cuda.current == 'main' and all(w[0] is not cuda.main for w in cuda.waits)  # nothing on main yet
+    assert len(cuda.made) == 2 and cuda.main not in cuda.made
+    decode, geometry = cuda.made
+    assert cuda.waits == [(geometry, decode)] * 3 and geometry_on == [geometry] * 3
+    assert [e.stream for e in cuda.events] == [geometry] * 3
+    for b in batches:
+        outs.append(b.to(device))
+    assert cuda.waits[3:] == [(cuda.main, e) for e in cuda.events]
+    assert [(x, stream) for x, stream in recorded] == [(x, cuda.main) for x in outs]
     err = capsys.readouterr().err
     assert err.count('without a hardware JPEG decoder') == (1 if capability == (7, 0) else 0)
     assert DD.lacks_jpeg_engine(capability) == (capability < (8, 0))
+
+
+def test_decode_outputs_are_written_on_the_decode_stream(monkeypatch):
+    """decode_jpeg runs with the decode stream current, its outputs recorded on the geometry stream (their reader)."""
+    cuda = FakeCudaStreams((9, 0))
+    for name in ('Stream', 'stream', 'current_stream', 'get_device_capability', 'Event'):
+        monkeypatch.setattr(DD.torch.cuda, name, getattr(cuda, name))
+    decoder = DD.DeviceDecode()
+    decoder.decode_jpeg = lambda data, **kw: [Decoded(cuda.current) for _ in data] if isinstance(data, list) \
+        else Decoded(cuda.current)
+    streams = decoder._streams_of(torch.device('cuda', 0))
+    with cuda.stream(streams['geometry']):
+        images = decoder.decode([torch.zeros(4, dtype=torch.uint8)] * 2, ['a', 'b'], torch.device('cuda', 0), streams)
+    assert all(img.stream is streams['decode'] and img.used_by == [streams['geometry']] for img in images)
+
+
+def test_batched_geometry_is_torchvisions_resized_crop_and_flip():
+    """crop_resize against torchvision's own resized_crop and hflip (float path, antialiased), image by image,
+    crops of different sizes and scales, half flipped: within one level, the mean far below; a box off by a
+    few pixels or a wrong flip is several levels away."""
+    from torchvision.transforms.v2 import functional as F
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (3, h, w), generator=g, dtype=torch.uint8).float()
+              for h, w in [(375, 500), (500, 375), (333, 500), (64, 80), (120, 90), (375, 500)]]
+    images = [F.gaussian_blur(x[None], [9, 9], [3.0, 3.0])[0].round().to(torch.uint8) for x in images]  # smooth
+    boxes = [(10, 20, 300, 400, False), (0, 0, 500, 375, True), (100, 50, 60, 90, True), (5, 7, 40, 50, False),
+             (30, 10, 64, 64, True), (200, 300, 20, 30, False)]
+    got = DD.crop_resize(images, boxes, S, torch.device('cpu'))
+    assert got.shape == (6, 3, S, S) and got.dtype == torch.uint8
+    for img, box, out in zip(images, boxes, got):
+        t, l, h, w, flip = box
+        want = F.resized_crop(img.float(), t, l, h, w, [S, S], antialias=True)
+        want = (F.horizontal_flip(want) if flip else want).round().clamp(0, 255)
+        diff = (out.float() - want).abs()
+        assert diff.max() <= 1 and diff.mean() < 0.05, box
+        wrong = F.resized_crop(img.float(), t + 4, l + 4, h, w, [S, S], antialias=True)
+        wrong = F.horizontal_flip(wrong) if not flip else wrong
+        assert (out.float() - wrong).abs().mean() > 2, box
+
+
+def test_batched_geometry_launches_two_kernels_per_image():
+    """The geometry's operators on a batch of 16 images, all flipped (the worst case), counted with a dispatch
+    mode (each is one kernel launch on CUDA; views launch none): the crop's float copy and the resize per image,
+    the rest once per batch (38 here; flipping image by image counted 52)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func._schema.name.startswith(('aten::slice', 'aten::unsqueeze', 'aten::view', 'aten::select',
+                                                 'aten::alias', 'aten::lift_fresh', 'aten::detach')):
+                self.ops.append(func._schema.name)
+            return out
+    images = [torch.zeros(3, 50 + k, 60 + k, dtype=torch.uint8) for k in range(16)]
+    boxes = [(1, 2, 40, 50, True)] * 16
+    with Count() as count:
+        DD.crop_resize(images, boxes, S, torch.device('cpu'))
+    per_image = [op for op in count.ops if op in ('aten::_to_copy', 'aten::_upsample_bilinear2d_aa')]
+    assert len(per_image) <= 2 * 16 + 1, count.ops
+    assert len(count.ops) <= 2 * 16 + 8, count.ops
+
+
+class Loader:
+    """A loader of (batch, labels) items that says when each is drawn."""
+
+    def __init__(self, items, log):
+        self.items, self.log = items, log
+
+    def __len__(self):
+        return len(self.items)
+
+    def __iter__(self):
+        for k, item in enumerate(self.items):
+            self.log.append(('drawn', k))
+            yield item
+
+
+class SlowDecoder:
+    """decoded() that takes `seconds` of host time (nvJPEG's host work, releasing the GIL as torch's ops do)."""
+
+    def __init__(self, seconds, log, fail_at=None):
+        self.seconds, self.log, self.fail_at = seconds, log, fail_at
+
+    def decoded(self, batch, device, non_blocking=False):
+        import time
+        self.log.append(('decode starts', batch))
+        time.sleep(self.seconds)
+        if batch == self.fail_at:
+            raise DD.BadImageError(f'cannot decode image {batch}.JPEG (truncated); pass --skip-bad-images to skip such files.')
+        return SimpleNamespace(images=f'decoded {batch}')
+
+
+def test_decode_ahead_decodes_the_next_batch_while_a_step_trains():
+    """Batch k+1's decode starts before step k ends (the order, from the log), so that with a decode and a step
+    of 0.1 s each, 8 steps take ~0.9 s, not the 1.6 s of decoding at each step's start (measured: what a run
+    with --no-decode-ahead does); the batches come in the loader's order."""
+    import threading
+    import time
+    log, n, step_s = [], 8, 0.1
+    ahead = DD.DecodeAhead(Loader([(k, k) for k in range(n)], log), 'cpu', decoder=SlowDecoder(0.1, log))
+    assert len(ahead) == n
+    t0, got = time.perf_counter(), []
+    for item in ahead:
+        got.append(item)
+        log.append(('step starts', item[1]))
+        time.sleep(step_s)
+        log.append(('step ends', item[1]))
+    elapsed = time.perf_counter() - t0
+    assert [(x.images, y) for x, y in got] == [(f'decoded {k}', k) for k in range(n)]
+    for k in range(n - 1):
+        assert log.index(('decode starts', k + 1)) < log.index(('step ends', k)), log
+    assert elapsed < 0.75 * n * (0.1 + step_s), elapsed
+    assert not [t for t in threading.enumerate() if t.name.startswith('dlojz-decode')]
+
+
+def test_decode_ahead_raises_a_bad_batch_when_it_is_taken_and_stops_cleanly():
+    """A decode error reaches the training thread with its sentence when its batch is taken (the batches before it
+    trained); leaving the loop early (a stop signal) ends the decode thread, and no later batch is decoded."""
+    import threading
+    log = []
+    ahead = DD.DecodeAhead(Loader([(k, k) for k in range(6)], log), 'cpu', decoder=SlowDecoder(0.01, log, fail_at=3))
+    got = []
+    with pytest.raises(DD.BadImageError, match='cannot decode image 3.JPEG'):
+        for item in ahead:
+            got.append(item[1])
+    assert got == [0, 1, 2]
+    log.clear()
+    it = iter(DD.DecodeAhead(Loader([(k, k) for k in range(6)], log), 'cpu', decoder=SlowDecoder(0.01, log)))
+    assert next(it)[1] == 0
+    it.close()
+    assert [e for e in log if e[0] == 'decode starts'] == [('decode starts', 0), ('decode starts', 1)]
+    assert not [t for t in threading.enumerate() if t.name.startswith('dlojz-decode')]
+
+
+def test_decode_ahead_gives_the_batches_decoding_at_the_step_gives(coords):
+    """The real decoder on CPU (torchvision's CPU decode_jpeg in place of nvJPEG): through the thread, the same
+    images and labels as decoded in the step, batch by batch."""
+    batches = []
+    for b in range(3):
+        _, samples = gpu_samples([coords] * 4, [f'5-{b}-{i}' for i in range(4)])
+        batches.append(DD.GpuCollate(S)([(x, b * 10 + i) for i, (x, _) in enumerate(samples)]))
+    want = [(x.to('cpu'), y) for x, y in batches]
+    got = [(x.to('cpu'), y) for x, y in DD.DecodeAhead(batches, 'cpu')]
+    assert len(got) == 3
+    for (gx, gy), (wx, wy) in zip(got, want):
+        assert torch.equal(gx, wx) and torch.equal(gy, wy)
 
 
 def test_torchvision_deprecation_warning_silenced_narrowly(coords):
@@ -365,12 +546,15 @@ def test_a_run_through_the_gpu_path_trains_like_the_pil_path(tmp_path, cache_dir
         out.decode = 'gpu'
         return out
     monkeypatch.setattr(dlojz, 'check_args', allow_cpu)
+    epochs, real_iter = [], DD.DecodeAhead.__iter__
+    monkeypatch.setattr(DD.DecodeAhead, '__iter__', lambda self: epochs.append(self) or real_iter(self))
     got, records = run_main(tmp_path / 'gpu', cache_dir, '--test-nsteps', '6', '--log-interval', '1',
                             '--decode', 'gpu', '--num-workers', '2')
     assert got['status'] == 'completed' and got['config']['decode'] == 'gpu'
     losses = [r['loss'] for r in records if r['type'] == 'train']
     ref_losses = [r['loss'] for r in ref if r['type'] == 'train']
     assert len(losses) == 6 and all(np.isfinite(losses)) and losses[0] == pytest.approx(ref_losses[0], rel=0.005)
+    assert len(epochs) == 1  # decoded one batch ahead, on the decode thread
     counts = got['data']['gpu_decode']
     assert counts['cpu_after_nvjpeg'] == 0 and 0 <= counts['cpu_in_workers'] <= 48
 

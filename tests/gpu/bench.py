@@ -90,18 +90,19 @@ def run_one(flags, out_dir):
 
 
 def loader_rows(opts, out):
-    """--decode fast and gpu, the loader alone (--loader-only) and a training run (same flags): -> Markdown
-    rows. The training run shows what the loader figure cannot: nvJPEG's decode sharing the GPU with the
-    step, and the host waiting for it."""
+    """--decode fast and gpu (with and without decoding one batch ahead), the loader alone (--loader-only) and
+    a training run (same flags): -> Markdown rows. The training run shows what the loader figure cannot:
+    nvJPEG's decode sharing the GPU with the step, and the host waiting for it."""
     rows = []
-    for decode in ('fast', 'gpu'):
-        flags = [*common_flags(opts), *row_flags(('auto', True, False, 'jpeg'), opts), '--decode', decode]
-        summary, why = run_one([*flags, '--loader-only'], os.path.join(out, f'loader_{decode}'))
+    for decode in ('fast', 'gpu', 'gpu --no-decode-ahead'):
+        flags = [*common_flags(opts), *row_flags(('auto', True, False, 'jpeg'), opts), '--decode', *decode.split()]
+        decode_dir = decode.replace(' --', '_').replace('-', '_')
+        summary, why = run_one([*flags, '--loader-only'], os.path.join(out, f'loader_{decode_dir}'))
         loader = (summary or {}).get('loader') or {}
         ips = loader.get('images_per_second')
         cell = f'{ips:.1f}' if ips and not why else f"failed ({why or 'no result'})".replace('|', '/')
         print(f'loader {decode}: {why or "completed"}', file=sys.stderr, flush=True)
-        summary, why = run_one(flags, os.path.join(out, f'train_{decode}'))
+        summary, why = run_one(flags, os.path.join(out, f'train_{decode_dir}'))
         t = (summary or {}).get('timing') or {}
         train = f"{t['train_throughput']:.1f}" if t.get('train_throughput') and not why else \
             f"failed ({why or 'no result'})".replace('|', '/')

@@ -14,7 +14,8 @@
 - device busy time on real CUDA events: a step that sleeps on the host between its launches is 'host'
   bound and its probe steps measure the GPU work queued back to back, not the launch rate; the spin
   kernel behind the probes lasts what it was asked to;
-- --decode gpu: nvJPEG's crops equal the CPU seam's (libjpeg-turbo) within 2 levels, decoding never writes
+- --decode gpu: nvJPEG's crops equal the CPU seam's (libjpeg-turbo) within 2 levels; decoding one batch ahead on
+  a thread gives the same batches and the training stream never reads one before its decode ends; decoding never writes
   into memory that queued training kernels still read (pytorch/vision#9606; the same check catches a decode
   on the training stream, its positive control), and a run trains with it.
 
@@ -397,7 +398,7 @@ def test_slow_loader_is_loader_bound_by_the_device_clock(tmp_path, cache_dir, gp
 
 # ------------------------------------------------------------------------------------------ --decode gpu
 
-def encoded_batch(n=32, size=64):
+def encoded_batch(n=32, size=64, seed=0):
     """n samples of three real-photo-like synthetic JPEGs (baseline, 4:2:0), as the workers hand them over."""
     gpu = dlojz_decode.GpuTrainTransform(size, dlojz_decode.FastTrainTransform(size))
     blobs = []
@@ -405,7 +406,7 @@ def encoded_batch(n=32, size=64):
         buf = io.BytesIO()
         dlojz_data.synthetic_image(k, 'train', k, 0, 10).save(buf, 'JPEG', quality=90)
         blobs.append(dlojz_decode.Blob(buf.getvalue(), f'synthetic-{k}'))
-    samples = [(gpu(blobs[i % 3], random.Random(f'0-0-{i}')), 0) for i in range(n)]
+    samples = [(gpu(blobs[i % 3], random.Random(f'{seed}-0-{i}')), 0) for i in range(n)]
     return dlojz_decode.GpuCollate(size)(samples)[0]
 
 
@@ -458,6 +459,41 @@ def test_the_race_check_sees_a_decode_on_the_training_stream():
     # nothing on this version, which is worth a red line
     assert bad > 0, (f'torchvision {torchvision.__version__} overwrote nothing in 20 trials on the training stream '
                      f'(pytorch/vision#9606 fixed here?)')
+
+
+def test_decode_ahead_gives_what_decoding_in_the_step_gives():
+    """Through the decode thread and its streams, the batches equal those decoded at the step, bit for bit."""
+    batches = [(encoded_batch(16, seed=k), torch.arange(16) + 100 * k) for k in range(3)]
+    want = [(x.to('cuda').cpu(), y) for x, y in batches]
+    got = [(x.to('cuda').cpu(), y) for x, y in dlojz_decode.DecodeAhead(batches, 'cuda')]
+    assert len(got) == 3 and all(torch.equal(g, w) and torch.equal(gy, wy) for (g, gy), (w, wy) in zip(got, want))
+
+
+def unfinished_reads(take, trials=10):
+    """The geometry stream is held back (~25 ms of spin) before a batch is decoded; the training stream then
+    takes the batch with `take` and sums it at once. -> how many sums differ from the batch's own, read after a
+    full synchronisation: reads of a batch the decoder had not finished writing."""
+    decoder = dlojz_decode.DeviceDecode()
+    device = torch.device('cuda', torch.cuda.current_device())
+    geometry = decoder._streams_of(device)['geometry']
+    bad = 0
+    for trial in range(trials):
+        batch = encoded_batch(16, seed=trial)  # other crops each time: a stale block holds other values
+        torch.cuda.synchronize()
+        with torch.cuda.stream(geometry):
+            torch.cuda._sleep(50_000_000)
+        decoded = decoder.decoded(batch, device)
+        early = take(decoded).sum(dtype=torch.int64)
+        torch.cuda.synchronize()
+        bad += int(early.item() != decoded.images.sum(dtype=torch.int64).item())
+    return bad
+
+
+def test_the_training_stream_waits_for_the_decoded_batch():
+    """DecodedBatch.to() makes the training stream wait for the decoder's event: no early read. The positive
+    control reads the images without it, as a step would if the wait were lost, and sees unfinished batches."""
+    assert unfinished_reads(lambda d: d.to('cuda')) == 0
+    assert unfinished_reads(lambda d: d.images) > 0, 'the check cannot see an early read'
 
 
 def test_a_run_trains_with_gpu_decode(tmp_path, cache_dir):
