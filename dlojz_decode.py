@@ -342,7 +342,7 @@ class DeviceDecode:
         self.bad = 0                    # images nothing could decode (--skip-bad-images)
         self.skip_bad_images = False
         self.warned = False             # the first refusal has been printed
-        self._streams, self.deprecation_said = {}, False
+        self._streams, self.deprecation_said, self.warnings_checked = {}, False, False
 
     def __call__(self, batch, device, non_blocking=False):
         return self.decoded(batch, device, non_blocking).to(device)
@@ -435,14 +435,21 @@ class DeviceDecode:
     def _decode(self, data, device):
         """self.decode_jpeg, with torchvision's deprecation of its decoders (0.29 and later, in favour of
         TorchCodec, which dlojz does not depend on and which has no nvJPEG batch decode into the caller's stream)
-        said once per process instead of at every batch; any other warning passes through."""
+        said once per process instead of at every batch; any other warning passes through. The first call looks
+        (catch_warnings, which changes the process's warning state and is not thread-safe: the decode thread
+        must not hold it at every batch); from then on a filter silences that one message, or nothing if this
+        torchvision does not warn."""
+        if self.warnings_checked:
+            return self.decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter('always', DeprecationWarning)
             images = self.decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        self.warnings_checked = True
         for w in caught:
             if issubclass(w.category, DeprecationWarning) and 'TorchCodec' in str(w.message):
                 if not self.deprecation_said:
                     self.deprecation_said = True
+                    warnings.filterwarnings('ignore', message='.*TorchCodec', category=DeprecationWarning)
                     print('dlojz: note: torchvision deprecates decode_jpeg, which --decode gpu uses (nvJPEG), for '
                           'TorchCodec; it still works here; --decode fast does without it.', file=sys.stderr,
                           flush=True)

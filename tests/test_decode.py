@@ -572,8 +572,17 @@ def test_torchvision_decoder_deprecation_is_said_once(capsys):
         warnings.warn('something else', UserWarning)
         return data
     dd.decode_jpeg = deprecated
+    entered, real = [], warnings.catch_warnings
+
+    def counted(*a, **kw):
+        entered.append(1)
+        return real(*a, **kw)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
-        assert [dd._decode(b'x', torch.device('cpu')) for _ in range(3)] == [b'x'] * 3
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(DD.warnings, 'catch_warnings', counted)
+            assert [dd._decode(b'x', torch.device('cpu')) for _ in range(3)] == [b'x'] * 3
     assert [str(w.message) for w in caught] == ['something else'] * 3
     assert capsys.readouterr().err.count('dlojz: note: torchvision deprecates decode_jpeg') == 1
+    # the process's warning state is swapped at the first call only: the decode thread runs beside training
+    assert len(entered) == 1
