@@ -502,7 +502,9 @@ class DecodeAhead:
         it = iter(self.loader)  # the workers start (fork) before the thread does
         pending = collections.deque()
         # a new thread's current CUDA device is 0 whatever this rank's is: set it, so that what torch allocates
-        # or launches without naming a device lands on this rank's GPU
+        # or launches without naming a device lands on this rank's GPU, and so that torchvision's decoder (made
+        # in this thread, and keeping the device current then) orders its output on this device's current
+        # stream, our decode stream, and not on device 0's (decode_jpegs_cuda.cpp: original_device)
         on_device = (lambda: torch.cuda.set_device(self.device)) if self.device.type == 'cuda' else None
         pool = ThreadPoolExecutor(1, thread_name_prefix='dlojz-decode', initializer=on_device)
         try:
