@@ -239,9 +239,7 @@ class Run:
 
 def build_run(args, dist, device, say):
     """-> (run, where it starts). The checkpoint is checked against the run before any log is opened."""
-    data = build_data(args, dist, log=say, on_ranks=dlojz_dist.on_ranks)
-    if args.decode == 'gpu' and args.decode_ahead:
-        data.ahead = device
+    data = build_data(args, dist, log=say, on_ranks=dlojz_dist.on_ranks, device=device)
     say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train / '
         f'{data.n_val} val images, {len(data.classes)} classes')
     model, eval_model, plain = build_model(args, len(data.classes), device, dist)

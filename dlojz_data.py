@@ -491,8 +491,10 @@ def train_transform(args):
     return (dlojz_augment.Augmented(transform, ops) if ops else transform), None
 
 
-def build_data(args, dist, log=print, on_ranks=None):
-    """on_ranks(fn, when): run fn where `when` holds, then let every rank learn of any failure (distributed)."""
+def build_data(args, dist, log=print, on_ranks=None, device=None):
+    """on_ranks(fn, when): run fn where `when` holds, then let every rank learn of any failure (distributed).
+    device: where the training batches go; with --decode gpu --decode-ahead the files' batches are decoded
+    there one batch ahead (--fake-data has nothing to decode)."""
     on_ranks = on_ranks or (lambda fn, when=True: fn() if when else None)
     source = resolve_data_source(args)
     if source.kind == 'fake':
@@ -535,7 +537,7 @@ def build_data(args, dist, log=print, on_ranks=None):
     val_loader = DataLoader(val_set, batch_size=args.val_batch_size, drop_last=False, **loader_kwargs(args),
                             sampler=ShardSampler(len(val_set), dist.rank, dist.world_size))
     return Data(source, classes, train_loader, val_loader, train_set, len(train_set), len(val_set),
-                accum=args.accum_steps)
+                accum=args.accum_steps, ahead=device if args.decode == 'gpu' and args.decode_ahead else None)
 
 
 if __name__ == '__main__':

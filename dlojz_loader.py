@@ -133,9 +133,7 @@ def measure(loader, steps, warmup, device, non_blocking=True, set_epoch=lambda e
 
 def loader_only(args, dist, device, say):
     """--loader-only: measure the training loader, print its line, write summary.json (mode 'loader')."""
-    data = build_data(args, dist, log=say)
-    if args.decode == 'gpu' and args.decode_ahead:  # what the training loop iterates
-        data.ahead = device
+    data = build_data(args, dist, log=say, device=device)  # its batches as the training loop takes them
     say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train images, '
         f'{len(data.classes)} classes')
     steps = args.test_nsteps or 50

@@ -560,6 +560,22 @@ def test_a_run_through_the_gpu_path_trains_like_the_pil_path(tmp_path, cache_dir
     assert counts['cpu_after_nvjpeg'] == 0 and 0 <= counts['cpu_in_workers'] <= 48
 
 
+def test_fake_data_with_gpu_decode_trains_without_a_decoder(tmp_path, cache_dir, monkeypatch):
+    """--fake-data has no files to decode: with --decode gpu its in-memory batches go straight to the step
+    (before the fix the decode-ahead wrapper took them for encoded batches and the run crashed)."""
+    real = dlojz.check_args
+
+    def allow_cpu(args, device, *a, **kw):
+        args.decode = 'pil'
+        out = real(args, device, *a, **kw)
+        out.decode = 'gpu'
+        return out
+    monkeypatch.setattr(dlojz, 'check_args', allow_cpu)
+    got, records = run_main(tmp_path / 'fake', cache_dir, '--fake-data', '--fake-train-size', '64',
+                            '--test-nsteps', '2', '--log-interval', '1', '--decode', 'gpu')
+    assert got['status'] == 'completed' and len([r for r in records if r['type'] == 'train']) == 2
+
+
 def test_torchvision_decoder_deprecation_is_said_once(capsys):
     """torchvision 0.29 deprecates decode_jpeg (for TorchCodec, not a dlojz dependency): --decode gpu said so at
     every batch (94 warnings in the test output); now one note per process, and other warnings pass through."""
