@@ -260,7 +260,7 @@ class GpuCollate:
         return EncodedBatch(list(samples), self.size), torch.tensor(labels, dtype=torch.int64)
 
 
-def crop_resize(images, boxes, size, device):
+def crop_resize(images, boxes, size):
     """Decoded uint8 (3, H_i, W_i) images on the device -> uint8 (N, 3, size, size): crop, bilinear antialiased
     resize (torchvision's RandomResizedCrop on tensors; CUDA has no uint8 antialiased kernel), flip. Each image
     has its own crop size and scale and torch has no batched resize over ragged inputs, so two kernels per image
@@ -269,7 +269,7 @@ def crop_resize(images, boxes, size, device):
                                                mode='bilinear', antialias=True, align_corners=False)
                for img, (t, l, h, w, _) in zip(images, boxes)]
     x = torch.cat(resized)
-    flips = torch.tensor([box[4] for box in boxes], dtype=torch.bool)
+    flips, device = torch.tensor([box[4] for box in boxes], dtype=torch.bool), x.device
     if device.type == 'cuda':  # pinned, so that the copy does not wait for the stream on the host
         flips = flips.pin_memory().to(device, non_blocking=True)
     x = torch.where(flips.view(-1, 1, 1, 1), x.flip(-1), x)
@@ -342,7 +342,7 @@ class DeviceDecode:
         self.bad = 0                    # images nothing could decode (--skip-bad-images)
         self.skip_bad_images = False
         self.warned = False             # the first refusal has been printed
-        self._streams, self.deprecation_said, self.warnings_checked = {}, False, False
+        self._streams, self.warnings_checked = {}, False
 
     def __call__(self, batch, device, non_blocking=False):
         return self.decoded(batch, device, non_blocking).to(device)
@@ -378,7 +378,7 @@ class DeviceDecode:
             images = self.decode(chunks, batch.names, device, streams)
             good = [k for k, img in enumerate(images) if img is not None]
             if good:
-                done = crop_resize([images[k] for k in good], [batch.boxes[k] for k in good], batch.size, device)
+                done = crop_resize([images[k] for k in good], [batch.boxes[k] for k in good], batch.size)
                 for k, img in zip(good, done):
                     out[batch.at[k]] = img
         if batch.pixels.numel():
@@ -445,15 +445,13 @@ class DeviceDecode:
             warnings.simplefilter('always', DeprecationWarning)
             images = self.decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
         self.warnings_checked = True
+        codec = [w for w in caught if issubclass(w.category, DeprecationWarning) and 'TorchCodec' in str(w.message)]
+        if codec:
+            warnings.filterwarnings('ignore', message='.*TorchCodec', category=DeprecationWarning)
+            print('dlojz: note: torchvision deprecates decode_jpeg, which --decode gpu uses (nvJPEG), for '
+                  'TorchCodec; it still works here; --decode fast does without it.', file=sys.stderr, flush=True)
         for w in caught:
-            if issubclass(w.category, DeprecationWarning) and 'TorchCodec' in str(w.message):
-                if not self.deprecation_said:
-                    self.deprecation_said = True
-                    warnings.filterwarnings('ignore', message='.*TorchCodec', category=DeprecationWarning)
-                    print('dlojz: note: torchvision deprecates decode_jpeg, which --decode gpu uses (nvJPEG), for '
-                          'TorchCodec; it still works here; --decode fast does without it.', file=sys.stderr,
-                          flush=True)
-            else:
+            if w not in codec:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return images
 

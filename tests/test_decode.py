@@ -313,14 +313,30 @@ class FakeCudaStreams:
 
 
 class Decoded:
-    """A decode output: the stream it was written on and the streams recorded as using it. The geometry reads
-    it as a 3 x 8 x 8 image."""
+    """A decode output: the stream it was written on and the streams recorded as using it."""
 
     def __init__(self, stream):
         self.stream, self.used_by = stream, []
 
     def record_stream(self, stream):
         self.used_by.append(stream)
+
+
+def fake_cuda(monkeypatch, capability):
+    """torch.cuda's stream, event and capability calls replaced by a FakeCudaStreams, returned."""
+    cuda = FakeCudaStreams(capability)
+    for name in ('Stream', 'stream', 'current_stream', 'get_device_capability', 'Event'):
+        monkeypatch.setattr(DD.torch.cuda, name, getattr(cuda, name))
+    return cuda
+
+
+def fake_decoder(cuda):
+    """A DeviceDecode whose decode_jpeg returns Decoded outputs written on the current fake stream: a list in one
+    call from torchvision 0.20, one tensor per call before (the floors' 0.19); both are fine here."""
+    decoder = DD.DeviceDecode()
+    decoder.decode_jpeg = lambda data, **kw: [Decoded(cuda.current) for _ in data] if isinstance(data, list) \
+        else Decoded(cuda.current)
+    return decoder
 
 
 @pytest.mark.parametrize('capability', [(7, 0), (8, 0), (9, 0)])
@@ -330,21 +346,16 @@ def test_device_decode_streams_and_the_sm70_warning(monkeypatch, capsys, capabil
     the crops and resizes run on the geometry stream, which records the batch's event; the training stream
     waits for that event only when it takes the batch, and is recorded on the batch's images; nothing waits on
     the training stream's side. A GPU without a hardware JPEG decoder (sm70, V100) is warned about once."""
-    cuda = FakeCudaStreams(capability)
-    for name in ('Stream', 'stream', 'current_stream', 'get_device_capability', 'Event'):
-        monkeypatch.setattr(DD.torch.cuda, name, getattr(cuda, name))
+    cuda = fake_cuda(monkeypatch, capability)
     recorded = []
     monkeypatch.setattr(torch.Tensor, 'record_stream', lambda self, stream: recorded.append((self, stream)))
     geometry_on = []
 
-    def crop_resize(images, boxes, size, device):
+    def crop_resize(images, boxes, size):
         geometry_on.append(cuda.current)
         return torch.zeros(len(images), 3, size, size, dtype=torch.uint8)
     monkeypatch.setattr(DD, 'crop_resize', crop_resize)
-    decoder = DD.DeviceDecode()
-    # a list in one call from torchvision 0.20, one tensor per call before (the floors' 0.19): both are fine here
-    decoder.decode_jpeg = lambda data, **kw: [Decoded(cuda.current) for _ in data] if isinstance(data, list) \
-        else Decoded(cuda.current)
+    decoder = fake_decoder(cuda)
     device = torch.device('cuda', 0)
     outs, batches = [], []
     for k in range(3):
@@ -369,12 +380,8 @@ def test_device_decode_streams_and_the_sm70_warning(monkeypatch, capsys, capabil
 
 def test_decode_outputs_are_written_on_the_decode_stream(monkeypatch):
     """decode_jpeg runs with the decode stream current, its outputs recorded on the geometry stream (their reader)."""
-    cuda = FakeCudaStreams((9, 0))
-    for name in ('Stream', 'stream', 'current_stream', 'get_device_capability', 'Event'):
-        monkeypatch.setattr(DD.torch.cuda, name, getattr(cuda, name))
-    decoder = DD.DeviceDecode()
-    decoder.decode_jpeg = lambda data, **kw: [Decoded(cuda.current) for _ in data] if isinstance(data, list) \
-        else Decoded(cuda.current)
+    cuda = fake_cuda(monkeypatch, (9, 0))
+    decoder = fake_decoder(cuda)
     streams = decoder._streams_of(torch.device('cuda', 0))
     with cuda.stream(streams['geometry']):
         images = decoder.decode([torch.zeros(4, dtype=torch.uint8)] * 2, ['a', 'b'], torch.device('cuda', 0), streams)
@@ -392,7 +399,7 @@ def test_batched_geometry_is_torchvisions_resized_crop_and_flip():
     images = [F.gaussian_blur(x[None], [9, 9], [3.0, 3.0])[0].round().to(torch.uint8) for x in images]  # smooth
     boxes = [(10, 20, 300, 400, False), (0, 0, 500, 375, True), (100, 50, 60, 90, True), (5, 7, 40, 50, False),
              (30, 10, 64, 64, True), (200, 300, 20, 30, False)]
-    got = DD.crop_resize(images, boxes, S, torch.device('cpu'))
+    got = DD.crop_resize(images, boxes, S)
     assert got.shape == (6, 3, S, S) and got.dtype == torch.uint8
     for img, box, out in zip(images, boxes, got):
         t, l, h, w, flip = box
@@ -425,7 +432,7 @@ def test_batched_geometry_launches_two_kernels_per_image():
     images = [torch.zeros(3, 50 + k, 60 + k, dtype=torch.uint8) for k in range(16)]
     boxes = [(1, 2, 40, 50, True)] * 16
     with Count() as count:
-        DD.crop_resize(images, boxes, S, torch.device('cpu'))
+        DD.crop_resize(images, boxes, S)
     per_image = [op for op in count.ops if op in ('aten::_to_copy', 'aten::_upsample_bilinear2d_aa')]
     assert len(per_image) <= 2 * 16 + 1, count.ops
     assert len(count.ops) <= 2 * 16 + 8, count.ops
