@@ -10,15 +10,16 @@ fast or slow.
 Outputs go to --output-dir (default runs/<job id or timestamp>_<arch>_bs<b>): config.json,
 metrics.jsonl, summary.json, checkpoint-<step>.pt (--chkpt), profiler traces (--prof), wandb files.
 
-Reading order: flags -> builders -> train_step and the loops (train, LR sweep, validation) -> checkpoints
--> main. How a run ends is in dlojz_errors.py, what it writes at the end in dlojz_summary.py.
+Reading order: flags (dlojz_flags.py) -> builders -> train_step and the loops (train, validation) -> main.
+Around it: the run folder in dlojz_rundir.py, checkpoints in dlojz_state.py (contents) and dlojz_checkpoint.py
+(files), the other modes in dlojz_recipe.py (--findlr), dlojz_loader.py and dlojz_tune.py, how a run ends in
+dlojz_errors.py, what it says in dlojz_summary.py; docs/development.md lists every module.
 """
 import argparse
 import itertools
 import math
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -49,106 +50,27 @@ import torch.nn as nn
 
 import custom_models
 import dlojz_augment
-import dlojz_decode
 import dlojz_dist
-import dlojz_io
+import dlojz_failpoints as failpoints
 import dlojz_loader
 import dlojz_recipe
+import dlojz_rundir
 import dlojz_tune
 from dlojz_chrono import Chronometer, PowerMeter, profiler
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
-from dlojz_errors import (CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation, Preempted,
-                          UsageError, translate)
+from dlojz_errors import CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation, translate
+from dlojz_host import host_check, intra_op_threads
+from dlojz_log import Console, Logger, write_json
 from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
-from dlojz_io import (Console, Logger, default_output_dir, host_check, intra_op_threads, prepare_output_dir,
-                      remove_if_empty, run_status, trim_metrics, usable_cores, write_json)
+from dlojz_rundir import trim_metrics
 from dlojz_state import (Progress, check_checkpoint, check_fits, find_resume_checkpoint, interrupted, note_validation,
                          preempt, restore, run_wall_s, save)
-from dlojz_summary import final_lines, write_summary
+from dlojz_summary import final_lines, print_header, write_summary
 
 
 # ------------------------------------------------------------------------------------------------ flags
-
-def pick_device(choice, dist, share=False):
-    if choice == 'cuda' and not torch.cuda.is_available():
-        raise UsageError('--device cuda was requested but PyTorch sees no CUDA GPU; use --device cpu or run on a '
-                         'GPU node.')
-    if choice == 'cpu' or not torch.cuda.is_available():
-        return torch.device('cpu')
-    torch.cuda.set_device(dlojz_dist.cuda_device_for(dist, share))  # before anything allocates on the default GPU
-    return torch.device('cuda', torch.cuda.current_device())
-
-
-def check_args(args, device, world_size=1, capability=None, job_id=None, backend=None):
-    """Refuse flag combinations that mean nothing and resolve the defaults that depend on other flags, on
-    the device or on the world size. The parser has already checked each value's type and range.
-    capability: the GPU's (major, minor) compute capability (default: asked from CUDA). job_id: SLURM's, which
-    names the default run folder (a requeued job keeps it). backend: the process group's
-    (dlojz_dist.process_group_backend)."""
-    args = dlojz_flags.check_flags(args)  # those that need only the flags (`python dlojz.py` ran it already)
-    if args.num_workers is None:
-        args.num_workers = dlojz_dist.slurm_cpus_per_task() or min(8, usable_cores())
-    if args.decode == 'auto':  # a cluster module may lack simplejpeg: the run still goes, the summary says how
-        args.decode = 'fast' if dlojz_decode.simplejpeg is not None else 'pil'
-    mode = '--loader-only' if args.loader_only else '--tune-loader'
-    refusals = [
-        (args.resume == 'auto' and not (args.output_dir or args.run_name or job_id), '--resume auto continues the '
-         'run of --output-dir or --run-name (or, in a SLURM job, the job\'s own folder), and none was given: this '
-         'run would start afresh in a new folder; name the run folder with --output-dir or --run-name.'),
-        ((args.loader_only or args.tune_loader) and world_size > 1, f'{mode} measures one process\'s loader; run '
-         f'it as a single process (no torchrun, one task).'),
-        # measured on CPU: torch 2.5-2.8 (inductor and aot_eager) and 2.4 (aot_eager) update BatchNorm's running
-        # statistics again in the compiled recompute; 2.9 and later once
-        (args.compile and args.grad_checkpointing and torch.__version__ < '2.9', f'--compile with '
-         f'--grad-checkpointing needs torch 2.9 or later (torch {torch.__version__} updates the BatchNorm '
-         f'statistics of recomputed stages twice); drop one of the two or upgrade torch.'),
-    ]
-    cpu = device.type == 'cpu'
-    if cpu:
-        refusals += [
-            (args.sync_bn, '--sync-bn needs CUDA GPUs (PyTorch\'s SyncBatchNorm does not run on CPU); drop it for '
-                           'CPU runs.'),
-            (args.amp == 'fp16', '--amp fp16 needs a CUDA GPU (CPU autocast computes in bfloat16); use --amp bf16 '
-                                 'or --amp off on CPU.'),
-            (args.pin_memory, '--pin-memory only speeds up copies to a GPU; drop it on CPU.'),
-            (args.decode == 'gpu', '--decode gpu decodes with nvJPEG on a CUDA GPU and this run is on CPU; use '
-                                   '--decode fast (or auto).'),
-            (args.compile and not (shutil.which('cc') or shutil.which('gcc')),
-             '--compile on CPU needs a C compiler (cc/gcc) on PATH; install one or drop --compile.')]
-    else:
-        # cuDNN runs bf16 convolutions natively from sm80 (Ampere) on; torch.cuda.is_bf16_supported() also
-        # counts emulation, which on a V100 (sm70) sends every convolution down a slow path.
-        major, minor = capability or torch.cuda.get_device_capability(device)
-        bf16 = (major, minor) >= (8, 0)
-        refusals.append((args.amp == 'bf16' and not bf16, f'--amp bf16 needs a GPU of compute capability 8.0 or '
-                         f'more (A100, H100); this one is {major}.{minor} (V100: 7.0) and would emulate it slowly; '
-                         f'use --amp fp16.'))
-        # gloo (ranks sharing a GPU) all-reduces and broadcasts CUDA tensors, but SyncBatchNorm all-gathers them
-        refusals.append((args.sync_bn and backend == 'gloo' and world_size > 1, '--sync-bn all-gathers BatchNorm '
-                         'statistics on the GPU, which the gloo group of ranks sharing a GPU cannot do; drop '
-                         '--sync-bn, or give each task a GPU of its own.'))
-        args.amp = ('bf16' if bf16 else 'fp16') if args.amp == 'auto' else args.amp
-    for refused, sentence in refusals:
-        if refused:
-            raise UsageError(sentence)
-    args.amp = 'off' if args.amp == 'auto' else args.amp
-    args.pin_memory = not cpu if args.pin_memory is None else args.pin_memory
-    args.channels_last = not cpu if args.channels_last is None else args.channels_last
-    if args.num_workers > 0:
-        args.prefetch_factor = args.prefetch_factor or 2
-        args.persistent_workers = True if args.persistent_workers is None else args.persistent_workers
-    args.base_lr = args.base_lr or dlojz_flags.BASE_LR[args.optimizer]
-    if args.res_start is not None and args.res_end_epoch is None:
-        args.res_end_epoch = max(0, args.epochs - 1)
-    if args.wd_norm_bias is None:
-        args.wd_norm_bias = args.optimizer not in dlojz_flags.ADAPTIVE
-    if args.lr is None:  # Goyal et al. 2017: the learning rate grows with the global batch
-        args.lr = 10.0 if args.findlr else args.base_lr * args.batch_size * world_size * args.accum_steps / 256
-    if args.wandb is None:
-        args.wandb = 'off' if args.test else 'offline'
-    return args
-
+# parsed and checked by dlojz_flags (get_args_parser, check_flags, check_args)
 
 def seed_everything(seed):
     random.seed(seed)
@@ -229,7 +151,7 @@ class Run:
     stop: dlojz_dist.StopSignal
     log: Logger
     global_batch: int
-    host: dict                    # cores, load, threads, workers (dlojz_io.host_check)
+    host: dict                    # cores, load, threads, workers (dlojz_host.host_check)
     steps_per_epoch: int
     total_steps: int              # of this invocation's schedule: --findlr's sweep length
     mix: object = None            # dlojz_augment.Mix: --mixup / --cutmix on the device (identity when off)
@@ -428,8 +350,7 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
         if args.chkpt_every and progress.global_step % args.chkpt_every == 0:
             run.guard.check()  # every rank, before rank 0 saves: never checkpoint weights a NaN reached
             save(run, progress)
-        dlojz_io.slow_step()
-        dlojz_io.signal_fault('step', progress.global_step)
+        failpoints.after_step(progress.global_step)  # the crash tests' faults; nothing when DLOJZ_FAULT is unset
         if run.stop.agreed():  # a step boundary: a consistent state to checkpoint
             stopped = True
             break
@@ -475,59 +396,6 @@ def log_train_metrics(run, progress, meters):
     run.log.log(type='metric_sync', global_step=progress.global_step, step=progress.step, ranks=ranks)
 
 
-def find_lr(run, progress, beta=0.98, explode=4.0):
-    """LR range test (Smith 2017): the LR grows geometrically from 1e-8 to --lr over the run's steps. The
-    sweep ends at the first non-finite loss or once the smoothed loss (EMA `beta`, bias-corrected) passes
-    `explode` x its minimum, as LR finders do. -> the curve up to there: {'lr', 'loss', 'steps', 'stopped'}.
-    It reads the rank-mean loss every step (a sync per step: this is a measurement, not training)."""
-    run.model.train()
-    lrs, losses, why, avg, best = [], [], 'end of the sweep', 0.0, math.inf
-
-    def curve():
-        suggested, reason = dlojz_recipe.suggest_lr(lrs, losses)
-        return {'lr': lrs, 'loss': losses, 'steps': len(lrs), 'stopped': why, 'suggested_lr': suggested,
-                'suggestion': reason}
-
-    def batches():  # the sweep crosses epoch boundaries
-        for epoch in range(run.args.epochs):
-            run.data.set_epoch(epoch)
-            yield from run.data.train_steps
-    for images, labels in run.chrono.iterate(batches(), run.total_steps):
-        lr = run.optimizer.param_groups[0]['lr']
-        loss = train_step(run, images, labels)[0]
-        loss = dlojz_dist.all_reduce_(loss.float().clone()).item() / run.dist.world_size
-        progress.advance()
-        if not math.isfinite(loss):
-            why = f'non-finite loss at lr {lr:.3g}'
-            break
-        avg = beta * avg + (1 - beta) * loss
-        smoothed = avg / (1 - beta ** (len(lrs) + 1))
-        best = min(best, smoothed)
-        lrs.append(lr)
-        losses.append(loss)
-        if len(lrs) % run.args.log_interval == 0:
-            run.log.log(type='findlr', global_step=progress.global_step, lr=lr, loss=loss, smoothed=smoothed)
-        if smoothed > explode * best:
-            why = f'smoothed loss {smoothed:.3g} passed {explode:g}x its minimum {best:.3g} at lr {lr:.3g}'
-            break
-        if run.stop.agreed():
-            run.chrono.finish()
-            run.stop.settle()
-            raise Preempted(f'the LR sweep was stopped by {run.stop.received or "a signal on another rank"} at '
-                            f'step {progress.global_step}; its curve so far is in summary.json; run it again to '
-                            f'sweep further.', findlr=curve())
-    run.stop.settle()  # the sweep ended: a signal during its last step changes nothing
-    run.chrono.finish()
-    run.log.print(f'LR sweep: {len(lrs)} steps, lr {lrs[0] if lrs else 1e-8:.3g} to {lrs[-1] if lrs else 1e-8:.3g}; '
-                  f'stopped: {why}')
-    result = curve()
-    if result['suggested_lr'] is None:
-        run.log.print(f'LR sweep: no suggestion ({result["suggestion"]})')
-    else:
-        run.log.print(f'LR sweep: suggested --lr {result["suggested_lr"]:.3g} ({result["suggestion"]})')
-    return result
-
-
 @torch.inference_mode()
 def evaluate(run, epoch, progress, max_batches=None, ema=False):
     """Exact validation: each rank evaluates its own unpadded shard of the validation set and the meters of
@@ -547,7 +415,7 @@ def evaluate(run, epoch, progress, max_batches=None, ema=False):
                 loss = run.criterion(output, labels)
             meters.update(loss, output, labels)
             batches += 1
-            dlojz_io.signal_fault('val')
+            failpoints.after_val_batch()
         # compute() is a collective; inside the timed block so that waiting for slower ranks counts
         res = dict(type='val_ema' if ema else 'val', epoch=epoch + 1, global_step=progress.global_step,
                    **meters.compute(), batches=batches, train_images=progress.images, wall_s=run_wall_s(run))
@@ -570,10 +438,10 @@ def main(args, dist=None):
     if args.deterministic:  # cuBLAS reads it when its first handle is made: before any GPU matmul
         os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
     share = args.share_gpu or dlojz_dist.mps_active()
-    device = pick_device(args.device, dist, share)
+    device = dlojz_dist.pick_device(args.device, dist, share)
     raw = dict(vars(args))  # the flags as given: --tune-loader passes them on to its trials
     backend = dlojz_dist.process_group_backend(device.type, torch.cuda.device_count(), dist.local_world_size, share)
-    args = check_args(args, device, dist.world_size, job_id=dist.job_id, backend=backend)
+    args = dlojz_flags.check_args(args, device, dist.world_size, job_id=dist.job_id, backend=backend)
     threads = intra_op_threads(args.num_workers, device.type == 'cpu', dist.local_world_size)
     if threads:  # before the first parallel op: OpenMP sizes its pool then
         torch.set_num_threads(threads)
@@ -582,46 +450,23 @@ def main(args, dist=None):
     if args.nccl_debug:
         dlojz_dist.nccl_debug_env()
     dlojz_dist.setup(dist, device, args.dist_timeout, share)
-    # Rank 0 chooses the folder (a timestamp would differ between ranks), takes it (one run per folder at a
-    # time: the lock comes before anything in it is read or deleted) and prepares it; all ranks agree.
-    lock, tee = dlojz_io.FolderLock(), None
-
-    def take_folder():
-        path = lock.acquire(args.output_dir or default_output_dir(args, dist), dist.job_id).folder
+    with dlojz_rundir.taken(args, dist):  # sets args.output_dir, the same on every rank
+        tee = None
         try:
-            return prepare_output_dir(path, continues=bool(args.resume) and not args.evaluate,
-                                      overwrite=args.overwrite)
-        except BaseException:
-            lock.release()
-            raise
-    args.output_dir = dlojz_dist.broadcast_object(dlojz_dist.on_ranks(take_folder, when=dist.is_main))
-    try:
-        if dist.is_main and args.run_name and os.path.basename(args.output_dir) != args.run_name:
-            first = os.path.join('runs', args.run_name)
-            why = f'a finished run ({run_status(first)})' if run_status(first) else 'the run of another live job'
-            print(f'{first} holds {why}; this run goes to {args.output_dir}', flush=True)
-        if dist.is_main and args.run_name and dist.job_id:  # who writes here: a duplicate job goes elsewhere
-            write_json(os.path.join(args.output_dir, dlojz_io.OWNER), {'job_id': dist.job_id})
-        if args.nccl_debug:  # before the first NCCL collective, so that the communicator's INIT lines are in it
-            os.makedirs(args.output_dir, exist_ok=True)  # node-local folders: ranks on other nodes create their own
-            tee = dlojz_dist.StdoutTee(os.path.join(args.output_dir, f'nccl.rank{dist.rank}.log'))
-            print(f'Train step 0 - rank {dist.rank}', flush=True)  # marker: what follows is initialisation
-        if args.loader_only or args.tune_loader or args.tune:  # no StopSignal there: the default actions
-            release_early_signals()
-        if args.loader_only or args.tune_loader:
-            return loader_mode(args, raw, dist, device)
-        if args.tune:
-            return tune_mode(args, raw, dist, device)
-        return _main(args, dist, device)
-    except BaseException:
-        lock.release()
-        if dist.is_main:  # an error before anything was written (bad data, a refused checkpoint): no empty folder
-            remove_if_empty(args.output_dir)
-        raise
-    finally:
-        lock.release()
-        if tee:
-            tee.close()
+            if args.nccl_debug:  # before the first NCCL collective, so that the communicator's INIT lines are in it
+                os.makedirs(args.output_dir, exist_ok=True)  # node-local folders: other nodes' ranks make their own
+                tee = dlojz_dist.StdoutTee(os.path.join(args.output_dir, f'nccl.rank{dist.rank}.log'))
+                print(f'Train step 0 - rank {dist.rank}', flush=True)  # marker: what follows is initialisation
+            if args.loader_only or args.tune_loader or args.tune:  # no StopSignal there: the default actions
+                release_early_signals()
+            if args.loader_only or args.tune_loader:
+                return dlojz_loader.loader_mode(args, raw, dist, device)
+            if args.tune:
+                return dlojz_tune.tune_mode(args, raw, dist, device)
+            return _main(args, dist, device)
+        finally:
+            if tee:
+                tee.close()
 
 
 def release_early_signals():
@@ -631,27 +476,6 @@ def release_early_signals():
             signal.signal(s, signal.SIG_DFL)
         if EARLY_SIGNALS:
             os.kill(os.getpid(), getattr(signal, EARLY_SIGNALS[-1]))
-
-
-def tune_mode(args, raw, dist, device):
-    """--tune (dlojz_tune): trials in processes of their own, a recommended command line, a scaling forecast."""
-    say = Console(dist.is_main)
-    write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
-    record = dlojz_tune.run_tune(args, raw, get_args_parser(), device, say, world_size=dist.world_size)
-    say(f'Run written to {args.output_dir}')
-    return record
-
-
-def loader_mode(args, raw, dist, device):
-    """--loader-only and --tune-loader (dlojz_loader): no model is built."""
-    say = Console(dist.is_main)
-    write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
-    if args.loader_only:
-        result = dlojz_loader.loader_only(args, dist, device, say)
-    else:
-        result = dlojz_loader.tune_loader(args, raw, get_args_parser(), dist, device, say)
-    say(f'Run written to {args.output_dir}')
-    return result
 
 
 def _main(args, dist, device):
@@ -679,7 +503,7 @@ def _main(args, dist, device):
             if run.ema is not None:
                 progress.val_ema = evaluate(run, max(0, epoch), progress, 20 if args.test else None, ema=True)
         elif args.findlr:
-            extra['findlr'] = find_lr(run, progress)
+            extra['findlr'] = dlojz_recipe.find_lr(run, progress, train_step)
         else:
             # rank 0 only: one trace tells the story, and every rank's export would stall its own step
             run.chrono.labels = args.prof and dist.is_main
@@ -715,33 +539,6 @@ def _main(args, dist, device):
     finally:
         run.stop.restore()
         run.log.close(code)
-
-
-def print_header(run):
-    args, dist, say = run.args, run.dist, run.log.print
-    nodes, procs = dist.num_nodes, dist.world_size
-    # ends with the process count, which the course's tools read as split()[-2]
-    say(f">>> Training on {nodes} node{'s' * (nodes > 1)} and {procs} process{'es' * (procs > 1)}")
-    say(f'{dist.launcher} launch on {run.device}: {args.arch}, amp {args.amp}, channels-last {args.channels_last}')
-    say(f'global batch size: {run.global_batch} - mini batch size: {args.batch_size}' +
-        (f' ({args.accum_steps} micro-batches per step)' if args.accum_steps > 1 else ''))
-    if args.findlr:
-        say(f'learning rate: sweep from 1e-08 to {args.lr:g} over {run.total_steps} steps')
-        if run.total_steps < dlojz_recipe.FINDLR_MIN_STEPS:
-            say(f'Warning: an LR sweep of {run.total_steps} steps multiplies the LR by '
-                f'{(args.lr / 1e-8) ** (1 / max(1, run.total_steps - 1)):.2g} per step: its suggestion is coarse; '
-                f'give it {dlojz_recipe.FINDLR_MIN_STEPS} steps or more (--test-nsteps, and -e so that the epochs '
-                f'hold them).')
-    else:
-        rule = '--lr' if args.lr != args.base_lr * run.global_batch / 256 else \
-            f'--base-lr {args.base_lr:g} per 256 images x global batch {run.global_batch}'
-        say(f'learning rate: {args.lr:.6g} ({rule}; {args.scheduler} schedule)')
-    # the flags that differ from their defaults; config.json holds them all
-    defaults = vars(get_args_parser().parse_args([]))
-    changed = [f'{k}={v}' for k, v in sorted(vars(args).items()) if k not in defaults or defaults[k] != v]
-    say('Config (differs from the defaults; all of it in config.json): ' + ' '.join(changed))
-    for warning in run.host['warnings']:
-        say(f'Warning: {warning}')
 
 
 def report_error(e, dist):

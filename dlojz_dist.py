@@ -156,6 +156,17 @@ def cuda_device_for(dist, share=False):
                      f'or run NVIDIA MPS (or pass --share-gpu) to share GPUs between tasks.')
 
 
+def pick_device(choice, dist, share=False):
+    """--device -> the torch.device of this process; on a GPU, its CUDA device made current."""
+    if choice == 'cuda' and not torch.cuda.is_available():
+        raise UsageError('--device cuda was requested but PyTorch sees no CUDA GPU; use --device cpu or run on a '
+                         'GPU node.')
+    if choice == 'cpu' or not torch.cuda.is_available():
+        return torch.device('cpu')
+    torch.cuda.set_device(cuda_device_for(dist, share))  # before anything allocates on the default GPU
+    return torch.device('cuda', torch.cuda.current_device())
+
+
 def process_group_backend(device_type, device_count, local_world_size, share):
     """The backend of the data-parallel process group: NCCL on CUDA GPUs, gloo on CPU, and gloo on CUDA when
     this node's tasks must share GPUs (`share` and more tasks than visible GPUs).

@@ -1,7 +1,8 @@
 """The command line of dlojz.py: its flags (get_args_parser) and the checks that need nothing but the flags
-(check_flags). Torch-free on purpose: `python dlojz.py` reads and checks its flags with this module before it
-imports torch (seconds on a loaded node), so --help and every usage error answer at once. The checks that
-need the device, the world size or the torch version are dlojz.check_args's.
+(check_flags), then those that need the device, the world size or the torch version (check_args). Torch-free on
+import, on purpose: `python dlojz.py` reads and checks its flags with this module before it imports torch
+(seconds on a loaded node), so --help and every usage error answer at once; check_args imports torch when
+called.
 """
 import argparse
 import math
@@ -68,10 +69,19 @@ NON_NEGATIVE = _number(float, lambda v: v >= 0 and math.isfinite(v), '0 or more'
 FRACTION = _number(float, lambda v: 0 <= v < 1, 'in [0, 1)')
 
 
+B, I, N = argparse.BooleanOptionalAction, POSITIVE_INT, COUNT  # short names for the flag tables below
+
+
 def get_args_parser(add_help=True):
     p = Parser(description='dlojz: ResNet training and benchmarking', add_help=add_help, allow_abbrev=False,
                formatter_class=HelpFormatter, epilog=EXAMPLES)
-    B, I, N = argparse.BooleanOptionalAction, POSITIVE_INT, COUNT
+    for add_group in (data_flags, loader_flags, model_flags, precision_flags, optimization_flags,  # --help's order
+                      augmentation_flags, run_flags, distributed_flags, logging_flags, benchmark_flags, tuning_flags):
+        add_group(p)
+    return p
+
+
+def data_flags(p):
     g = p.add_argument_group('data')
     g.add_argument('--data-dir', help='ImageNet in ImageFolder layout (DIR/train/<class>/*.JPEG, DIR/val/...); '
                    'default $DLOJZ_DATA_DIR, then $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet (Jean Zay), else the built-in '
@@ -103,6 +113,9 @@ def get_args_parser(add_help=True):
                    'batch at the start of its step, to compare)')
     g.add_argument('--skip-bad-images', action='store_true', help='replace undecodable files and count them '
                    'instead of stopping')
+
+
+def loader_flags(p):
     g = p.add_argument_group('loader')
     g.add_argument('-b', '--batch-size', type=I, default=128, help='images per device; global batch = this x '
                    'world size')
@@ -122,6 +135,9 @@ def get_args_parser(add_help=True):
                    '(--fake-data) and --loader-only over workers x prefetch x pinned memory, each in its own '
                    'process; a trials table, a verdict and tune-loader.json/.csv (--test-nsteps per trial, default '
                    '30)')
+
+
+def model_flags(p):
     g = p.add_argument_group('model')
     g.add_argument('--arch', default='resnet50', help=f'one of {", ".join(ARCHS)}')
     g.add_argument('--sd-prob', type=FRACTION, default=0.5, help='-sd archs: drop probability of the last block')
@@ -129,6 +145,9 @@ def get_args_parser(add_help=True):
                    'least one other)'), default=3, help='-heads archs: number of classifier heads')
     g.add_argument('--grad-checkpointing', action='store_true', help='recompute ResNet stage activations in '
                    'backward (less memory, ~30%% more compute)')
+
+
+def precision_flags(p):
     g = p.add_argument_group('precision and compilation')
     g.add_argument('--amp', choices=['auto', 'off', 'fp16', 'bf16'], default='auto', help='autocast dtype; auto '
                    '= bf16 where the GPU supports it, fp16 on older GPUs, off on CPU')
@@ -140,6 +159,9 @@ def get_args_parser(add_help=True):
     g.add_argument('--compile', action=B, default=False, help='torch.compile the model')
     g.add_argument('--compile-mode', default='default', choices=['default', 'reduce-overhead', 'max-autotune',
                    'max-autotune-no-cudagraphs'], help='torch.compile mode')
+
+
+def optimization_flags(p):
     g = p.add_argument_group('optimization')
     g.add_argument('--optimizer', choices=['sgd', 'adamw', 'lars', 'lamb', 'lion'], default='sgd', help='SGD with '
                    'momentum, AdamW (torch); LARS, LAMB (layer-wise trust ratios, for large global batches) or Lion '
@@ -170,6 +192,9 @@ def get_args_parser(add_help=True):
                    'steps, so that the average forgets the initial weights')
     g.add_argument('--findlr', action='store_true', help='LR range test: geometric from 1e-8 to --lr over the '
                    'run, stopped when the loss diverges')
+
+
+def augmentation_flags(p):
     g = p.add_argument_group('augmentation')
     g.add_argument('--randaugment', default=None, metavar='N,M', help='RandAugment in the workers: N operations '
                    'per image at magnitude M (0-30), e.g. 2,9 (torchvision v2 on uint8)')
@@ -184,6 +209,9 @@ def get_args_parser(add_help=True):
                    '0, pixels, growing linearly to --image-size at --res-end-epoch (multiples of 8)')
     g.add_argument('--res-end-epoch', type=NON_NEGATIVE, default=None, help='progressive resizing: epoch where '
                    '--image-size is reached (default: the last epoch)')
+
+
+def run_flags(p):
     g = p.add_argument_group('run')
     g.add_argument('-e', '--epochs', type=I, default=1, help='number of epochs')
     g.add_argument('--test', action='store_true', help='benchmark mode: --test-nsteps train steps, 20 val batches')
@@ -217,6 +245,9 @@ def get_args_parser(add_help=True):
                    '(the position in the epoch and the LR schedule are converted in images)')
     g.add_argument('--evaluate', action='store_true', help='validation only, of the --resume checkpoint, at any '
                    'world size (like torchvision\'s --test-only)')
+
+
+def distributed_flags(p):
     g = p.add_argument_group('distributed (under srun or torchrun)')
     g.add_argument('--sync-bn', action='store_true', help='SyncBatchNorm: batch statistics over all ranks (CUDA only)')
     g.add_argument('--find-unused-parameters', action='store_true', help='DDP: allow parameters without a gradient '
@@ -234,6 +265,9 @@ def get_args_parser(add_help=True):
     g.add_argument('--dist-debug', action='store_true', help='TORCH_DISTRIBUTED_DEBUG=DETAIL')
     g.add_argument('--share-gpu', action='store_true', help='allow several tasks per GPU (on by itself when an '
                    'NVIDIA MPS daemon runs; without MPS they take turns on the GPU)')
+
+
+def logging_flags(p):
     g = p.add_argument_group('logging and profiling')
     g.add_argument('--log-interval', type=I, default=10, help='steps between log lines')
     g.add_argument('--metric-step', type=I, default=100, help='steps between train accuracy computations (one '
@@ -246,11 +280,17 @@ def get_args_parser(add_help=True):
     g.add_argument('--prof-wait', type=N, default=1, help='--prof: steps before the profiler starts')
     g.add_argument('--prof-warmup', type=N, default=1, help='--prof: profiled steps thrown away (its own warm-up)')
     g.add_argument('--prof-active', type=I, default=5, help='--prof: steps recorded in the trace')
+
+
+def benchmark_flags(p):
     g = p.add_argument_group('benchmark')
     g.add_argument('--timing', action=B, default=True, help='per-phase timing (CUDA events on GPU)')
     g.add_argument('--sync-timing', action='store_true', help='synchronise at phase boundaries (wall-clock '
                    'splits, slower)')
     g.add_argument('--warmup-steps', type=N, default=1, help='first steps left out of the statistics')
+
+
+def tuning_flags(p):
     g = p.add_argument_group('tuning (--tune)')
     g.add_argument('--tune', action='store_true', help='measured trials over batch size, precision, channels-last '
                    'and compile, each in its own process; prints a recommended command line and a scaling forecast; '
@@ -265,7 +305,6 @@ def get_args_parser(add_help=True):
     g.add_argument('--tune-max-batch', type=int, default=1024, help='--tune: largest batch per device tried')
     g.add_argument('--tune-machine', default=None, help='--tune: machine profile of dlojz_slurm (a100, h100, v100, '
                    'generic) for the scaling forecast; default: a100 on a GPU, none on CPU')
-    return p
 
 
 def parse_randaugment(text):
@@ -281,7 +320,7 @@ def parse_randaugment(text):
 
 def check_flags(args):
     """Refuse flag combinations that mean nothing whatever the machine, and resolve the defaults that depend
-    only on other flags (idempotent: dlojz.check_args calls it again). -> args; raises UsageError."""
+    only on other flags (idempotent: check_args calls it again). -> args; raises UsageError."""
     if args.test_nsteps is not None:
         args.test = True
     elif args.test:
@@ -345,6 +384,84 @@ def check_flags(args):
     for refused, sentence in refusals:
         if refused:
             raise UsageError(sentence)
+    return args
+
+
+def check_args(args, device, world_size=1, capability=None, job_id=None, backend=None):
+    """Refuse flag combinations that mean nothing and resolve the defaults that depend on other flags, on
+    the device or on the world size. The parser has already checked each value's type and range.
+    capability: the GPU's (major, minor) compute capability (default: asked from CUDA). job_id: SLURM's, which
+    names the default run folder (a requeued job keeps it). backend: the process group's
+    (dlojz_dist.process_group_backend). Imports torch and the data modules when called, not when this module
+    is imported."""
+    import shutil
+
+    import torch
+
+    import dlojz_decode
+    import dlojz_dist
+    from dlojz_host import usable_cores
+    args = check_flags(args)  # those that need only the flags (`python dlojz.py` ran it already)
+    if args.num_workers is None:
+        args.num_workers = dlojz_dist.slurm_cpus_per_task() or min(8, usable_cores())
+    if args.decode == 'auto':  # a cluster module may lack simplejpeg: the run still goes, the summary says how
+        args.decode = 'fast' if dlojz_decode.simplejpeg is not None else 'pil'
+    mode = '--loader-only' if args.loader_only else '--tune-loader'
+    refusals = [
+        (args.resume == 'auto' and not (args.output_dir or args.run_name or job_id), '--resume auto continues the '
+         'run of --output-dir or --run-name (or, in a SLURM job, the job\'s own folder), and none was given: this '
+         'run would start afresh in a new folder; name the run folder with --output-dir or --run-name.'),
+        ((args.loader_only or args.tune_loader) and world_size > 1, f'{mode} measures one process\'s loader; run '
+         f'it as a single process (no torchrun, one task).'),
+        # measured on CPU: torch 2.5-2.8 (inductor and aot_eager) and 2.4 (aot_eager) update BatchNorm's running
+        # statistics again in the compiled recompute; 2.9 and later once
+        (args.compile and args.grad_checkpointing and torch.__version__ < '2.9', f'--compile with '
+         f'--grad-checkpointing needs torch 2.9 or later (torch {torch.__version__} updates the BatchNorm '
+         f'statistics of recomputed stages twice); drop one of the two or upgrade torch.'),
+    ]
+    cpu = device.type == 'cpu'
+    if cpu:
+        refusals += [
+            (args.sync_bn, '--sync-bn needs CUDA GPUs (PyTorch\'s SyncBatchNorm does not run on CPU); drop it for '
+                           'CPU runs.'),
+            (args.amp == 'fp16', '--amp fp16 needs a CUDA GPU (CPU autocast computes in bfloat16); use --amp bf16 '
+                                 'or --amp off on CPU.'),
+            (args.pin_memory, '--pin-memory only speeds up copies to a GPU; drop it on CPU.'),
+            (args.decode == 'gpu', '--decode gpu decodes with nvJPEG on a CUDA GPU and this run is on CPU; use '
+                                   '--decode fast (or auto).'),
+            (args.compile and not (shutil.which('cc') or shutil.which('gcc')),
+             '--compile on CPU needs a C compiler (cc/gcc) on PATH; install one or drop --compile.')]
+    else:
+        # cuDNN runs bf16 convolutions natively from sm80 (Ampere) on; torch.cuda.is_bf16_supported() also
+        # counts emulation, which on a V100 (sm70) sends every convolution down a slow path.
+        major, minor = capability or torch.cuda.get_device_capability(device)
+        bf16 = (major, minor) >= (8, 0)
+        refusals.append((args.amp == 'bf16' and not bf16, f'--amp bf16 needs a GPU of compute capability 8.0 or '
+                         f'more (A100, H100); this one is {major}.{minor} (V100: 7.0) and would emulate it slowly; '
+                         f'use --amp fp16.'))
+        # gloo (ranks sharing a GPU) all-reduces and broadcasts CUDA tensors, but SyncBatchNorm all-gathers them
+        refusals.append((args.sync_bn and backend == 'gloo' and world_size > 1, '--sync-bn all-gathers BatchNorm '
+                         'statistics on the GPU, which the gloo group of ranks sharing a GPU cannot do; drop '
+                         '--sync-bn, or give each task a GPU of its own.'))
+        args.amp = ('bf16' if bf16 else 'fp16') if args.amp == 'auto' else args.amp
+    for refused, sentence in refusals:
+        if refused:
+            raise UsageError(sentence)
+    args.amp = 'off' if args.amp == 'auto' else args.amp
+    args.pin_memory = not cpu if args.pin_memory is None else args.pin_memory
+    args.channels_last = not cpu if args.channels_last is None else args.channels_last
+    if args.num_workers > 0:
+        args.prefetch_factor = args.prefetch_factor or 2
+        args.persistent_workers = True if args.persistent_workers is None else args.persistent_workers
+    args.base_lr = args.base_lr or BASE_LR[args.optimizer]
+    if args.res_start is not None and args.res_end_epoch is None:
+        args.res_end_epoch = max(0, args.epochs - 1)
+    if args.wd_norm_bias is None:
+        args.wd_norm_bias = args.optimizer not in ADAPTIVE
+    if args.lr is None:  # Goyal et al. 2017: the learning rate grows with the global batch
+        args.lr = 10.0 if args.findlr else args.base_lr * args.batch_size * world_size * args.accum_steps / 256
+    if args.wandb is None:
+        args.wandb = 'off' if args.test else 'offline'
     return args
 
 

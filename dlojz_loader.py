@@ -21,7 +21,10 @@ import torch
 
 from dlojz_data import build_data
 from dlojz_errors import UsageError
-from dlojz_io import SUMMARY_VERSION, host_memory, provenance, run_for_summary, usable_cores, write_json
+from dlojz_flags import get_args_parser
+from dlojz_host import host_memory, provenance, usable_cores
+from dlojz_log import SUMMARY_VERSION, Console, write_json
+from dlojz_trial import run_for_summary
 
 # ------------------------------------------------------------------------------------------ host memory
 
@@ -313,6 +316,18 @@ def tune_loader(args, raw, parser, dist, device, say, python=sys.executable, scr
         w.writerows(results)
     for line in trials_table(results) + verdict_lines(v):
         say(line)
+    return result
+
+
+def loader_mode(args, raw, dist, device):
+    """--loader-only and --tune-loader as dlojz.py runs them, in the run folder it has taken: no model is built."""
+    say = Console(dist.is_main)
+    write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
+    if args.loader_only:
+        result = loader_only(args, dist, device, say)
+    else:
+        result = tune_loader(args, raw, get_args_parser(), dist, device, say)
+    say(f'Run written to {args.output_dir}')
     return result
 
 

@@ -7,7 +7,7 @@ import torch
 
 import dlojz_dist
 from dlojz_errors import NonFiniteLoss
-from dlojz_io import host_memory
+from dlojz_host import host_memory
 
 
 class NonFiniteGuard:

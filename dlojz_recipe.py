@@ -9,6 +9,7 @@ exponential moving average (EMA) of the weights.
   is non-zero or its 'always_adapt' is set, so the decayed group gets always_adapt and the other none.
 - Schedules are functions of the optimizer step: onecycle (torch's), cosine, poly and constant, the last
   three after --warmup-epochs of linear warm-up.
+- The LR range test (--findlr): the sweep and its suggested learning rate.
 """
 import copy
 import inspect
@@ -17,6 +18,8 @@ import math
 import torch
 import torch.nn as nn
 
+import dlojz_dist
+from dlojz_errors import Preempted
 from dlojz_flags import ADAPTIVE, BASE_LR  # noqa: F401 (beside the flags, which read them without torch)
 
 
@@ -196,3 +199,57 @@ def suggest_lr(lrs, losses):
         return None, 'the smoothed loss never falls: no descent to follow (sweep further, or start higher)'
     i = min(slopes, key=slopes.get)
     return lrs[i], f'steepest descent of the smoothed loss, {-slopes[i]:.3g} per decade of LR'
+
+
+def find_lr(run, progress, train_step, beta=0.98, explode=4.0):
+    """LR range test (Smith 2017): the LR grows geometrically from 1e-8 to --lr over the run's steps. The
+    sweep ends at the first non-finite loss or once the smoothed loss (EMA `beta`, bias-corrected) passes
+    `explode` x its minimum, as LR finders do. -> the curve up to there: {'lr', 'loss', 'steps', 'stopped'}.
+    It reads the rank-mean loss every step (a sync per step: this is a measurement, not training).
+    train_step: dlojz.train_step, the step every mode runs."""
+    run.model.train()
+    lrs, losses, why, avg, best = [], [], 'end of the sweep', 0.0, math.inf
+
+    def curve():
+        suggested, reason = suggest_lr(lrs, losses)
+        return {'lr': lrs, 'loss': losses, 'steps': len(lrs), 'stopped': why, 'suggested_lr': suggested,
+                'suggestion': reason}
+
+    def batches():  # the sweep crosses epoch boundaries
+        for epoch in range(run.args.epochs):
+            run.data.set_epoch(epoch)
+            yield from run.data.train_steps
+    for images, labels in run.chrono.iterate(batches(), run.total_steps):
+        lr = run.optimizer.param_groups[0]['lr']
+        loss = train_step(run, images, labels)[0]
+        loss = dlojz_dist.all_reduce_(loss.float().clone()).item() / run.dist.world_size
+        progress.advance()
+        if not math.isfinite(loss):
+            why = f'non-finite loss at lr {lr:.3g}'
+            break
+        avg = beta * avg + (1 - beta) * loss
+        smoothed = avg / (1 - beta ** (len(lrs) + 1))
+        best = min(best, smoothed)
+        lrs.append(lr)
+        losses.append(loss)
+        if len(lrs) % run.args.log_interval == 0:
+            run.log.log(type='findlr', global_step=progress.global_step, lr=lr, loss=loss, smoothed=smoothed)
+        if smoothed > explode * best:
+            why = f'smoothed loss {smoothed:.3g} passed {explode:g}x its minimum {best:.3g} at lr {lr:.3g}'
+            break
+        if run.stop.agreed():
+            run.chrono.finish()
+            run.stop.settle()
+            raise Preempted(f'the LR sweep was stopped by {run.stop.received or "a signal on another rank"} at '
+                            f'step {progress.global_step}; its curve so far is in summary.json; run it again to '
+                            f'sweep further.', findlr=curve())
+    run.stop.settle()  # the sweep ended: a signal during its last step changes nothing
+    run.chrono.finish()
+    run.log.print(f'LR sweep: {len(lrs)} steps, lr {lrs[0] if lrs else 1e-8:.3g} to {lrs[-1] if lrs else 1e-8:.3g}; '
+                  f'stopped: {why}')
+    result = curve()
+    if result['suggested_lr'] is None:
+        run.log.print(f'LR sweep: no suggestion ({result["suggestion"]})')
+    else:
+        run.log.print(f'LR sweep: suggested --lr {result["suggested_lr"]:.3g} ({result["suggestion"]})')
+    return result

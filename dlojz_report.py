@@ -27,9 +27,10 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 
+from dlojz_checkpoint import list_checkpoints, load_checkpoint, strip_prefixes
 from dlojz_chrono import PHASES
 from dlojz_errors import UsageError
-from dlojz_io import SUMMARY_VERSION, list_checkpoints, load_checkpoint, strip_prefixes
+from dlojz_log import SUMMARY_VERSION
 from dlojz_recipe import FINDLR_MIN_STEPS, centered_mean, diverged_at, suggest_lr
 
 # Config keys that name places, not what was measured: they always differ between runs.
@@ -136,7 +137,7 @@ def load_run(path):
 
 
 def latest_records(records):
-    """A run resumed by a dlojz older than the trimming of metrics.jsonl (dlojz_io.trim_metrics) logged the
+    """A run resumed by a dlojz older than the trimming of metrics.jsonl (dlojz_rundir.trim_metrics) logged the
     steps after its checkpoint twice: keep the last record of each (type, global step), in order.
     -> (records, number dropped)."""
     last = {}

@@ -1,6 +1,6 @@
 """A run's state and its checkpoints: where the loop is (Progress), what a checkpoint holds, which one
 --resume picks, whether this run can continue it, and putting it back. The files themselves (atomic
-writes, listing, pruning) are dlojz_io's."""
+writes, listing, pruning) are dlojz_checkpoint's."""
 import os
 import random
 import sys
@@ -13,8 +13,9 @@ import torch
 
 import dlojz_dist
 from dlojz_errors import Interrupted, Preempted, UsageError
-from dlojz_io import (SUMMARY_VERSION, checkpoint_path, list_checkpoints, load_checkpoint, load_latest_checkpoint,
-                      save_checkpoint, space_warning, strip_prefixes)
+from dlojz_checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint, load_latest_checkpoint,
+                              save_checkpoint, space_warning, strip_prefixes)
+from dlojz_log import SUMMARY_VERSION
 
 
 @dataclass

@@ -1,13 +1,44 @@
-"""summary.json and the closing '>>>' lines of a dlojz run: timing, memory, energy, per-rank reports
-and the gradient all-reduce estimate, from a run (what dlojz.py built) and its progress (where the loop
-stopped). Every rank calls write_summary; rank 0 writes the file."""
+"""What a dlojz run says of itself: the header it opens with, summary.json and the closing '>>>' lines (timing,
+memory, energy, per-rank reports and the gradient all-reduce estimate), from a run (what dlojz.py built) and its
+progress (where the loop stopped). Every rank calls write_summary; rank 0 writes the file."""
 import math
 import os
 import socket
 
 import dlojz_dist
+import dlojz_recipe
 from dlojz_chrono import verdict
-from dlojz_io import SUMMARY_VERSION, provenance, write_json
+from dlojz_flags import get_args_parser
+from dlojz_host import provenance
+from dlojz_log import SUMMARY_VERSION, write_json
+
+
+def print_header(run):
+    """The run's opening lines on rank 0: launch, batch, learning rate, the flags that differ from the defaults."""
+    args, dist, say = run.args, run.dist, run.log.print
+    nodes, procs = dist.num_nodes, dist.world_size
+    # ends with the process count, which the course's tools read as split()[-2]
+    say(f">>> Training on {nodes} node{'s' * (nodes > 1)} and {procs} process{'es' * (procs > 1)}")
+    say(f'{dist.launcher} launch on {run.device}: {args.arch}, amp {args.amp}, channels-last {args.channels_last}')
+    say(f'global batch size: {run.global_batch} - mini batch size: {args.batch_size}' +
+        (f' ({args.accum_steps} micro-batches per step)' if args.accum_steps > 1 else ''))
+    if args.findlr:
+        say(f'learning rate: sweep from 1e-08 to {args.lr:g} over {run.total_steps} steps')
+        if run.total_steps < dlojz_recipe.FINDLR_MIN_STEPS:
+            say(f'Warning: an LR sweep of {run.total_steps} steps multiplies the LR by '
+                f'{(args.lr / 1e-8) ** (1 / max(1, run.total_steps - 1)):.2g} per step: its suggestion is coarse; '
+                f'give it {dlojz_recipe.FINDLR_MIN_STEPS} steps or more (--test-nsteps, and -e so that the epochs '
+                f'hold them).')
+    else:
+        rule = '--lr' if args.lr != args.base_lr * run.global_batch / 256 else \
+            f'--base-lr {args.base_lr:g} per 256 images x global batch {run.global_batch}'
+        say(f'learning rate: {args.lr:.6g} ({rule}; {args.scheduler} schedule)')
+    # the flags that differ from their defaults; config.json holds them all
+    defaults = vars(get_args_parser().parse_args([]))
+    changed = [f'{k}={v}' for k, v in sorted(vars(args).items()) if k not in defaults or defaults[k] != v]
+    say('Config (differs from the defaults; all of it in config.json): ' + ' '.join(changed))
+    for warning in run.host['warnings']:
+        say(f'Warning: {warning}')
 
 
 def write_summary(run, progress, status, error=None, extra=None):

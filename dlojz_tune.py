@@ -21,8 +21,8 @@ scaling forecast (dlojz_scaling) from the winner's trial follows. tune.json (rew
 a preempted --tune continues its table) and tune.csv go to --output-dir. --tune-budget MIN bounds the whole
 sweep, resumed parts included: a trial that would not finish in what is left is skipped and listed.
 
-dlojz.py wires it (its flags are in dlojz_flags.get_args_parser()) with `if args.tune: return run_tune(args,
-raw, get_args_parser(), dist, device, say)` next to --tune-loader; this module never imports dlojz.py.
+dlojz.py calls tune_mode once it has taken the run folder (its flags are in dlojz_flags.get_args_parser());
+this module never imports dlojz.py.
 """
 import csv
 import json
@@ -30,9 +30,11 @@ import os
 import sys
 import time
 
-from dlojz_errors import UsageError
-from dlojz_io import SUMMARY_VERSION, run_for_summary, write_json
 import dlojz_scaling
+from dlojz_errors import UsageError
+from dlojz_flags import get_args_parser
+from dlojz_log import SUMMARY_VERSION, Console, write_json
+from dlojz_trial import run_for_summary
 
 # flags the tuner sets itself in each trial, left out of the user's flags it passes on
 TRIAL_FLAGS = ('tune', 'tune_budget', 'tune_steps', 'tune_memory_gib', 'tune_max_batch', 'tune_machine',
@@ -337,6 +339,15 @@ def run_tune(args, raw, parser, device, say, python=sys.executable, script=None,
     write_json(os.path.join(args.output_dir, 'summary.json'), {
         'version': SUMMARY_VERSION, 'status': 'completed', 'error': None, 'mode': 'tune', 'config': vars(args),
         'tune': record})
+    return record
+
+
+def tune_mode(args, raw, dist, device):
+    """--tune as dlojz.py runs it, in the run folder it has taken: config.json, the sweep, where it went."""
+    say = Console(dist.is_main)
+    write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
+    record = run_tune(args, raw, get_args_parser(), device, say, world_size=dist.world_size)
+    say(f'Run written to {args.output_dir}')
     return record
 
 

@@ -119,7 +119,7 @@ def wait_all(procs, timeout=300):
 
 def latest(run_dir):
     """The newest checkpoint-<step>.pt of a run directory."""
-    from dlojz_io import list_checkpoints
+    from dlojz_checkpoint import list_checkpoints
     import pathlib
     found = list_checkpoints(str(run_dir))
     assert found, f'no checkpoint in {run_dir}'

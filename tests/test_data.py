@@ -230,3 +230,11 @@ def test_companions_import_one_way():
                 todo += graph[m]
         return seen
     assert [m for m in graph if m in reach(m)] == []
+
+
+def test_rooms_stay_small():
+    """STYLE.md's shape: dlojz.py at most 600 lines (main and its loops, not the modes around them), and so is
+    every companion but the report tool (one block per view)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sizes = {os.path.basename(p): sum(1 for _ in open(p)) for p in glob.glob(os.path.join(root, '*.py'))}
+    assert {name: n for name, n in sizes.items() if n > 600 and name != 'dlojz_report.py'} == {}

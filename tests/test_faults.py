@@ -19,6 +19,7 @@ Run: python -m pytest -q tests/test_faults.py            (the full matrix: -m sl
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -199,3 +200,100 @@ def test_the_report_counts_a_repeated_step_once(tmp_path):
     train = [(r['global_step'], r['loss']) for r in run.records if r['type'] == 'train']
     assert train == [(1, 1.0), (2, 0.5), (3, 2.0 / 3), (4, 0.5), (5, 0.4)]  # the resumed attempt's
     assert any('2 record(s)' in n for n in run.notes)
+
+
+# ------------------------------------------------------------------------------------------- the failpoints
+
+def test_failpoints_parse_their_names_and_refuse_what_would_inject_nothing():
+    """DLOJZ_FAULT is read once: the names of dlojz_failpoints' table with their arguments; a misspelt name or a
+    malformed argument is refused (it would inject nothing, and the crash test around it would pass without
+    its crash); a requeued Slurm attempt (SLURM_RESTART_COUNT >= 1) runs without its slow steps."""
+    import dlojz_failpoints as F
+    assert F.parse(None) == {} and F.parse('') == {}
+    assert F.parse('slow-steps:0.5,no-flock') == {'slow-steps': '0.5', 'no-flock': ''}
+    assert F.parse('signal-step:5:SIGUSR2, kill-in-checkpoint:2') == {'signal-step': '5:SIGUSR2',
+                                                                      'kill-in-checkpoint': '2'}
+    assert F.parse('slow-steps:0.2,signal-val:3:SIGTERM', restart_count=1) == {'signal-val': '3:SIGTERM'}
+    for bad in ('kill-in-checkpiont:2', 'slow_steps:1', 'kill-in-checkpoint', 'kill-in-checkpoint:x',
+                'signal-step:5', 'signal-step:5:SIGNOPE', 'no-flock:1', 'slow-steps:'):
+        with pytest.raises(ValueError, match='DLOJZ_FAULT'):
+            F.parse(bad)
+
+
+def test_failpoints_fire_where_they_are_armed(monkeypatch):
+    """The n-th checkpoint write (the 1st and 3rd reach the file untouched), the signal after global step n only,
+    flock's ENOLCK; and nothing at all when nothing is armed."""
+    import errno
+
+    import dlojz_failpoints as F
+    killed, sent, slept = [], [], []
+    monkeypatch.setattr(F, '_die_half_written', lambda f, state: killed.append(state))
+    monkeypatch.setattr(F.os, 'killpg', lambda pgid, sig: sent.append(sig))
+    monkeypatch.setattr(F.time, 'sleep', slept.append)
+    monkeypatch.setattr(F, '_hits', {})
+    monkeypatch.setattr(F, 'ARMED', F.parse('kill-in-checkpoint:2,signal-step:3:SIGUSR2,signal-val:2:SIGTERM,'
+                                            'no-flock,slow-steps:0.25'))
+    for k in range(1, 4):
+        F.checkpoint_write(None, k)
+    for step in range(1, 6):
+        F.after_step(step)
+    for _ in range(4):
+        F.after_val_batch()
+    assert killed == [2] and sent == [signal.SIGUSR2, signal.SIGTERM] and slept == [0.25] * 5
+    with pytest.raises(OSError) as e:
+        F.before_flock()
+    assert e.value.errno == errno.ENOLCK
+    monkeypatch.setattr(F, 'ARMED', {})
+    killed.clear(), sent.clear(), slept.clear()
+    F.checkpoint_write(None, 1), F.after_step(3), F.after_val_batch(), F.before_flock()
+    assert killed == sent == slept == []
+
+
+def environment_reads(fn, *args):
+    """Run fn(*args) and return the environment reads made meanwhile (os.environ[...], .get, `in`, iteration,
+    os.getenv), each with the innermost frame of this repository's code that led to it."""
+    environ_code = {os._Environ.__getitem__.__code__, os._Environ.__iter__.__code__, os.getenv.__code__}
+    reads = []
+
+    def watch(frame, event, arg):
+        if event == 'call' and frame.f_code in environ_code:
+            f = frame.f_back
+            while f is not None and not f.f_code.co_filename.startswith(ROOT):
+                f = f.f_back
+            reads.append((frame.f_locals.get('key'), f and f'{os.path.basename(f.f_code.co_filename)}:'
+                                                           f'{f.f_code.co_name}:{f.f_lineno}'))
+    sys.setprofile(watch)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return reads
+
+
+def test_failpoints_cost_nothing_when_unset(tmp_path, cache_dir, monkeypatch):
+    """With DLOJZ_FAULT unset, the training loop's steps read no environment variable: the failpoints were read
+    once, at import (the loop called a function that parsed DLOJZ_FAULT, and SLURM_RESTART_COUNT, after every
+    step before they moved to dlojz_failpoints). The watch can see a read: the same loop armed with a fault
+    that reads the environment at each step is caught."""
+    import dlojz_failpoints
+    import dlojz_flags
+    from dlojz_log import Console
+    from dlojz_state import Progress
+    assert dlojz_failpoints.ARMED == {}, 'run the tests with DLOJZ_FAULT unset'
+    argv = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(tmp_path), '--test-nsteps', '6', '--log-interval',
+            '3', '--metric-step', '3', '--chkpt-every', '0']
+    device = torch.device('cpu')
+    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(argv), device)
+    dlojz.seed_everything(args.seed)
+    run, _ = dlojz.build_run(args, dlojz.get_dist_info(), device, Console(False))
+    run.data.set_epoch(0)
+    progress = Progress()
+    assert environment_reads(dlojz.train_one_epoch, run, progress, 3) == []
+    assert progress.global_step == 3  # the steps ran
+
+    def reads_each_step(step):  # a failpoint that reads its configuration where it fires: the positive control
+        os.environ.get('DLOJZ_FAULT')
+    monkeypatch.setattr(dlojz_failpoints, 'after_step', reads_each_step)
+    reads = environment_reads(dlojz.train_one_epoch, run, progress, 3)
+    assert [key for key, _ in reads] == ['DLOJZ_FAULT'] * 3 and 'test_faults.py' in reads[0][1]
+    run.log.close()

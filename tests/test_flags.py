@@ -13,13 +13,15 @@ import pytest
 import torch
 
 import dlojz
+import dlojz_flags
 from conftest import ROOT
+from dlojz_errors import UsageError
 
 CPU = torch.device('cpu')
 
 
 def resolved(*argv, world_size=1):
-    return dlojz.check_args(dlojz.get_args_parser().parse_args([str(a) for a in argv]), CPU, world_size)
+    return dlojz_flags.check_args(dlojz.get_args_parser().parse_args([str(a) for a in argv]), CPU, world_size)
 
 
 @pytest.mark.parametrize('argv, sentence', [
@@ -56,7 +58,7 @@ def test_learning_rate_follows_the_global_batch(argv, world_size, lr):
 def test_check_args_adds_no_attribute():
     parsed = dlojz.get_args_parser().parse_args([])
     before = set(vars(parsed))
-    assert set(vars(dlojz.check_args(parsed, CPU))) == before
+    assert set(vars(dlojz_flags.check_args(parsed, CPU))) == before
 
 
 def test_cpu_defaults_and_test_mode():
@@ -127,10 +129,10 @@ def test_check_flags_and_check_args_refuse_alike(capsys):
 def test_resume_auto_needs_a_run_folder():
     """Outside a SLURM job the default folder is new each time (a timestamp): --resume auto would silently start
     afresh. A run name, an output dir or a SLURM job id (a requeued job keeps its id, hence its folder) name it."""
-    with pytest.raises(dlojz.UsageError, match='--resume auto continues the run of --output-dir or --run-name'):
+    with pytest.raises(UsageError, match='--resume auto continues the run of --output-dir or --run-name'):
         resolved('--resume', 'auto')
     parse = lambda *a: dlojz.get_args_parser().parse_args(['--resume', 'auto', *a])
-    assert dlojz.check_args(parse('--output-dir', 'runs/x'), CPU).resume == 'auto'
-    assert dlojz.check_args(parse('--run-name', 'x'), CPU).resume == 'auto'
-    assert dlojz.check_args(parse(), CPU, job_id='4242').resume == 'auto'
-    assert dlojz.check_args(parse('--loader-only'), CPU).resume is None  # the slurm/ scripts pass it to every run
+    assert dlojz_flags.check_args(parse('--output-dir', 'runs/x'), CPU).resume == 'auto'
+    assert dlojz_flags.check_args(parse('--run-name', 'x'), CPU).resume == 'auto'
+    assert dlojz_flags.check_args(parse(), CPU, job_id='4242').resume == 'auto'
+    assert dlojz_flags.check_args(parse('--loader-only'), CPU).resume is None  # the slurm/ scripts pass it to every run

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import custom_models
 import dlojz
 import dlojz_dist
+import dlojz_flags
 import dlojz_recipe
 from dlojz_errors import UsageError
 from dlojz_chrono import PowerMeter
@@ -30,7 +31,7 @@ GPU = torch.device('cuda', 0)  # a device object only: nothing runs on it
 
 
 def resolved_on(capability, *argv):
-    return dlojz.check_args(dlojz.get_args_parser().parse_args(list(argv)), GPU, 1, capability=capability)
+    return dlojz_flags.check_args(dlojz.get_args_parser().parse_args(list(argv)), GPU, 1, capability=capability)
 
 
 @pytest.mark.parametrize('capability, expected', [((7, 0), 'fp16'), ((7, 5), 'fp16'), ((8, 0), 'bf16'),
@@ -130,10 +131,10 @@ def test_the_sync_warning_reaches_the_summary_warnings(monkeypatch, tmp_path, ca
     """build_run puts the scaler's sentence in run.host['warnings'] (the header prints them, summary.json keeps
     them); CPU runs cannot use fp16, so the sentence is forced here and the wiring checked."""
     from conftest import TINY
-    from dlojz_io import Console
+    from dlojz_log import Console
     monkeypatch.setattr(dlojz_recipe, 'scaler_sync_warning', lambda opt, amp: f'sync with {type(opt).__name__}')
     argv = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(tmp_path), '--test-nsteps', '1', '--optimizer', 'lion']
-    args = dlojz.check_args(dlojz.get_args_parser().parse_args(argv), torch.device('cpu'))
+    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(argv), torch.device('cpu'))
     run, _ = dlojz.build_run(args, dlojz.get_dist_info(), torch.device('cpu'), Console(False))
     assert run.host['warnings'][-1] == 'sync with Lion'
 
@@ -317,10 +318,10 @@ def cpu_run(tmp_path, cache_dir):
     """A run built as dlojz builds it, on CPU, with the NaN guard read by the log lines only, as on a GPU
     (CPU runs read it every step too, where it costs nothing)."""
     from conftest import TINY
-    from dlojz_io import Console
+    from dlojz_log import Console
     argv = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(tmp_path), '--test-nsteps', '20']
     device = torch.device('cpu')
-    args = dlojz.check_args(dlojz.get_args_parser().parse_args(argv), device)
+    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(argv), device)
     dlojz.seed_everything(args.seed)
     run, _ = dlojz.build_run(args, dlojz.get_dist_info(), device, Console(False))
     run.guard.every = 0
@@ -410,6 +411,6 @@ def test_sync_bn_is_refused_where_ranks_share_a_gpu_through_gloo():
     args = lambda: dlojz.get_args_parser().parse_args(['--sync-bn'])
     backend = dlojz_dist.process_group_backend('cuda', device_count=1, local_world_size=4, share=True)
     with pytest.raises(UsageError, match='--sync-bn all-gathers'):
-        dlojz.check_args(args(), GPU, 4, capability=(8, 0), backend=backend)
-    assert dlojz.check_args(args(), GPU, 4, capability=(8, 0), backend='nccl').sync_bn
-    assert dlojz.check_args(args(), GPU, 1, capability=(8, 0), backend='gloo').sync_bn
+        dlojz_flags.check_args(args(), GPU, 4, capability=(8, 0), backend=backend)
+    assert dlojz_flags.check_args(args(), GPU, 4, capability=(8, 0), backend='nccl').sync_bn
+    assert dlojz_flags.check_args(args(), GPU, 1, capability=(8, 0), backend='gloo').sync_bn

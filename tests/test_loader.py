@@ -67,7 +67,7 @@ def test_loader_only_measures_the_training_loader(tmp_path, cache_dir, capsys):
 
 def test_loader_modes_name_their_default_folder():
     from argparse import Namespace
-    from dlojz_io import default_output_dir
+    from dlojz_rundir import default_output_dir
     dist = Namespace(job_id='77')
     for flags, name in ((dict(loader_only=True), '77_loader_bs8'), (dict(tune_loader=True), '77_tune-loader_bs8'),
                         (dict(), '77_resnet50_bs8')):

@@ -12,7 +12,7 @@ import pytest
 
 import dlojz
 from conftest import TINY
-from dlojz_io import Console, Logger
+from dlojz_log import Console, Logger
 from test_exits import FakeWandb
 
 NUM = r'(-?[0-9.]+)'

@@ -24,7 +24,7 @@ import torch
 
 import dlojz_data
 from conftest import DLOJZ, ROOT, TINY, run_cli, run_main
-from dlojz_io import list_checkpoints
+from dlojz_checkpoint import list_checkpoints
 
 LONG = ['-e', '2', '--log-interval', '1']  # 24 steps of 8 images
 
@@ -164,12 +164,12 @@ def test_sigterm_to_the_process_group_with_workers(tmp_path, cache_dir, six_epoc
 def test_a_worker_dying_during_a_checkpoint_write_is_reported_after_it(tmp_path, monkeypatch):
     """PyTorch's DataLoader raises from its SIGCHLD handler when a worker dies; during a checkpoint write that
     lost the checkpoint. The handler now runs once the file is in place."""
-    import dlojz_io
+    import dlojz_checkpoint
 
     def loader_handler(signum, frame):  # what torch.utils.data's SIGCHLD handler does
         raise RuntimeError('DataLoader worker (pid 1) is killed by signal: Terminated.')
     child = subprocess.Popen(['sleep', '60'])
-    real_save = dlojz_io.torch.save
+    real_save = dlojz_checkpoint.torch.save
 
     def save_while_a_worker_dies(obj, f):
         child.terminate()
@@ -177,10 +177,10 @@ def test_a_worker_dying_during_a_checkpoint_write_is_reported_after_it(tmp_path,
         time.sleep(0.05)  # bytecode boundaries: where Python would run the handler
         real_save(obj, f)
     old = signal.signal(signal.SIGCHLD, loader_handler)
-    monkeypatch.setattr(dlojz_io.torch, 'save', save_while_a_worker_dies)
+    monkeypatch.setattr(dlojz_checkpoint.torch, 'save', save_while_a_worker_dies)
     try:
         with pytest.raises(RuntimeError, match='killed by signal'):
-            dlojz_io.save_checkpoint(str(tmp_path / 'checkpoint-00000001.pt'), {'step': 1})
+            dlojz_checkpoint.save_checkpoint(str(tmp_path / 'checkpoint-00000001.pt'), {'step': 1})
     finally:
         signal.signal(signal.SIGCHLD, old)
     assert list_checkpoints(str(tmp_path)) == [str(tmp_path / 'checkpoint-00000001.pt')]

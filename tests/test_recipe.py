@@ -13,6 +13,7 @@ import torch.nn as nn
 import torchvision
 
 import dlojz
+import dlojz_flags
 import dlojz_recipe as R
 from conftest import TINY, run_main
 
@@ -65,7 +66,7 @@ def test_schedules_by_formula():
     # the scheduler the run builds: 10 steps per epoch, 2 epochs, 0.5 epoch of warm-up, poly power 2
     args = dlojz.get_args_parser().parse_args(TINY + ['--scheduler', 'poly', '--warmup-epochs', '0.5', '-e', '2',
                                                       '--lr', '0.4'])
-    args = dlojz.check_args(args, torch.device('cpu'))
+    args = dlojz_flags.check_args(args, torch.device('cpu'))
     _, opt, sched, _ = R.build_optimization(args, nn.Linear(2, 2), 10, 20, torch.device('cpu'))
     lrs = []
     for _ in range(20):

@@ -144,13 +144,14 @@ def real_sweep(tmp_path_factory, cache_dir):
     saved = os.environ.get('OMP_NUM_THREADS')
     os.environ['OMP_NUM_THREADS'] = '1'
     import dlojz
+    import dlojz_flags
     from conftest import TINY
     out = tmp_path_factory.mktemp('tune')
     parser = dlojz.get_args_parser()
     args = parser.parse_args(TINY + ['--cache-dir', cache_dir, '--output-dir', str(out), '--tune',
                                      '--tune-max-batch', '8', '--tune-steps', '8'])
     raw = dict(vars(args))
-    dlojz.check_args(args, torch.device('cpu'))
+    dlojz_flags.check_args(args, torch.device('cpu'))
     lines = []
     try:
         record = T.run_tune(args, raw, parser, torch.device('cpu'), lines.append)
@@ -198,13 +199,14 @@ def test_run_tune_writes_its_record_and_the_report_shows_it(tmp_path):
     forecast on the a100 profile, then dlojz_report's "Tuning" section over that folder."""
     import torch
     import dlojz
+    import dlojz_flags
     import dlojz_report
     parser = dlojz.get_args_parser()
     argv = ['--arch', 'resnet18', '-b', '8', '--output-dir', str(tmp_path), '--tune', '--tune-memory-gib',
             str(40 / 1024), '--tune-machine', 'a100', '-e', '7']
     args = parser.parse_args(argv)
     raw = dict(vars(args))
-    dlojz.check_args(args, torch.device('cpu'))
+    dlojz_flags.check_args(args, torch.device('cpu'))
     lines = []
     record = T.run_tune(args, raw, parser, torch.device('cpu'), lines.append, runner=FakeRunner())
     # the user's -e stays in the recommendation (the trials run their own); -b and the rest are the winner's

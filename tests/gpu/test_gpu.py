@@ -38,9 +38,11 @@ from torch.autograd import DeviceType
 import dlojz
 import dlojz_data
 import dlojz_decode
+import dlojz_dist
+import dlojz_flags
 from conftest import TINY, latest, run_cli, run_main, torchrun
 from dlojz_chrono import PowerMeter
-from dlojz_io import Console
+from dlojz_log import Console
 from dlojz_metrics import Meters
 
 CUDA = ['--device', 'cuda']
@@ -81,8 +83,8 @@ def built(tmp_path, cache_dir, *flags):
     drive train_step themselves. Nothing is logged (a disabled console opens no metrics file)."""
     argv = [str(a) for a in [*TINY, *CUDA, '--cache-dir', cache_dir, '--output-dir', tmp_path, *flags]]
     dist = dlojz.get_dist_info()
-    device = dlojz.pick_device('cuda', dist)
-    args = dlojz.check_args(dlojz.get_args_parser().parse_args(argv), device, dist.world_size)
+    device = dlojz_dist.pick_device('cuda', dist)
+    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(argv), device, dist.world_size)
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     torch.use_deterministic_algorithms(args.deterministic)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32

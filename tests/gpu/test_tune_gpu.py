@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dlojz
+import dlojz_flags
 import dlojz_tune as T
 from conftest import TINY, run_cli
 
@@ -22,7 +23,7 @@ def gpu_sweep(tmp_path_factory, cache_dir):
                                      '64', '--tune-steps', '20', '--tune-budget', '8', '--tune-machine', 'a100'])
     raw = dict(vars(args))
     device = torch.device('cuda', torch.cuda.current_device())
-    dlojz.check_args(args, device)
+    dlojz_flags.check_args(args, device)
     lines = []
     return T.run_tune(args, raw, parser, device, lines.append), lines, out
 

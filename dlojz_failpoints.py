@@ -1,0 +1,97 @@
+"""Failpoints: the faults the crash tests inject into a real dlojz process, named, read once from DLOJZ_FAULT
+when this module is imported, and no-ops when it is unset (as etcd's gofail and FoundationDB's BUGGIFY).
+
+    DLOJZ_FAULT=kill-in-checkpoint:2 python dlojz.py ...     # comma-separated <name>[:<argument>] entries
+
+  kill-in-checkpoint:<n>    SIGKILL this process halfway through writing its n-th checkpoint (a node failure)
+  no-flock                  flock raises ENOLCK, as on a file system without it: the O_EXCL claim is used
+  slow-steps:<s>            sleep s seconds after each training step, in a Slurm job's first attempt only (a
+                            requeued job has SLURM_RESTART_COUNT >= 1), so that a run of a few tiny steps lasts
+                            until Slurm's time-limit signal comes
+  signal-step:<n>:<SIG>     send SIG to this process's whole group (DataLoader workers included, as Slurm does)
+                            once global step n is done
+  signal-val:<n>:<SIG>      the same after the n-th validation batch this process runs
+
+docs/development.md lists them beside the tests that use them. The code under test says one word (after_step,
+after_val_batch, checkpoint_write, before_flock); with DLOJZ_FAULT unset each is one test of a constant and
+reads no environment, so the training loop pays nothing for them.
+"""
+import errno
+import os
+import re
+import signal
+import time
+
+# name -> the form of its argument, as a pattern
+KNOWN = {'kill-in-checkpoint': r'\d+', 'no-flock': r'', 'slow-steps': r'\d+(\.\d*)?', 'signal-step': r'\d+:SIG[A-Z0-9]+',
+         'signal-val': r'\d+:SIG[A-Z0-9]+'}
+
+
+def parse(text, restart_count=0):
+    """DLOJZ_FAULT's text -> {name: argument ('' for a bare name)}. An unknown name is refused: a misspelt
+    failpoint would inject nothing and let a crash test pass without its crash."""
+    armed = {}
+    for entry in filter(None, (e.strip() for e in (text or '').split(','))):
+        name, _, arg = entry.partition(':')
+        if name not in KNOWN:
+            raise ValueError(f'DLOJZ_FAULT names an unknown failpoint {name!r}; known: {", ".join(KNOWN)}.')
+        if not re.fullmatch(KNOWN[name], arg) or (name.startswith('signal-') and
+                                                  not hasattr(signal, arg.split(':')[1])):
+            raise ValueError(f'DLOJZ_FAULT: failpoint {name} takes an argument of the form {KNOWN[name]!r} '
+                             f'(got {arg!r}); see dlojz_failpoints.py.')
+        armed[name] = arg
+    if restart_count:  # slow steps are for the attempt that Slurm stops; the requeued one runs at full speed
+        armed.pop('slow-steps', None)
+    return armed
+
+
+ARMED = parse(os.environ.get('DLOJZ_FAULT'), int(os.environ.get('SLURM_RESTART_COUNT') or 0))
+_hits = {}  # name -> times reached in this process
+
+
+def _nth(name):
+    """Whether failpoint `name`, armed with a count n, is reached for the n-th time now."""
+    _hits[name] = _hits.get(name, 0) + 1
+    return _hits[name] == int(ARMED[name].split(':')[0])
+
+
+def _signal_group(name):
+    os.killpg(os.getpgrp(), getattr(signal, ARMED[name].split(':')[1]))
+
+
+def after_step(global_step):
+    """The training loop's one call, once global step `global_step` is done."""
+    if not ARMED:
+        return
+    if 'slow-steps' in ARMED:
+        time.sleep(float(ARMED['slow-steps']))
+    if 'signal-step' in ARMED and global_step == int(ARMED['signal-step'].split(':')[0]):
+        _signal_group('signal-step')
+
+
+def after_val_batch():
+    if ARMED and 'signal-val' in ARMED and _nth('signal-val'):
+        _signal_group('signal-val')
+
+
+def before_flock():
+    if ARMED and 'no-flock' in ARMED:
+        raise OSError(errno.ENOLCK, 'No locks available')
+
+
+def checkpoint_write(f, state):
+    """Called with the open temporary file before a checkpoint is written into it."""
+    if ARMED and 'kill-in-checkpoint' in ARMED and _nth('kill-in-checkpoint'):
+        _die_half_written(f, state)
+
+
+def _die_half_written(f, state):
+    import io
+
+    import torch
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    f.write(buf.getvalue()[:buf.tell() // 2])
+    f.flush()
+    os.fsync(f.fileno())
+    os.kill(os.getpid(), signal.SIGKILL)

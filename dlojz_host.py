@@ -1,0 +1,114 @@
+"""The host a run measures on: usable cores, torch's intra-op threads, the node's load and the process's memory,
+and provenance (versions, device, driver, git sha) for every result."""
+import datetime
+import hashlib
+import os
+import platform
+import socket
+import subprocess
+import sys
+
+import torch
+
+def host_memory(pid='self'):
+    """Peak and current resident set size of a process (this one by default), bytes (Linux /proc; None
+    elsewhere or when the process is gone)."""
+    out = {'host_peak_rss_bytes': None, 'host_rss_bytes': None}
+    try:
+        with open(f'/proc/{pid}/status') as f:
+            for line in f:
+                if line.startswith('VmHWM:'):
+                    out['host_peak_rss_bytes'] = int(line.split()[1]) * 1024
+                elif line.startswith('VmRSS:'):
+                    out['host_rss_bytes'] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def git_sha():
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(['git', '-C', here, 'rev-parse', 'HEAD'], capture_output=True, text=True,
+                             timeout=5).stdout.strip()
+        dirty = subprocess.run(['git', '-C', here, 'status', '--porcelain', '--untracked-files=no'],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return (sha + ('-dirty' if dirty else '')) or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def file_hash(path):
+    with open(path, 'rb') as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def usable_cores():
+    """Cores this process may run on (its affinity mask: what Slurm's cgroup or taskset gives it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def intra_op_threads(num_workers, cpu_device, local_ranks=1, usable=None, node=None, environ=os.environ):
+    """torch's intra-op threads for this process, or None to leave them to OMP_NUM_THREADS when it is set.
+    torch's default is every core of the affinity mask; ranks that share one mask (torchrun or mpirun without
+    binding) would each take all of them, and on a GPU the main process, which mostly launches kernels,
+    would compete with its own loader workers. On CPU the model is the work (the workers sleep once their
+    prefetch queue is full), so it gets the process's share of the cores."""
+    if environ.get('OMP_NUM_THREADS'):
+        return None
+    usable = usable or usable_cores()
+    node = node or os.cpu_count() or usable
+    share = usable // local_ranks if local_ranks > 1 and usable >= node else usable
+    return max(1, share if cpu_device else share - num_workers)
+
+
+def host_check(num_workers, cpu_device, cores=usable_cores, load=os.getloadavg, threads=torch.get_num_threads,
+               node_cores=os.cpu_count):
+    """What a benchmark's figures depend on besides the flags: usable cores, the node's load before the run,
+    torch's intra-op threads, the workers; with a sentence for each way they can spoil the timings."""
+    usable, load1, t = cores(), load()[0], threads()
+    main = t if cpu_device else 1  # on a GPU the main process needs about a core to launch kernels
+    warnings = []
+    if num_workers + main > usable:
+        warnings.append(f'{num_workers} loader workers + {main} compute thread(s) exceed the {usable} usable cores: '
+                        f'they will compete (lower --num-workers, or OMP_NUM_THREADS on CPU).')
+    total = node_cores() or usable
+    if load1 > 0.75 * total:
+        warnings.append(f'this node was already busy before the run (load average {load1:.1f} on {total} cores): '
+                        f'timings may be slower than on an idle node.')
+    return {'usable_cores': usable, 'node_cores': total, 'load_avg_1m_before': load1, 'torch_threads': t,
+            'torch_threads_from': 'OMP_NUM_THREADS' if os.environ.get('OMP_NUM_THREADS') else 'dlojz',
+            'num_workers': num_workers, 'warnings': warnings}
+
+
+def provenance(device, dist):
+    import torchvision
+    prov = {
+        'dlojz_sha': git_sha(), 'dlojz_py_sha256': file_hash(os.path.join(os.path.dirname(
+            os.path.abspath(__file__)), 'dlojz.py')),
+        'python': sys.version.split()[0], 'torch': torch.__version__, 'torchvision': torchvision.__version__,
+        'cuda': torch.version.cuda, 'cudnn': torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        'nccl': None, 'host': socket.gethostname(), 'platform': platform.platform(),
+        'cpu_count': usable_cores(), 'slurm_job_id': dist.job_id or None,
+        'launcher': dist.launcher, 'device': str(device), 'device_name': platform.processor() or 'cpu',
+        'gpu_total_memory_bytes': None, 'driver': None,
+        'time': datetime.datetime.now().isoformat(timespec='seconds'),
+    }
+    if device.type == 'cuda':
+        p = torch.cuda.get_device_properties(device)
+        prov.update(device_name=p.name, gpu_total_memory_bytes=p.total_memory,
+                    compute_capability=f'{p.major}.{p.minor}')
+        try:
+            prov['nccl'] = '.'.join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # NCCL absent from this build
+            pass
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            prov['driver'] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:  # no NVML: driver left unknown
+            pass
+    return prov

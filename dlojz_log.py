@@ -1,0 +1,158 @@
+"""The run's records: the console (rank 0; tqdm on a terminal), the Logger (console lines, metrics.jsonl, wandb)
+and JSON files written atomically; every file a run writes is opened through open_for_write, and free space is
+read through disk_usage (the full-disk tests' seams)."""
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+from dlojz_errors import NO_SPACE, disk_full
+
+SUMMARY_VERSION = 1
+
+
+# The seams the full-disk tests drive: every file a run writes is opened by open_for_write, and the free space
+# is read by disk_usage (bytes, shutil's named tuple).
+open_for_write = open
+disk_usage = shutil.disk_usage
+
+
+def no_space(e):
+    return isinstance(e, OSError) and e.errno in NO_SPACE
+
+
+def fsync_replace(tmp, path):
+    with open(tmp, 'rb+') as f:
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half of one
+
+
+def write_json(path, obj):
+    """Atomic: a failed write (a full disk) leaves the previous file and no temp file."""
+    tmp = f'{path}.tmp'
+    try:
+        with open_for_write(tmp, 'w') as f:
+            json.dump(obj, f, indent=2, default=_json_default)
+            f.write('\n')
+        fsync_replace(tmp, path)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if no_space(e):
+            raise disk_full(path, disk_usage) from None
+        raise
+
+
+def _json_default(o):
+    if isinstance(o, (torch.device, torch.dtype)):
+        return str(o)
+    if hasattr(o, 'item'):
+        return o.item()
+    return repr(o)
+
+
+class Console:
+    """print() on rank 0 only. On a terminal it goes through tqdm, so that a progress bar is not torn, and
+    bar() draws one; elsewhere (batch jobs, pipes, tests) tqdm is not even imported."""
+
+    def __init__(self, enabled=True, tty=None):
+        self.enabled = enabled
+        self.tty = enabled and (sys.stdout.isatty() if tty is None else tty)
+
+    def __call__(self, msg):
+        if not self.enabled:
+            return
+        if self.tty:
+            from tqdm import tqdm
+            tqdm.write(str(msg))
+        else:
+            print(msg)
+        sys.stdout.flush()
+
+    def bar(self, total, desc):
+        if not self.tty:
+            return _NoBar()
+        from tqdm import tqdm
+        return tqdm(total=total, leave=False, desc=desc)
+
+
+class _NoBar:
+    def update(self, n=1):
+        return None
+
+    def close(self):
+        return None
+
+
+class Logger:
+    """One record, emitted once, to three places on rank 0: a console line, metrics.jsonl (one JSON object
+    per line, flushed per line so that a crashed run keeps what it logged) and wandb.
+
+    lines: record type -> function(record) -> console text (types without one are not printed);
+    wandb: a wandb run or None; it gets the record's numbers as '<type>/<key>' at step global_step."""
+    NOT_METRICS = {'type', 'epoch', 'step', 'global_step'}
+
+    def __init__(self, path, console, append=False, lines=None, wandb=None):
+        # A resumed run continues its log; a fresh run in a reused folder starts a new one.
+        self.console = console
+        self.path = path
+        try:
+            # unbuffered bytes: a record a full disk refuses is cut off whole (log), never left half-written
+            self.f = open_for_write(path, 'ab' if append else 'wb', buffering=0) if console.enabled else None
+        except OSError as e:
+            if no_space(e):
+                raise disk_full(path, disk_usage) from None
+            raise
+        self.lines = lines or {}
+        self.wandb = wandb
+
+    def print(self, msg):
+        self.console(msg)
+
+    def bar(self, total, desc):
+        return self.console.bar(total, desc)
+
+    def log(self, **record):
+        if self.f is None:
+            return
+        line = memoryview((json.dumps(record, default=_json_default) + '\n').encode())
+        end = self.f.tell()
+        try:
+            while line:  # a raw write may be short
+                line = line[self.f.write(line):]
+        except OSError as e:
+            try:  # the part of the line that was written goes: a resumed run appends after whole lines only
+                self.f.truncate(end)
+            except OSError:
+                pass
+            if no_space(e):
+                raise disk_full(self.path, disk_usage) from None
+            raise
+        line = self.lines.get(record['type'])
+        if line:
+            self.console(line(record))
+        if self.wandb is not None:
+            numbers = {f"{record['type']}/{k}": v for k, v in record.items()
+                       if k not in self.NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if numbers:
+                self.wandb.log(numbers, step=record.get('global_step'))
+
+    def size(self):
+        """Bytes of metrics.jsonl written so far (each record is flushed), None off rank 0: a checkpoint keeps it,
+        so that a run resumed from it drops the records of the steps after it (trim_metrics)."""
+        return os.fstat(self.f.fileno()).st_size if self.f is not None else None
+
+    def close(self, exit_code=0):
+        """Idempotent: every exit path calls it."""
+        if self.f is not None:
+            f, self.f = self.f, None
+            try:
+                f.close()
+            except OSError:  # the flush of a line a full disk refused: that error was reported already
+                pass
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=exit_code)
+            self.wandb = None

@@ -1,0 +1,359 @@
+"""The run folder: its name (--output-dir, --run-name, the default), one owner at a time (FolderLock: flock, or
+an O_EXCL claim where the file system has none), what a fresh, continued or replaced run finds in it, and
+metrics.jsonl cut back to a resumed checkpoint."""
+import datetime
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+
+import dlojz_dist
+import dlojz_failpoints as failpoints
+from dlojz_checkpoint import CHECKPOINT_RE, remove_partial_checkpoints
+from dlojz_errors import UsageError
+from dlojz_log import fsync_replace, write_json
+
+def default_output_dir(args, dist):
+    if args.run_name:
+        return named_run_dir(args.run_name, continues=bool(args.resume), job_id=dist.job_id)
+    tag = dist.job_id or datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
+    # the loader modes build no model: their folders are named after what they measure, not after --arch
+    what = 'loader' if args.loader_only else 'tune-loader' if args.tune_loader else args.arch
+    return os.path.join('runs', f'{tag}_{what}_bs{args.batch_size}')
+
+
+# A run that ended this way is over: continuing it would only repeat its end (an OOM, a NaN). 'failed' is not
+# among them: a dead peer (exit 4) is worth continuing, and a refused flag is refused again with its sentence.
+FINISHED = ('completed', 'nan', 'oom')
+
+
+def run_status(path):
+    """The status in a run folder's summary.json; None when there is none (fresh, running or killed)."""
+    try:
+        with open(os.path.join(path, 'summary.json')) as f:
+            return json.load(f).get('status')
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+OWNER = 'owner.json'  # the SLURM job that runs in a named run folder
+
+
+def job_alive(job_id):
+    """Whether SLURM still has this job (pending or running); False when squeue is absent or fails."""
+    try:
+        r = subprocess.run(['squeue', '-h', '-j', str(job_id), '-o', '%T'], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0 and bool(r.stdout.strip())
+
+
+def held_by_another_job(path, job_id, alive=job_alive):
+    try:
+        with open(os.path.join(path, OWNER)) as f:
+            owner = str(json.load(f).get('job_id'))
+    except (OSError, ValueError, AttributeError):
+        return False
+    return owner != str(job_id) and alive(owner)
+
+
+def named_run_dir(name, continues, root='runs', job_id=None, alive=job_alive):
+    """runs/<name> for a run named independently of the job id, so that a resubmitted job (a new job id)
+    continues the run of the job it follows. Continuing (--resume auto), a folder whose run is over, or that
+    another live SLURM job is writing (the same script and flags submitted twice), is kept and the run goes
+    to the first of <name>.2, <name>.3, ... that is neither: the next submission of a finished benchmark is
+    a new run, a preempted or crashed one is continued, a requeued one (same job id) finds its own."""
+    path, k = os.path.join(root, name), 1
+    while continues and (run_status(path) in FINISHED or held_by_another_job(path, job_id, alive)):
+        k += 1
+        path = os.path.join(root, f'{name}.{k}')
+    return path
+
+
+LOCK = '.dlojz.lock'         # flocked by the process that owns a run folder; says who it is
+LOCK_EXCL = '.dlojz.owner'   # the same, created with O_EXCL, where the file system has no flock
+NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # Lustre/GPFS/NFS mounts without it
+
+
+def _flock(fd, operation):
+    failpoints.before_flock()  # the tests' stand-in for a file system without flock
+    fcntl.flock(fd, operation)
+
+
+def pid_alive(pid):
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True  # another user's process, or no pid to test: assume it lives
+    return True
+
+
+class FolderLock:
+    """One owner per run folder at a time, taken atomically before anything in the folder is read, deleted
+    or written: two runs in one folder would interleave metrics.jsonl and prune each other's checkpoints.
+
+    fcntl.flock on <folder>/.dlojz.lock, which the OS releases when the process dies (Lustre and GPFS mounted
+    with flock support it across nodes). A file system without flock raises ENOLCK/EOPNOTSUPP: then the claim
+    is the creation of <folder>/.dlojz.owner with O_EXCL, removed at the end; one left by a killed run is stale
+    when its pid is dead on this host, when it is an earlier attempt of this Slurm job (requeued), or when
+    squeue no longer knows its job. Both files hold the owner's pid, host, Slurm job id and start time, for
+    the sentence a second run gets (exit 2, nothing written). Rank 0 alone holds it under DDP.
+    flock, host, pid, alive: injected by tests (a flock that raises ENOLCK, another host)."""
+
+    def __init__(self, flock=_flock, host=None, pid=None, alive=job_alive, say=print, wait_s=10.0):
+        self.flock, self.alive, self.say, self.wait_s = flock, alive, say, wait_s
+        self.host, self.pid = host or socket.gethostname(), pid or os.getpid()
+        self.fd = self.path = self.token = self.folder = None
+
+    def acquire(self, folder, job_id=None):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            os.close(os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CREAT, 0o644))
+        except OSError as e:
+            raise UsageError(f'cannot write to output directory {folder} ({e.strerror}); pass --output-dir with a '
+                             f'writable folder.') from None
+        me = json.dumps({'pid': self.pid, 'host': self.host, 'job_id': job_id,
+                         'since': datetime.datetime.now().isoformat(timespec='seconds')}).encode()
+        path, deadline = os.path.join(folder, LOCK), time.time() + self.wait_s
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                self.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in NO_FLOCK:
+                    self.path = path  # created above, empty: removed with the claim
+                    return self._acquire_exclusive(folder, me, job_id)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                    raise
+                owner = _read_owner(path)
+                # A killed run's DataLoader workers keep its lock until they notice (about 5 s): wait for them.
+                if owner and owner.get('host') == self.host and not pid_alive(owner.get('pid')) \
+                        and time.time() < deadline:
+                    time.sleep(0.5)
+                    continue
+                raise UsageError(busy_sentence(folder, owner)) from None
+            try:  # the owner removes the file as it ends: a lock on a removed file is no claim, take the new one
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, me)
+        self.fd, self.path, self.folder = fd, path, folder
+        return self
+
+    def _acquire_exclusive(self, folder, me, job_id):
+        token = os.path.join(folder, LOCK_EXCL)
+        for _ in range(3):
+            try:
+                fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                owner = _read_owner(token)
+                if not self._stale(token, owner, job_id):
+                    raise UsageError(busy_sentence(folder, owner)) from None
+                # set the stale file aside under a name of our own, and check it is still the one judged stale
+                aside = f'{token}.stale-{self.host}-{self.pid}'
+                try:
+                    os.rename(token, aside)
+                except FileNotFoundError:
+                    continue
+                if _read_owner(aside) != owner:  # another process claimed it meanwhile: give it back
+                    try:
+                        os.link(aside, token)
+                    except OSError:
+                        pass
+                    os.remove(aside)
+                    raise UsageError(busy_sentence(folder, _read_owner(token))) from None
+                os.remove(aside)
+                self.say(f'Removed the stale claim {token} of a run that is over ({describe_owner(owner)})')
+                continue
+            with os.fdopen(fd, 'wb') as f:
+                f.write(me)
+                f.flush()
+                os.fsync(f.fileno())
+            self.token, self.folder = token, folder
+            return self
+        raise UsageError(busy_sentence(folder, _read_owner(token)))
+
+    def _stale(self, token, owner, job_id):
+        if owner is None:  # a claim with no content: its process died between creating and writing it
+            try:
+                return time.time() - os.path.getmtime(token) > 60
+            except OSError:
+                return True
+        if owner.get('host') == self.host and not pid_alive(owner.get('pid')):
+            return True
+        owned_by = owner.get('job_id')
+        if owned_by and job_id and str(owned_by) == str(job_id):
+            return owner.get('host') != self.host or not pid_alive(owner.get('pid'))  # this job, requeued
+        return bool(owned_by) and shutil.which('squeue') is not None and not self.alive(owned_by)
+
+    def release(self):
+        """Idempotent. The lock file is removed while still held, so that a process waiting on it retries."""
+        if self.fd is not None:
+            try:
+                os.remove(self.path)
+            except OSError:
+                pass
+            os.close(self.fd)
+            self.fd = None
+        if self.token is not None:
+            mine = (_read_owner(self.token) or {}).get('pid') == self.pid
+            for path in ([self.token] if mine else []) + [self.path]:
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+            self.token = None
+
+
+def _read_owner(path):
+    try:
+        with open(path) as f:
+            owner = json.load(f)
+        return owner if isinstance(owner, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def describe_owner(owner):
+    if not owner:
+        return 'its owner is not recorded'
+    job = f", Slurm job {owner['job_id']}" if owner.get('job_id') else ''
+    return f"pid {owner.get('pid')} on {owner.get('host')}{job}, since {owner.get('since')}"
+
+
+def busy_sentence(folder, owner):
+    return (f'--output-dir {folder} is in use by another dlojz run ({describe_owner(owner)}) and two runs in one '
+            f'folder would mix their records; wait for it to end, or pass another --output-dir.')
+
+
+def trim_metrics(path, size, global_step):
+    """A resumed run continues metrics.jsonl from where its checkpoint was written: the records of the steps
+    after it, which the resumed run writes again, are dropped, so that no reader has to deduplicate. `size`:
+    the file's length the checkpoint recorded; None (an older checkpoint): records of steps after
+    `global_step` are dropped. Atomic (temp file + rename). -> the number of records dropped."""
+    try:
+        with open(path, 'rb') as f:
+            data = f.read()
+    except FileNotFoundError:
+        return 0
+    if size is not None and size <= len(data) and (size == 0 or data[size - 1:size] == b'\n'):
+        kept = data[:size]
+    else:  # an older checkpoint, or a file that is not the one it saw
+        lines = data.splitlines(keepends=True)
+        kept = b''.join(line for line in lines if not _after(line, global_step))
+    if len(kept) == len(data):
+        return 0
+    dropped = data[len(kept):].count(b'\n') if data.startswith(kept) else \
+        len(data.splitlines()) - len(kept.splitlines())
+    tmp = f'{path}.tmp'
+    with open(tmp, 'wb') as f:
+        f.write(kept)
+    fsync_replace(tmp, path)
+    return dropped
+
+
+def _after(line, global_step):
+    try:
+        step = json.loads(line).get('global_step')
+    except (ValueError, AttributeError):
+        return True  # a line cut by a kill
+    return isinstance(step, int) and step > global_step
+
+
+RUN_FILES = ('config.json', 'metrics.jsonl', 'summary.json', 'best.pt')
+
+
+def run_files(path):
+    """The files of a dlojz run in a folder (sorted), [] for a fresh or unrelated one."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    return sorted(n for n in names if n in RUN_FILES or CHECKPOINT_RE.fullmatch(n))
+
+
+def prepare_output_dir(path, continues=False, overwrite=False):
+    """Create the run folder and check it is writable. A folder that already holds a run is used only when
+    this run continues it (`continues`: --resume, the way a requeued job starts again) or replaces it
+    (`overwrite`: its run files are deleted first): two runs in one folder would mix their metrics, and the
+    newer run's checkpoints would be pruned in favour of the older run's higher steps."""
+    found = run_files(path)
+    if found and not continues and not overwrite:
+        shown = ', '.join(found[:4]) + (f' and {len(found) - 4} more' if len(found) > 4 else '')
+        raise UsageError(f'--output-dir {path} already holds a run ({shown}); pass --resume auto to continue it, '
+                         f'--overwrite to replace it, or another --output-dir.')
+    if found and overwrite and not continues:
+        for name in found:
+            os.remove(os.path.join(path, name))
+    if continues or overwrite:
+        remove_partial_checkpoints(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=path, prefix='.write-test-', delete=True)
+        probe.close()
+    except OSError as e:
+        raise UsageError(f'cannot write to output directory {path} ({e.strerror}); '
+                         f'pass --output-dir with a writable folder.') from None
+    return path
+
+
+def remove_if_empty(path):
+    try:
+        names = set(os.listdir(path))
+        if names and names <= {OWNER, LOCK}:  # only claims on the folder: nothing of a run
+            for name in names:
+                os.remove(os.path.join(path, name))
+    except OSError:
+        pass
+    try:
+        os.rmdir(path)  # fails, as wanted, on a folder that holds anything
+    except OSError:
+        pass
+
+
+@contextmanager
+def taken(args, dist, lock=None):
+    """The run folder, held for the block: rank 0 chooses it (a timestamp would differ between ranks), takes it
+    (one run per folder at a time: the lock comes before anything in it is read or deleted) and prepares it;
+    every rank gets it in args.output_dir. At the end the lock is released, and a folder the block left with
+    nothing of a run in it (an error before anything was written: bad data, a refused checkpoint) is removed."""
+    lock = lock or FolderLock()
+
+    def take():
+        path = lock.acquire(args.output_dir or default_output_dir(args, dist), dist.job_id).folder
+        try:
+            return prepare_output_dir(path, continues=bool(args.resume) and not args.evaluate,
+                                      overwrite=args.overwrite)
+        except BaseException:
+            lock.release()
+            raise
+    args.output_dir = dlojz_dist.broadcast_object(dlojz_dist.on_ranks(take, when=dist.is_main))
+    try:
+        if dist.is_main and args.run_name and os.path.basename(args.output_dir) != args.run_name:
+            first = os.path.join('runs', args.run_name)
+            why = f'a finished run ({run_status(first)})' if run_status(first) else 'the run of another live job'
+            print(f'{first} holds {why}; this run goes to {args.output_dir}', flush=True)
+        if dist.is_main and args.run_name and dist.job_id:  # who writes here: a duplicate job goes elsewhere
+            write_json(os.path.join(args.output_dir, OWNER), {'job_id': dist.job_id})
+        yield args.output_dir
+    except BaseException:
+        lock.release()
+        if dist.is_main:
+            remove_if_empty(args.output_dir)
+        raise
+    finally:
+        lock.release()
