@@ -21,6 +21,7 @@ import math
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from contextlib import nullcontext
@@ -54,6 +55,7 @@ import dlojz_dist
 import dlojz_failpoints as failpoints
 import dlojz_loader
 import dlojz_recipe
+import dlojz_resume
 import dlojz_rundir
 import dlojz_tune
 from dlojz_chrono import Chronometer, PowerMeter, profiler
@@ -64,7 +66,7 @@ from dlojz_host import host_check, intra_op_threads
 from dlojz_log import Console, Logger, write_json
 from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
 from dlojz_rundir import trim_metrics
-from dlojz_state import (Progress, check_checkpoint, check_fits, find_resume_checkpoint, interrupted, note_validation,
+from dlojz_state import (Progress, check_form, check_resume, find_resume_checkpoint, interrupted, note_validation,
                          preempt, restore, run_wall_s, save)
 from dlojz_summary import final_lines, print_header, write_summary
 
@@ -160,7 +162,13 @@ class Run:
 
 
 def build_run(args, dist, device, say):
-    """-> (run, where it starts). The checkpoint is checked against the run before any log is opened."""
+    """-> (run, where it starts). The checkpoint's flags are settled first (dlojz_resume: the seed, for one, shapes
+    the data order), and the checkpoint is checked against the run before any log is opened."""
+    ckpt_path, ckpt = find_resume_checkpoint(args, dist, say)
+    if ckpt is not None:
+        check_form(args, ckpt, ckpt_path)
+        if not args.evaluate:
+            dlojz_resume.resolve(args, ckpt.get('args') or {}, say)
     data = build_data(args, dist, log=say, on_ranks=dlojz_dist.on_ranks, device=device)
     say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train / '
         f'{data.n_val} val images, {len(data.classes)} classes')
@@ -177,10 +185,7 @@ def build_run(args, dist, device, say):
     criterion, optimizer, scheduler, scaler = dlojz_recipe.build_optimization(args, plain, steps_per_epoch,
                                                                                     total_steps, device)
     global_batch = args.batch_size * dist.world_size * args.accum_steps
-    ckpt_path, ckpt = find_resume_checkpoint(args, dist, say)
-    if ckpt is not None:
-        check_checkpoint(args, ckpt, ckpt_path, len(data.classes), global_batch, dist.world_size)
-        check_fits(ckpt, ckpt_path, args.arch, plain, None if args.evaluate else optimizer)
+    check_resume(args, dist, ckpt_path, ckpt, data, plain, optimizer, global_batch, steps_per_epoch, total_steps)
     resumed = ckpt is not None and not args.evaluate
     metrics = os.path.join(args.output_dir, 'metrics.jsonl')
     dropped = None
@@ -542,14 +547,16 @@ def _main(args, dist, device):
 
 
 def report_error(e, dist):
-    """Errors before the process group exists are the same on every rank: rank 0 says it once. After,
-    they may be one rank's own (a bad image, an OOM, a dead peer): every rank speaks, tagged."""
-    grouped = dist is not None and dist.world_size > 1 and dlojz_dist.tdist.is_initialized()
-    if e.label is None:  # preempted, interrupted: not an error of the user's, rank 0 says it
+    """Every rank that fails says why on its own stderr, tagged with its rank and host when there are several:
+    before the process group exists as after (a rank that cannot reach rank 0, a bad image, an OOM, a dead peer),
+    since in a 32-rank job the one rank that failed is the one whose log matters. A stop (preempted,
+    interrupted, complete) is not an error: rank 0 says it."""
+    if e.label is None:
         if dist is None or dist.is_main:
             print(f'dlojz: {e}', file=sys.stderr, flush=True)
-    elif dist is None or dist.is_main or grouped:
-        print(f"dlojz: {e.label}: {f'[rank {dist.rank}] ' if grouped else ''}{e}", file=sys.stderr, flush=True)
+        return
+    tag = f'[rank {dist.rank} on {socket.gethostname()}] ' if dist is not None and dist.world_size > 1 else ''
+    print(f'dlojz: {e.label}: {tag}{e}', file=sys.stderr, flush=True)
 
 
 def cli(argv=None):

@@ -13,7 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -193,6 +195,9 @@ def setup(dist, device, timeout_min=None, share_gpu=False):
     if dist.launcher == 'slurm':  # env:// reads these; rank 0 opens the store on master_addr:master_port
         os.environ.update(MASTER_ADDR=dist.master_addr, MASTER_PORT=str(dist.master_port), RANK=str(dist.rank),
                           WORLD_SIZE=str(dist.world_size), LOCAL_RANK=str(dist.local_rank))
+    else:  # RANK and WORLD_SIZE set by hand (torchrun sets all four): get_dist_info's defaults for the others
+        os.environ.setdefault('MASTER_ADDR', dist.master_addr)
+        os.environ.setdefault('MASTER_PORT', str(dist.master_port))
     gpus = torch.cuda.device_count() if device.type == 'cuda' else 0
     backend = process_group_backend(device.type, gpus, dist.local_world_size, share_gpu)
     if backend == 'gloo' and device.type == 'cuda' and dist.is_main:
@@ -200,11 +205,12 @@ def setup(dist, device, timeout_min=None, share_gpu=False):
               f'with gloo through host memory (NCCL refuses two ranks on one GPU)', flush=True)
     kw = {'timeout': datetime.timedelta(minutes=timeout_min)} if timeout_min else {}
     try:
-        tdist.init_process_group(backend, init_method='env://', rank=dist.rank, world_size=dist.world_size, **kw)
+        with cpp_errors_held(os.environ.get('TORCH_DISTRIBUTED_DEBUG') != 'DETAIL'):
+            tdist.init_process_group(backend, init_method='env://', rank=dist.rank, world_size=dist.world_size, **kw)
     except (RuntimeError, ValueError) as e:  # DistStoreError/DistNetworkError are RuntimeErrors
-        raise UsageError(f'rank {dist.rank} could not join the process group at {dist.master_addr}:'
-                         f'{dist.master_port} ({first_line(e)}); check that every task started and that the port '
-                         f'is free (--dist-timeout bounds this wait).') from None
+        raise UsageError(f'could not join the process group at {dist.master_addr}:'
+                         f'{dist.master_port} ({first_line(e)}); check that every task started, that this address '
+                         f'reaches rank 0\'s node and that the port is free (--dist-timeout bounds this wait).') from None
     # NCCL collectives need GPU tensors; host-side objects go through a gloo group so that they never
     # touch the GPU (and never initialise NCCL before --nccl-debug's log is in place). Made on CPU runs too,
     # so that CPU tests exercise the structure GPU runs use; it gets --dist-timeout as well (new_group's own
@@ -212,6 +218,32 @@ def setup(dist, device, timeout_min=None, share_gpu=False):
     _CPU_GROUP = tdist.new_group(backend='gloo', **kw)
     if device.type == 'cuda':
         _check_distinct_gpus(dist, device, share_gpu)
+
+
+@contextmanager
+def cpp_errors_held(hold=True):
+    """Hold back what C++ writes to stderr (fd 2) during the block: the TCPStore client logs each failed
+    connection attempt with a C++ frame dump before the Python exception that says the same in one line. Given
+    back as it was when the block succeeds; dropped when it raises (its one line reaches the user in ours)."""
+    if not hold:
+        yield
+        return
+    sys.stderr.flush()
+    saved, held = os.dup(2), tempfile.TemporaryFile()
+    os.dup2(held.fileno(), 2)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        if ok:
+            held.seek(0)
+            text = held.read()
+            if text:
+                os.write(2, text)
+        held.close()
 
 
 def _check_distinct_gpus(dist, device, share=False):

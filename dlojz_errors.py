@@ -9,6 +9,7 @@ error, Ctrl-C) into them. Anything it does not recognise is a bug: status 'crash
     nan             3   the loss became NaN or infinite
     failed          4   another rank died or stopped answering
     preempted     5 / 0 SIGUSR2/SIGTERM: checkpoint written (0 when SLURM requeued the job)
+    completed       0   --resume on a completed run that the command would not train further: nothing written
     interrupted   130   Ctrl-C
     disk_full       6   no space left (or quota exceeded) where a checkpoint, summary.json, metrics.jsonl or
                         config.json was being written; earlier checkpoints are kept, continue with --resume
@@ -98,6 +99,12 @@ def disk_full(path, usage=None):
     return DiskFull(f'no space left on {folder} ({free}) while writing {os.path.basename(path)}; earlier '
                     f'checkpoints are kept: free some space (or choose another --output-dir) and continue '
                     f'with --resume auto.', disk_full_path=path)
+
+
+class Complete(DlojzError):
+    """The run in the folder is complete and the command asks nothing more of it (a resubmitted job): one line,
+    exit 0, nothing written."""
+    status, exit_code, label = 'completed', 0, None
 
 
 class Interrupted(DlojzError):

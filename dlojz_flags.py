@@ -361,6 +361,8 @@ def check_flags(args):
         (loader_mode and (args.fake_data or args.evaluate or args.findlr or args.resume),
          f'{mode} measures the data loader of a new run; drop --fake-data, --evaluate, --findlr and --resume.'),
         (args.findlr and args.resume, '--findlr starts from a fresh model; drop --resume.'),
+        (args.overwrite and args.resume, '--overwrite starts the run folder afresh and --resume continues it; drop '
+         'one (the slurm/ scripts pass --resume auto: give the new run another --run-name or --output-dir).'),
         (args.decode == 'gpu' and (worker_ops or args.res_start is not None),
          '--decode gpu decodes after the workers, where --randaugment, --trivialaugment, --random-erasing and '
          '--res-start act; use --decode fast with them.'),

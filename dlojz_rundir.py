@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import dlojz_dist
 import dlojz_failpoints as failpoints
 from dlojz_checkpoint import CHECKPOINT_RE, remove_partial_checkpoints
-from dlojz_errors import UsageError
+from dlojz_errors import Complete, UsageError
 from dlojz_log import fsync_replace, write_json
 
 def default_output_dir(args, dist):
@@ -29,8 +29,10 @@ def default_output_dir(args, dist):
 
 
 # A run that ended this way is over: continuing it would only repeat its end (an OOM, a NaN). 'failed' is not
-# among them: a dead peer (exit 4) is worth continuing, and a refused flag is refused again with its sentence.
-FINISHED = ('completed', 'nan', 'oom')
+# among them: a dead peer (exit 4) is worth continuing, and a refused flag is refused again with its sentence;
+# nor is 'completed': a completed run is resubmitted into its own folder, which says it is complete (Complete) or
+# trains it further (a larger -e).
+FINISHED = ('nan', 'oom')
 
 
 def run_status(path):
@@ -64,12 +66,37 @@ def held_by_another_job(path, job_id, alive=job_alive):
     return owner != str(job_id) and alive(owner)
 
 
+def completed_run(path):
+    """summary.json of the completed run in `path`, else None."""
+    try:
+        with open(os.path.join(path, 'summary.json')) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get('status') == 'completed' else None
+
+
+def complete_sentence(path, summary):
+    top1 = (summary.get('val') or {}).get('top1')
+    return (f"the run in {path} is complete (step {summary.get('global_step')}"
+            f"{f', validation top-1 {top1:.4f}' if top1 is not None else ''}); this command asks nothing more of "
+            f"it and changes nothing in it: pass a larger -e (or --test-nsteps) to train it further, or another "
+            f"--output-dir (or --run-name) for a new run.")
+
+
+def same_length(config, args):
+    """Whether `args` asks for the length of the run whose flags are `config` (-e, --test-nsteps)."""
+    length = lambda test, epochs, nsteps: (epochs, bool(test), nsteps if test else None)
+    return length(config.get('test'), config.get('epochs'), config.get('test_nsteps')) == \
+        length(args.test, args.epochs, args.test_nsteps)
+
+
 def named_run_dir(name, continues, root='runs', job_id=None, alive=job_alive):
     """runs/<name> for a run named independently of the job id, so that a resubmitted job (a new job id)
-    continues the run of the job it follows. Continuing (--resume auto), a folder whose run is over, or that
-    another live SLURM job is writing (the same script and flags submitted twice), is kept and the run goes
-    to the first of <name>.2, <name>.3, ... that is neither: the next submission of a finished benchmark is
-    a new run, a preempted or crashed one is continued, a requeued one (same job id) finds its own."""
+    continues the run of the job it follows. Continuing (--resume auto), a folder whose run is over (NaN, OOM),
+    or that another live SLURM job is writing (the same script and flags submitted twice), is kept and the run
+    goes to the first of <name>.2, <name>.3, ... that is neither: a preempted or crashed run is continued, a
+    completed one says so (or is trained further), a requeued one (same job id) finds its own."""
     path, k = os.path.join(root, name), 1
     while continues and (run_status(path) in FINISHED or held_by_another_job(path, job_id, alive)):
         k += 1
@@ -343,6 +370,10 @@ def taken(args, dist, lock=None):
             raise
     args.output_dir = dlojz_dist.broadcast_object(dlojz_dist.on_ranks(take, when=dist.is_main))
     try:
+        # the same command on a completed run (a resubmitted job): one line, exit 0, nothing written in the folder
+        done = completed_run(args.output_dir) if dist.is_main and args.resume and not args.evaluate else None
+        if dlojz_dist.broadcast_object(done is not None and same_length(done.get('config') or {}, args)):
+            raise Complete(complete_sentence(args.output_dir, done or {}))
         if dist.is_main and args.run_name and os.path.basename(args.output_dir) != args.run_name:
             first = os.path.join('runs', args.run_name)
             why = f'a finished run ({run_status(first)})' if run_status(first) else 'the run of another live job'

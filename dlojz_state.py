@@ -12,7 +12,9 @@ import numpy as np
 import torch
 
 import dlojz_dist
-from dlojz_errors import Interrupted, Preempted, UsageError
+from dlojz_errors import Complete, Interrupted, Preempted, UsageError
+from dlojz_resume import SCHEDULE, flag
+from dlojz_rundir import complete_sentence, completed_run
 from dlojz_checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint, load_latest_checkpoint,
                               save_checkpoint, space_warning, strip_prefixes)
 from dlojz_log import SUMMARY_VERSION
@@ -55,13 +57,15 @@ def checkpoint_state(run, progress, device_rng):
     metrics_bytes: how much of metrics.jsonl was written then (the resumed run keeps that much)."""
     epoch, step = progress.epoch, progress.step
     return {'version': SUMMARY_VERSION, 'arch': run.args.arch, 'num_classes': len(run.data.classes),
+            'classes': list(run.data.classes), 'train_images': run.data.n_train,
             'model': strip_prefixes(run.model_without_ddp.state_dict()), 'optimizer': run.optimizer.state_dict(),
             'scheduler': run.scheduler.state_dict(), 'scaler': run.scaler.state_dict(), 'epoch': epoch,
             'step_in_epoch': step, 'end_due': progress.end_due, 'metrics_bytes': run.log.size(),
             'global_step': progress.global_step, 'global_batch': run.global_batch,
             'args': vars(run.args), 'ema': run.ema.state_dict() if run.ema is not None else None,
             'race': {'best_top1': progress.best_top1, 'reached': progress.reached, 'images': progress.images,
-                     'wall_s': run_wall_s(run), 'val': progress.val, 'val_ema': progress.val_ema},
+                     'wall_s': run_wall_s(run), 'val': progress.val, 'val_ema': progress.val_ema,
+                     'train': progress.train},
             'rng': {'torch': torch.get_rng_state(), 'numpy': np.random.get_state(), 'python': random.getstate(),
                     'device': device_rng}}
 
@@ -101,13 +105,18 @@ def find_resume_checkpoint(args, dist, say):
     return path, found[1] if dist.is_main else load_checkpoint(path)  # rank 0 has already read it
 
 
+# The optimizer's hyperparameters a changed flag sets again after its state is loaded (the state carries the
+# checkpoint's), and the keys of a schedule built for this run's flags (OneCycleLR keeps them in the groups).
+HYPERPARAMETERS = {'wd': ('weight_decay',), 'mom': ('momentum', 'betas')}
+SCHEDULE_KEYS = ('initial_lr', 'max_lr', 'min_lr', 'max_momentum', 'base_momentum')
+
 # What restore() reads from a checkpoint (checkpoint_state writes them all); 'ema' and 'race' may be absent.
 RESUME_KEYS = ('model', 'epoch', 'step_in_epoch', 'global_step', 'global_batch')
 TRAIN_KEYS = ('optimizer', 'scheduler', 'scaler', 'rng')
 
 
-def check_checkpoint(args, ckpt, path, num_classes, global_batch, world_size):
-    """Refuse a checkpoint this run cannot continue, before anything is written."""
+def check_form(args, ckpt, path):
+    """Refuse a file that is not a checkpoint dlojz can resume (or, with --evaluate, validate)."""
     if not isinstance(ckpt, dict):
         raise UsageError(f'{path} is not a dlojz checkpoint (it holds a {type(ckpt).__name__}, not a dict); pass a '
                          f'checkpoint-*.pt written by --chkpt.')
@@ -115,17 +124,61 @@ def check_checkpoint(args, ckpt, path, num_classes, global_batch, world_size):
     if missing:
         raise UsageError(f"checkpoint {path} lacks {', '.join(repr(k) for k in missing)}, which resuming needs; it "
                          f"was not written by this version of dlojz --chkpt (or was edited); pass another checkpoint.")
-    if ckpt.get('arch') != args.arch or ckpt.get('num_classes') != num_classes:
+
+
+def check_checkpoint(args, ckpt, path, classes, n_train, global_batch, world_size):
+    """Refuse a checkpoint this run cannot continue, before anything is written: another model, other classes,
+    another training set (its steps are the position and the schedule), another global batch."""
+    if ckpt.get('arch') != args.arch or ckpt.get('num_classes') != len(classes):
         raise UsageError(f"checkpoint {path} holds {ckpt.get('arch')} with {ckpt.get('num_classes')} classes but "
-                         f"this run is --arch {args.arch} with {num_classes} classes; pass the same --arch and "
+                         f"this run is --arch {args.arch} with {len(classes)} classes; pass the same --arch and "
                          f"data, or another checkpoint.")
+    saved = ckpt.get('classes')  # None: written before checkpoints recorded them
+    if saved is not None and list(saved) != list(classes):
+        i = next(i for i, (a, b) in enumerate(zip(saved, classes)) if a != b)
+        raise UsageError(f'checkpoint {path} was trained on other classes than this data\'s (class {i} is '
+                         f'{saved[i]!r} there, {classes[i]!r} here): its outputs would be other labels; pass the '
+                         f'data it was trained on, or start a new run.')
+    if args.evaluate:
+        return
+    if ckpt.get('train_images') not in (None, n_train):
+        raise UsageError(f"checkpoint {path} was trained on {ckpt['train_images']} training images and this data has "
+                         f"{n_train}: its position in the epoch and its LR schedule count steps of the other set; pass "
+                         f"the data it was trained on, or start a new run.")
     old = ckpt['global_batch']
-    if old != global_batch and not args.allow_batch_change and not args.evaluate:
+    if old != global_batch and not args.allow_batch_change:
         hint = f'-b {old // (world_size * args.accum_steps)} to keep it, ' \
             if old % (world_size * args.accum_steps) == 0 else ''
         raise UsageError(f'checkpoint {path} was trained with a global batch of {old} images but this run has '
                          f'{global_batch} (-b {args.batch_size} x {world_size} processes x --accum-steps '
                          f'{args.accum_steps}); use {hint}or pass --allow-batch-change to continue with the new one.')
+
+
+def check_resume(args, dist, path, ckpt, data, model, optimizer, global_batch, steps_per_epoch, total_steps):
+    """Everything a resume is refused for, before any log is opened: the checkpoint against the data, the model,
+    the optimizer and the global batch, and the run's end against the checkpoint's position. A completed run
+    that this command would not train further ends here (Complete: one line, exit 0, nothing written)."""
+    if ckpt is not None:
+        check_checkpoint(args, ckpt, path, data.classes, data.n_train, global_batch, dist.world_size)
+        check_fits(ckpt, path, args.arch, model, None if args.evaluate else optimizer)
+    if args.evaluate or not args.resume:
+        return
+    done = dlojz_dist.broadcast_object(completed_run(args.output_dir) if dist.is_main else None)
+    at = ckpt['global_step'] * ckpt['global_batch'] // global_batch if ckpt is not None else \
+        (done or {}).get('global_step')
+    if at is None:  # nothing to continue: a fresh start
+        return
+    if at > total_steps:
+        want = f'--test-nsteps {at}' if args.test and args.test_nsteps < at else f'-e {-(-at // steps_per_epoch)}'
+        where = f'checkpoint {path}' if ckpt is not None else f'the completed run in {args.output_dir}'
+        raise UsageError(f'{where} is at step {at} but this run ends at step {total_steps}: a resumed run cannot end '
+                         f'before its checkpoint; pass {want} or more to continue it' +
+                         (f', or --evaluate --resume {path} to validate it.' if ckpt is not None else '.'))
+    if done is not None and at == total_steps:
+        raise Complete(complete_sentence(args.output_dir, done))
+    if done is not None and ckpt is None:
+        raise UsageError(f'the run in {args.output_dir} completed without writing a checkpoint (--chkpt), so it cannot '
+                         f'be trained further; start a new run (another --output-dir) with the length you want.')
 
 
 def check_fits(ckpt, path, arch, model, optimizer=None):
@@ -186,7 +239,8 @@ def _restore(run, ckpt):
     progress = Progress(epoch=ckpt['epoch'], step=ckpt['step_in_epoch'], global_step=ckpt['global_step'],
                         best_top1=race.get('best_top1'), reached=race.get('reached') or {},
                         images=race.get('images', ckpt['global_step'] * ckpt['global_batch']),
-                        val=race.get('val'), val_ema=race.get('val_ema'), end_due=ckpt.get('end_due', False))
+                        val=race.get('val'), val_ema=race.get('val_ema'), train=race.get('train'),
+                        end_due=ckpt.get('end_due', False))
     if progress.end_due and not run.args.evaluate:
         run.log.print(f'The checkpoint was written as epoch {progress.epoch + 1} (or --test-nsteps) ended, before '
                       f'its validation and closing checkpoint: they come first')
@@ -196,8 +250,15 @@ def _restore(run, ckpt):
                                 {'module': run.model_without_ddp.state_dict(), 'updates': 0})
     if run.args.evaluate:
         return progress
+    fresh = [{k: v for k, v in g.items() if k != 'params'} for g in run.optimizer.param_groups]  # this run's flags'
     run.optimizer.load_state_dict(ckpt['optimizer'])
-    run.scaler.load_state_dict(ckpt['scaler'])
+    was = ckpt.get('args') or {}
+    for dest, keys in HYPERPARAMETERS.items():  # the resume contract: a changed flag is used from here on
+        if dest in was and was[dest] != getattr(run.args, dest):
+            for group, mine in zip(run.optimizer.param_groups, fresh):
+                group.update({k: mine[k] for k in keys if k in mine})
+    if ckpt['scaler']:  # empty when the checkpoint's run did not use fp16: then this run's scaler starts afresh
+        run.scaler.load_state_dict(ckpt['scaler'])
     torch.set_rng_state(ckpt['rng']['torch'])
     np.random.set_state(ckpt['rng']['numpy'])
     random.setstate(ckpt['rng']['python'])
@@ -206,19 +267,30 @@ def _restore(run, ckpt):
     if rank < len(device_rng) and device_rng[rank] is not None:
         set_device_rng_state(device_rng[rank], run.device)
     old, gb = ckpt['global_batch'], run.global_batch
-    if old == gb:
+    rebuilt = [d for d in SCHEDULE if d in was and was[d] != getattr(run.args, d)]
+    if old == gb and not rebuilt:
         run.scheduler.load_state_dict(ckpt['scheduler'])
         return progress
-    # Another global batch: keep the position in images. The step restarts at the batch holding the first
-    # image not yet seen; the LR schedule (built for the new batch) is advanced to the same fraction of the run.
-    progress.global_step = ckpt['global_step'] * old // gb
-    progress.step = min(ckpt['step_in_epoch'] * old // gb, run.steps_per_epoch)
+    if old != gb:
+        # Another global batch: keep the position in images. The step restarts at the batch holding the first
+        # image not yet seen; the LR schedule (built for the new batch) is advanced to the same fraction of the run.
+        progress.global_step = ckpt['global_step'] * old // gb
+        progress.step = min(ckpt['step_in_epoch'] * old // gb, run.steps_per_epoch)
+        run.log.print(f'Resuming with global batch {gb} instead of {old}: step {progress.global_step}, epoch position '
+                      f'{progress.step}')
+    before = run.optimizer.param_groups[0]['lr']  # what the checkpoint's schedule gives its next step
+    for group, mine in zip(run.optimizer.param_groups, fresh):  # the new schedule's peak, bounds and momenta
+        group.update({k: mine[k] for k in SCHEDULE_KEYS if k in mine})
+    run.scheduler.last_epoch = progress.global_step - 1  # the schedules are closed forms of the step: one step()
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
         warnings.simplefilter('ignore')
-        for _ in range(progress.global_step):
-            run.scheduler.step()
-    run.log.print(f'Resuming with global batch {gb} instead of {old}: step {progress.global_step}, epoch position '
-                  f'{progress.step}')
+        run.scheduler.step()
+    if rebuilt:
+        changes = ', '.join(f'{flag(d)} {getattr(run.args, d)} (was {was[d]})' for d in rebuilt)
+        run.log.print(f'The LR schedule is rebuilt for {changes}: it continues at step {progress.global_step} with '
+                      f'LR {run.optimizer.param_groups[0]["lr"]:.4g} where the checkpoint\'s schedule gave '
+                      f'{before:.4g}, then follows {run.args.scheduler} to its end at step '
+                      f'{run.args.epochs * run.steps_per_epoch}.')
     return progress
 
 

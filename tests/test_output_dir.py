@@ -38,7 +38,11 @@ def test_a_folder_holds_one_run(tmp_path, cache_dir, capsys):
     assert snapshot(out) == first
     assert cli(out, cache_dir, '--seed', '7', '--test-nsteps', '1', '--overwrite') == 0
     assert sorted(os.listdir(out)) == ['checkpoint-00000001.pt', 'config.json', 'metrics.jsonl', 'summary.json']
-    assert cli(out, cache_dir, '--seed', '7', '--test-nsteps', '1', '--resume', 'auto') == 0
+    second = snapshot(out)
+    assert cli(out, cache_dir, '--seed', '7', '--test-nsteps', '1', '--resume', 'auto') == 0  # the same command
+    assert f'dlojz: the run in {out} is complete (step 1, validation top-1 ' in capsys.readouterr().err
+    assert snapshot(out) == second
+    assert cli(out, cache_dir, '--seed', '7', '--test-nsteps', '2', '--resume', 'auto') == 0  # a longer one
     assert 'continuing from' in capsys.readouterr().out
 
 
@@ -49,8 +53,9 @@ def test_an_early_error_leaves_no_empty_folder(tmp_path, cache_dir, capsys):
 
 
 def test_a_run_name_is_continued_until_its_run_is_over(tmp_path, cache_dir, capsys, monkeypatch):
-    """--run-name: the folder a resubmitted job (new job id) continues. A preempted run there is continued; a
-    finished one is kept, and the next run goes to <name>.2."""
+    """--run-name: the folder a resubmitted job (new job id) continues. A completed run there says so and stays
+    as it is (as with --output-dir); one that ended in NaN or OOM is kept, and the next run goes to <name>.2; a
+    preempted run there is continued."""
     monkeypatch.chdir(tmp_path)
 
     def named(*flags):
@@ -61,7 +66,16 @@ def test_a_run_name_is_continued_until_its_run_is_over(tmp_path, cache_dir, caps
     first = snapshot('runs/r')
     monkeypatch.setenv('SLURM_JOB_ID', '102')
     assert named() == 0
-    assert 'runs/r holds a finished run (completed); this run goes to runs/r.2' in capsys.readouterr().out
+    assert 'dlojz: the run in runs/r is complete (step 2' in capsys.readouterr().err
+    assert snapshot('runs/r') == first and not os.path.exists('runs/r.2')
+    with open('runs/r/summary.json') as f:
+        summary = json.load(f)
+    with open('runs/r/summary.json', 'w') as f:  # a run that ended in NaN: continuing it would repeat its end
+        json.dump({**summary, 'status': 'nan'}, f)
+    first = snapshot('runs/r')
+    monkeypatch.setenv('SLURM_JOB_ID', '103')
+    assert named() == 0
+    assert 'runs/r holds a finished run (nan); this run goes to runs/r.2' in capsys.readouterr().out
     assert snapshot('runs/r') == first and os.path.exists('runs/r.2/checkpoint-00000002.pt')
     with open('runs/r.2/summary.json') as f:  # what a preempted run leaves (tests/test_preempt.py makes one)
         summary = json.load(f)

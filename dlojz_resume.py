@@ -1,0 +1,175 @@
+"""The resume contract: what a resumed run does with each flag whose value differs from its checkpoint's, one
+row per flag of --help (docs/resume.md is this table in words; a test keeps the two equal and fails on a flag
+without a row). Torch-free: it compares two sets of flags.
+
+    honoured    the new value is used from the resume on, and recorded
+    extends     the run's length: above the checkpoint's position it continues, below it is refused
+    refused     one sentence, nothing written: the checkpoint's state cannot continue under the new value
+    checkpoint  the checkpoint's value is kept (and recorded), with one warning line
+    mode        another mode, which reads no training checkpoint: the flag is used, nothing is resumed
+
+Values are compared as check_args resolved them (a default that follows the node, such as --num-workers,
+is compared as resolved). Where a refusal needs the data or the world size (the classes, the training set,
+the global batch) dlojz_state.check_checkpoint makes it; the rest is resolve()'s.
+"""
+from dlojz_errors import UsageError
+
+H, X, R, C, M = 'honoured', 'extends', 'refused', 'checkpoint', 'mode'
+
+# dest -> (rule, what it means on resume); the docs page shows these words
+CONTRACT = {
+    # data: the data may move (another --data-dir, cache, decode path); its classes and training set may not
+    'data_dir': (H, 'the same classes and number of training images, else refused'),
+    'cache_dir': (H, 'the same classes and number of training images, else refused'),
+    'synthetic_classes': (R, 'other classes: the classifier and the checkpoint\'s labels do not fit'),
+    'synthetic_train_per_class': (R, 'another training set: the epoch position and the schedule count its steps'),
+    'synthetic_val_per_class': (H, ''),
+    'synthetic_seed': (H, 'the same classes and number of training images, else refused'),
+    'fake_data': (R, 'other data: refused by the classes or the training set'),
+    'fake_train_size': (R, 'another training set: the epoch position and the schedule count its steps'),
+    'fake_val_size': (H, ''),
+    'fake_classes': (R, 'other classes: the classifier and the checkpoint\'s labels do not fit'),
+    'image_size': (H, 'the model takes any resolution'),
+    'val_resize': (H, ''),
+    'val_image_size': (H, ''),
+    'decode': (H, 'the same crops and flips, decoded another way'),
+    'decode_ahead': (H, ''),
+    'skip_bad_images': (H, ''),
+    # loader
+    'batch_size': (R, 'unless --allow-batch-change: the position and the schedule are then converted in images'),
+    'val_batch_size': (H, ''),
+    'num_workers': (H, ''),
+    'persistent_workers': (H, ''),
+    'pin_memory': (H, ''),
+    'non_blocking': (H, ''),
+    'prefetch_factor': (H, ''),
+    'drop_last': (R, 'it changes the steps of an epoch, hence the position and the schedule'),
+    'loader_only': (M, 'measures the loader of a new run; --resume is dropped'),
+    'tune_loader': (M, 'measures the loader of a new run; --resume is dropped'),
+    # model
+    'arch': (R, 'the weights do not fit another model'),
+    'sd_prob': (H, 'stochastic depth has no weights'),
+    'n_heads': (R, 'the weights do not fit another number of heads'),
+    'grad_checkpointing': (H, ''),
+    # precision and compilation
+    'amp': (H, 'the fp16 loss scale is kept only between two fp16 runs; a new one starts otherwise'),
+    'channels_last': (H, ''),
+    'tf32': (H, ''),
+    'cudnn_benchmark': (H, ''),
+    'deterministic': (H, ''),
+    'compile': (H, ''),
+    'compile_mode': (H, ''),
+    # optimization
+    'optimizer': (R, 'the optimizer state (momenta, moments) belongs to the checkpoint\'s optimizer'),
+    'lr': (H, 'the LR schedule is rebuilt for it and continues at the current step (one line says the LR there)'),
+    'base_lr': (H, 'through --lr, which it sets: the schedule is rebuilt as for --lr'),
+    'wd': (H, 'set in the optimizer\'s groups after its state is loaded'),
+    'wd_norm_bias': (R, 'it changes the optimizer\'s parameter groups'),
+    'mom': (H, 'set in the optimizer\'s groups after its state is loaded (onecycle cycles the momentum itself)'),
+    'accum_steps': (R, 'unless --allow-batch-change: it changes the global batch'),
+    'label_smoothing': (H, ''),
+    'scheduler': (H, 'the schedule is rebuilt and continues at the current step (one line says the LR there)'),
+    'warmup_epochs': (H, 'the schedule is rebuilt and continues at the current step'),
+    'poly_power': (H, 'the schedule is rebuilt and continues at the current step'),
+    'ema_decay': (H, 'a new EMA starts from the current weights; without it the EMA is dropped'),
+    'ema_warmup': (H, ''),
+    'findlr': (R, 'an LR sweep starts from a fresh model'),
+    # augmentation
+    'randaugment': (H, ''),
+    'trivialaugment': (H, ''),
+    'random_erasing': (H, ''),
+    'mixup': (H, ''),
+    'cutmix': (H, ''),
+    'res_start': (H, 'the resolution follows the new schedule from the current epoch'),
+    'res_end_epoch': (H, 'the resolution follows the new schedule from the current epoch'),
+    # run
+    'epochs': (X, 'more epochs continue the run (the LR schedule is rebuilt for the new length); fewer than the '
+                  'checkpoint has done are refused'),
+    'test': (X, 'as --test-nsteps'),
+    'test_nsteps': (X, 'counts the whole run: more steps continue it; fewer than the checkpoint\'s are refused'),
+    'seed': (C, 'the data order and the random streams continue from the checkpoint'),
+    'device': (H, 'a GPU checkpoint continues on CPU and back; the GPU random stream is kept per rank'),
+    'output_dir': (H, 'names the folder resumed (a copied run continues where it is)'),
+    'run_name': (H, 'names the folder resumed'),
+    'overwrite': (R, 'with --resume: one starts the folder afresh, the other continues it'),
+    'val_every': (H, ''),
+    'target_top1': (H, 'a target already reached stays reached'),
+    'chkpt': (H, ''),
+    'chkpt_every': (H, ''),
+    'keep_checkpoints': (H, ''),
+    'resume': (H, 'which checkpoint: auto, or a path'),
+    'requeue': (H, ''),
+    'allow_batch_change': (H, 'allows another global batch'),
+    'evaluate': (M, 'validates the checkpoint and trains nothing'),
+    # distributed
+    'sync_bn': (H, ''),
+    'find_unused_parameters': (H, ''),
+    'bucket_cap_mb': (H, ''),
+    'static_graph': (H, ''),
+    'gradient_as_bucket_view': (H, ''),
+    'broadcast_buffers': (H, ''),
+    'dist_timeout': (H, ''),
+    'nccl_debug': (H, ''),
+    'dist_debug': (H, ''),
+    'share_gpu': (H, ''),
+    # logging and profiling
+    'log_interval': (H, ''),
+    'metric_step': (H, ''),
+    'metric_sync_log': (H, ''),
+    'wandb': (H, ''),
+    'prof': (H, ''),
+    'prof_wait': (H, ''),
+    'prof_warmup': (H, ''),
+    'prof_active': (H, ''),
+    # benchmark
+    'timing': (H, ''),
+    'sync_timing': (H, ''),
+    'warmup_steps': (H, 'counted from the resumed attempt\'s first step'),
+    # tuning
+    'tune': (M, 'trials of their own, in processes of their own'),
+    'tune_budget': (M, ''),
+    'tune_steps': (M, ''),
+    'tune_memory_gib': (M, ''),
+    'tune_max_batch': (M, ''),
+    'tune_machine': (M, ''),
+}
+
+# the flags whose change rebuilds the LR schedule at the current step (with the global batch, dlojz_state's)
+SCHEDULE = ('lr', 'scheduler', 'warmup_epochs', 'poly_power', 'epochs')
+NOT_SHOWN = ('resume', 'base_lr')  # differ on every resume, or already shown through the value they set
+# Refused where what they change is seen: by dlojz_state, the data (classes, training set) and the global batch
+# (world size, --allow-batch-change) in check_checkpoint, the model's weights and the optimizer's groups in
+# check_fits (a flag that changes neither, such as --synthetic-classes beside --data-dir, changes nothing); by
+# dlojz_flags.check_flags, --overwrite and --findlr beside --resume, whatever the checkpoint's flags.
+ELSEWHERE = ('synthetic_classes', 'synthetic_train_per_class', 'fake_data', 'fake_train_size', 'fake_classes',
+             'batch_size', 'accum_steps', 'arch', 'n_heads', 'wd_norm_bias', 'overwrite', 'findlr')
+
+
+def flag(dest):
+    return '--' + dest.replace('_', '-')
+
+
+def changed(args, old):
+    """The flags whose value differs from the checkpoint's args (`old`, a dict): {dest: (old, new)}. Flags the
+    checkpoint does not know (written by an older dlojz) are left out."""
+    return {d: (old[d], getattr(args, d)) for d in CONTRACT if d in old and old[d] != getattr(args, d)}
+
+
+def resolve(args, old, say):
+    """Apply the contract to `args` before the run is built: refuse what cannot continue, put back what the
+    checkpoint keeps (with a warning line), and say in one line what is used anew. -> args."""
+    diff = changed(args, old)
+    for dest, (was, now) in diff.items():
+        rule, why = CONTRACT[dest]
+        if rule == R and dest not in ELSEWHERE:
+            raise UsageError(f'{flag(dest)} {now} differs from the checkpoint\'s {was} and a resumed run cannot '
+                             f'change it ({why}); pass {flag(dest)} {was}, or start a new run in another folder.')
+        if rule == C:
+            setattr(args, dest, was)
+            say(f'Warning: {flag(dest)} {now} differs from the checkpoint\'s {was}: the run keeps {was} ({why}); '
+                f'start a new run to change it.')
+    used = [f'{flag(d)} {now} (was {was})' for d, (was, now) in diff.items()
+            if CONTRACT[d][0] in (H, X) and d not in NOT_SHOWN]
+    if used:
+        say('Resumed with changed flags, used from here on: ' + ', '.join(used))
+    return args
