@@ -63,7 +63,7 @@ from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
 from dlojz_errors import CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation, translate
 from dlojz_host import host_check, intra_op_threads
-from dlojz_log import Console, Logger, write_json
+from dlojz_log import Console, Logger, wandb_mode, write_json
 from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
 from dlojz_rundir import trim_metrics
 from dlojz_state import (Progress, check_form, check_resume, find_resume_checkpoint, interrupted, note_validation,
@@ -108,6 +108,9 @@ def build_model(args, num_classes, device, dist):
 def build_wandb(args, dist):
     if args.wandb == 'off' or not dist.is_main:
         return None
+    args.wandb, warning = wandb_mode(args.wandb)  # what config.json records: the mode used
+    if warning:
+        print(f'Warning: {warning}', flush=True)
     import wandb  # seconds to import: only when asked for
     return wandb.init(project='dlojz', name=os.path.basename(args.output_dir), mode=args.wandb,
                       dir=args.output_dir, config=vars(args))

@@ -31,7 +31,7 @@ import dlojz_augment
 import dlojz_decode
 import dlojz_shards
 from dlojz_decode import BadImageError, Blob, source_name
-from dlojz_errors import DataError
+from dlojz_errors import DataError, writable
 from dlojz_folder import IMG_EXTENSIONS, find_classes, scan_imagefolder  # noqa: F401 (dlojz_data's API too)
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, never silently half-grey
@@ -158,6 +158,8 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
     marker = os.path.join(root, 'COMPLETE.json')
     if os.path.exists(marker):
         return False
+    writable(os.path.dirname(root), '--cache-dir', 'the synthetic dataset is generated there, once: pass --cache-dir '
+             'with a writable folder')
     tmp = f'{root}.tmp-{os.getpid()}'
     jobs = []
     for split, per_class in (('train', train_per_class), ('val', val_per_class)):

@@ -18,7 +18,9 @@ error, Ctrl-C) into them. Anything it does not recognise is a bug: status 'crash
 """
 import errno
 import os
+import re
 import shutil
+import tempfile
 
 
 class DlojzError(Exception):
@@ -111,6 +113,30 @@ class Interrupted(DlojzError):
     status, exit_code, label = 'interrupted', 130, None
 
 
+def writable(folder, name, fix):
+    """Create `folder` if needed and check that a file can be written in it, before any work starts: one
+    sentence otherwise ('cannot write to <name> <folder> (<why>); <fix>.')."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix='.write-test-')
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f'cannot write to {name} {folder} ({e.strerror}); {fix}.') from None
+    return folder
+
+
+# A host allocation that failed: Python's, torch's CPU allocator (also as re-raised from a loader worker), or a
+# worker ended by SIGKILL, which on a node without other killers is the kernel's OOM killer.
+HOST_OOM_PATTERNS = ("defaultcpuallocator: can't allocate memory", 'cannot allocate memory',
+                     'is killed by signal: killed')
+
+
+def is_host_oom(exc):
+    return isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM) or \
+        (isinstance(exc, RuntimeError) and any(p in str(exc).lower() for p in HOST_OOM_PATTERNS))
+
+
 def first_line(e):
     text = str(e).strip().splitlines()
     return (text[0] if text else type(e).__name__)[:300]
@@ -165,6 +191,16 @@ def translate(e, args, rank=0, distributed=False, step=0):
     if isinstance(e, torch.OutOfMemoryError):
         return OutOfMemory(f'out of memory at step {step} with batch size {args.batch_size}; lower -b, or use '
                            f'--amp bf16/--grad-checkpointing.', **failed)
+    if is_host_oom(e):  # a uint8 image is 3 bytes per pixel, 12 as the float32 the model takes
+        batch = args.batch_size * 3 * args.image_size ** 2 / 2**30
+        tried = re.search(r'tried to allocate (\d+) bytes', str(e))  # torch's CPU allocator says how much
+        why = f'an allocation of {int(tried.group(1)) / 2**30:.3g} GiB failed' if tried else \
+            next((line.strip() for line in str(e).splitlines()  # a worker's error: the line that says it
+                  if any(p in line.lower() for p in HOST_OOM_PATTERNS)), first_line(e))
+        return OutOfMemory(f'the host ran out of memory at step {step} ({why[:120]}); a batch of -b '
+                           f'{args.batch_size} images at --image-size {args.image_size} is {batch:.2g} GiB as uint8 '
+                           f'and 4x that as float32, and each loader worker holds --prefetch-factor batches: lower '
+                           f'-b, --image-size or --num-workers.', **failed)
     if args.compile and type(e).__module__.startswith(('torch._dynamo', 'torch._inductor')):
         return UsageError(f'torch.compile failed ({type(e).__name__}: {first_line(e)[:200]}); rerun with '
                           f'--no-compile or another --compile-mode.', **failed)

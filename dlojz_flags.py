@@ -224,9 +224,9 @@ def run_flags(p):
                    'runs/<job id or time>_<arch>_bs<b>); one that holds another run is refused unless --resume '
                    'continues it or --overwrite replaces it')
     g.add_argument('--run-name', default=None, help='run directory runs/<NAME>, independent of the job id: a '
-                   'resubmitted job with --resume auto continues it; when its run is over (completed, NaN, '
-                   'OOM), runs/<NAME>.2, .3, ... (the slurm/ scripts pass one: $DLOJZ_RUN, or the job name and '
-                   'a checksum of the flags)')
+                   'resubmitted job with --resume auto continues it (a completed one says so and stays as it '
+                   'is); when its run ended in NaN or OOM, runs/<NAME>.2, .3, ... (the slurm/ scripts pass one: '
+                   '$DLOJZ_RUN, or the job name and a checksum of the flags)')
     g.add_argument('--overwrite', action='store_true', help='delete the run files (config, metrics, summary, '
                    'checkpoints) of a non-empty --output-dir first')
     g.add_argument('--val-every', type=I, default=1, help='validate every N epochs (and after the last)')

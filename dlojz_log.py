@@ -2,9 +2,12 @@
 and JSON files written atomically; every file a run writes is opened through open_for_write, and free space is
 read through disk_usage (the full-disk tests' seams)."""
 import json
+import netrc
 import os
 import shutil
+import socket
 import sys
+import urllib.parse
 
 import torch
 
@@ -52,6 +55,33 @@ def _json_default(o):
     if hasattr(o, 'item'):
         return o.item()
     return repr(o)
+
+
+def wandb_mode(requested, environ=os.environ, connect=socket.create_connection, timeout_s=3.0):
+    """--wandb online needs an API key and the network, which compute nodes often lack (Jean Zay's have no
+    internet): without them wandb.init waits or fails after the run is built. Then the run logs offline, which
+    `wandb sync` uploads later, rather than stop: logging must not cost the training. -> (mode used, None or
+    the warning sentence). Facts are arguments, so that each case is tested without a network."""
+    if requested != 'online':
+        return requested, None
+    url = urllib.parse.urlparse(environ.get('WANDB_BASE_URL') or 'https://api.wandb.ai')
+    host, port = url.hostname or 'api.wandb.ai', url.port or (80 if url.scheme == 'http' else 443)
+    why = None
+    if not environ.get('WANDB_API_KEY'):
+        try:
+            found = netrc.netrc(environ.get('NETRC') or None).authenticators(host)
+        except (OSError, netrc.NetrcParseError):
+            found = None
+        why = None if found else f'no API key for {host} (WANDB_API_KEY, or `wandb login` on a node with network)'
+    if why is None:
+        try:
+            connect((host, port), timeout=timeout_s).close()
+        except OSError as e:
+            why = f'{host}:{port} cannot be reached from this node ({e.strerror or type(e).__name__})'
+    if why is None:
+        return 'online', None
+    return 'offline', (f'--wandb online: {why}; logging offline instead, into <output-dir>/wandb: upload it with '
+                       f'`wandb sync` from a node that has the network.')
 
 
 class Console:

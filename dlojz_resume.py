@@ -5,30 +5,34 @@ without a row). Torch-free: it compares two sets of flags.
     honoured    the new value is used from the resume on, and recorded
     extends     the run's length: above the checkpoint's position it continues, below it is refused
     refused     one sentence, nothing written: the checkpoint's state cannot continue under the new value
+    checked     honoured while the checkpoint still fits (the same classes, training set, weights and
+                optimizer groups), refused with one sentence where it does not
     checkpoint  the checkpoint's value is kept (and recorded), with one warning line
-    mode        another mode, which reads no training checkpoint: the flag is used, nothing is resumed
+    mode        another mode, which trains nothing from the checkpoint: in a folder that holds a training
+                run it is refused with one sentence
 
 Values are compared as check_args resolved them (a default that follows the node, such as --num-workers,
-is compared as resolved). Where a refusal needs the data or the world size (the classes, the training set,
-the global batch) dlojz_state.check_checkpoint makes it; the rest is resolve()'s.
+is compared as resolved). resolve() makes the refusals that need nothing but the flags; the 'checked' rows,
+--arch and the global batch are dlojz_state's (check_checkpoint knows the data and the world size, check_fits
+the model and the optimizer), the modes' their own.
 """
 from dlojz_errors import UsageError
 
-H, X, R, C, M = 'honoured', 'extends', 'refused', 'checkpoint', 'mode'
+H, X, R, K, C, M = 'honoured', 'extends', 'refused', 'checked', 'checkpoint', 'mode'
 
 # dest -> (rule, what it means on resume); the docs page shows these words
 CONTRACT = {
     # data: the data may move (another --data-dir, cache, decode path); its classes and training set may not
-    'data_dir': (H, 'the same classes and number of training images, else refused'),
-    'cache_dir': (H, 'the same classes and number of training images, else refused'),
-    'synthetic_classes': (R, 'other classes: the classifier and the checkpoint\'s labels do not fit'),
-    'synthetic_train_per_class': (R, 'another training set: the epoch position and the schedule count its steps'),
+    'data_dir': (K, 'the same classes and number of training images'),
+    'cache_dir': (K, 'the same classes and number of training images'),
+    'synthetic_classes': (K, 'other classes (with the synthetic data): the checkpoint\'s labels are others'),
+    'synthetic_train_per_class': (K, 'another training set (with the synthetic data): the position counts its steps'),
     'synthetic_val_per_class': (H, ''),
-    'synthetic_seed': (H, 'the same classes and number of training images, else refused'),
-    'fake_data': (R, 'other data: refused by the classes or the training set'),
-    'fake_train_size': (R, 'another training set: the epoch position and the schedule count its steps'),
+    'synthetic_seed': (K, 'the same classes and number of training images'),
+    'fake_data': (K, 'other data: other classes or another training set'),
+    'fake_train_size': (K, 'another training set (with --fake-data): the position counts its steps'),
     'fake_val_size': (H, ''),
-    'fake_classes': (R, 'other classes: the classifier and the checkpoint\'s labels do not fit'),
+    'fake_classes': (K, 'other classes (with --fake-data)'),
     'image_size': (H, 'the model takes any resolution'),
     'val_resize': (H, ''),
     'val_image_size': (H, ''),
@@ -44,12 +48,12 @@ CONTRACT = {
     'non_blocking': (H, ''),
     'prefetch_factor': (H, ''),
     'drop_last': (R, 'it changes the steps of an epoch, hence the position and the schedule'),
-    'loader_only': (M, 'measures the loader of a new run; --resume is dropped'),
-    'tune_loader': (M, 'measures the loader of a new run; --resume is dropped'),
+    'loader_only': (M, 'measures the loader of a new run (--resume is dropped)'),
+    'tune_loader': (M, 'measures the loader of a new run (--resume is dropped)'),
     # model
     'arch': (R, 'the weights do not fit another model'),
     'sd_prob': (H, 'stochastic depth has no weights'),
-    'n_heads': (R, 'the weights do not fit another number of heads'),
+    'n_heads': (K, 'the weights of a -heads arch do not fit another number of heads'),
     'grad_checkpointing': (H, ''),
     # precision and compilation
     'amp': (H, 'the fp16 loss scale is kept only between two fp16 runs; a new one starts otherwise'),
@@ -64,7 +68,7 @@ CONTRACT = {
     'lr': (H, 'the LR schedule is rebuilt for it and continues at the current step (one line says the LR there)'),
     'base_lr': (H, 'through --lr, which it sets: the schedule is rebuilt as for --lr'),
     'wd': (H, 'set in the optimizer\'s groups after its state is loaded'),
-    'wd_norm_bias': (R, 'it changes the optimizer\'s parameter groups'),
+    'wd_norm_bias': (K, 'the optimizer\'s parameter groups where it changes them'),
     'mom': (H, 'set in the optimizer\'s groups after its state is loaded (onecycle cycles the momentum itself)'),
     'accum_steps': (R, 'unless --allow-batch-change: it changes the global batch'),
     'label_smoothing': (H, ''),
@@ -126,23 +130,21 @@ CONTRACT = {
     'sync_timing': (H, ''),
     'warmup_steps': (H, 'counted from the resumed attempt\'s first step'),
     # tuning
-    'tune': (M, 'trials of their own, in processes of their own'),
-    'tune_budget': (M, ''),
-    'tune_steps': (M, ''),
-    'tune_memory_gib': (M, ''),
-    'tune_max_batch': (M, ''),
-    'tune_machine': (M, ''),
+    'tune': (M, 'trials of their own, in a folder of their own'),
+    'tune_budget': (H, 'read by --tune only'),
+    'tune_steps': (H, 'read by --tune only'),
+    'tune_memory_gib': (H, 'read by --tune only'),
+    'tune_max_batch': (H, 'read by --tune only'),
+    'tune_machine': (H, 'read by --tune only'),
 }
 
 # the flags whose change rebuilds the LR schedule at the current step (with the global batch, dlojz_state's)
 SCHEDULE = ('lr', 'scheduler', 'warmup_epochs', 'poly_power', 'epochs')
 NOT_SHOWN = ('resume', 'base_lr')  # differ on every resume, or already shown through the value they set
-# Refused where what they change is seen: by dlojz_state, the data (classes, training set) and the global batch
-# (world size, --allow-batch-change) in check_checkpoint, the model's weights and the optimizer's groups in
-# check_fits (a flag that changes neither, such as --synthetic-classes beside --data-dir, changes nothing); by
-# dlojz_flags.check_flags, --overwrite and --findlr beside --resume, whatever the checkpoint's flags.
-ELSEWHERE = ('synthetic_classes', 'synthetic_train_per_class', 'fake_data', 'fake_train_size', 'fake_classes',
-             'batch_size', 'accum_steps', 'arch', 'n_heads', 'wd_norm_bias', 'overwrite', 'findlr')
+# Refused elsewhere: --arch and the global batch (world size, --allow-batch-change) by check_checkpoint, which
+# knows the data and the world size; --overwrite and --findlr beside --resume by check_flags, whatever the
+# checkpoint's flags.
+ELSEWHERE = ('batch_size', 'accum_steps', 'arch', 'overwrite', 'findlr')
 
 
 def flag(dest):
@@ -169,7 +171,7 @@ def resolve(args, old, say):
             say(f'Warning: {flag(dest)} {now} differs from the checkpoint\'s {was}: the run keeps {was} ({why}); '
                 f'start a new run to change it.')
     used = [f'{flag(d)} {now} (was {was})' for d, (was, now) in diff.items()
-            if CONTRACT[d][0] in (H, X) and d not in NOT_SHOWN]
+            if CONTRACT[d][0] in (H, X, K) and d not in NOT_SHOWN]
     if used:
         say('Resumed with changed flags, used from here on: ' + ', '.join(used))
     return args

@@ -9,14 +9,13 @@ import os
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 from contextlib import contextmanager
 
 import dlojz_dist
 import dlojz_failpoints as failpoints
 from dlojz_checkpoint import CHECKPOINT_RE, remove_partial_checkpoints
-from dlojz_errors import Complete, UsageError
+from dlojz_errors import Complete, UsageError, writable
 from dlojz_log import fsync_replace, write_json
 
 def default_output_dir(args, dist):
@@ -328,14 +327,7 @@ def prepare_output_dir(path, continues=False, overwrite=False):
             os.remove(os.path.join(path, name))
     if continues or overwrite:
         remove_partial_checkpoints(path)
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=path, prefix='.write-test-', delete=True)
-        probe.close()
-    except OSError as e:
-        raise UsageError(f'cannot write to output directory {path} ({e.strerror}); '
-                         f'pass --output-dir with a writable folder.') from None
-    return path
+    return writable(path, 'output directory', 'pass --output-dir with a writable folder')
 
 
 def remove_if_empty(path):

@@ -27,7 +27,7 @@ import tarfile
 import numpy as np
 from PIL import Image
 
-from dlojz_errors import DataError
+from dlojz_errors import DataError, DlojzError, writable
 from dlojz_folder import scan_imagefolder
 
 FORMAT = 'dlojz-shards-v1'
@@ -127,7 +127,7 @@ def prepare(src, dst, max_side=None, shard_size_mb=256, log=print, stop_after=No
             # relative paths: the same tree named another way (relative, absolute, a link) resumes
             'files': hashlib.sha256('\n'.join(f'{os.path.relpath(p, src)}\t{y}' for p, y in train + val)
                                     .encode()).hexdigest()}
-    os.makedirs(dst, exist_ok=True)
+    writable(dst, 'the shards folder', 'pass a writable DST')
     spec_path = os.path.join(dst, 'prepare.json')
     if os.path.exists(spec_path):
         with open(spec_path) as f:
@@ -241,7 +241,7 @@ def main(argv=None):
     a = top.parse_args(argv)
     try:
         prepare(a.src, a.dst, a.max_side, a.shard_size)
-    except DataError as e:  # a usage error: exit 2, as dlojz.py's
+    except DlojzError as e:  # a usage error: exit 2, as dlojz.py's
         print(f'dlojz_data.py prepare: error: {e}', file=sys.stderr)
         return 2
     return 0

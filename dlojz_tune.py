@@ -31,6 +31,7 @@ import sys
 import time
 
 import dlojz_scaling
+from dlojz_checkpoint import list_checkpoints
 from dlojz_errors import UsageError
 from dlojz_flags import get_args_parser
 from dlojz_log import SUMMARY_VERSION, Console, write_json
@@ -344,6 +345,9 @@ def run_tune(args, raw, parser, device, say, python=sys.executable, script=None,
 
 def tune_mode(args, raw, dist, device):
     """--tune as dlojz.py runs it, in the run folder it has taken: config.json, the sweep, where it went."""
+    if list_checkpoints(args.output_dir):  # --resume auto (the slurm/ scripts') into a training run's folder
+        raise UsageError(f'--output-dir {args.output_dir} holds a training run (its checkpoints); --tune writes its '
+                         f'trials and record into a folder of their own: pass another --output-dir or --run-name.')
     say = Console(dist.is_main)
     write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
     record = run_tune(args, raw, get_args_parser(), device, say, world_size=dist.world_size)

@@ -12,7 +12,8 @@
 - A rank other than 0 that cannot start says so, tagged with its rank and host (it printed nothing); a peer
   that accepts the connection and never answers ends in one sentence, not in C++ frame dumps.
 
-Run: python -m pytest -q tests/test_resume.py          (the sweep over every flag: tests/test_resume_sweep.py, slow)
+Run: python -m pytest -q -m "" tests/test_resume.py    (the two ranks' tests are slow; the sweep over every flag:
+     tests/test_resume_sweep.py, slow)
 """
 import json
 import os
@@ -157,6 +158,7 @@ def rank_cli(cache_dir, out, rank, port, addr='127.0.0.1'):
                           env=env, cwd=ROOT, timeout=120)
 
 
+@pytest.mark.slow  # launches that wait for --dist-timeout: 20 s
 def test_a_rank_that_cannot_join_says_so_in_one_tagged_sentence(tmp_path, cache_dir):
     """Rank 1 with no rank 0 (it printed nothing, exit 2), and rank 0 whose peer never comes."""
     host = socket.gethostname()
@@ -169,6 +171,7 @@ def test_a_rank_that_cannot_join_says_so_in_one_tagged_sentence(tmp_path, cache_
     assert not (tmp_path / 'a').exists() and not (tmp_path / 'b').exists()
 
 
+@pytest.mark.slow
 def test_a_peer_that_never_answers_ends_in_one_sentence_not_cpp_frames(tmp_path, cache_dir):
     """The rank 0 address is something else's (here a listener that answers every connection as a web server
     would, as a proxy in front of an unreachable address did on this machine): the store's client retries until
