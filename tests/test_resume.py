@@ -49,16 +49,21 @@ def records(out, kind='train'):
     return [r for r in map(json.loads, open(os.path.join(out, 'metrics.jsonl'))) if r['type'] == kind]
 
 
-def onecycle(max_lr, total):
-    """The LR of each step 1..total of torch's OneCycleLR (defaults, as dlojz builds it): a reference."""
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=max_lr, momentum=0.9)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=total)
+def reference_lrs(make, steps):
+    """The LR of each step 1..steps from a torch scheduler made here, `make(optimizer)`: a reference."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0, momentum=0.9)
+    sched = make(opt)
     lrs = []
-    for _ in range(total):
+    for _ in range(steps):
         lrs.append(opt.param_groups[0]['lr'])
         opt.step()
         sched.step()
     return lrs
+
+
+def onecycle(max_lr, total):
+    """torch's OneCycleLR with its defaults, as dlojz builds it."""
+    return reference_lrs(lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=max_lr, total_steps=total), total)
 
 
 @pytest.fixture(scope='module')
@@ -197,3 +202,15 @@ def test_a_peer_that_never_answers_ends_in_one_sentence_not_cpp_frames(tmp_path,
         server.close()
     assert r.returncode == 2 and 'frame #' not in r.stderr and r.stderr.count('\n') == 1, r.stderr
     assert 'could not join the process group' in r.stderr
+
+
+def test_a_completed_run_without_checkpoints_is_not_restarted(tmp_path, cache_dir, capsys):
+    """No checkpoint to continue from: a longer run is refused in one sentence (it started again from step 0
+    in the folder, rewriting the completed run's metrics.jsonl and summary.json)."""
+    out = tmp_path / 'run'
+    assert cli(capsys, out, cache_dir, '--test-nsteps', '2')[0] == 0
+    before = snapshot(out)
+    code, _, err = cli(capsys, out, cache_dir, '--test-nsteps', '3', '--resume', 'auto')
+    assert code == 2 and err.count('\n') == 1
+    assert f'the run in {out} completed without writing a checkpoint (--chkpt), so it cannot be trained further' in err
+    assert snapshot(out) == before

@@ -19,7 +19,6 @@ Run: python -m pytest -q -m slow tests/test_resume_sweep.py
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -30,6 +29,7 @@ import dlojz
 import dlojz_flags
 import dlojz_resume
 from conftest import DLOJZ, ROOT, TINY
+from test_resume import onecycle, records, reference_lrs, snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -115,26 +115,6 @@ class Case:
         self.tmp, self.out, self.data_copy = tmp, out, data_copy
 
 
-def snapshot(out):
-    return {n: open(os.path.join(out, n), 'rb').read() for n in sorted(os.listdir(out))}
-
-
-def records(out, kind='train'):
-    return [r for r in map(json.loads, open(os.path.join(out, 'metrics.jsonl'))) if r['type'] == kind]
-
-
-def reference_lrs(make, steps):
-    """The LR of each step 1..steps from a torch scheduler made here: `make(optimizer)`."""
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0, momentum=0.9)
-    sched = make(opt)
-    lrs = []
-    for _ in range(steps):
-        lrs.append(opt.param_groups[0]['lr'])
-        opt.step()
-        sched.step()
-    return lrs
-
-
 def cosine(peak, total=12):
     return reference_lrs(lambda o: (o.param_groups[0].update(lr=peak, initial_lr=peak),
                                     torch.optim.lr_scheduler.CosineAnnealingLR(o, total))[1], total)
@@ -148,8 +128,7 @@ def last_checkpoint(out):
 USED = {
     'lr': lambda out: [r['lr'] for r in records(out)[3:]] == pytest.approx(cosine(0.5)[3:6], rel=1e-9),
     'base_lr': lambda out: [r['lr'] for r in records(out)[3:]] == pytest.approx(cosine(0.2 * 8 / 256)[3:6], rel=1e-9),
-    'scheduler': lambda out: [r['lr'] for r in records(out)[3:]] == pytest.approx(reference_lrs(
-        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=LR, total_steps=12), 12)[3:6], rel=1e-9),
+    'scheduler': lambda out: [r['lr'] for r in records(out)[3:]] == pytest.approx(onecycle(LR, 12)[3:6], rel=1e-9),
     'wd': lambda out: last_checkpoint(out)['optimizer']['param_groups'][0]['weight_decay'] == 0.01,
     'mom': lambda out: last_checkpoint(out)['optimizer']['param_groups'][0]['momentum'] == 0.8,
     'ema_decay': lambda out: json.load(open(os.path.join(out, 'summary.json')))['val_ema'] is not None,
