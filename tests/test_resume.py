@@ -214,3 +214,18 @@ def test_a_completed_run_without_checkpoints_is_not_restarted(tmp_path, cache_di
     assert code == 2 and err.count('\n') == 1
     assert f'the run in {out} completed without writing a checkpoint (--chkpt), so it cannot be trained further' in err
     assert snapshot(out) == before
+
+
+def test_a_data_folder_with_other_classes_is_refused(completed, tmp_path, cache_dir, capsys):
+    """As many classes, one named otherwise: the checkpoint's outputs would mean other labels (it resumed)."""
+    import shutil
+    data = tmp_path / 'data'
+    shutil.copytree(os.path.join(cache_dir, 'synthetic-v1-c4-n24-v6-s0'), data)
+    for split in ('train', 'val'):
+        os.rename(data / split / 'n00000003', data / split / 'n00000009')
+    out = copy_of(completed, tmp_path)
+    before = snapshot(out)
+    code, _, err = cli(capsys, out, cache_dir, '-e', '3', '--chkpt', '--resume', 'auto', '--data-dir', data)
+    assert code == 2 and err.count('\n') == 1
+    assert "was trained on other classes than this data's (class 3 is 'n00000003' there, 'n00000009' here)" in err
+    assert snapshot(out) == before
