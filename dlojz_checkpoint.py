@@ -14,6 +14,7 @@ import dlojz_failpoints as failpoints
 import dlojz_log
 from dlojz_errors import UsageError, disk_full
 
+
 CHECKPOINT_RE = re.compile(r'checkpoint-(\d+)\.pt$')
 
 

@@ -208,9 +208,9 @@ def setup(dist, device, timeout_min=None, share_gpu=False):
         with cpp_errors_held(os.environ.get('TORCH_DISTRIBUTED_DEBUG') != 'DETAIL'):
             tdist.init_process_group(backend, init_method='env://', rank=dist.rank, world_size=dist.world_size, **kw)
     except (RuntimeError, ValueError) as e:  # DistStoreError/DistNetworkError are RuntimeErrors
-        raise UsageError(f'could not join the process group at {dist.master_addr}:'
-                         f'{dist.master_port} ({first_line(e)}); check that every task started, that this address '
-                         f'reaches rank 0\'s node and that the port is free (--dist-timeout bounds this wait).') from None
+        raise UsageError(f'could not join the process group at {dist.master_addr}:{dist.master_port} '
+                         f'({first_line(e)}); check that every task started, that this address reaches rank 0\'s '
+                         f'node and that the port is free (--dist-timeout bounds this wait).') from None
     # NCCL collectives need GPU tensors; host-side objects go through a gloo group so that they never
     # touch the GPU (and never initialise NCCL before --nccl-debug's log is in place). Made on CPU runs too,
     # so that CPU tests exercise the structure GPU runs use; it gets --dist-timeout as well (new_group's own

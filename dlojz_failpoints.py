@@ -23,8 +23,8 @@ import signal
 import time
 
 # name -> the form of its argument, as a pattern
-KNOWN = {'kill-in-checkpoint': r'\d+', 'no-flock': r'', 'slow-steps': r'\d+(\.\d*)?', 'signal-step': r'\d+:SIG[A-Z0-9]+',
-         'signal-val': r'\d+:SIG[A-Z0-9]+'}
+KNOWN = {'kill-in-checkpoint': r'\d+', 'no-flock': r'', 'slow-steps': r'\d+(\.\d*)?',
+         'signal-step': r'\d+:SIG[A-Z0-9]+', 'signal-val': r'\d+:SIG[A-Z0-9]+'}
 
 
 def parse(text, restart_count=0):

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+
 def host_memory(pid='self'):
     """Peak and current resident set size of a process (this one by default), bytes (Linux /proc; None
     elsewhere or when the process is gone)."""

@@ -13,6 +13,7 @@ import torch
 
 from dlojz_errors import NO_SPACE, disk_full
 
+
 SUMMARY_VERSION = 1
 
 

@@ -18,6 +18,7 @@ from dlojz_checkpoint import CHECKPOINT_RE, remove_partial_checkpoints
 from dlojz_errors import Complete, UsageError, writable
 from dlojz_log import fsync_replace, write_json
 
+
 def default_output_dir(args, dist):
     if args.run_name:
         return named_run_dir(args.run_name, continues=bool(args.resume), job_id=dist.job_id)
