@@ -220,30 +220,41 @@ def setup(dist, device, timeout_min=None, share_gpu=False):
         _check_distinct_gpus(dist, device, share_gpu)
 
 
+# torch's C++ log lines (c10's '[E1125 01:40:35.694 TCPStore.cpp:328] ...') and the frame dumps under them
+CPP_LOG = re.compile(rb'^(\[[EWIF]\d{4} \d\d:\d\d:\d\d\.\d+ |Exception raised from |frame #\d+: |<omitting python frames>|$)')
+
+
 @contextmanager
 def cpp_errors_held(hold=True):
-    """Hold back what C++ writes to stderr (fd 2) during the block: the TCPStore client logs each failed
+    """Hold back what is written to stderr (fd 2) during the block: the TCPStore client logs each failed
     connection attempt with a C++ frame dump before the Python exception that says the same in one line. Given
-    back as it was when the block succeeds; dropped when it raises (its one line reaches the user in ours)."""
-    if not hold:
+    back as it was when the block succeeds; when it raises (its one line reaches the user in ours), given back
+    without torch's C++ log lines, so that the rest (a warning, another thread's line) is not lost."""
+    try:
+        held = tempfile.TemporaryFile() if hold else None
+    except OSError:  # nowhere to hold it (a full /tmp): the frames are shown
+        held = None
+    if held is None:
         yield
         return
     sys.stderr.flush()
-    saved, held = os.dup(2), tempfile.TemporaryFile()
+    saved = os.dup(2)
     os.dup2(held.fileno(), 2)
     ok = False
     try:
         yield
         ok = True
     finally:
+        sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
-        if ok:
-            held.seek(0)
-            text = held.read()
-            if text:
-                os.write(2, text)
+        held.seek(0)
+        text = held.read()
         held.close()
+        if not ok:
+            text = b''.join(line for line in text.splitlines(keepends=True) if not CPP_LOG.match(line))
+        if text:
+            os.write(2, text)
 
 
 def _check_distinct_gpus(dist, device, share=False):

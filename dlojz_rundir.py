@@ -66,14 +66,20 @@ def held_by_another_job(path, job_id, alive=job_alive):
     return owner != str(job_id) and alive(owner)
 
 
-def completed_run(path):
-    """summary.json of the completed run in `path`, else None."""
+def run_record(path):
+    """The summary.json in `path` (a dict), or None."""
     try:
         with open(os.path.join(path, 'summary.json')) as f:
             summary = json.load(f)
     except (OSError, ValueError):
         return None
-    return summary if isinstance(summary, dict) and summary.get('status') == 'completed' else None
+    return summary if isinstance(summary, dict) else None
+
+
+def completed_run(path):
+    """summary.json of the completed run in `path`, else None."""
+    summary = run_record(path)
+    return summary if summary is not None and summary.get('status') == 'completed' else None
 
 
 def complete_sentence(path, summary):
@@ -84,11 +90,20 @@ def complete_sentence(path, summary):
             f"--output-dir (or --run-name) for a new run.")
 
 
-def same_length(config, args):
-    """Whether `args` asks for the length of the run whose flags are `config` (-e, --test-nsteps)."""
+def asks_nothing_more(summary, args, world_size):
+    """Whether `args` asks a completed run (its `summary`) for no step beyond those it ran: the same length flags
+    (-e, --test-nsteps), or others that end at the same step (from the summary's steps per epoch, for the same
+    global batch). dlojz_state.check_resume decides the cases this cannot (another global batch)."""
+    config = summary.get('config') or {}
     length = lambda test, epochs, nsteps: (epochs, bool(test), nsteps if test else None)
-    return length(config.get('test'), config.get('epochs'), config.get('test_nsteps')) == \
-        length(args.test, args.epochs, args.test_nsteps)
+    if length(config.get('test'), config.get('epochs'), config.get('test_nsteps')) == \
+            length(args.test, args.epochs, args.test_nsteps):
+        return True
+    per_epoch = (summary.get('data') or {}).get('batches_per_epoch')
+    if not per_epoch or summary.get('global_batch') != args.batch_size * world_size * args.accum_steps:
+        return False
+    total = args.epochs * per_epoch
+    return (min(args.test_nsteps, total) if args.test else total) == summary.get('global_step')
 
 
 def named_run_dir(name, continues, root='runs', job_id=None, alive=job_alive):
@@ -364,8 +379,9 @@ def taken(args, dist, lock=None):
     args.output_dir = dlojz_dist.broadcast_object(dlojz_dist.on_ranks(take, when=dist.is_main))
     try:
         # the same command on a completed run (a resubmitted job): one line, exit 0, nothing written in the folder
-        done = completed_run(args.output_dir) if dist.is_main and args.resume and not args.evaluate else None
-        if dlojz_dist.broadcast_object(done is not None and same_length(done.get('config') or {}, args)):
+        training = args.resume and not (args.evaluate or args.tune)  # the other modes have their own records
+        done = completed_run(args.output_dir) if dist.is_main and training else None
+        if dlojz_dist.broadcast_object(done is not None and asks_nothing_more(done, args, dist.world_size)):
             raise Complete(complete_sentence(args.output_dir, done or {}))
         if dist.is_main and args.run_name and os.path.basename(args.output_dir) != args.run_name:
             first = os.path.join('runs', args.run_name)

@@ -106,9 +106,12 @@ def find_resume_checkpoint(args, dist, say):
 
 
 # The optimizer's hyperparameters a changed flag sets again after its state is loaded (the state carries the
-# checkpoint's), and the keys of a schedule built for this run's flags (OneCycleLR keeps them in the groups).
+# checkpoint's; --mom is the schedule's under onecycle, which cycles the momentum: see SCHEDULE), the keys of a
+# schedule built for this run's flags (OneCycleLR keeps its bounds in the groups and sets the momentum at each
+# step), and the choice of kernels, which is this device's (fused on a GPU) whatever the checkpoint's was.
 HYPERPARAMETERS = {'wd': ('weight_decay',), 'mom': ('momentum', 'betas')}
-SCHEDULE_KEYS = ('initial_lr', 'max_lr', 'min_lr', 'max_momentum', 'base_momentum')
+SCHEDULE_KEYS = ('initial_lr', 'max_lr', 'min_lr', 'max_momentum', 'base_momentum', 'momentum', 'betas')
+IMPLEMENTATION = ('fused', 'foreach', 'capturable', 'differentiable')
 
 # What restore() reads from a checkpoint (checkpoint_state writes them all); 'ema' and 'race' may be absent.
 RESUME_KEYS = ('model', 'epoch', 'step_in_epoch', 'global_step', 'global_batch')
@@ -252,6 +255,8 @@ def _restore(run, ckpt):
         return progress
     fresh = [{k: v for k, v in g.items() if k != 'params'} for g in run.optimizer.param_groups]  # this run's flags'
     run.optimizer.load_state_dict(ckpt['optimizer'])
+    for group, mine in zip(run.optimizer.param_groups, fresh):  # this device's kernels, not the checkpoint's: a
+        group.update({k: mine[k] for k in IMPLEMENTATION if k in mine})  # CPU checkpoint resumed on a GPU is fused
     was = ckpt.get('args') or {}
     for dest, keys in HYPERPARAMETERS.items():  # the resume contract: a changed flag is used from here on
         if dest in was and was[dest] != getattr(run.args, dest):
@@ -268,6 +273,8 @@ def _restore(run, ckpt):
         set_device_rng_state(device_rng[rank], run.device)
     old, gb = ckpt['global_batch'], run.global_batch
     rebuilt = [d for d in SCHEDULE if d in was and was[d] != getattr(run.args, d)]
+    if run.args.scheduler == 'onecycle' and 'mom' in was and was['mom'] != run.args.mom:
+        rebuilt.append('mom')  # the momentum is the one-cycle schedule's: rebuilt, it is where the schedule says
     if old == gb and not rebuilt:
         run.scheduler.load_state_dict(ckpt['scheduler'])
         return progress
@@ -279,8 +286,8 @@ def _restore(run, ckpt):
         run.log.print(f'Resuming with global batch {gb} instead of {old}: step {progress.global_step}, epoch position '
                       f'{progress.step}')
     before = run.optimizer.param_groups[0]['lr']  # what the checkpoint's schedule gives its next step
-    for group, mine in zip(run.optimizer.param_groups, fresh):  # the new schedule's peak, bounds and momenta
-        group.update({k: mine[k] for k in SCHEDULE_KEYS if k in mine})
+    for group, mine in zip(run.optimizer.param_groups, fresh):  # the new schedule's peak, bounds and momenta (a
+        group.update({k: mine[k] for k in SCHEDULE_KEYS if k in mine})  # one-cycle's cycled momentum is not kept)
     run.scheduler.last_epoch = progress.global_step - 1  # the schedules are closed forms of the step: one step()
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
         warnings.simplefilter('ignore')

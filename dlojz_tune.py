@@ -32,6 +32,7 @@ import time
 
 import dlojz_scaling
 from dlojz_checkpoint import list_checkpoints
+from dlojz_rundir import run_record
 from dlojz_errors import UsageError
 from dlojz_flags import get_args_parser
 from dlojz_log import SUMMARY_VERSION, Console, write_json
@@ -343,11 +344,19 @@ def run_tune(args, raw, parser, device, say, python=sys.executable, script=None,
     return record
 
 
+def holds_another_record(folder):
+    """Whether `folder` holds something else than a --tune or the loader doctor it reuses (a training run's
+    checkpoints, log or summary): a preempted --tune continues in its own folder, never in another run's."""
+    summary = run_record(folder)
+    return bool(list_checkpoints(folder)) or os.path.exists(os.path.join(folder, 'metrics.jsonl')) or \
+        (summary is not None and summary.get('mode') not in ('tune', 'tune-loader'))
+
+
 def tune_mode(args, raw, dist, device):
     """--tune as dlojz.py runs it, in the run folder it has taken: config.json, the sweep, where it went."""
-    if list_checkpoints(args.output_dir):  # --resume auto (the slurm/ scripts') into a training run's folder
-        raise UsageError(f'--output-dir {args.output_dir} holds a training run (its checkpoints); --tune writes its '
-                         f'trials and record into a folder of their own: pass another --output-dir or --run-name.')
+    if holds_another_record(args.output_dir):  # --resume auto (the slurm/ scripts') into a training run's folder
+        raise UsageError(f'--output-dir {args.output_dir} holds a training run; --tune writes its trials and record '
+                         f'into a folder of their own: pass another --output-dir or --run-name.')
     say = Console(dist.is_main)
     write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
     record = run_tune(args, raw, get_args_parser(), device, say, world_size=dist.world_size)

@@ -229,3 +229,85 @@ def test_a_data_folder_with_other_classes_is_refused(completed, tmp_path, cache_
     assert code == 2 and err.count('\n') == 1
     assert "was trained on other classes than this data's (class 3 is 'n00000003' there, 'n00000009' here)" in err
     assert snapshot(out) == before
+
+
+# ------------------------------------------------------------------------------ found by review, each a test
+
+def test_a_resume_takes_this_devices_kernels_not_the_checkpoints(tmp_path, cache_dir, monkeypatch):
+    """A checkpoint written without fused kernels (on CPU) resumed where the optimizer is fused (a GPU): the
+    optimizer keeps fused=True (load_state_dict brought back fused=None while the scaler still took the step
+    for a fused one: 'Expected grad_scale and found_inf to be None' on the first fp16 step)."""
+    import dlojz_recipe
+    from dlojz_log import Console
+    out = tmp_path / 'run'
+    assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--test-nsteps', '2', '--chkpt']) == 0
+    monkeypatch.setattr(dlojz_recipe, 'build_optimizer', lambda args, model, lr, device: torch.optim.SGD(
+        dlojz_recipe.param_groups(model, args.wd, args.wd_norm_bias), lr=lr, momentum=args.mom, fused=True))
+    argv = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--test-nsteps', '4', '--resume', 'auto']
+    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(argv), torch.device('cpu'))
+    run, progress = dlojz.build_run(args, dlojz.get_dist_info(), torch.device('cpu'), Console(False))
+    run.log.close()
+    assert progress.global_step == 2 and all(g['fused'] is True for g in run.optimizer.param_groups)
+
+
+def test_the_momentum_follows_the_new_schedule(tmp_path, cache_dir, capsys):
+    """onecycle -> cosine: the momentum is --mom again (it stayed frozen at the cycle's value of the resumed
+    step, 0.86); under onecycle a changed --mom changes nothing (the cycle sets it), so that resume's losses are
+    an uninterrupted run's bit for bit (its first resumed step took onecycle's 0.95)."""
+    out = tmp_path / 'run'
+    assert cli(capsys, out, cache_dir, '--test-nsteps', '4', '--chkpt')[0] == 0
+    assert cli(capsys, out, cache_dir, '--test-nsteps', '8', '--chkpt', '--resume', 'auto', '--scheduler',
+               'cosine')[0] == 0
+    assert torch.load(latest(out), map_location='cpu', weights_only=False)['optimizer']['param_groups'][0][
+        'momentum'] == 0.9
+    ref, resumed = tmp_path / 'ref', tmp_path / 'resumed'
+    assert cli(capsys, ref, cache_dir, '--test-nsteps', '8')[0] == 0
+    assert cli(capsys, resumed, cache_dir, '--test-nsteps', '4', '--chkpt')[0] == 0
+    assert cli(capsys, resumed, cache_dir, '--test-nsteps', '8', '--resume', 'auto', '--mom', '0.8')[0] == 0
+    assert [r['loss'] for r in records(resumed)] == [r['loss'] for r in records(ref)]
+
+
+def test_a_completed_run_asked_the_same_end_by_other_flags_is_left_alone(completed, tmp_path, cache_dir, capsys,
+                                                                        monkeypatch):
+    """-e 2 ran 24 steps; --test-nsteps 24 -e 2 ends there too: the one line, nothing printed before it and
+    nothing written, owner.json included (a new Slurm job rewrote it, after printing three lines)."""
+    monkeypatch.chdir(tmp_path)
+    os.makedirs('runs')
+    import shutil
+    shutil.copytree(completed, 'runs/r')
+    with open('runs/r/owner.json', 'w') as f:
+        json.dump({'job_id': '111'}, f)
+    before = snapshot('runs/r')
+    monkeypatch.setenv('SLURM_JOB_ID', '222')
+    code = dlojz.cli([*TINY, '--cache-dir', cache_dir, '--run-name', 'r', '--resume', 'auto', '-e', '2',
+                      '--test-nsteps', '24', '--chkpt'])
+    got = capsys.readouterr()
+    assert code == 0 and got.out == '' and got.err.startswith('dlojz: the run in runs/r is complete (step 24')
+    assert snapshot('runs/r') == before
+
+
+def test_tune_is_refused_in_a_training_runs_folder_even_without_checkpoints(tmp_path, cache_dir, capsys):
+    out = tmp_path / 'run'
+    assert cli(capsys, out, cache_dir, '--test-nsteps', '2')[0] == 0
+    before = snapshot(out)
+    for length in ('2', '3'):
+        code, _, err = cli(capsys, out, cache_dir, '--test-nsteps', length, '--resume', 'auto', '--tune',
+                           '--tune-budget', '0.01')
+        assert code == 2 and 'holds a training run; --tune writes its trials and record into a folder' in err, err
+        assert snapshot(out) == before
+
+
+def test_held_stderr_keeps_all_but_torchs_cpp_log(capfd):
+    """What torch's C++ logs during the rendezvous goes when it fails; other lines stay (they were dropped)."""
+    import dlojz_dist
+    cpp = (b'[W1125 01:40:35.694498078 TCPStore.cpp:340] [c10d] TCP client failed to connect\n'
+           b'Exception raised from ping at TCPStore.cpp:427 (most recent call first):\n'
+           b'frame #0: c10::Error::Error(...) + 0x9d\n<omitting python frames>\n\n')
+    with pytest.raises(RuntimeError):
+        with dlojz_dist.cpp_errors_held():
+            os.write(2, cpp + b'UserWarning: kept\n')
+            raise RuntimeError('rendezvous failed')
+    assert capfd.readouterr().err == 'UserWarning: kept\n'
+    with dlojz_dist.cpp_errors_held():
+        os.write(2, cpp)
+    assert capfd.readouterr().err == cpp.decode()
