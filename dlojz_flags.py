@@ -7,6 +7,7 @@ called.
 import argparse
 import math
 import re
+import shutil
 import sys
 
 from dlojz_errors import UsageError
@@ -396,8 +397,6 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
     names the default run folder (a requeued job keeps it). backend: the process group's
     (dlojz_dist.process_group_backend). Imports torch and the data modules when called, not when this module
     is imported."""
-    import shutil
-
     import torch
 
     import dlojz_decode

@@ -157,6 +157,13 @@ def changed(args, old):
     return {d: (old[d], getattr(args, d)) for d in CONTRACT if d in old and old[d] != getattr(args, d)}
 
 
+def schedule_changes(args, old):
+    """The changed flags that rebuild the LR schedule at the current step: those of SCHEDULE, and --mom under
+    onecycle, whose momentum is the cycle's (rebuilt, it is where the cycle says; copied, it would be --mom's)."""
+    rebuilt = [d for d in SCHEDULE if d in old and old[d] != getattr(args, d)]
+    return rebuilt + ['mom'] if args.scheduler == 'onecycle' and old.get('mom', args.mom) != args.mom else rebuilt
+
+
 def resolve(args, old, say):
     """Apply the contract to `args` before the run is built: refuse what cannot continue, put back what the
     checkpoint keeps (with a warning line), and say in one line what is used anew. -> args."""

@@ -35,13 +35,19 @@ def default_output_dir(args, dist):
 FINISHED = ('nan', 'oom')
 
 
-def run_status(path):
-    """The status in a run folder's summary.json; None when there is none (fresh, running or killed)."""
+def run_record(path):
+    """The summary.json in `path` (a dict), or None."""
     try:
         with open(os.path.join(path, 'summary.json')) as f:
-            return json.load(f).get('status')
-    except (OSError, ValueError, AttributeError):
+            summary = json.load(f)
+    except (OSError, ValueError):
         return None
+    return summary if isinstance(summary, dict) else None
+
+
+def run_status(path):
+    """The status in a run folder's summary.json; None when there is none (fresh, running or killed)."""
+    return (run_record(path) or {}).get('status')
 
 
 OWNER = 'owner.json'  # the SLURM job that runs in a named run folder
@@ -64,16 +70,6 @@ def held_by_another_job(path, job_id, alive=job_alive):
     except (OSError, ValueError, AttributeError):
         return False
     return owner != str(job_id) and alive(owner)
-
-
-def run_record(path):
-    """The summary.json in `path` (a dict), or None."""
-    try:
-        with open(os.path.join(path, 'summary.json')) as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) else None
 
 
 def completed_run(path):

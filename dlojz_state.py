@@ -12,12 +12,12 @@ import numpy as np
 import torch
 
 import dlojz_dist
-from dlojz_errors import Complete, Interrupted, Preempted, UsageError
-from dlojz_resume import SCHEDULE, flag
-from dlojz_rundir import complete_sentence, completed_run
 from dlojz_checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint, load_latest_checkpoint,
                               save_checkpoint, space_warning, strip_prefixes)
+from dlojz_errors import Complete, Interrupted, Preempted, UsageError
 from dlojz_log import SUMMARY_VERSION
+from dlojz_resume import flag, schedule_changes
+from dlojz_rundir import complete_sentence, completed_run
 
 
 @dataclass
@@ -106,7 +106,7 @@ def find_resume_checkpoint(args, dist, say):
 
 
 # The optimizer's hyperparameters a changed flag sets again after its state is loaded (the state carries the
-# checkpoint's; --mom is the schedule's under onecycle, which cycles the momentum: see SCHEDULE), the keys of a
+# checkpoint's; --mom is the schedule's under onecycle: dlojz_resume.schedule_changes), the keys of a
 # schedule built for this run's flags (OneCycleLR keeps its bounds in the groups and sets the momentum at each
 # step), and the choice of kernels, which is this device's (fused on a GPU) whatever the checkpoint's was.
 HYPERPARAMETERS = {'wd': ('weight_decay',), 'mom': ('momentum', 'betas')}
@@ -255,13 +255,15 @@ def _restore(run, ckpt):
         return progress
     fresh = [{k: v for k, v in g.items() if k != 'params'} for g in run.optimizer.param_groups]  # this run's flags'
     run.optimizer.load_state_dict(ckpt['optimizer'])
-    for group, mine in zip(run.optimizer.param_groups, fresh):  # this device's kernels, not the checkpoint's: a
-        group.update({k: mine[k] for k in IMPLEMENTATION if k in mine})  # CPU checkpoint resumed on a GPU is fused
+
+    def take(keys):  # these keys as this run's flags set them
+        for group, mine in zip(run.optimizer.param_groups, fresh):
+            group.update({k: mine[k] for k in keys if k in mine})
+    take(IMPLEMENTATION)  # this device's kernels, not the checkpoint's: a CPU checkpoint resumed on a GPU is fused
     was = ckpt.get('args') or {}
     for dest, keys in HYPERPARAMETERS.items():  # the resume contract: a changed flag is used from here on
         if dest in was and was[dest] != getattr(run.args, dest):
-            for group, mine in zip(run.optimizer.param_groups, fresh):
-                group.update({k: mine[k] for k in keys if k in mine})
+            take(keys)
     if ckpt['scaler']:  # empty when the checkpoint's run did not use fp16: then this run's scaler starts afresh
         run.scaler.load_state_dict(ckpt['scaler'])
     torch.set_rng_state(ckpt['rng']['torch'])
@@ -272,9 +274,7 @@ def _restore(run, ckpt):
     if rank < len(device_rng) and device_rng[rank] is not None:
         set_device_rng_state(device_rng[rank], run.device)
     old, gb = ckpt['global_batch'], run.global_batch
-    rebuilt = [d for d in SCHEDULE if d in was and was[d] != getattr(run.args, d)]
-    if run.args.scheduler == 'onecycle' and 'mom' in was and was['mom'] != run.args.mom:
-        rebuilt.append('mom')  # the momentum is the one-cycle schedule's: rebuilt, it is where the schedule says
+    rebuilt = schedule_changes(run.args, was)
     if old == gb and not rebuilt:
         run.scheduler.load_state_dict(ckpt['scheduler'])
         return progress
@@ -286,8 +286,7 @@ def _restore(run, ckpt):
         run.log.print(f'Resuming with global batch {gb} instead of {old}: step {progress.global_step}, epoch position '
                       f'{progress.step}')
     before = run.optimizer.param_groups[0]['lr']  # what the checkpoint's schedule gives its next step
-    for group, mine in zip(run.optimizer.param_groups, fresh):  # the new schedule's peak, bounds and momenta (a
-        group.update({k: mine[k] for k in SCHEDULE_KEYS if k in mine})  # one-cycle's cycled momentum is not kept)
+    take(SCHEDULE_KEYS)  # the new schedule's peak, bounds and momenta (a one-cycle's cycled momentum is not kept)
     run.scheduler.last_epoch = progress.global_step - 1  # the schedules are closed forms of the step: one step()
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
         warnings.simplefilter('ignore')

@@ -31,11 +31,10 @@ import sys
 import time
 
 import dlojz_scaling
-from dlojz_checkpoint import list_checkpoints
-from dlojz_rundir import run_record
 from dlojz_errors import UsageError
 from dlojz_flags import get_args_parser
 from dlojz_log import SUMMARY_VERSION, Console, write_json
+from dlojz_rundir import run_files, run_record
 from dlojz_trial import run_for_summary
 
 # flags the tuner sets itself in each trial, left out of the user's flags it passes on
@@ -348,7 +347,7 @@ def holds_another_record(folder):
     """Whether `folder` holds something else than a --tune or the loader doctor it reuses (a training run's
     checkpoints, log or summary): a preempted --tune continues in its own folder, never in another run's."""
     summary = run_record(folder)
-    return bool(list_checkpoints(folder)) or os.path.exists(os.path.join(folder, 'metrics.jsonl')) or \
+    return bool(set(run_files(folder)) - {'config.json', 'summary.json'}) or \
         (summary is not None and summary.get('mode') not in ('tune', 'tune-loader'))
 
 
