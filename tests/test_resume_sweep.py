@@ -160,6 +160,7 @@ def test_a_resume_with_one_flag_changed_follows_its_row(dest, stopped, tmp_path,
     out = tmp_path / 'run'
     shutil.copytree(base_out, out)
     monkeypatch.chdir(tmp_path)  # --run-name's runs/<name>
+    monkeypatch.setenv('HOME', str(tmp_path))  # wandb's own logs (~/.cache/wandb) stay in the test's folder
     case = Case(tmp_path, out, data_copy)
     change = CHANGES[dest](case) if callable(CHANGES[dest]) else CHANGES[dest]
     argv = [*BASE, '--cache-dir', cache_dir, '--output-dir', str(out), '--resume', 'auto']
