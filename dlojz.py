@@ -58,7 +58,8 @@ import dlojz_recipe
 import dlojz_resume
 import dlojz_rundir
 import dlojz_tune
-from dlojz_chrono import Chronometer, PowerMeter, profiler
+from dlojz_chrono import Chronometer, CudaTimeline, PowerMeter, profiler
+from dlojz_comm import CommTimer
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
 from dlojz_errors import CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation, translate
@@ -82,11 +83,12 @@ def seed_everything(seed):
 
 # ------------------------------------------------------------------------------------------------ building
 
-def build_model(args, num_classes, device, dist):
+def build_model(args, num_classes, device, dist, comm=None):
     """-> (model to train: DDP-wrapped and/or compiled, model to evaluate, plain module for state dicts).
 
     Validation runs the module without its DDP wrapper: a DDP forward may broadcast buffers (a collective),
-    and ranks can run different numbers of validation batches."""
+    and ranks can run different numbers of validation batches. `comm`: a dlojz_comm.CommTimer to time the
+    gradient all-reduce with."""
     model = custom_models.build_model(args.arch, num_classes, args.sd_prob, args.n_heads)
     if args.grad_checkpointing:
         custom_models.apply_grad_checkpointing(model)
@@ -94,7 +96,7 @@ def build_model(args, num_classes, device, dist):
     model = model.to(device, memory_format=memory_format)
     if dist.distributed and args.sync_bn:  # before the DDP wrap, as DDP must see the final modules
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    train_model = dlojz_dist.wrap_ddp(model, device, args) if dist.distributed else model
+    train_model = dlojz_dist.wrap_ddp(model, device, args, comm) if dist.distributed else model
     eval_model = model
     if args.compile:  # DDP first, then compile: dynamo's DDPOptimizer keeps communication overlapped
         # Static shapes: an epoch's smaller last batch gets its own graph (compiled once, outside the
@@ -175,7 +177,9 @@ def build_run(args, dist, device, say):
     data = build_data(args, dist, log=say, on_ranks=dlojz_dist.on_ranks, device=device)
     say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train / '
         f'{data.n_val} val images, {len(data.classes)} classes')
-    model, eval_model, plain = build_model(args, len(data.classes), device, dist)
+    comm = CommTimer(dist.world_size, CudaTimeline() if device.type == 'cuda' else None) \
+        if dist.distributed and args.timing else None
+    model, eval_model, plain = build_model(args, len(data.classes), device, dist, comm)
     steps_per_epoch = len(data.train_steps)
     total_steps = args.epochs * steps_per_epoch
     if args.test and args.test_nsteps > total_steps:
@@ -199,6 +203,7 @@ def build_run(args, dist, device, say):
     chrono = Chronometer(device, phases=args.timing, sync=args.sync_timing, warmup=args.warmup_steps)
     power, memory = PowerMeter(device), PeakMemory(device)
     chrono.on_steady += [memory.reset, power.window_start]  # once the warm-up steps are over
+    chrono.comm = comm
     run = Run(args=args, dist=dist, device=device, data=data, model=model, eval_model=eval_model,
               model_without_ddp=plain, criterion=criterion, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
               autocast=torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext(),

@@ -53,6 +53,8 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+import dlojz_comm
+
 PHASES = ('data', 'h2d', 'forward', 'backward', 'optimizer', 'other')
 # --prof: the course's record_function tags (solutions/dlojz1_4.py), one per phase
 LABELS = {'h2d': 'host to device copy', 'forward': 'inference and loss function', 'backward': 'gradient compute',
@@ -63,14 +65,17 @@ PROBE_MIN, PROBE_EVERY = 5, 100  # probe steps: until 5 clean steps are measured
 PROBE_MAX_S = 0.5  # the longest spin a probe queues (seconds)
 
 
-def verdict(wall, busy, data, comm=0.0):
-    """What bounds a run, from sums over its steady steps (seconds, one rank or all ranks added up): the
-    device's time waiting for peers inside collectives (`comm`) is not useful work."""
-    work = busy - comm
+def verdict(wall, busy, data, comm=0.0, late=0.0, data_excess=0.0):
+    """What bounds a run, from sums over its steady steps (seconds, one rank or all ranks added up). Inside
+    the device's busy time, the gradient all-reduce's exposed transfer (`comm`) and the wait for a late peer
+    (`late`) are not useful work. `data_excess` is the part of the data wait by which some ranks' loaders
+    were slower than the fastest rank's: it made the others wait, so it counts with the straggler."""
+    work = busy - comm - late
     if work >= BUSY * wall:
         return 'compute'
     idle = wall - work
-    waits = {'loader': data, 'communication': comm, 'host': idle - data - comm}
+    waits = {'loader': data - data_excess, 'communication': comm, 'straggler': late + data_excess,
+             'host': idle - data - comm - late}
     return max(waits, key=waits.get)
 
 
@@ -142,6 +147,7 @@ class Chronometer:
         self._last_probe = None
         self._clean = 0        # clean steps after the warm-up
         self.labels = False    # --prof: each phase is also a torch.profiler record_function range
+        self.comm = None       # dlojz_comm.CommTimer of a distributed run: each step's all-reduce stamps
         self.steps = []        # completed records: {'data': s, 'step': s, 'compute': s, 'h2d': s, ...}
         self._pending = []     # records whose events may not have completed yet
         self._current = None
@@ -208,6 +214,8 @@ class Chronometer:
         rec = self._current
         self._current = None
         rec['step'] = self.clock() - rec.pop('t0')
+        if self.comm is not None:
+            rec['comm'] = self.comm.take()
         if self.events:
             rec['span'] = (rec['span'], self._event(rec))
             del rec['last']
@@ -257,8 +265,13 @@ class Chronometer:
         while self._pending:
             rec = self._pending[0]
             if self.events and not block and not (rec['span'][1].query() and
-                                                  all(end.query() for _, _, end in rec['events'])):
+                                                  all(end.query() for _, _, end in rec['events']) and
+                                                  dlojz_comm.completed(rec.get('comm', []))):
                 return  # the GPU has not reached the end of this step yet; try again next step
+            if 'comm' in rec:
+                comm = dlojz_comm.resolve(rec.pop('comm'))
+                if comm:
+                    rec.update(exposed=comm['exposed'], link=comm['link'], comm_bytes=comm['bytes'])
             for name, start, end in rec.pop('events'):
                 rec[name] = rec.get(name, 0.0) + start.elapsed_time(end) / 1e3  # ms -> s
             if self.events:
@@ -326,6 +339,10 @@ class Chronometer:
                'wall_s': sum(r['step'] for r in steady), 'data_s': sum(r['data'] for r in steady),
                'probe_steps': sum(bool(r.get('probe')) for r in steady), 'busy_s': None, 'gpu_step_s': None,
                'gpu_step_source': None, 'gpu_measured_steps': 0, 'backward_s': None}
+        timed = [r for r in steady if 'exposed' in r]  # the all-reduce of a distributed run (dlojz_comm)
+        if timed:
+            res.update(comm_steps=len(timed), exposed_s=sum(r['exposed'] for r in timed),
+                       link_s=sum(r['link'] for r in timed), comm_bytes=sum(r['comm_bytes'] for r in timed))
         clean = [r for r in steady if r.get('clean')]
         measured, source = (clean, 'clean') if clean else (steady, 'spans')
         if not measured:
@@ -348,7 +365,7 @@ class Chronometer:
                'clock': ('host+sync' if self.sync else 'cuda-events') if self.cuda else 'host',
                'first_steps': self.steps[:self.warmup],
                'stats': st, 'totals': tot,
-               'per_step': {k: [r.get(k) for r in self.steps] for k in ['step', 'compute', *PHASES]
+               'per_step': {k: [r.get(k) for r in self.steps] for k in ['step', 'compute', *PHASES, 'exposed']
                             if any(k in r for r in self.steps)}}
         total, busy = tot['wall_s'], tot['busy_s']
         if steady and total > 0:
@@ -358,7 +375,9 @@ class Chronometer:
             res['gpu_step_source'] = tot['gpu_step_source']
             res['device_busy'] = busy / total
             res['data_share'] = tot['data_s'] / total
-            res['bound'] = verdict(total, busy, tot['data_s'])
+            res['bound'] = verdict(total, busy, tot['data_s'], tot.get('exposed_s', 0.0))
+            if 'exposed_s' in tot:
+                res['exposed_share'] = tot['exposed_s'] / total
             res['compute_headroom'] = total / busy if busy else None  # speed-up if nothing waited
             spans = sum(r['compute'] for r in steady)
             if self.phases_on and spans > 0:

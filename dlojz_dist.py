@@ -271,17 +271,21 @@ def _check_distinct_gpus(dist, device, share=False):
         seen[key] = rank
 
 
-def wrap_ddp(model, device, args):
+def wrap_ddp(model, device, args, comm=None):
     """DistributedDataParallel with dlojz's DDP flags (--find-unused-parameters, --bucket-cap-mb,
-    --static-graph, --gradient-as-bucket-view, --broadcast-buffers)."""
+    --static-graph, --gradient-as-bucket-view, --broadcast-buffers); `comm`, a dlojz_comm.CommTimer, times
+    its gradient all-reduce (a communication hook doing what DDP's built-in one does)."""
     ddp = torch.nn.parallel.DistributedDataParallel
     # PyTorch >= 2.15 renamed broadcast_buffers (same meaning: rank 0's buffers sent before every forward)
     buffers = 'forward_sync_buffers' if 'forward_sync_buffers' in inspect.signature(ddp).parameters else \
         'broadcast_buffers'
-    return ddp(model, device_ids=[device.index] if device.type == 'cuda' else None,
-               find_unused_parameters=args.find_unused_parameters, bucket_cap_mb=args.bucket_cap_mb,
-               static_graph=args.static_graph, gradient_as_bucket_view=args.gradient_as_bucket_view,
-               **{buffers: args.broadcast_buffers})
+    wrapped = ddp(model, device_ids=[device.index] if device.type == 'cuda' else None,
+                  find_unused_parameters=args.find_unused_parameters, bucket_cap_mb=args.bucket_cap_mb,
+                  static_graph=args.static_graph, gradient_as_bucket_view=args.gradient_as_bucket_view,
+                  **{buffers: args.broadcast_buffers})
+    if comm is not None:
+        wrapped.register_comm_hook(None, comm.hook)
+    return wrapped
 
 
 abandoned = False  # set by cleanup(): the process must exit without tearing the NCCL group down

@@ -98,15 +98,27 @@ def rank_report(run):
             'gpu_max_allocated_bytes': memory['gpu_max_allocated_bytes'],
             'host_peak_rss_bytes': memory['host_peak_rss_bytes'],
             'energy_j': run.power.energy_j, 'train_energy_j': run.power.train_energy_j,
-            'train_images': run.power.train_images}
+            'train_images': run.power.train_images,
+            # per steady step (the same steps on every rank): what ranks_summary splits into transfer and
+            # waiting for a late peer, then drops
+            'exposed_steps': [r.get('exposed') for r in run.chrono.steady],
+            'link_steps': [r.get('link') for r in run.chrono.steady]}
 
 
 def ranks_summary(ranks):
     """Straggler view: slowest and fastest rank by median step time, and the skew between them; the verdict
-    from every rank's sums (Chronometer.totals). A rank waiting for a slower one does so in the gradient
-    all-reduce, which ends its backward pass: its backward time above the fastest rank's backward time is
-    communication (a network every rank waits for alike is not told apart from compute this way)."""
+    from every rank's sums (Chronometer.totals).
+
+    Each rank measured, per steady step, how long it waited for the gradient all-reduce after its backward
+    computation (`exposed`, dlojz_comm). The rank that arrives last at a step's all-reduce waits only for the
+    transfer; the others wait for it as well. So per step the smallest exposed time over the ranks is the
+    transfer (`comm_s`, communication every rank waits for alike) and each rank's excess over it is waiting
+    for a late peer (`late_s`). Only durations are compared, so hosts' clocks need not agree. The late rank
+    is the one that waited least for the others (`straggler_rank`), its own bound says why it was late.
+    Without those measurements (phase timing off), a rank's backward time above the fastest rank's is taken
+    as waiting for peers, and a network every rank waits for alike reads as compute."""
     timed = [r for r in ranks if r['step_median_s']]
+    steps = [(r.pop('exposed_steps', None), r.pop('link_steps', None)) for r in ranks]
     if not timed:
         return {'ranks': ranks}
     slow = max(timed, key=lambda r: r['step_median_s'])
@@ -115,15 +127,40 @@ def ranks_summary(ranks):
            'slowest_step_median_s': slow['step_median_s'], 'fastest_step_median_s': fast['step_median_s'],
            'rank_skew': slow['step_median_s'] / fast['step_median_s'] - 1}
     measured = [r for r in timed if r.get('busy_s') is not None and r.get('wall_s')]
-    if len(measured) == len(ranks):
+    if len(measured) != len(ranks):
+        return res
+    exposed = [e for e, _ in steps]
+    if all(e and None not in e and len(e) == len(exposed[0]) for e in exposed):
+        transfer = [min(col) for col in zip(*exposed)]
+        for r, e in zip(ranks, exposed):
+            r['comm_s'] = sum(transfer)
+            r['late_s'] = sum(e) - r['comm_s']
+        links = [min(col) for col in zip(*(link for _, link in steps))]  # the late rank's: no wait in it
+        volume = sum(r['comm_bytes'] for r in ranks) / len(ranks) / len(transfer)
+        res.update(comm_measured='all-reduce hook', gradient_bytes_per_step=volume,
+                   link_s_per_step=sum(links) / len(links),
+                   achieved_bytes_per_s=volume / (sum(links) / len(links)) if sum(links) > 0 else None)
+    else:
         backward = [r.get('backward_s') for r in measured]
         fastest = min(backward) if None not in backward else None
         for r in measured:  # seconds spent waiting for peers, over the rank's steady steps
             r['comm_s'] = (r['backward_s'] - fastest) * r['steady_steps'] if fastest is not None else 0.0
-        wall, busy, data, comm = (sum(r[k] for r in measured) for k in ('wall_s', 'busy_s', 'data_s', 'comm_s'))
-        res.update(bound=verdict(wall, busy, data, comm), bound_all_ranks=True, device_busy_all_ranks=busy / wall,
-                   comm_share=comm / wall,  # waiting for peers is waiting: the headroom leaves it out
-                   compute_headroom_all_ranks=wall / (busy - comm) if busy > comm else None)
+            r['late_s'] = 0.0
+        res['comm_measured'] = 'backward above the fastest rank'
+    least_data = min(r['data_s'] for r in measured)
+    for r in measured:
+        r['data_excess_s'] = r['data_s'] - least_data  # the others waited for this rank's loader
+        r['bound'] = verdict(r['wall_s'], r['busy_s'], r['data_s'], r['comm_s'], r['late_s'])
+    wall, busy, data, comm, late, excess = (sum(r[k] for r in measured) for k in
+                                             ('wall_s', 'busy_s', 'data_s', 'comm_s', 'late_s', 'data_excess_s'))
+    res.update(bound=verdict(wall, busy, data, comm, late, excess), bound_all_ranks=True,
+               device_busy_all_ranks=busy / wall, data_share_all_ranks=data / wall, comm_share=comm / wall, late_share=late / wall,
+               straggler_share=(late + excess) / wall,
+               # waiting for peers or the network is waiting: the headroom leaves it out
+               compute_headroom_all_ranks=wall / (busy - comm - late) if busy > comm + late else None)
+    if late + excess > 0:
+        late_rank = min(measured, key=lambda r: (r['late_s'] - r['data_excess_s'], r['rank']))
+        res.update(straggler_rank=late_rank['rank'], straggler_bound=late_rank['bound'])
     return res
 
 
@@ -149,13 +186,21 @@ def final_lines(summary, chrono, steps_per_epoch):
                      f"{t['epoch_time_estimate_s']:.1f} s")
     if t.get('bound'):
         device = 'GPU' if t['clock'] == 'cuda-events' else 'compute'
-        comm = f", waiting for other ranks {t['comm_share']:.0%}" if t.get('comm_share') else ''
+        comm, why = '', ''
+        if t.get('bound_all_ranks'):
+            comm = (f", exposed all-reduce {t['comm_share']:.0%}, waiting for a late rank "
+                    f"{t['straggler_share']:.0%}")
+            if t['bound'] == 'communication' and t.get('achieved_bytes_per_s'):
+                why = (f"; {t['gradient_bytes_per_step'] / 2**20:.1f} MiB per step, "
+                       f"{t['achieved_bytes_per_s'] / 1e9:.3g} GB/s achieved")
+            elif t['bound'] == 'straggler' and t.get('straggler_rank') is not None:
+                why = f"; rank {t['straggler_rank']} is late, bound by {t['straggler_bound']}"
         headroom = t.get('compute_headroom_all_ranks' if t.get('bound_all_ranks') else 'compute_headroom')
         headroom = f"; with no waiting the steps would be {headroom:.2f}x faster" if headroom else ''
-        busy, ranks = ((t['device_busy_all_ranks'], ', all ranks') if t.get('bound_all_ranks') else
-                       (t['device_busy'], ''))
+        busy, data, ranks = ((t['device_busy_all_ranks'], t['data_share_all_ranks'], ', all ranks')
+                             if t.get('bound_all_ranks') else (t['device_busy'], t['data_share'], ''))
         lines.append(f">>> Bound by: {t['bound']} ({device} busy {busy:.0%} of the steady steps{ranks}, "
-                     f"data wait {t['data_share']:.0%}{comm}{headroom})")
+                     f"data wait {data:.0%}{comm}{why}{headroom})")
     if t.get('rank_skew') is not None:
         lines.append(f">>> Step time per rank (median): fastest rank {t['fastest_rank']} "
                      f"{t['fastest_step_median_s'] * 1e3:.1f} ms, slowest rank {t['slowest_rank']} "

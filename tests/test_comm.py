@@ -1,0 +1,190 @@
+"""The all-reduce timing (dlojz_comm) and the verdict made of it across ranks (dlojz_summary.ranks_summary),
+on stamps and rank reports whose expected values are worked out by hand. The same verdicts on real gloo runs,
+with the cause outside the code (a shaped network link, a slowed loader), are in tests/test_ddp_truth.py."""
+import pytest
+import torch
+
+import dlojz_comm
+from dlojz_chrono import Chronometer
+from dlojz_summary import final_lines, ranks_summary
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class Bucket:
+    def __init__(self, n):
+        self.tensor = torch.full((n,), 6.0)
+
+    def buffer(self):
+        return self.tensor
+
+
+def launch(timer, buckets):
+    """Call the hook for each bucket; -> the futures the fake all-reduce returned, to complete by hand."""
+    pending, outs = [], []
+
+    def all_reduce(tensor):
+        fut = torch.futures.Future()
+        pending.append((fut, tensor))
+        return fut
+    timer.all_reduce = all_reduce
+    for b in buckets:
+        outs.append(timer.hook(None, b))
+    return pending, outs
+
+
+def test_host_stamps_give_exposed_time_link_time_and_bytes():
+    """Three buckets ready at 10, 20 and 50 ms (the backward pass ends at 50 ms); the link reduces them one
+    after another, 30 ms each: done at 40, 70 and 100 ms. By hand: exposed = 100 - 50 = 50 ms, link = 90 ms,
+    bytes = (100 + 200 + 300) x 4."""
+    clock = Clock()
+    timer = dlojz_comm.CommTimer(2, clock=clock)
+    buckets = [Bucket(100), Bucket(200), Bucket(300)]
+    pending, outs = [], []
+    timer.all_reduce = lambda t: (pending.append((torch.futures.Future(), t)) or pending[-1][0])
+    for at, b in zip((0.010, 0.020, 0.050), buckets):
+        clock.t = at
+        outs.append(timer.hook(None, b))
+    assert all(t.tensor[0].item() == 3.0 for t in buckets)  # divided by the world size before the sum
+    for at, (fut, tensor) in zip((0.040, 0.070, 0.100), pending):
+        clock.t = at
+        fut.set_result([tensor * 2])  # the sum over 2 ranks of the same gradient
+    assert [o.wait()[0].item() for o in outs] == [6.0, 6.0, 6.0]  # the mean, as DDP's own all-reduce gives
+    got = dlojz_comm.resolve(timer.take())
+    assert got['exposed'] == pytest.approx(0.050) and got['link'] == pytest.approx(0.090)
+    assert got['bytes'] == 600 * 4
+    assert timer.take() == []  # the next step starts empty
+
+
+def test_a_link_idle_between_buckets_is_not_counted():
+    """Bucket 1 done at 15 ms, bucket 2 ready only at 40 ms, done at 45: the link ran 5 + 5 ms, not 45."""
+    marks = [[0.010, 0.015, 4], [0.040, 0.045, 4]]
+    got = dlojz_comm.resolve(marks)
+    assert got['link'] == pytest.approx(0.010) and got['exposed'] == pytest.approx(0.005)
+
+
+def test_a_step_without_all_reduce_or_unfinished_has_no_measure():
+    assert dlojz_comm.resolve([]) is None  # a no_sync() micro-batch
+    assert dlojz_comm.resolve([[0.01, None, 4]]) is None  # the callback never ran
+
+
+class Event:
+    """A device event at a fixed device time (seconds); completed once `now` has passed it."""
+    now = 0.0
+
+    def __init__(self, at):
+        self.at = at
+
+    def query(self):
+        return Event.now >= self.at
+
+    def elapsed_time(self, end):
+        if not (self.query() and end.query()):
+            raise RuntimeError('cudaErrorNotReady')
+        return (end.at - self.at) * 1e3  # ms, as CUDA gives it
+
+
+def test_device_events_are_read_only_once_completed_and_in_milliseconds():
+    """The same three buckets on the device's clock (events 1 000 s into the run, to catch an absolute
+    reading): exposed 50 ms, link 90 ms; not readable before the last done event has completed."""
+    base = 1000.0
+    marks = [[Event(base + r), Event(base + d), 4] for r, d in ((0.010, 0.040), (0.020, 0.070), (0.050, 0.100))]
+    Event.now = base + 0.080
+    assert not dlojz_comm.completed(marks) and dlojz_comm.resolve(marks) is None
+    Event.now = base + 0.100
+    got = dlojz_comm.resolve(marks)
+    assert got['exposed'] == pytest.approx(0.050) and got['link'] == pytest.approx(0.090)
+
+
+def test_the_hook_records_events_from_the_timeline_on_a_device():
+    class Timeline:
+        made = []
+
+        def event(self):
+            e = Event(None)
+            e.record = lambda: setattr(e, 'at', Event.now)
+            self.made.append(e)
+            return e
+    timer = dlojz_comm.CommTimer(2, timeline=Timeline())
+    Event.now = 5.0
+    pending, outs = launch(timer, [Bucket(8)])
+    Event.now = 5.25
+    pending[0][0].set_result([pending[0][1]])
+    marks = timer.take()
+    assert len(Timeline.made) == 2 and dlojz_comm.resolve(marks)['exposed'] == pytest.approx(0.25)
+
+
+def test_the_chronometer_keeps_each_steps_stamps():
+    """A CPU Chronometer with a timer: each step takes the stamps made during it; the steady steps' exposed
+    and link times are summed in totals() (the first step is the warm-up)."""
+    clock = Clock()
+    chrono = Chronometer('cpu', warmup=1, clock=clock)
+    chrono.comm = timer = dlojz_comm.CommTimer(2, clock=clock)
+    for i, _ in enumerate(chrono.iterate(range(4))):
+        clock.t += 0.1  # backward computed
+        timer.marks.append([clock.t, clock.t + 0.02 * (i + 1), 1024])
+        clock.t += 0.02 * (i + 1)  # waits for the all-reduce
+    tot = chrono.totals()
+    assert tot['comm_steps'] == 3 and tot['exposed_s'] == pytest.approx(0.04 + 0.06 + 0.08)
+    assert tot['comm_bytes'] == 3 * 1024
+    assert chrono.summary(8)['per_step']['exposed'] == pytest.approx([0.02, 0.04, 0.06, 0.08])
+
+
+# ------------------------------------------------------------------------------ the verdict across ranks
+
+def report(rank, steps, data, compute, exposed, link=None, grad_bytes=40 * 2**20):
+    """One rank's end-of-run report with the same step every time (seconds): compute includes the exposed
+    wait (a CPU step: host time minus data wait), as the Chronometer measures it."""
+    step = data + compute
+    return {'rank': rank, 'step_median_s': step, 'steady_steps': steps, 'wall_s': step * steps,
+            'busy_s': compute * steps, 'data_s': data * steps, 'backward_s': None,
+            'comm_bytes': grad_bytes * steps, 'exposed_steps': [exposed] * steps,
+            'link_steps': [link if link is not None else exposed] * steps}
+
+
+def test_a_slow_link_every_rank_waits_for_is_communication():
+    """Both ranks compute 100 ms and wait 300 ms for a 40 MiB all-reduce after it: by hand, communication is
+    2 x 300 / 2 x 410 = 73 % of the time, 40 MiB / 0.3 s = 0.140 GB/s achieved, nobody is late."""
+    s = ranks_summary([report(0, 10, 0.01, 0.4, 0.3), report(1, 10, 0.01, 0.4, 0.3)])
+    assert s['bound'] == 'communication' and s['comm_share'] == pytest.approx(0.3 / 0.41)
+    assert s['late_share'] == pytest.approx(0.0) and 'straggler_rank' not in s
+    assert s['achieved_bytes_per_s'] == pytest.approx(40 * 2**20 / 0.3)
+    assert s['compute_headroom_all_ranks'] == pytest.approx(0.41 / 0.1)
+
+
+def test_a_slow_loader_on_one_rank_is_a_straggler_named_with_its_own_bound():
+    """Rank 1 waits 150 ms per batch for its loader, rank 0 10 ms; both compute 100 ms and the transfer is
+    20 ms. Rank 0 arrives 140 ms early at the all-reduce: it waits 160 ms, rank 1 20 ms. By hand the idle
+    time of the 2 x 270 ms is: loader 2 x 10, transfer 2 x 20, straggler 140 (rank 0's wait) + 140 (rank 1's
+    loader above rank 0's)."""
+    s = ranks_summary([report(0, 10, 0.01, 0.26, 0.16), report(1, 10, 0.15, 0.12, 0.02)])
+    assert s['bound'] == 'straggler' and s['straggler_rank'] == 1 and s['straggler_bound'] == 'loader'
+    assert s['straggler_share'] == pytest.approx(0.28 / 0.54) and s['comm_share'] == pytest.approx(0.04 / 0.54)
+    ranks = {r['rank']: r for r in s['ranks']}
+    assert ranks[0]['late_s'] == pytest.approx(1.4) and ranks[1]['late_s'] == pytest.approx(0.0)
+    assert ranks[0]['bound'] == 'straggler' and 'exposed_steps' not in ranks[0]  # the lists are not kept
+    line = [x for x in final_lines_for(s) if x.startswith('>>> Bound by')][0]
+    assert 'straggler' in line and 'rank 1 is late, bound by loader' in line
+
+
+def test_alike_fast_ranks_are_compute():
+    """The control: both ranks compute 200 ms with 2 ms of exposed transfer and 2 ms of data wait."""
+    s = ranks_summary([report(0, 10, 0.002, 0.2, 0.002), report(1, 10, 0.002, 0.2, 0.002)])
+    assert s['bound'] == 'compute' and s['late_share'] == pytest.approx(0.0)
+    assert s['comm_share'] == pytest.approx(0.002 / 0.202)
+
+
+def final_lines_for(timing):
+    class Chrono:
+        def display_lines(self, _):
+            return []
+    t = {'clock': 'host', 'data_share': 0.0, 'device_busy': 1.0, **timing}
+    summary = {'timing': t, 'energy': None, 'config': {'output_dir': 'x'},
+               'memory': {'gpu_max_allocated_bytes': None, 'host_peak_rss_bytes': None}}
+    return final_lines(summary, Chrono(), None)
