@@ -35,9 +35,10 @@ Two clocks, never mixed in one subtraction:
   measurements: the named phases can never exceed their step, so `phase_sum_error` > 0 means a timing bug.
 - `device_busy` = device busy time / host time of the steady steps, and the verdict `bound` (verdict()):
   'compute' when the device did useful work >= 90% of the time, else what the idle time went to, the
-  largest of: the data wait ('loader'), waiting for other ranks in collectives ('communication': a rank's
-  backward time above the fastest rank's, known once every rank's numbers are gathered at the end), and
-  the rest ('host': Python, kernel launches, synchronisations).
+  largest of: the data wait ('loader'), the exposed transfer of the gradient all-reduce ('communication'),
+  waiting for a late rank ('straggler'; dlojz_comm measures the waits in collectives, and
+  dlojz_summary.ranks_summary splits them once every rank's numbers are gathered at the end), and the rest
+  ('host': Python, kernel launches, synchronisations).
 - The first `warmup` steps (worker start-up, cudnn autotune, compilation) are reported separately and
   left out of the statistics; `on_steady` callbacks run once, before the first steady step asks for its
   batch (peak-memory reset, start of the energy window). So are an epoch's smaller last batches: a new
@@ -266,12 +267,13 @@ class Chronometer:
             rec = self._pending[0]
             if self.events and not block and not (rec['span'][1].query() and
                                                   all(end.query() for _, _, end in rec['events']) and
-                                                  dlojz_comm.completed(rec.get('comm', []))):
+                                                  dlojz_comm.completed(*rec.get('comm', ([], [])))):
                 return  # the GPU has not reached the end of this step yet; try again next step
             if 'comm' in rec:
-                comm = dlojz_comm.resolve(rec.pop('comm'))
+                comm = dlojz_comm.resolve(*rec.pop('comm'))
                 if comm:
-                    rec.update(exposed=comm['exposed'], link=comm['link'], comm_bytes=comm['bytes'])
+                    rec.update(exposed=comm['exposed'], link=comm['link'], comm_bytes=comm['bytes'],
+                               buffers=comm['buffers'])
             for name, start, end in rec.pop('events'):
                 rec[name] = rec.get(name, 0.0) + start.elapsed_time(end) / 1e3  # ms -> s
             if self.events:
@@ -342,7 +344,8 @@ class Chronometer:
         timed = [r for r in steady if 'exposed' in r]  # the all-reduce of a distributed run (dlojz_comm)
         if timed:
             res.update(comm_steps=len(timed), exposed_s=sum(r['exposed'] for r in timed),
-                       link_s=sum(r['link'] for r in timed), comm_bytes=sum(r['comm_bytes'] for r in timed))
+                       link_s=sum(r['link'] for r in timed), comm_bytes=sum(r['comm_bytes'] for r in timed),
+                       buffers_s=sum(r['buffers'] for r in timed))
         clean = [r for r in steady if r.get('clean')]
         measured, source = (clean, 'clean') if clean else (steady, 'spans')
         if not measured:
@@ -375,9 +378,11 @@ class Chronometer:
             res['gpu_step_source'] = tot['gpu_step_source']
             res['device_busy'] = busy / total
             res['data_share'] = tot['data_s'] / total
-            res['bound'] = verdict(total, busy, tot['data_s'], tot.get('exposed_s', 0.0))
+            waits = tot.get('exposed_s', 0.0) + tot.get('buffers_s', 0.0)  # in collectives
+            res['bound'] = verdict(total, busy, tot['data_s'], waits)
             if 'exposed_s' in tot:
-                res['exposed_share'] = tot['exposed_s'] / total
+                res['exposed_share'] = waits / total
+                res['buffers_timed'] = self.comm.buffers_timed  # False: --no-broadcast-buffers, or no hook
             res['compute_headroom'] = total / busy if busy else None  # speed-up if nothing waited
             spans = sum(r['compute'] for r in steady)
             if self.phases_on and spans > 0:

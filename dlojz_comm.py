@@ -12,7 +12,11 @@ Per step, from its buckets' stamps (seconds):
 - link = the time the all-reduce itself ran: the buckets are reduced one after another, in the order they
   became ready (gloo's and NCCL's work queues are in order), so each one runs from when it was ready, or
   the previous one was done, to when it is done. Bytes / link is the achieved bandwidth.
-Both include waiting for a peer that arrives late. The late rank does not wait for anyone, so across ranks,
+- buffers = the broadcast of rank 0's buffers (BatchNorm statistics) that DDP runs before each forward pass
+  with --broadcast-buffers (its default): a collective too, where an early rank waits for a late one. It is
+  timed around DDP's _sync_buffers (a private method, there from torch 1.11 to 2.14 at least; when it is
+  missing the buffers are not timed and summary.json says so).
+All three include waiting for a peer that arrives late. The late rank does not wait for anyone, so across ranks,
 at the end of the run (dlojz_summary.ranks_summary), the smallest exposed time of a step is its transfer
 and each rank's excess over it is straggler wait. Only durations measured on one rank's own clock are
 compared, never clock readings of two hosts.
@@ -35,6 +39,22 @@ class CommTimer:
         self.all_reduce = all_reduce or (
             lambda t: tdist.all_reduce(t, group=group, async_op=True).get_future())
         self.marks = []  # this step's buckets: [ready stamp, done stamp (None until done), bytes]
+        self.buffer_marks = []  # this step's buffer broadcasts: [start stamp, end stamp, 0]
+        self.buffers_timed = False
+
+    def time_buffers(self, ddp):
+        """Time DDP's buffer broadcast before each forward pass (an instance attribute over the method)."""
+        sync = getattr(ddp, '_sync_buffers', None)
+        if not callable(sync):
+            return
+
+        def timed():
+            mark = [self._stamp(), None, 0]
+            sync()
+            mark[1] = self._stamp()
+            self.buffer_marks.append(mark)
+        ddp._sync_buffers = timed
+        self.buffers_timed = True
 
     def _stamp(self):
         if self.timeline is None:
@@ -56,29 +76,33 @@ class CommTimer:
         return self.all_reduce(tensor).then(done)
 
     def take(self):
-        """The stamps of the step that ends (every all-reduce since the last call)."""
-        marks, self.marks = self.marks, []
-        return marks
+        """The stamps of the step that ends: (all-reduce buckets, buffer broadcasts) since the last call."""
+        marks, buffers, self.marks, self.buffer_marks = self.marks, self.buffer_marks, [], []
+        return marks, buffers
 
 
-def completed(marks):
+def completed(marks, buffers=()):
     """Whether a step's stamps can be read without waiting (events: query(), no synchronisation)."""
-    return all(done is not None and (isinstance(done, float) or done.query()) for _, done, _ in marks)
+    return all(done is not None and (isinstance(done, float) or done.query()) for _, done, _ in [*marks, *buffers])
 
 
-def resolve(marks):
-    """A step's stamps -> {'exposed': s, 'link': s, 'bytes': n}, or None for a step with no all-reduce (a
-    no_sync() micro-batch) or one whose callback never ran."""
-    if not marks or not completed(marks):
-        return None
+def _seconds(marks):
     if isinstance(marks[0][0], float):
-        times = [(ready, done) for ready, done, _ in marks]
-    else:  # events: seconds after the first bucket's ready event, on the device's clock
-        origin = marks[0][0]
-        times = [(origin.elapsed_time(ready) / 1e3, origin.elapsed_time(done) / 1e3) for ready, done, _ in marks]
+        return [(start, end) for start, end, _ in marks]
+    origin = marks[0][0]  # events: seconds after the first one, on the device's clock
+    return [(origin.elapsed_time(start) / 1e3, origin.elapsed_time(end) / 1e3) for start, end, _ in marks]
+
+
+def resolve(marks, buffers=()):
+    """A step's stamps -> {'exposed': s, 'link': s, 'bytes': n, 'buffers': s}, or None for a step with no
+    all-reduce (a no_sync() micro-batch) or one whose callback never ran."""
+    if not marks or not completed(marks, buffers):
+        return None
+    times = _seconds(marks)
     link, free = 0.0, float('-inf')
     for ready, done in sorted(times):
         link += max(0.0, done - max(ready, free))
         free = max(free, done)
     exposed = max(0.0, max(d for _, d in times) - max(r for r, _ in times))
-    return {'exposed': exposed, 'link': link, 'bytes': sum(b for _, _, b in marks)}
+    return {'exposed': exposed, 'link': link, 'bytes': sum(b for _, _, b in marks),
+            'buffers': sum(end - start for start, end in _seconds(buffers)) if buffers else 0.0}

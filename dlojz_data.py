@@ -29,6 +29,7 @@ from PIL import Image, ImageDraw, ImageFile
 
 import dlojz_augment
 import dlojz_decode
+import dlojz_failpoints
 import dlojz_shards
 from dlojz_decode import BadImageError, Blob, source_name
 from dlojz_errors import DataError, writable
@@ -206,6 +207,8 @@ class ImageFolderDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, key):
         index, epoch = key if isinstance(key, tuple) else (key, 0)
+        if isinstance(key, tuple):
+            dlojz_failpoints.train_sample()
         if self.resolution is not None:  # progressive resizing: this process's transform, this epoch's size
             self.transform.size = self.resolution(epoch)
         rng = random.Random(f'{self.seed}-{epoch}-{index}')  # str seeds hash deterministically (sha512)

@@ -285,6 +285,8 @@ def wrap_ddp(model, device, args, comm=None):
                   **{buffers: args.broadcast_buffers})
     if comm is not None:
         wrapped.register_comm_hook(None, comm.hook)
+        if args.broadcast_buffers:
+            comm.time_buffers(wrapped)
     return wrapped
 
 

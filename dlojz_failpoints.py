@@ -11,9 +11,11 @@ when this module is imported, and no-ops when it is unset (as etcd's gofail and 
   signal-step:<n>:<SIG>     send SIG to this process's whole group (DataLoader workers included, as Slurm does)
                             once global step n is done
   signal-val:<n>:<SIG>      the same after the n-th validation batch this process runs
+  slow-loader:<r>:<s>       the loader of rank r (RANK or SLURM_PROCID) sleeps s seconds per training image:
+                            a straggler whose cause is outside the code that measures it
 
 docs/development.md lists them beside the tests that use them. The code under test says one word (after_step,
-after_val_batch, checkpoint_write, before_flock); with DLOJZ_FAULT unset each is one test of a constant and
+after_val_batch, train_sample, checkpoint_write, before_flock); with DLOJZ_FAULT unset each is one test of a constant and
 reads no environment, so the training loop pays nothing for them.
 """
 import errno
@@ -24,7 +26,8 @@ import time
 
 # name -> the form of its argument, as a pattern
 KNOWN = {'kill-in-checkpoint': r'\d+', 'no-flock': r'', 'slow-steps': r'\d+(\.\d*)?',
-         'signal-step': r'\d+:SIG[A-Z0-9]+', 'signal-val': r'\d+:SIG[A-Z0-9]+'}
+         'signal-step': r'\d+:SIG[A-Z0-9]+', 'signal-val': r'\d+:SIG[A-Z0-9]+',
+         'slow-loader': r'\d+:\d+(\.\d*)?'}
 
 
 def parse(text, restart_count=0):
@@ -67,6 +70,14 @@ def after_step(global_step):
         time.sleep(float(ARMED['slow-steps']))
     if 'signal-step' in ARMED and global_step == int(ARMED['signal-step'].split(':')[0]):
         _signal_group('signal-step')
+
+
+def train_sample():
+    """Called as a loader (a worker or the main process) reads a training image."""
+    if ARMED and 'slow-loader' in ARMED:
+        rank, seconds = ARMED['slow-loader'].split(':')
+        if (os.environ.get('RANK') or os.environ.get('SLURM_PROCID') or '0') == rank:
+            time.sleep(float(seconds))
 
 
 def after_val_batch():

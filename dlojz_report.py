@@ -453,7 +453,10 @@ def dashboard(run, out):
                            f"from {t.get('gpu_step_source') or '?'} spans)"),
         ('Bound by', f"{n['bound']}{' (all ranks)' if t.get('bound_all_ranks') else ''}: device busy "
                      f"{fmt(n['busy_pct'])} % of the steady steps, data wait {fmt(scaled(t.get('data_share'), 100))} %"
-                     + (f", waiting for other ranks {fmt(scaled(t['comm_share'], 100))} %" if t.get('comm_share') else '')
+                     + (f", exposed communication {fmt(scaled(t['comm_share'], 100))} %, waiting for a late rank "
+                        f"{fmt(scaled(t.get('straggler_share'), 100))} %" if t.get('bound_all_ranks') else '')
+                     + (f" (rank {t['straggler_rank']}, bound by {t['straggler_bound']})"
+                        if n['bound'] == 'straggler' and t.get('straggler_rank') is not None else '')
                      if n['bound'] else '—'),
         ('Epoch time estimate', f"{hms(t.get('epoch_time_estimate_s'))} ({dig(run.summary, 'data', 'batches_per_epoch')}"
                                 f" batches)"),

@@ -98,27 +98,23 @@ def rank_report(run):
             'gpu_max_allocated_bytes': memory['gpu_max_allocated_bytes'],
             'host_peak_rss_bytes': memory['host_peak_rss_bytes'],
             'energy_j': run.power.energy_j, 'train_energy_j': run.power.train_energy_j,
-            'train_images': run.power.train_images,
-            # per steady step (the same steps on every rank): what ranks_summary splits into transfer and
-            # waiting for a late peer, then drops
-            'exposed_steps': [r.get('exposed') for r in run.chrono.steady],
-            'link_steps': [r.get('link') for r in run.chrono.steady]}
+            'train_images': run.power.train_images}
 
 
 def ranks_summary(ranks):
     """Straggler view: slowest and fastest rank by median step time, and the skew between them; the verdict
     from every rank's sums (Chronometer.totals).
 
-    Each rank measured, per steady step, how long it waited for the gradient all-reduce after its backward
-    computation (`exposed`, dlojz_comm). The rank that arrives last at a step's all-reduce waits only for the
-    transfer; the others wait for it as well. So per step the smallest exposed time over the ranks is the
-    transfer (`comm_s`, communication every rank waits for alike) and each rank's excess over it is waiting
-    for a late peer (`late_s`). Only durations are compared, so hosts' clocks need not agree. The late rank
-    is the one that waited least for the others (`straggler_rank`), its own bound says why it was late.
+    Each rank measured how long its steps waited in collectives (`collective_s`, dlojz_comm): for the gradient
+    all-reduce after their backward computation (`exposed_s`) and for DDP's buffer broadcast before their
+    forward pass (`buffers_s`). The rank that arrives last at a collective waits only for the transfer; the
+    others wait for it as well. So the smallest such time over the ranks is the transfer (`comm_s`,
+    communication every rank waits for alike) and each rank's excess over it is waiting for a late peer
+    (`late_s`). Only durations are compared, so hosts' clocks need not agree. The late rank is the one that
+    waited least for the others (`straggler_rank`); its own bound says why it was late.
     Without those measurements (phase timing off), a rank's backward time above the fastest rank's is taken
     as waiting for peers, and a network every rank waits for alike reads as compute."""
     timed = [r for r in ranks if r['step_median_s']]
-    steps = [(r.pop('exposed_steps', None), r.pop('link_steps', None)) for r in ranks]
     if not timed:
         return {'ranks': ranks}
     slow = max(timed, key=lambda r: r['step_median_s'])
@@ -129,17 +125,20 @@ def ranks_summary(ranks):
     measured = [r for r in timed if r.get('busy_s') is not None and r.get('wall_s')]
     if len(measured) != len(ranks):
         return res
-    exposed = [e for e, _ in steps]
-    if all(e and None not in e and len(e) == len(exposed[0]) for e in exposed):
-        transfer = [min(col) for col in zip(*exposed)]
-        for r, e in zip(ranks, exposed):
-            r['comm_s'] = sum(transfer)
-            r['late_s'] = sum(e) - r['comm_s']
-        links = [min(col) for col in zip(*(link for _, link in steps))]  # the late rank's: no wait in it
-        volume = sum(r['comm_bytes'] for r in ranks) / len(ranks) / len(transfer)
-        res.update(comm_measured='all-reduce hook', gradient_bytes_per_step=volume,
-                   link_s_per_step=sum(links) / len(links),
-                   achieved_bytes_per_s=volume / (sum(links) / len(links)) if sum(links) > 0 else None)
+    if all(r.get('comm_steps') for r in measured):
+        # the rank that waited least is the one the others waited for: its wait is the transfer alone. Sums
+        # over the run, not step by step: ranks that are late by turns (noise) wait alike and read as
+        # communication; a rank late every step is a straggler
+        for r in ranks:  # in collectives: the gradient all-reduce after the backward pass, the buffers before
+            r['collective_s'] = r['exposed_s'] + r.get('buffers_s', 0.0)
+        late_rank = min(measured, key=lambda r: (r['collective_s'], r['rank']))
+        for r in ranks:
+            r['comm_s'] = late_rank['collective_s']
+            r['late_s'] = r['collective_s'] - r['comm_s']
+        volume = late_rank['comm_bytes'] / late_rank['comm_steps']
+        link = late_rank['link_s'] / late_rank['comm_steps']
+        res.update(comm_measured='all-reduce hook', gradient_bytes_per_step=volume, link_s_per_step=link,
+                   achieved_bytes_per_s=volume / link if link > 0 else None)
     else:
         backward = [r.get('backward_s') for r in measured]
         fastest = min(backward) if None not in backward else None

@@ -1,6 +1,10 @@
 """The all-reduce timing (dlojz_comm) and the verdict made of it across ranks (dlojz_summary.ranks_summary),
 on stamps and rank reports whose expected values are worked out by hand. The same verdicts on real gloo runs,
 with the cause outside the code (a shaped network link, a slowed loader), are in tests/test_ddp_truth.py."""
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
 import pytest
 import torch
 
@@ -56,10 +60,10 @@ def test_host_stamps_give_exposed_time_link_time_and_bytes():
         clock.t = at
         fut.set_result([tensor * 2])  # the sum over 2 ranks of the same gradient
     assert [o.wait()[0].item() for o in outs] == [6.0, 6.0, 6.0]  # the mean, as DDP's own all-reduce gives
-    got = dlojz_comm.resolve(timer.take())
+    got = dlojz_comm.resolve(*timer.take())
     assert got['exposed'] == pytest.approx(0.050) and got['link'] == pytest.approx(0.090)
     assert got['bytes'] == 600 * 4
-    assert timer.take() == []  # the next step starts empty
+    assert timer.take() == ([], [])  # the next step starts empty
 
 
 def test_a_link_idle_between_buckets_is_not_counted():
@@ -67,6 +71,26 @@ def test_a_link_idle_between_buckets_is_not_counted():
     marks = [[0.010, 0.015, 4], [0.040, 0.045, 4]]
     got = dlojz_comm.resolve(marks)
     assert got['link'] == pytest.approx(0.010) and got['exposed'] == pytest.approx(0.005)
+
+
+def test_the_buffer_broadcast_before_the_forward_pass_is_timed():
+    """DDP broadcasts rank 0's buffers before each forward pass; an early rank waits there for a late one
+    (40 ms here). The wrapper keeps DDP's own method's effect and times it."""
+    clock = Clock()
+    calls = []
+
+    class DDP:
+        def _sync_buffers(self):
+            calls.append(clock.t)
+            clock.t += 0.040
+    ddp = DDP()
+    timer = dlojz_comm.CommTimer(2, clock=clock)
+    timer.time_buffers(ddp)
+    ddp._sync_buffers()
+    timer.marks.append([0.1, 0.11, 4])
+    got = dlojz_comm.resolve(*timer.take())
+    assert calls == [0.0] and timer.buffers_timed and got['buffers'] == pytest.approx(0.040)
+    assert dlojz_comm.CommTimer(2).time_buffers(object()) is None  # no such method: not timed, no error
 
 
 def test_a_step_without_all_reduce_or_unfinished_has_no_measure():
@@ -116,8 +140,7 @@ def test_the_hook_records_events_from_the_timeline_on_a_device():
     pending, outs = launch(timer, [Bucket(8)])
     Event.now = 5.25
     pending[0][0].set_result([pending[0][1]])
-    marks = timer.take()
-    assert len(Timeline.made) == 2 and dlojz_comm.resolve(marks)['exposed'] == pytest.approx(0.25)
+    assert len(Timeline.made) == 2 and dlojz_comm.resolve(*timer.take())['exposed'] == pytest.approx(0.25)
 
 
 def test_the_chronometer_keeps_each_steps_stamps():
@@ -144,8 +167,8 @@ def report(rank, steps, data, compute, exposed, link=None, grad_bytes=40 * 2**20
     step = data + compute
     return {'rank': rank, 'step_median_s': step, 'steady_steps': steps, 'wall_s': step * steps,
             'busy_s': compute * steps, 'data_s': data * steps, 'backward_s': None,
-            'comm_bytes': grad_bytes * steps, 'exposed_steps': [exposed] * steps,
-            'link_steps': [link if link is not None else exposed] * steps}
+            'comm_bytes': grad_bytes * steps, 'comm_steps': steps, 'exposed_s': exposed * steps,
+            'link_s': (link if link is not None else exposed) * steps}
 
 
 def test_a_slow_link_every_rank_waits_for_is_communication():
@@ -168,7 +191,7 @@ def test_a_slow_loader_on_one_rank_is_a_straggler_named_with_its_own_bound():
     assert s['straggler_share'] == pytest.approx(0.28 / 0.54) and s['comm_share'] == pytest.approx(0.04 / 0.54)
     ranks = {r['rank']: r for r in s['ranks']}
     assert ranks[0]['late_s'] == pytest.approx(1.4) and ranks[1]['late_s'] == pytest.approx(0.0)
-    assert ranks[0]['bound'] == 'straggler' and 'exposed_steps' not in ranks[0]  # the lists are not kept
+    assert ranks[0]['bound'] == 'straggler'
     line = [x for x in final_lines_for(s) if x.startswith('>>> Bound by')][0]
     assert 'straggler' in line and 'rank 1 is late, bound by loader' in line
 
@@ -188,3 +211,42 @@ def final_lines_for(timing):
     summary = {'timing': t, 'energy': None, 'config': {'output_dir': 'x'},
                'memory': {'gpu_max_allocated_bytes': None, 'host_peak_rss_bytes': None}}
     return final_lines(summary, Chrono(), None)
+
+
+# ------------------------------------------------------------------------------ no host read in the step
+
+def ddp_step(tmp_path, read_in_hook=False):
+    """One DDP training step (gloo, a world of one) with the timer's hooks, under the host-read counter of
+    tests/test_gpu_seams.py -> the reads seen, the step's measures. Run in a spawned process: gloo's threads
+    would stay in the test process, and a later fork (a Pool, DataLoader workers) could deadlock on their locks."""
+    import torch.distributed as tdist
+    from test_gpu_seams import DeviceReads
+    os.makedirs(tmp_path)
+    tdist.init_process_group('gloo', init_method=f'file://{tmp_path}/store', rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                                    torch.nn.LazyLinear(2))
+        model(torch.randn(2, 3, 6, 6))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        timer = dlojz_comm.CommTimer(1)
+        hook = timer.hook
+        if read_in_hook:  # the control: a hook that reads a value on the host
+            hook = lambda state, bucket: (bucket.buffer().sum().item(), timer.hook(state, bucket))[1]  # noqa: E731
+        ddp.register_comm_hook(None, hook)
+        timer.time_buffers(ddp)
+        x = torch.randn(4, 3, 6, 6)
+        with DeviceReads() as mode:
+            ddp(x).square().mean().backward()
+        marks, buffers = timer.take()
+        return mode.seen, len(buffers), dlojz_comm.resolve(marks, buffers)
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_the_hooks_add_no_host_read_to_a_training_step(tmp_path):
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn')) as pool:
+        (seen, buffers, got), (control, _, _) = pool.map(ddp_step, [str(tmp_path / 'a'), str(tmp_path / 'b')],
+                                                         [False, True])
+    assert seen == [] and buffers == 1
+    assert got['bytes'] == 4 * (4 * 3 * 9 + 4 + 4 + 4 + 2 * 64 + 2)
+    assert control  # the counter sees a read where there is one

@@ -6,6 +6,7 @@
   fp16's GradScaler with the fused optimizer included, on pinned batches copied without blocking;
 - the Chronometer's CUDA-event phases add up to the kernel time torch.profiler records (within 5 %);
 - NVML energy is positive and within the board's enforced power limit x the elapsed time;
+- the all-reduce hook's done event (dlojz_comm) comes after the all-reduce, on NCCL;
 - torchrun with NCCL at world size 1, and 2 GPUs with --sync-bn where the node has them; 2 ranks sharing
   one GPU (--share-gpu: gloo, since NCCL refuses it);
 - under --deterministic, a run resumed from a checkpoint reproduces the uninterrupted run's losses exactly;
@@ -289,8 +290,41 @@ def test_torchrun_one_gpu_runs_nccl_and_ddp(tmp_path, cache_dir):
     s, _ = read_run(tmp_path)
     assert s['status'] == 'completed' and s['world_size'] == 1
     assert s['provenance']['launcher'] == 'torchrun' and 'communication' in s
+    assert s['timing']['totals']['comm_steps'] >= 1  # the all-reduce hook's CUDA events were read
     log = (tmp_path / 'nccl.rank0.log').read_text()
     assert 'Train step 0 - rank 0' in log and 'NCCL INFO' in log.split('Train step 0 - rank 0', 1)[1], log[-2000:]
+
+
+def test_the_all_reduce_done_event_waits_for_the_all_reduce(tmp_path):
+    """dlojz_comm on CUDA events, NCCL at world size 1: the all-reduce is queued behind a 50 ms spin on a side
+    stream (a slow link), the backward pass's stream is not. The done event, recorded in the future's callback,
+    must come after it: exposed ~50 ms. Recorded on a stream that does not wait, it would read ~0."""
+    import torch.distributed as tdist
+
+    import dlojz_comm
+    from dlojz_chrono import CudaTimeline
+    timeline = CudaTimeline()
+    timeline.delay(0.001)  # calibrates the spin
+    tdist.init_process_group('nccl', init_method=f'file://{tmp_path}/store', rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2)).cuda()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+        side = torch.cuda.Stream()
+
+        def slow_all_reduce(t):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                timeline.delay(0.050)
+                return tdist.all_reduce(t, async_op=True).get_future()
+        timer = dlojz_comm.CommTimer(1, timeline, all_reduce=slow_all_reduce)
+        ddp.register_comm_hook(None, timer.hook)
+        for _ in range(2):
+            ddp(torch.randn(32, 64, device='cuda')).square().mean().backward()
+            torch.cuda.synchronize()
+            got = dlojz_comm.resolve(*timer.take())
+        assert got['exposed'] == pytest.approx(0.050, abs=0.015) and got['bytes'] == 4 * (64 * 64 + 64 + 64 * 2 + 2)
+    finally:
+        tdist.destroy_process_group()
 
 
 def test_torchrun_two_ranks_share_one_gpu(tmp_path, cache_dir):

@@ -1,0 +1,131 @@
+"""What a two-rank gloo run says it waited for, with the cause put outside the code that measures it:
+- a slow link: the two ranks run in two network namespaces joined by a veth pair, shaped by the kernel (tc's
+  token bucket filter) on both ends, so both ranks are slowed alike in the transport (root only);
+- a slow loader: rank 1's loader sleeps per image (the slow-loader failpoint, in the dataset);
+- the control: two alike ranks with fast in-memory batches.
+Each test fails on the code before issue 27: the slow link read "compute", the slow loader "communication",
+and neither reported an exposed or a late share. The arithmetic of the verdicts is in tests/test_comm.py."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import pytest
+
+from conftest import ROOT, TINY, free_port, torchrun
+
+pytestmark = pytest.mark.slow
+
+# 10 steps of 16 images at 32 px: 0.15-0.25 s of compute per step on this 2-core machine; ResNet-18's
+# 42.6 MiB of gradients per step
+FLAGS = [*TINY, '-b', '16', '--synthetic-train-per-class', '64', '--test-nsteps', '10']
+
+
+def summary(out):
+    with open(os.path.join(out, 'summary.json')) as f:
+        return json.load(f)
+
+
+def _ip(*args, check=True):
+    return subprocess.run(['ip', *args], capture_output=True, text=True, check=check)
+
+
+@contextmanager
+def two_hosts(tag):
+    """Two network namespaces joined by a veth pair (10.231.7.1 and .2) -> shape(rate_mbit) and the names."""
+    names = [f'{tag}{i}' for i in range(2)]
+    made = []
+    try:
+        for n in names:
+            _ip('netns', 'add', n)
+            made.append(n)
+        _ip('link', 'add', f'{names[0]}v', 'type', 'veth', 'peer', 'name', f'{names[1]}v')
+        for i, n in enumerate(names):
+            _ip('link', 'set', f'{n}v', 'netns', n)
+            _ip('-n', n, 'addr', 'add', f'10.231.7.{i + 1}/24', 'dev', f'{n}v')
+            _ip('-n', n, 'link', 'set', 'lo', 'up')
+            _ip('-n', n, 'link', 'set', f'{n}v', 'up')
+
+        def shape(rate_mbit):  # the kernel delays the packets: nothing in dlojz knows
+            for n in names:
+                subprocess.run(['ip', 'netns', 'exec', n, 'tc', 'qdisc', 'replace', 'dev', f'{n}v', 'root', 'tbf',
+                                'rate', f'{rate_mbit}mbit', 'burst', '256kb', 'latency', '200ms'], check=True)
+        yield shape, names
+    finally:
+        for n in made:  # deleting a namespace deletes its end of the veth pair, and so the pair
+            _ip('netns', 'del', n, check=False)
+
+
+def netns_usable():
+    if os.geteuid() != 0 or not shutil.which('ip') or not shutil.which('tc'):
+        return False
+    tag = f'dzp{os.getpid() % 100000}'
+    ok = _ip('netns', 'add', tag, check=False).returncode == 0
+    _ip('netns', 'del', tag, check=False)
+    return ok
+
+
+def run_pair(names, out, flags):
+    """Rank i in namespace i, rank 0's address as the master, gloo on the veth; -> rank 0's summary."""
+    port = free_port()
+    procs = []
+    for rank, n in enumerate(names):
+        env = {**os.environ, 'RANK': str(rank), 'WORLD_SIZE': '2', 'LOCAL_RANK': '0', 'LOCAL_WORLD_SIZE': '1',
+               'MASTER_ADDR': '10.231.7.1', 'MASTER_PORT': str(port), 'GLOO_SOCKET_IFNAME': f'{n}v',
+               'OMP_NUM_THREADS': '1'}
+        procs.append(subprocess.Popen(['ip', 'netns', 'exec', n, sys.executable, 'dlojz.py', *map(str, flags),
+                                       '--output-dir', str(out)], cwd=ROOT, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    return summary(out), outs[0]
+
+
+def per_step(t, key):
+    return [r[key] / r['steady_steps'] for r in t['ranks']]
+
+
+@pytest.mark.skipif(not netns_usable(), reason='needs root, ip and tc, and network namespaces')
+def test_a_slow_link_reads_communication_and_measures_the_slowdown(tmp_path, cache_dir):
+    """The same run on the veth pair unshaped, then shaped to 800 Mbit/s both ways (about 0.45 s for ResNet-
+    18's gradients per step): the shaped run is bound by communication, and the exposed all-reduce grew by
+    the step's slowdown, within 10 %."""
+    torchrun(1, *FLAGS, '--test-nsteps', '1', '--cache-dir', cache_dir, '--output-dir', tmp_path / 'prep')
+    flags = [*FLAGS, '--cache-dir', cache_dir]
+    with two_hosts(f'dz{os.getpid() % 100000}') as (shape, names):
+        fast, _ = run_pair(names, tmp_path / 'fast', flags)
+        shape(800)
+        slow, console = run_pair(names, tmp_path / 'slow', flags)
+    f, s = fast['timing'], slow['timing']
+    assert s['bound'] == 'communication', console
+    slowdown = sum(per_step(s, 'wall_s')) / 2 - sum(per_step(f, 'wall_s')) / 2
+    grew = sum(per_step(s, 'exposed_s')) / 2 - sum(per_step(f, 'exposed_s')) / 2
+    assert slowdown > 0.2 and grew == pytest.approx(slowdown, rel=0.10), (slowdown, grew)
+    assert s['achieved_bytes_per_s'] < 800e6 / 8 * 1.05  # the link's rate, in bytes/s, is the ceiling
+    assert s['late_share'] < 0.05
+    assert 'Bound by: communication' in console and 'GB/s achieved' in console
+
+
+def test_a_slow_loader_on_one_rank_reads_straggler_and_names_it(tmp_path, cache_dir):
+    """Rank 1's loader sleeps 10 ms per image (160 ms per batch, about the step's compute): rank 0 waits for
+    it in every all-reduce. The run is bound by a straggler, rank 1, itself bound by its loader."""
+    p = torchrun(2, *FLAGS, '--cache-dir', cache_dir, '--output-dir', tmp_path,
+                 env={'DLOJZ_FAULT': 'slow-loader:1:0.01'})
+    assert p.returncode == 0, p.stderr[-3000:]
+    t = summary(tmp_path)['timing']
+    assert (t['bound'], t['straggler_rank'], t['straggler_bound']) == ('straggler', 1, 'loader'), t
+    ranks = {r['rank']: r for r in t['ranks']}
+    assert ranks[0]['late_s'] > 0.1 * ranks[0]['steady_steps'] > ranks[1]['late_s']  # > 100 ms per step
+    assert 'rank 1 is late, bound by loader' in p.stdout
+
+
+def test_alike_fast_ranks_read_compute(tmp_path):
+    """The control: in-memory batches and enough computation per step (64 images at 96 px) that the
+    all-reduce of 42.6 MiB, overlapped with the backward pass, is a few % of it."""
+    p = torchrun(2, '--fake-data', '--fake-classes', '4', '--arch', 'resnet18', '--image-size', '96', '-b', '64',
+                 '--fake-val-size', '64', '--test-nsteps', '6', '--wandb', 'off', '--output-dir', tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    t = summary(tmp_path)['timing']
+    assert t['bound'] == 'compute' and t['comm_share'] < 0.1 and t['late_share'] < 0.05, t
