@@ -63,12 +63,12 @@ from dlojz_comm import CommTimer
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
 from dlojz_errors import CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation, translate
-from dlojz_host import host_check, intra_op_threads
+from dlojz_host import host_check, intra_op_threads, process_start_time
 from dlojz_log import Console, Logger, wandb_mode, write_json
 from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
 from dlojz_rundir import trim_metrics
 from dlojz_state import (Progress, check_form, check_resume, find_resume_checkpoint, interrupted, note_validation,
-                         preempt, restore, run_wall_s, save)
+                         preempt, process_wall_s, restore, run_wall_s, save)
 from dlojz_summary import final_lines, print_header, write_summary
 
 
@@ -164,6 +164,7 @@ class Run:
     mix: object = None            # dlojz_augment.Mix: --mixup / --cutmix on the device (identity when off)
     ema: object = None            # dlojz_recipe.EMA with --ema-decay
     started: float = 0.0          # time.time() when the run was built: time to accuracy counts from here
+    process_started: float = 0.0  # time.time() when the process started: the second clock, start-up included
 
 
 def build_run(args, dist, device, say):
@@ -221,7 +222,7 @@ def build_run(args, dist, device, say):
               steps_per_epoch=steps_per_epoch, total_steps=total_steps,
               mix=dlojz_augment.Mix(args.mixup, args.cutmix, len(data.classes), args.seed),
               ema=dlojz_recipe.EMA(plain, args.ema_decay, args.ema_warmup) if args.ema_decay else None,
-              started=time.time())
+              started=time.time(), process_started=process_start_time())
     sync = dlojz_recipe.scaler_sync_warning(optimizer, args.amp)
     run.host['warnings'] += [sync] if sync else []  # printed in the header, kept in summary.json
     if resumed:  # where this attempt starts, and what it replaced of the one before
@@ -419,19 +420,20 @@ def evaluate(run, epoch, progress, max_batches=None, ema=False):
         print(f'Validation - rank {run.dist.rank}', flush=True)
     # rank 0's BatchNorm statistics, as in its checkpoint
     dlojz_dist.broadcast_buffers_(run.ema.module if ema else run.model_without_ddp)
-    meters, batches, raw_time = Meters(len(run.data.classes), run.device), 0, chrono.val_time
+    meters, batches, raw_time = Meters(len(run.data.classes), run.device, criterion=True), 0, chrono.val_time
     with run.memory.validation(), chrono.validation():  # the memory read after the Chronometer's sync
         for x, labels in itertools.islice(run.data.val_loader, max_batches):
             x, labels = to_device(x, labels, run)
             with run.autocast:
                 output = model(x)
-                loss = run.criterion(output, labels)
-            meters.update(loss, output, labels)
+                # plain cross-entropy, as timm's validation; the training criterion's value as criterion_loss
+                meters.update(nn.functional.cross_entropy(output, labels), output, labels, run.criterion(output, labels))
             batches += 1
             failpoints.after_val_batch()
         # compute() is a collective; inside the timed block so that waiting for slower ranks counts
         res = dict(type='val_ema' if ema else 'val', epoch=epoch + 1, global_step=progress.global_step,
-                   **meters.compute(), batches=batches, train_images=progress.images, wall_s=run_wall_s(run))
+                   **meters.compute(), batches=batches, train_images=progress.images, wall_s=run_wall_s(run),
+                   process_wall_s=process_wall_s(run))
     res['time_s'] = chrono.val_time
     if ema:  # the summary's validation time and batches stay the raw model's
         chrono.val_time = raw_time

@@ -7,8 +7,25 @@ import platform
 import socket
 import subprocess
 import sys
+import time
 
 import torch
+
+PROCESS_T0 = time.time()  # process_start_time()'s fallback: when this module was imported
+
+
+def process_start_time(stat='/proc/self/stat', proc_stat='/proc/stat'):
+    """When this process started (seconds since the epoch, time.time()'s clock): the kernel's start time of
+    the process (clock ticks after boot) plus the boot time; where /proc does not say (not Linux), when this
+    module was imported."""
+    try:
+        with open(stat) as f:
+            ticks = int(f.read().rsplit(')', 1)[1].split()[19])  # field 22, counted after the command name
+        with open(proc_stat) as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith('btime '))
+        return boot + ticks / os.sysconf('SC_CLK_TCK')
+    except (OSError, ValueError, IndexError, StopIteration):
+        return PROCESS_T0
 
 
 def host_memory(pid='self'):

@@ -54,13 +54,16 @@ class Meters:
     of each batch (a last batch of 10 weighs 10 images, not one batch). The contract is torchmetrics':
     update() is local, compute() is global; compute(sync=False) gives the rank's own values."""
 
-    def __init__(self, num_classes, device):
-        self.k = min(5, num_classes)
-        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
+    def __init__(self, num_classes, device, criterion=False):
+        """criterion: also keep a second loss, update()'s criterion_loss (validation: the training criterion's)."""
+        self.k, self.criterion = min(5, num_classes), criterion
+        self.sums = torch.zeros(5 if criterion else 4, dtype=torch.float64, device=device)
 
-    def update(self, loss, output, labels):
+    def update(self, loss, output, labels, criterion_loss=None):
         """loss: the batch's mean loss (0-d tensor); output: (n, classes) logits; labels: (n,)."""
         n = labels.shape[0]
+        if self.criterion:
+            self.sums[4] += criterion_loss.detach().double() * n
         hits = output.detach().topk(self.k, dim=1).indices == labels[:, None]  # (n, k): at most one True a row
         self.sums[0] += loss.detach().double() * n
         self.sums[1] += hits[:, 0].sum()
@@ -70,10 +73,11 @@ class Meters:
     def compute(self, sync=True):
         """-> {'loss', 'top1', 'top5', 'images'}, or {} before any update (on every rank when synced)."""
         sums = dlojz_dist.all_reduce_(self.sums.clone()) if sync else self.sums
-        loss, top1, top5, n = sums.tolist()
+        loss, top1, top5, n, *criterion = sums.tolist()
         if n == 0:
             return {}
-        return {'loss': loss / n, 'top1': top1 / n, 'top5': top5 / n, 'images': int(n)}
+        return {'loss': loss / n, 'top1': top1 / n, 'top5': top5 / n, 'images': int(n),
+                **({'criterion_loss': criterion[0] / n} if criterion else {})}
 
 
 class PeakMemory:

@@ -137,7 +137,7 @@ def test_the_hook_records_events_from_the_timeline_on_a_device():
             return e
     timer = dlojz_comm.CommTimer(2, timeline=Timeline())
     Event.now = 5.0
-    pending, outs = launch(timer, [Bucket(8)])
+    pending, _ = launch(timer, [Bucket(8)])
     Event.now = 5.25
     pending[0][0].set_result([pending[0][1]])
     assert len(Timeline.made) == 2 and dlojz_comm.resolve(*timer.take())['exposed'] == pytest.approx(0.25)
@@ -192,7 +192,7 @@ def test_a_slow_loader_on_one_rank_is_a_straggler_named_with_its_own_bound():
     ranks = {r['rank']: r for r in s['ranks']}
     assert ranks[0]['late_s'] == pytest.approx(1.4) and ranks[1]['late_s'] == pytest.approx(0.0)
     assert ranks[0]['bound'] == 'straggler'
-    line = [x for x in final_lines_for(s) if x.startswith('>>> Bound by')][0]
+    line = next(x for x in final_lines_for(s) if x.startswith('>>> Bound by'))
     assert 'straggler' in line and 'rank 1 is late, bound by loader' in line
 
 
@@ -231,7 +231,7 @@ def ddp_step(tmp_path, read_in_hook=False):
         timer = dlojz_comm.CommTimer(1)
         hook = timer.hook
         if read_in_hook:  # the control: a hook that reads a value on the host
-            hook = lambda state, bucket: (bucket.buffer().sum().item(), timer.hook(state, bucket))[1]  # noqa: E731
+            hook = lambda state, bucket: (bucket.buffer().sum().item(), timer.hook(state, bucket))[1]
         ddp.register_comm_hook(None, hook)
         timer.time_buffers(ddp)
         x = torch.randn(4, 3, 6, 6)

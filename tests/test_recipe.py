@@ -188,3 +188,4 @@ def test_val_every_best_checkpoint_and_time_to_accuracy(tmp_path, cache_dir):
         first = next(r for r in records if r['top1'] >= 0.3)
         assert tta[kind]['epoch'] == first['epoch'] and tta[kind]['train_images'] == first['global_step'] * 8
         assert 0 < tta[kind]['wall_s'] == first['wall_s']
+        assert tta[kind]['process_wall_s'] == first['process_wall_s'] > first['wall_s']  # the clock with start-up
