@@ -644,23 +644,63 @@ def sweep_view(rep):
 
 # -------------------------------------------------------------------------------------- view: scaling
 
+def step_terms(run):
+    """A run's mean steady step (s, mean over its ranks) and, from what its ranks measured in collectives
+    (dlojz_comm; docs/chronometer.md), the seconds per step of exposed communication (the transfer every rank
+    waits for) and of waiting for a late rank (the rank that waited most: the step is shared, so that wait
+    is what the late rank added to it). None where the run did not measure them."""
+    t = run.get('timing') or {}
+    ranks = [r for r in t.get('ranks') or [] if r.get('steady_steps')]
+    if ranks:
+        step = statistics.fmean(r['wall_s'] / r['steady_steps'] for r in ranks)
+    elif dig(t, 'totals', 'steady_steps'):
+        step = t['totals']['wall_s'] / t['totals']['steady_steps']
+    else:
+        return None, None, None
+    if not ranks:  # one process: nothing to wait for
+        return step, 0.0, 0.0
+    if not all('late_s' in r and 'comm_s' in r for r in ranks) or t.get('comm_measured') != 'all-reduce hook':
+        return step, None, None
+    comm = statistics.fmean(r['comm_s'] / r['steady_steps'] for r in ranks)
+    late = max(r['late_s'] / r['steady_steps'] for r in ranks)
+    return step, comm, late
+
+
 def scalings(runs):
     """Same config at several world sizes -> img/s vs processes and efficiency vs linear scaling. The LR may
-    differ: by default dlojz scales it with the global batch (linear scaling rule)."""
+    differ: by default dlojz scales it with the global batch (linear scaling rule).
+
+    Each world size's lost efficiency (1 - efficiency, in points) is split, from the runs' measured sums,
+    into: exposed communication (comm_pts), waiting for a late rank (straggler_pts), and the rest (rest_pts:
+    compute slowed by communication kernels or threads sharing the device or the cores, DDP's copies, noise),
+    each term = its seconds per step / the step at that world size; the terms add up to the loss because the
+    rest is what the measured terms leave of it. The step at the smallest world size is the reference."""
     out = []
     for g in group_runs(runs, {'lr'}):
         by_ws = {}
         for r in g:
             img_s = numbers(r)['train_img_s']
             if r.status == 'completed' and img_s:
-                by_ws.setdefault(r.world_size, []).append(img_s)
+                by_ws.setdefault(r.world_size, []).append((img_s, step_terms(r)))
         if len(by_ws) < 2:
             continue
         base_ws = min(by_ws)
-        base = statistics.median(by_ws[base_ws])
-        rows = [{'world_size': ws, 'runs': len(v), 'global_batch': ws * g[0].batch_size,
-                 'train_img_s': statistics.median(v), 'speedup': statistics.median(v) / base,
-                 'efficiency': statistics.median(v) / base / (ws / base_ws)} for ws, v in sorted(by_ws.items())]
+        base = statistics.median(i for i, _ in by_ws[base_ws])
+        base_steps = [t[0] for _, t in by_ws[base_ws] if t[0]]
+        base_step = statistics.median(base_steps) if base_steps else None
+        rows = []
+        for ws, v in sorted(by_ws.items()):
+            img_s = statistics.median(i for i, _ in v)
+            row = {'world_size': ws, 'runs': len(v), 'global_batch': ws * g[0].batch_size, 'train_img_s': img_s,
+                   'speedup': img_s / base, 'efficiency': img_s / base / (ws / base_ws),
+                   'step_ms': None, 'comm_pts': None, 'straggler_pts': None, 'rest_pts': None}
+            terms = [t for _, t in v if t[0] and t[1] is not None]
+            if terms and base_step:
+                step, comm, late = (statistics.median(t[k] for t in terms) for k in range(3))
+                loss = 100 * (1 - row['efficiency'])
+                row.update(step_ms=step * 1e3, comm_pts=100 * comm / step, straggler_pts=100 * late / step)
+                row['rest_pts'] = loss - row['comm_pts'] - row['straggler_pts']
+            rows.append(row)
         out.append({'label': label(g[0]) + f', {g[0].batch_size} images per process', 'rows': rows})
     return out
 
@@ -675,7 +715,18 @@ def plot_scaling(s, i, out):
     a1.set_xlabel('processes (GPUs)')
     a1.set_ylabel('train images/s')
     a1.legend(fontsize=7)
-    a2.bar([str(w) for w in ws], [r['efficiency'] * 100 for r in s['rows']])
+    x = [str(w) for w in ws]
+    eff = [r['efficiency'] * 100 for r in s['rows']]
+    a2.bar(x, eff, label='efficiency')
+    if any(r['comm_pts'] is not None for r in s['rows']):  # the lost points, stacked on top, as measured
+        bottom = list(eff)
+        for key, name, colour in (('comm_pts', 'exposed communication', 'tab:red'),
+                                  ('straggler_pts', 'waiting for a late rank', 'tab:orange'),
+                                  ('rest_pts', 'rest (compute slowed, noise)', 'tab:gray')):
+            h = [max(0.0, r[key] or 0.0) for r in s['rows']]
+            a2.bar(x, h, bottom=bottom, label=name, color=colour)
+            bottom = [b + v for b, v in zip(bottom, h)]
+        a2.legend(fontsize=7)
     a2.axhline(100, color='k', ls=':')
     a2.set_xlabel('processes (GPUs)')
     a2.set_ylabel('efficiency vs linear (%)')
@@ -689,10 +740,14 @@ def scaling_view(rep):
     lines = []
     for i, s in enumerate(scalings(runs), 1):
         lines += [f'### {s["label"]}', '']
-        lines += md_table(['world_size', 'runs', 'global_batch', 'train_img_s', 'speedup', 'efficiency'],
+        lines += md_table(['world_size', 'runs', 'global_batch', 'train_img_s', 'speedup', 'efficiency', 'step_ms',
+                           'comm_pts', 'straggler_pts', 'rest_pts'],
                           s['rows']) + ['', f'![scaling]({plot_scaling(s, i, out)})', '']
     return ['## Scaling', '', 'Median train img/s of the runs at each world size; efficiency = speedup / '
-            '(processes / smallest processes).', ''] + lines if lines else []
+            '(processes / smallest processes). The lost points (100 - efficiency %) split as measured by the '
+            'ranks: exposed communication (comm_pts), waiting for a late rank (straggler_pts) and the rest '
+            '(rest_pts: compute slowed by communication sharing the device or the cores, copies, noise); '
+            'each is its seconds per step / the step (step_ms).', ''] + lines if lines else []
 
 
 # --------------------------------------------------------------------------- view: NCCL communication

@@ -201,6 +201,31 @@ def test_sweep_of_gpu_runs_uses_gpu_memory_and_the_gpu_size(runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_scaling_splits_the_lost_efficiency_as_measured(runs, tmp_path):
+    """Hand-made sums in real run folders: one process at 100 ms a step of 8 images (80 img/s); two ranks at
+    125 ms (128 img/s), 10 ms of it exposed transfer, rank 0 waiting 5 ms for rank 1. By hand: efficiency
+    128 / 80 / 2 = 80 %; of the 20 points lost, 10 / 125 = 8 are communication, 5 / 125 = 4 the straggler,
+    and the 8 left the rest."""
+    one, two = tmp_path / 'one', tmp_path / 'two'
+    shutil.copytree(runs['ws1'], one)
+    shutil.copytree(runs['ws2'], two)
+    s1, s2 = summary(one), summary(two)
+    s1['timing'].update(train_throughput=80.0, totals={**s1['timing']['totals'], 'wall_s': 1.0, 'steady_steps': 10})
+    s2['timing'].update(train_throughput=128.0, comm_measured='all-reduce hook')
+    for r in s2['timing']['ranks']:
+        r.update(wall_s=1.25, steady_steps=10, comm_s=0.1, late_s=0.05 if r['rank'] == 0 else 0.0)
+    (one / 'summary.json').write_text(json.dumps(s1))
+    (two / 'summary.json').write_text(json.dumps(s2))
+    [sc] = dlojz_report.scalings(collect_runs([one, two])[0])
+    row = sc['rows'][1]
+    assert row['efficiency'] == pytest.approx(0.8) and row['step_ms'] == pytest.approx(125.0)
+    assert (row['comm_pts'], row['straggler_pts'], row['rest_pts']) == pytest.approx((8.0, 4.0, 8.0))
+    assert sc['rows'][0]['comm_pts'] == 0.0  # one process waits for no one
+    code, out = report(tmp_path / 'rep', one, two)
+    assert code == 0 and '| straggler_pts |' in (out / 'report.md').read_text()
+
+
+@pytest.mark.slow
 def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
     code, out = report(tmp_path, runs['ws1'], runs['ws2'])
     t1 = summary(runs['ws1'])['timing']['train_throughput']
@@ -208,6 +233,9 @@ def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
     [s] = dlojz_report.scalings(collect_runs([runs['ws1'], runs['ws2']])[0])
     assert [r['world_size'] for r in s['rows']] == [1, 2] and [r['global_batch'] for r in s['rows']] == [8, 16]
     assert s['rows'][1]['efficiency'] == pytest.approx(t2 / t1 / 2)
+    two = s['rows'][1]  # the ranks measured their waits: the split adds up to the lost points
+    assert two['comm_pts'] is not None and two['comm_pts'] + two['straggler_pts'] + two['rest_pts'] == \
+        pytest.approx(100 * (1 - two['efficiency']))
     text = (out / 'report.md').read_text()
     assert code == 0 and '## Scaling' in text and 'scaling-1.png' in check_figures(out)
     assert '## Diff' in text and '| run | world_size | 1 | 2 |' in text
