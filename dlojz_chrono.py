@@ -368,7 +368,7 @@ class Chronometer:
                'clock': ('host+sync' if self.sync else 'cuda-events') if self.cuda else 'host',
                'first_steps': self.steps[:self.warmup],
                'stats': st, 'totals': tot,
-               'per_step': {k: [r.get(k) for r in self.steps] for k in ['step', 'compute', *PHASES, 'exposed']
+               'per_step': {k: [r.get(k) for r in self.steps] for k in ['step', 'compute', *PHASES, 'exposed', 'images']
                             if any(k in r for r in self.steps)}}
         total, busy = tot['wall_s'], tot['busy_s']
         if steady and total > 0:

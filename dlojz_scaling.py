@@ -21,13 +21,21 @@ The model (docs/scaling.md says it in prose):
   The inter-node term is the least any all-reduce must move through a node's network links (each node
   sends and receives 2 (k-1)/k of the buffer), which is what NCCL's rings over several NICs get close to
   for large buffers; a flat ring would be limited the same way by its node-crossing hops.
-* Step at N: t_step + max(0, end of the last all-reduce - end of the backward): only the communication the
-  backward cannot hide is added (at least the last bucket's). img/s = N x batch / step(N); efficiency =
-  t_step / step(N).
+* Stragglers: every step waits for the slowest of the N ranks. With the reference run's measured steady
+  step times as the distribution of one rank's step, a step at N lasts on average the expected maximum of
+  N independent draws from it (exact for the empirical distribution: expected_max); the straggler term is
+  that minus the mean step. A steady run whose steps vary by 1 % loses little; a loader that delivers in
+  bursts loses more with every rank added.
+* Step at N: t_step + straggler(N) + max(0, end of the last all-reduce - end of the backward): only the
+  communication the backward cannot hide is added (at least the last bucket's). img/s = N x batch /
+  step(N); efficiency = t_step / step(N); each term's share of step(N) is what it costs in points.
+* Checked against what was measured: given runs at some world sizes (--measured), their exposed
+  communication per step (dlojz_comm, the transfer every rank waited for) is set beside the model's, which
+  tests the overlap the model assumes, and their img/s beside the forecast.
 * Left out, so the forecast is an upper bound: compute slowed by communication kernels or threads sharing
-  the device (NCCL uses SMs; gloo uses CPU threads), stragglers and data-loader limits at scale, DDP's own
-  per-bucket copies, CPU oversubscription (more ranks than cores), topology effects (a ring through a slow
-  PCIe hop).
+  the device (NCCL uses SMs; gloo uses CPU threads), data-loader limits at scale, DDP's own per-bucket
+  copies and buffer broadcast, CPU oversubscription (more ranks than cores), topology effects (a ring
+  through a slow PCIe hop).
 
 Pure functions (no torch import at module level): the probe imports torch.distributed when it runs.
 """
@@ -109,21 +117,33 @@ def exposed_comm_s(sizes, backward_s, comm_s):
     return max(0.0, end - backward_s)
 
 
+def expected_max(samples, n):
+    """Expected maximum of n independent draws from the empirical distribution of `samples`: with the
+    samples sorted, the i-th of m is the maximum with probability (i/m)^n - ((i-1)/m)^n."""
+    xs, m = sorted(samples), len(samples)
+    return sum(x * ((i / m) ** n - ((i - 1) / m) ** n) for i, x in enumerate(xs, 1))
+
+
 def forecast(step_s, backward_s, batch_per_device, grad_bytes, link, gpus=(1, 2, 4, 8),
-             bucket_cap_mb=25.0, first_bucket_bytes=FIRST_BUCKET_BYTES):
-    """-> one dict per GPU count: gpus, nodes, comm_s (all-reduce time, hidden or not), exposed_s, step_s,
-    images_per_s (all ranks), efficiency (vs linear from one device)."""
+             bucket_cap_mb=25.0, first_bucket_bytes=FIRST_BUCKET_BYTES, step_samples=None):
+    """-> one dict per GPU count: gpus, nodes, comm_s (all-reduce time, hidden or not), exposed_s,
+    straggler_s (the wait for the slowest rank, from step_samples: one rank's measured steady step times),
+    step_s, images_per_s (all ranks), efficiency (vs linear from one device), comm_pts and straggler_pts
+    (what each term costs, in points of efficiency)."""
     if not 0 <= backward_s <= step_s:
         raise ValueError(f'the backward ({backward_s:.4g} s) must lie inside the step ({step_s:.4g} s).')
     sizes = bucket_sizes(grad_bytes, bucket_cap_mb, first_bucket_bytes)
+    mean = statistics.fmean(step_samples) if step_samples else None
     rows = []
     for n in gpus:
         comm = lambda b, n=n: allreduce_s(b, n, link)
         exposed = exposed_comm_s(sizes, backward_s, comm)
-        step = step_s + exposed
+        straggler = expected_max(step_samples, n) - mean if step_samples else 0.0
+        step = step_s + straggler + exposed
         rows.append({'gpus': n, 'nodes': layout(n, link.ranks_per_node)[0], 'comm_s': sum(map(comm, sizes)),
-                     'exposed_s': exposed, 'step_s': step, 'images_per_s': n * batch_per_device / step,
-                     'efficiency': step_s / step})
+                     'exposed_s': exposed, 'straggler_s': straggler, 'step_s': step,
+                     'images_per_s': n * batch_per_device / step, 'efficiency': step_s / step,
+                     'comm_pts': 100 * exposed / step, 'straggler_pts': 100 * straggler / step})
     return rows
 
 
@@ -133,8 +153,8 @@ def inputs_from_summary(summary):
     """The forecast's inputs from a dlojz summary.json of a one-rank run -> dict(step_s, backward_s,
     batch_per_device, grad_bytes, bucket_cap_mb). Reads: world_size, global_batch,
     timing.steady_images_per_s (images / steady time: a sum, not a median), timing.stats.backward.mean,
-    communication.gradient_bytes_per_step (written under a launcher, world size 1 included) and
-    config.bucket_cap_mb."""
+    communication.gradient_bytes_per_step (written under a launcher, world size 1 included),
+    config.bucket_cap_mb, and the steady steps' times (timing.per_step: after the warm-up, full batches)."""
     if summary.get('world_size', 1) != 1:
         raise ValueError(f"the forecast starts from a one-device run; this one had {summary['world_size']} ranks "
                          '(its steps already hold communication).')
@@ -149,9 +169,26 @@ def inputs_from_summary(summary):
         raise ValueError('the run has no gradient size: run the one-device reference under torchrun or srun '
                          '(world size 1) so that summary.json has its "communication" block.')
     batch = summary['global_batch']
+    per_step = t.get('per_step') or {}
+    steps, images = per_step.get('step') or [], per_step.get('images') or []
+    full = max((i for i in images if i), default=None)
+    samples = [s for k, (s, i) in enumerate(zip(steps, images)) if k >= t.get('warmup_steps', 1) and i == full
+               and s is not None]
     return {'step_s': batch / rate, 'backward_s': backward, 'batch_per_device': batch,
             'grad_bytes': comm['gradient_bytes_per_step'],
-            'bucket_cap_mb': summary.get('config', {}).get('bucket_cap_mb', 25.0)}
+            'bucket_cap_mb': summary.get('config', {}).get('bucket_cap_mb', 25.0),
+            'step_samples': samples if len(samples) >= 2 else None}
+
+
+def measured_from_summary(summary):
+    """What a multi-rank dlojz run measured -> dict(gpus, images_per_s, exposed_s: the transfer every rank
+    waited for per step, late_s: the most any rank waited for a late one per step; None where not measured)."""
+    t = summary.get('timing') or {}
+    ranks = [r for r in t.get('ranks') or [] if r.get('steady_steps')]
+    hooked = t.get('comm_measured') == 'all-reduce hook' and ranks
+    return {'gpus': summary.get('world_size', 1), 'images_per_s': t.get('steady_images_per_s'),
+            'exposed_s': statistics.fmean(r['comm_s'] / r['steady_steps'] for r in ranks) if hooked else None,
+            'late_s': max(r['late_s'] / r['steady_steps'] for r in ranks) if hooked else None}
 
 
 def machine_link(machine):
@@ -212,16 +249,21 @@ def fit_ring(points, ranks):
 # ------------------------------------------------------------------------------------------ output
 
 def table(rows, measured=None):
-    """Text table of forecast rows; measured: {gpus: images/s} adds a measured column and the error."""
-    head = f"{'GPUs':>5} {'nodes':>5} {'all-reduce ms':>13} {'exposed ms':>10} {'step ms':>8} {'img/s':>10} " \
-           f"{'efficiency':>10}" + (f" {'measured':>10} {'error':>7}" if measured else '')
+    """Text table of forecast rows; measured: {gpus: measured_from_summary(...)} adds the measured img/s,
+    efficiency points and exposed communication beside the model's."""
+    head = f"{'GPUs':>5} {'nodes':>5} {'all-reduce ms':>13} {'exposed ms':>10} {'straggler ms':>12} {'step ms':>8} " \
+           f"{'img/s':>10} {'efficiency':>10} {'comm pts':>8} {'strag pts':>9}" + \
+           (f" {'measured':>10} {'error':>7} {'meas. exposed ms':>16} {'meas. late ms':>13}" if measured else '')
     lines = [head]
     for r in rows:
         line = f"{r['gpus']:>5} {r['nodes']:>5} {r['comm_s'] * 1e3:>13.2f} {r['exposed_s'] * 1e3:>10.2f} " \
-               f"{r['step_s'] * 1e3:>8.1f} {r['images_per_s']:>10.1f} {r['efficiency']:>10.1%}"
-        if measured and r['gpus'] in measured:
-            m = measured[r['gpus']]
-            line += f" {m:>10.1f} {r['images_per_s'] / m - 1:>+7.1%}"
+               f"{r['straggler_s'] * 1e3:>12.2f} {r['step_s'] * 1e3:>8.1f} {r['images_per_s']:>10.1f} " \
+               f"{r['efficiency']:>10.1%} {r['comm_pts']:>8.1f} {r['straggler_pts']:>9.1f}"
+        m = (measured or {}).get(r['gpus'])
+        if m and m['images_per_s']:
+            ms = lambda v: f"{v * 1e3:.2f}" if v is not None else '-'  # noqa: E731
+            line += f" {m['images_per_s']:>10.1f} {r['images_per_s'] / m['images_per_s'] - 1:>+7.1%} " \
+                    f"{ms(m['exposed_s']):>16} {ms(m['late_s']):>13}"
         lines.append(line)
     return lines
 
@@ -249,6 +291,9 @@ def main(argv=None):
     p.add_argument('--machine', help='interconnect from dlojz_slurm.MACHINES (a100, h100, v100, generic)')
     p.add_argument('--link', help='interconnect from a --probe json (one node: ring bandwidth and latency)')
     p.add_argument('--gpus', default='1,2,4,8', help='GPU (rank) counts, comma separated')
+    p.add_argument('--measured', nargs='*', default=[], metavar='SUMMARY',
+                   help='summary.json of runs at other world sizes: their img/s and exposed communication beside '
+                        'the forecast')
     p.add_argument('--probe', metavar='JSON', help='run the all-reduce probe on this torchrun group (gloo) and '
                    'write its points and fit')
     a = p.parse_args(argv)
@@ -266,14 +311,22 @@ def main(argv=None):
             with open(a.link) as f:
                 probe = json.load(f)
             link = Link(probe['bandwidth'], probe['latency'], source=a.link)
-        gpus = [int(g) for g in a.gpus.split(',')]
+        measured = {}
+        for path in a.measured:
+            with open(path) as f:
+                m = measured_from_summary(json.load(f))
+            measured[m['gpus']] = m
+        gpus = sorted({int(g) for g in a.gpus.split(',')} | set(measured))
         rows = forecast(link=link, gpus=gpus, **x)
     except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
         print(f'dlojz_scaling: error: {e}', file=sys.stderr)
         return 2
+    spread = (f", {len(x['step_samples'])} steady steps (p90/median "
+              f"{sorted(x['step_samples'])[int(0.9 * (len(x['step_samples']) - 1))] / statistics.median(x['step_samples']):.3f})"
+              if x['step_samples'] else ', no per-step times: no straggler term')
     print(f"one device: step {x['step_s'] * 1e3:.1f} ms, backward {x['backward_s'] * 1e3:.1f} ms, "
-          f"batch {x['batch_per_device']}, gradients {x['grad_bytes'] / 2**20:.1f} MiB; link {asdict(link)}")
-    print('\n'.join(table(rows)))
+          f"batch {x['batch_per_device']}, gradients {x['grad_bytes'] / 2**20:.1f} MiB{spread}; link {asdict(link)}")
+    print('\n'.join(table(rows, measured)))
     return 0
 
 

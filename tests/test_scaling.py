@@ -63,14 +63,33 @@ def test_forecast_rows_by_hand():
     # each all-reduce moves 2*1/2*1 MiB / 1 MiB/s = 1 s. Ready at 0.25 and 0.5: sent 0.25..1.25, 1.25..2.25
     link = S.Link(intra_bw=MiB, intra_lat=0.0)
     rows = S.forecast(1.0, 0.5, 32, 2 * MiB, link, gpus=(1, 2), bucket_cap_mb=1)
-    assert rows[0] == {'gpus': 1, 'nodes': 1, 'comm_s': 0.0, 'exposed_s': 0.0, 'step_s': 1.0,
-                       'images_per_s': 32.0, 'efficiency': 1.0}
+    assert rows[0] == {'gpus': 1, 'nodes': 1, 'comm_s': 0.0, 'exposed_s': 0.0, 'straggler_s': 0.0, 'step_s': 1.0,
+                       'images_per_s': 32.0, 'efficiency': 1.0, 'comm_pts': 0.0, 'straggler_pts': 0.0}
     two = rows[1]
     assert two['comm_s'] == pytest.approx(2.0) and two['exposed_s'] == pytest.approx(1.75)
     assert two['step_s'] == pytest.approx(2.75)
     assert two['images_per_s'] == pytest.approx(64 / 2.75) and two['efficiency'] == pytest.approx(1 / 2.75)
     with pytest.raises(ValueError, match='inside the step'):
         S.forecast(1.0, 1.5, 32, MiB, link)
+
+
+def test_expected_max_by_hand():
+    # two equally likely values 1 and 3: the max of 2 draws is 1 only if both are 1 (1/4): 1/4 + 3 * 3/4
+    assert S.expected_max([3.0, 1.0], 2) == pytest.approx(2.5)
+    assert S.expected_max([3.0, 1.0], 1) == pytest.approx(2.0)  # one draw: the mean
+    assert S.expected_max([1.0, 2.0, 3.0, 4.0], 3) == pytest.approx(
+        (1 * 1 + 2 * (8 - 1) + 3 * (27 - 8) + 4 * (64 - 27)) / 64)
+    assert S.expected_max([0.5] * 7, 32) == pytest.approx(0.5)  # no spread, no straggler
+
+
+def test_stragglers_are_added_from_the_measured_steps():
+    # steps of 1 s and 3 s alike (mean 2 s), no communication: at 2 ranks a step waits for the slower of
+    # two: 2.5 s, 0.5 s of straggler; 20 % of the step, efficiency 2 / 2.5
+    link = S.Link(intra_bw=1e30, intra_lat=0.0)
+    [one, two] = S.forecast(2.0, 1.0, 8, 4.0, link, gpus=(1, 2), step_samples=[1.0, 3.0])
+    assert one['straggler_s'] == pytest.approx(0.0)
+    assert two['straggler_s'] == pytest.approx(0.5) and two['step_s'] == pytest.approx(2.5)
+    assert two['straggler_pts'] == pytest.approx(20.0) and two['efficiency'] == pytest.approx(0.8)
 
 
 def test_a100_profile_resnet152_by_hand():
@@ -113,11 +132,25 @@ def summary(world_size=1, **timing):
 def test_inputs_from_summary():
     x = S.inputs_from_summary(summary())
     assert x == {'step_s': 0.1, 'backward_s': 0.05, 'batch_per_device': 8, 'grad_bytes': 4000,
-                 'bucket_cap_mb': 25.0}
+                 'bucket_cap_mb': 25.0, 'step_samples': None}
+    # the steady steps: after the warm-up, full batches only (an epoch's last batch of 3 is left out)
+    per = {'step': [9.0, 0.1, 0.12, 0.05, 0.11], 'images': [8, 8, 8, 3, 8]}
+    x = S.inputs_from_summary(summary(per_step=per, warmup_steps=1))
+    assert x['step_samples'] == [0.1, 0.12, 0.11]
     with pytest.raises(ValueError, match='one-device run'):
         S.inputs_from_summary(summary(world_size=2))
     with pytest.raises(ValueError, match='phase timing'):
         S.inputs_from_summary(summary(stats={}))
+
+
+def test_measured_from_summary():
+    ranks = [{'rank': 0, 'steady_steps': 10, 'comm_s': 0.2, 'late_s': 0.5},
+             {'rank': 1, 'steady_steps': 10, 'comm_s': 0.2, 'late_s': 0.0}]
+    m = S.measured_from_summary({'world_size': 2, 'timing': {'steady_images_per_s': 50.0, 'ranks': ranks,
+                                                             'comm_measured': 'all-reduce hook'}})
+    assert m == {'gpus': 2, 'images_per_s': 50.0, 'exposed_s': pytest.approx(0.02), 'late_s': pytest.approx(0.05)}
+    m = S.measured_from_summary({'world_size': 2, 'timing': {'steady_images_per_s': 50.0}})
+    assert m['exposed_s'] is None and m['late_s'] is None
 
 
 def test_cli_error_is_one_sentence(tmp_path):
@@ -131,6 +164,12 @@ def test_cli_error_is_one_sentence(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_scaling.py'), '--summary', str(path),
                         '--machine', 'a100', '--gpus', '1,8,16'], capture_output=True, text=True)
     assert r.returncode == 0 and len(r.stdout.splitlines()) == 5
+    two = tmp_path / 'two.json'
+    two.write_text(json.dumps({'world_size': 2, 'timing': {'steady_images_per_s': 150.0}}))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_scaling.py'), '--summary', str(path),
+                        '--machine', 'a100', '--gpus', '1,8', '--measured', str(two)], capture_output=True, text=True)
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 5, r.stderr  # 1, 2 (measured) and 8 GPUs
+    assert 'measured' in r.stdout.splitlines()[1] and '150.0' in r.stdout.splitlines()[3]
 
 
 @pytest.mark.slow
