@@ -334,7 +334,7 @@ HELP_COLUMNS = ('load_ms: mean data wait + host-to-device copy per step; compute
                 'device time of the step\'s work; CPU: step without the data wait); step_ms: median step; '
                 'train_img_s = images / total time of the steady steps; gpu_img_s = global batch / device work per '
                 'step (clean spans, docs/chronometer.md); busy_pct: device busy time / step time over the steady '
-                'steps; bound: compute, loader, host or communication; host_mem_gib: peak RSS (VmHWM) of rank 0; gpu_mem_gib: max allocated (any '
+                'steps; bound: compute, loader, host, communication or straggler; host_mem_gib: peak RSS (VmHWM) of rank 0; gpu_mem_gib: max allocated (any '
                 'rank); j_per_img: GPU energy per image (all ranks); top1: last validation.')
 
 

@@ -187,7 +187,7 @@ def final_lines(summary, chrono, steps_per_epoch):
         device = 'GPU' if t['clock'] == 'cuda-events' else 'compute'
         comm, why = '', ''
         if t.get('bound_all_ranks'):
-            comm = (f", exposed all-reduce {t['comm_share']:.0%}, waiting for a late rank "
+            comm = (f", exposed communication {t['comm_share']:.0%}, waiting for a late rank "
                     f"{t['straggler_share']:.0%}")
             if t['bound'] == 'communication' and t.get('achieved_bytes_per_s'):
                 why = (f"; {t['gradient_bytes_per_step'] / 2**20:.1f} MiB per step, "
