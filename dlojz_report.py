@@ -232,7 +232,8 @@ METRICS = ['load_ms', 'compute_ms', 'step_ms', 'train_img_s', 'gpu_img_s', 'busy
 HIGHER_IS_BETTER = {'train_img_s', 'gpu_img_s', 'top1'}  # sorted best first: these descending, others ascending
 
 
-FORMATS = {'top1': '.4f', 'top1_before': '.4f', 'top1_after': '.4f', 'loss_before': '.4f', 'loss_after': '.4f',
+FORMATS = {'comm_pts': '.1f', 'straggler_pts': '.1f', 'rest_pts': '.1f', 'step_ms': '.1f',
+           'top1': '.4f', 'top1_before': '.4f', 'top1_after': '.4f', 'loss_before': '.4f', 'loss_after': '.4f',
            'speedup': '.2f', 'efficiency': '.1%', 'j_per_img': '.3f', 'host_mem_gib': '.2f', 'gpu_mem_gib': '.2f',
            'mem_gib': '.3f', 'max_diff': '.3g'}
 
@@ -673,8 +674,8 @@ def scalings(runs):
     Each world size's lost efficiency (1 - efficiency, in points) is split, from the runs' measured sums,
     into: exposed communication (comm_pts), waiting for a late rank (straggler_pts), and the rest (rest_pts:
     compute slowed by communication kernels or threads sharing the device or the cores, DDP's copies, noise),
-    each term = its seconds per step / the step at that world size; the terms add up to the loss because the
-    rest is what the measured terms leave of it. The step at the smallest world size is the reference."""
+    each term = its seconds per step above the smallest world size's / the step at that world size; the
+    terms add up to the loss because the rest is what the measured terms leave of it."""
     out = []
     for g in group_runs(runs, {'lr'}):
         by_ws = {}
@@ -686,8 +687,11 @@ def scalings(runs):
             continue
         base_ws = min(by_ws)
         base = statistics.median(i for i, _ in by_ws[base_ws])
-        base_steps = [t[0] for _, t in by_ws[base_ws] if t[0]]
-        base_step = statistics.median(base_steps) if base_steps else None
+        base_terms = [t for _, t in by_ws[base_ws] if t[0] and t[1] is not None]
+        # the smallest world size is the reference: what it already waited (a launcher's world of one still
+        # all-reduces with itself) is not a loss of the larger ones
+        base_step, base_comm, base_late = (statistics.median(t[k] for t in base_terms) for k in range(3)) \
+            if base_terms else (None, 0.0, 0.0)
         rows = []
         for ws, v in sorted(by_ws.items()):
             img_s = statistics.median(i for i, _ in v)
@@ -698,7 +702,8 @@ def scalings(runs):
             if terms and base_step:
                 step, comm, late = (statistics.median(t[k] for t in terms) for k in range(3))
                 loss = 100 * (1 - row['efficiency'])
-                row.update(step_ms=step * 1e3, comm_pts=100 * comm / step, straggler_pts=100 * late / step)
+                row.update(step_ms=step * 1e3, comm_pts=100 * (comm - base_comm) / step,
+                           straggler_pts=100 * (late - base_late) / step)
                 row['rest_pts'] = loss - row['comm_pts'] - row['straggler_pts']
             rows.append(row)
         out.append({'label': label(g[0]) + f', {g[0].batch_size} images per process', 'rows': rows})
