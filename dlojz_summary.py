@@ -131,12 +131,12 @@ def ranks_summary(ranks):
         # communication; a rank late every step is a straggler
         for r in ranks:  # in collectives: the gradient all-reduce after the backward pass, the buffers before
             r['collective_s'] = r['exposed_s'] + r.get('buffers_s', 0.0)
-        late_rank = min(measured, key=lambda r: (r['collective_s'], r['rank']))
+        last_in = min(measured, key=lambda r: (r['collective_s'], r['rank']))
         for r in ranks:
-            r['comm_s'] = late_rank['collective_s']
+            r['comm_s'] = last_in['collective_s']
             r['late_s'] = r['collective_s'] - r['comm_s']
-        volume = late_rank['comm_bytes'] / late_rank['comm_steps']
-        link = late_rank['link_s'] / late_rank['comm_steps']
+        volume = last_in['comm_bytes'] / last_in['comm_steps']
+        link = last_in['link_s'] / last_in['comm_steps']
         res.update(comm_measured='all-reduce hook', gradient_bytes_per_step=volume, link_s_per_step=link,
                    achieved_bytes_per_s=volume / link if link > 0 else None)
     else:
@@ -153,8 +153,8 @@ def ranks_summary(ranks):
     wall, busy, data, comm, late, excess = (sum(r[k] for r in measured) for k in
                                              ('wall_s', 'busy_s', 'data_s', 'comm_s', 'late_s', 'data_excess_s'))
     res.update(bound=verdict(wall, busy, data, comm, late, excess), bound_all_ranks=True,
-               device_busy_all_ranks=busy / wall, data_share_all_ranks=data / wall, comm_share=comm / wall, late_share=late / wall,
-               straggler_share=(late + excess) / wall,
+               device_busy_all_ranks=busy / wall, data_share_all_ranks=data / wall, comm_share=comm / wall,
+               late_share=late / wall, straggler_share=(late + excess) / wall,
                # waiting for peers or the network is waiting: the headroom leaves it out
                compute_headroom_all_ranks=wall / (busy - comm - late) if busy > comm + late else None)
     if late + excess > 0:
