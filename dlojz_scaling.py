@@ -323,7 +323,8 @@ def main(argv=None):
         return 2
     steps = sorted(x['step_samples'] or [])
     p90 = steps[int(0.9 * (len(steps) - 1))] / statistics.median(steps) if steps else None
-    spread = f", {len(steps)} steady steps (p90/median {p90:.3f})" if steps else ', no per-step times: no straggler term'
+    spread = f", {len(steps)} steady steps (p90/median {p90:.3f})" if steps else \
+        ', no per-step times: no straggler term'
     print(f"one device: step {x['step_s'] * 1e3:.1f} ms, backward {x['backward_s'] * 1e3:.1f} ms, "
           f"batch {x['batch_per_device']}, gradients {x['grad_bytes'] / 2**20:.1f} MiB{spread}; link {asdict(link)}")
     print('\n'.join(table(rows, measured)))
