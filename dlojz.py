@@ -425,9 +425,9 @@ def evaluate(run, epoch, progress, max_batches=None, ema=False):
         for x, labels in itertools.islice(run.data.val_loader, max_batches):
             x, labels = to_device(x, labels, run)
             with run.autocast:
-                output = model(x)
-                # plain cross-entropy, as timm's validation; the training criterion's value as criterion_loss
-                meters.update(nn.functional.cross_entropy(output, labels), output, labels, run.criterion(output, labels))
+                output = model(x)  # loss: plain cross-entropy (timm's); criterion_loss: the training criterion's
+                meters.update(nn.functional.cross_entropy(output, labels), output, labels,
+                              run.criterion(output, labels))
             batches += 1
             failpoints.after_val_batch()
         # compute() is a collective; inside the timed block so that waiting for slower ranks counts

@@ -346,6 +346,7 @@ class Chronometer:
             res.update(comm_steps=len(timed), exposed_s=sum(r['exposed'] for r in timed),
                        link_s=sum(r['link'] for r in timed), comm_bytes=sum(r['comm_bytes'] for r in timed),
                        buffers_s=sum(r['buffers'] for r in timed))
+            res['collective_s'] = res['exposed_s'] + res['buffers_s']  # waiting in collectives, for any reason
         clean = [r for r in steady if r.get('clean')]
         measured, source = (clean, 'clean') if clean else (steady, 'spans')
         if not measured:
@@ -378,10 +379,9 @@ class Chronometer:
             res['gpu_step_source'] = tot['gpu_step_source']
             res['device_busy'] = busy / total
             res['data_share'] = tot['data_s'] / total
-            waits = tot.get('exposed_s', 0.0) + tot.get('buffers_s', 0.0)  # in collectives
-            res['bound'] = verdict(total, busy, tot['data_s'], waits)
-            if 'exposed_s' in tot:
-                res['exposed_share'] = waits / total
+            res['bound'] = verdict(total, busy, tot['data_s'], tot.get('collective_s', 0.0))
+            if 'collective_s' in tot:
+                res['exposed_share'] = tot['collective_s'] / total
                 res['buffers_timed'] = self.comm.buffers_timed  # False: --no-broadcast-buffers, or no hook
             res['compute_headroom'] = total / busy if busy else None  # speed-up if nothing waited
             spans = sum(r['compute'] for r in steady)

@@ -16,10 +16,10 @@ Per step, from its buckets' stamps (seconds):
   with --broadcast-buffers (its default): a collective too, where an early rank waits for a late one. It is
   timed around DDP's _sync_buffers (a private method, there from torch 1.11 to 2.14 at least; when it is
   missing the buffers are not timed and summary.json says so).
-All three include waiting for a peer that arrives late. The late rank does not wait for anyone, so across ranks,
-at the end of the run (dlojz_summary.ranks_summary), the smallest exposed time of a step is its transfer
-and each rank's excess over it is straggler wait. Only durations measured on one rank's own clock are
-compared, never clock readings of two hosts.
+All three include waiting for a peer that arrives late. The late rank does not wait for anyone, so across
+ranks, at the end of the run (dlojz_summary.ranks_summary), the smallest time in collectives over the run
+(exposed + buffers, summed) is the transfer and each rank's excess over it is waiting for a late rank. Only
+durations measured on one rank's own clock are compared, never clock readings of two hosts.
 
 On the host clock the stamps are time.perf_counter() (gloo's callback runs in gloo's thread when the
 all-reduce is done). On a GPU they are CUDA events: the ready event is recorded on the stream that ran the

@@ -221,7 +221,8 @@ def setup(dist, device, timeout_min=None, share_gpu=False):
 
 
 # torch's C++ log lines (c10's '[E1125 01:40:35.694 TCPStore.cpp:328] ...') and the frame dumps under them
-CPP_LOG = re.compile(rb'^(\[[EWIF]\d{4} \d\d:\d\d:\d\d\.\d+ |Exception raised from |frame #\d+: |<omitting python frames>|$)')
+CPP_LOG = re.compile(rb'^(\[[EWIF]\d{4} \d\d:\d\d:\d\d\.\d+ |Exception raised from |frame #\d+: '
+                     rb'|<omitting python frames>|$)')
 
 
 @contextmanager

@@ -15,8 +15,8 @@ when this module is imported, and no-ops when it is unset (as etcd's gofail and 
                             a straggler whose cause is outside the code that measures it
 
 docs/development.md lists them beside the tests that use them. The code under test says one word (after_step,
-after_val_batch, train_sample, checkpoint_write, before_flock); with DLOJZ_FAULT unset each is one test of a constant and
-reads no environment, so the training loop pays nothing for them.
+after_val_batch, train_sample, checkpoint_write, before_flock); with DLOJZ_FAULT unset each is one test of a
+constant and reads no environment, so the training loop pays nothing for them.
 """
 import errno
 import os

@@ -32,6 +32,7 @@ from dlojz_chrono import PHASES
 from dlojz_errors import UsageError
 from dlojz_log import SUMMARY_VERSION
 from dlojz_recipe import FINDLR_MIN_STEPS, centered_mean, diverged_at, suggest_lr
+from dlojz_scaling import collective_waits
 
 # Config keys that name places, not what was measured: they always differ between runs.
 PATH_KEYS = {'output_dir', 'cache_dir', 'resume'}
@@ -335,8 +336,9 @@ HELP_COLUMNS = ('load_ms: mean data wait + host-to-device copy per step; compute
                 'device time of the step\'s work; CPU: step without the data wait); step_ms: median step; '
                 'train_img_s = images / total time of the steady steps; gpu_img_s = global batch / device work per '
                 'step (clean spans, docs/chronometer.md); busy_pct: device busy time / step time over the steady '
-                'steps; bound: compute, loader, host, communication or straggler; host_mem_gib: peak RSS (VmHWM) of rank 0; gpu_mem_gib: max allocated (any '
-                'rank); j_per_img: GPU energy per image (all ranks); top1: last validation.')
+                'steps; bound: compute, loader, host, communication or straggler; host_mem_gib: peak RSS (VmHWM) '
+                'of rank 0; gpu_mem_gib: max allocated (any rank); j_per_img: GPU energy per image (all ranks); '
+                'top1: last validation.')
 
 
 def differing_keys(runs):
@@ -646,10 +648,8 @@ def sweep_view(rep):
 # -------------------------------------------------------------------------------------- view: scaling
 
 def step_terms(run):
-    """A run's mean steady step (s, mean over its ranks) and, from what its ranks measured in collectives
-    (dlojz_comm; docs/chronometer.md), the seconds per step of exposed communication (the transfer every rank
-    waits for) and of waiting for a late rank (the rank that waited most: the step is shared, so that wait
-    is what the late rank added to it). None where the run did not measure them."""
+    """A run's mean steady step (s, mean over its ranks) and its ranks' waits per step in collectives
+    (dlojz_scaling.collective_waits: the transfer, the wait for a late rank); None where not measured."""
     t = run.get('timing') or {}
     ranks = [r for r in t.get('ranks') or [] if r.get('steady_steps')]
     if ranks:
@@ -660,11 +660,7 @@ def step_terms(run):
         return None, None, None
     if not ranks:  # one process: nothing to wait for
         return step, 0.0, 0.0
-    if not all('late_s' in r and 'comm_s' in r for r in ranks) or t.get('comm_measured') != 'all-reduce hook':
-        return step, None, None
-    comm = statistics.fmean(r['comm_s'] / r['steady_steps'] for r in ranks)
-    late = max(r['late_s'] / r['steady_steps'] for r in ranks)
-    return step, comm, late
+    return (step, *collective_waits(t))
 
 
 def scalings(runs):

@@ -180,15 +180,23 @@ def inputs_from_summary(summary):
             'step_samples': samples if len(samples) >= 2 else None}
 
 
+def collective_waits(timing):
+    """From a distributed run's summary.json['timing'] -> (seconds per step of the transfer every rank waited
+    for, the most any rank waited per step for a late one: the step is shared, so that wait is what the late
+    rank added to it), or (None, None) where the ranks did not measure them (dlojz_comm; docs/chronometer.md)."""
+    ranks = [r for r in timing.get('ranks') or [] if r.get('steady_steps')]
+    if not ranks or timing.get('comm_measured') != 'all-reduce hook':
+        return None, None
+    return (statistics.fmean(r['comm_s'] / r['steady_steps'] for r in ranks),
+            max(r['late_s'] / r['steady_steps'] for r in ranks))
+
+
 def measured_from_summary(summary):
-    """What a multi-rank dlojz run measured -> dict(gpus, images_per_s, exposed_s: the transfer every rank
-    waited for per step, late_s: the most any rank waited for a late one per step; None where not measured)."""
+    """What a multi-rank dlojz run measured -> dict(gpus, images_per_s, exposed_s, late_s: collective_waits)."""
     t = summary.get('timing') or {}
-    ranks = [r for r in t.get('ranks') or [] if r.get('steady_steps')]
-    hooked = t.get('comm_measured') == 'all-reduce hook' and ranks
+    exposed, late = collective_waits(t)
     return {'gpus': summary.get('world_size', 1), 'images_per_s': t.get('steady_images_per_s'),
-            'exposed_s': statistics.fmean(r['comm_s'] / r['steady_steps'] for r in ranks) if hooked else None,
-            'late_s': max(r['late_s'] / r['steady_steps'] for r in ranks) if hooked else None}
+            'exposed_s': exposed, 'late_s': late}
 
 
 def machine_link(machine):

@@ -64,8 +64,8 @@ def checkpoint_state(run, progress, device_rng):
             'global_step': progress.global_step, 'global_batch': run.global_batch,
             'args': vars(run.args), 'ema': run.ema.state_dict() if run.ema is not None else None,
             'race': {'best_top1': progress.best_top1, 'reached': progress.reached, 'images': progress.images,
-                     'wall_s': run_wall_s(run), 'process_wall_s': process_wall_s(run), 'val': progress.val, 'val_ema': progress.val_ema,
-                     'train': progress.train},
+                     'wall_s': run_wall_s(run), 'process_wall_s': process_wall_s(run), 'val': progress.val,
+                     'val_ema': progress.val_ema, 'train': progress.train},
             'rng': {'torch': torch.get_rng_state(), 'numpy': np.random.get_state(), 'python': random.getstate(),
                     'device': device_rng}}
 

@@ -129,8 +129,6 @@ def ranks_summary(ranks):
         # the rank that waited least is the one the others waited for: its wait is the transfer alone. Sums
         # over the run, not step by step: ranks that are late by turns (noise) wait alike and read as
         # communication; a rank late every step is a straggler
-        for r in ranks:  # in collectives: the gradient all-reduce after the backward pass, the buffers before
-            r['collective_s'] = r['exposed_s'] + r.get('buffers_s', 0.0)
         last_in = min(measured, key=lambda r: (r['collective_s'], r['rank']))
         for r in ranks:
             r['comm_s'] = last_in['collective_s']

@@ -168,6 +168,7 @@ def report(rank, steps, data, compute, exposed, link=None, grad_bytes=40 * 2**20
     return {'rank': rank, 'step_median_s': step, 'steady_steps': steps, 'wall_s': step * steps,
             'busy_s': compute * steps, 'data_s': data * steps, 'backward_s': None,
             'comm_bytes': grad_bytes * steps, 'comm_steps': steps, 'exposed_s': exposed * steps,
+            'collective_s': exposed * steps,  # as Chronometer.totals() gives it: exposed + buffers (none here)
             'link_s': (link if link is not None else exposed) * steps}
 
 
