@@ -31,6 +31,7 @@ import dlojz_augment
 import dlojz_decode
 import dlojz_failpoints
 import dlojz_shards
+import dlojz_stage
 from dlojz_decode import BadImageError, Blob, source_name
 from dlojz_errors import DataError, writable
 from dlojz_folder import IMG_EXTENSIONS, find_classes, scan_imagefolder  # noqa: F401 (dlojz_data's API too)
@@ -391,6 +392,7 @@ class Data:
     n_val: int = 0
     accum: int = 1  # --accum-steps: micro-batches per optimizer step
     ahead: object = None  # --decode gpu --decode-ahead: the device the batches are decoded on, one batch ahead
+    staging: dict = None  # --stage-dir: what was copied where (dlojz_stage), or why it was not used
 
     @property
     def train_batches(self):
@@ -501,7 +503,9 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
     device: where the training batches go; with --decode gpu --decode-ahead the files' batches are decoded
     there one batch ahead (--fake-data has nothing to decode)."""
     on_ranks = on_ranks or (lambda fn, when=True: fn() if when else None)
-    source = resolve_data_source(args)
+    source, staging = resolve_data_source(args), None
+    if args.stage_dir:
+        source, staging = dlojz_stage.staged_source(source, args.stage_dir, dist.local_rank, on_ranks, log)
     if source.kind == 'fake':
         classes = [str(i) for i in range(args.fake_classes)]
         # Distinct batches per rank (seed + rank); train shares padded like DistributedSampler, val shares exact.
@@ -510,7 +514,7 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
         val_share = len(range(dist.rank, args.fake_val_size, dist.world_size))
         return Data(source, classes, mk(train_share, args.batch_size, args.image_size, args.drop_last),
                     mk(val_share, args.val_batch_size, args.val_image_size, False),
-                    n_train=args.fake_train_size, n_val=args.fake_val_size, accum=args.accum_steps)
+                    n_train=args.fake_train_size, n_val=args.fake_val_size, accum=args.accum_steps, staging=staging)
     if source.kind == 'synthetic':  # one generator per node; the other ranks wait for it
         on_ranks(lambda: ensure_synthetic_dataset(source.root, args.synthetic_classes, args.synthetic_train_per_class,
                                                   args.synthetic_val_per_class, args.synthetic_seed, log=log),
@@ -542,7 +546,8 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
     val_loader = DataLoader(val_set, batch_size=args.val_batch_size, drop_last=False, **loader_kwargs(args),
                             sampler=ShardSampler(len(val_set), dist.rank, dist.world_size))
     return Data(source, classes, train_loader, val_loader, train_set, len(train_set), len(val_set),
-                accum=args.accum_steps, ahead=device if args.decode == 'gpu' and args.decode_ahead else None)
+                accum=args.accum_steps, ahead=device if args.decode == 'gpu' and args.decode_ahead else None,
+                staging=staging)
 
 
 if __name__ == '__main__':

@@ -87,6 +87,8 @@ def data_flags(p):
     g.add_argument('--data-dir', help='ImageNet in ImageFolder layout (DIR/train/<class>/*.JPEG, DIR/val/...); '
                    'default $DLOJZ_DATA_DIR, then $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet (Jean Zay), else the built-in '
                    'synthetic dataset')
+    g.add_argument('--stage-dir', help='copy the shards (dlojz_data.py prepare) to this folder on the node\'s local '
+                   'disk, once per node, and read them there, e.g. $SLURM_TMPDIR; other data are read in place')
     g.add_argument('--cache-dir', default='~/.cache/dlojz', help='where the synthetic dataset is generated, once')
     g.add_argument('--synthetic-classes', type=I, default=10, help='synthetic dataset: number of classes')
     g.add_argument('--synthetic-train-per-class', type=I, default=64, help='synthetic: train images per class')

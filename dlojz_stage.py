@@ -1,0 +1,198 @@
+"""--stage-dir DIR: copy the shards to the node's local disk once per node, then read them there.
+
+A cluster's shared file system serves a whole machine room; a node's local disk ($SLURM_TMPDIR on Alliance
+Canada) serves one job. Alliance Canada's advice for a large dataset is to copy it there at the start of the
+job as a few large files and read it locally; dlojz's shards (`dlojz_data.py prepare`) are those files.
+
+- One process per node copies (local rank 0); the node's other ranks wait for it (dlojz_dist.on_ranks), and a
+  second job on the same node waits on a lock instead of copying the same files beside it.
+- Each file is copied under a temporary name, fsynced, renamed, then entered in a journal with the source's
+  size and mtime; the folder is complete once `.dlojz-staged.json` (written last) lists every file. A copy
+  killed mid-way is never taken for a complete one: its next start keeps the journaled files and copies the
+  rest. A requeued job whose node still holds the complete copy copies nothing.
+- The local disk's free space is checked before the first byte; a disk that fills during the copy gets the
+  same sentence (DiskFull, exit 6) and the unfinished file is removed.
+- Only shards are staged: an ImageFolder tree (a million small files) is what the advice says not to copy.
+  With other data, --stage-dir is noted as not used and the data are read where they are.
+"""
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+
+import dlojz_dist
+import dlojz_shards
+from dlojz_errors import DiskFull, NO_SPACE, UsageError, writable
+
+DONE = '.dlojz-staged.json'      # written last: the copy is complete
+JOURNAL = '.dlojz-staging.jsonl'  # one line per file copied whole
+CHUNK = 16 * 2**20               # bytes per read/write: large sequential I/O on both file systems
+PROGRESS_S = 5.0                 # seconds between progress lines
+
+
+def files_to_copy(src):
+    """The shards folder's files a run reads -> [(name, bytes, mtime_ns)]: the index, the split tables and
+    every shard (prepare's per-shard sidecars are not read by training)."""
+    with open(os.path.join(src, dlojz_shards.INDEX)) as f:
+        index = json.load(f)
+    names = [dlojz_shards.INDEX] + [f'index-{split}.npy' for split in index['splits']] + \
+        [s['name'] for meta in index['splits'].values() for s in meta['shards']]
+    out = []
+    for name in names:
+        try:
+            st = os.stat(os.path.join(src, name))
+        except FileNotFoundError:
+            raise dlojz_shards.incomplete(src, name) from None
+        out.append((name, st.st_size, st.st_mtime_ns))
+    return out
+
+
+def destination(src, stage_dir):
+    """The copy's folder under stage_dir: named after the source, so that two datasets never share one."""
+    src = os.path.realpath(src)
+    return os.path.join(stage_dir, f'dlojz-{os.path.basename(src)}-{hashlib.sha1(src.encode()).hexdigest()[:8]}')
+
+
+def _mb(n):
+    return f'{n / 1e6:,.0f} MB' if n < 1e10 else f'{n / 1e9:,.1f} GB'
+
+
+def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usage):
+    """Copy the shards of src into stage_dir (see the module's docstring) -> the record for summary.json:
+    {'dir', 'host', 'bytes' (of the dataset), 'copied_bytes', 'seconds', 'mb_per_s', 'skipped'}."""
+    writable(stage_dir, '--stage-dir', 'pass a folder on the node\'s local disk that you can write, such as '
+             '$SLURM_TMPDIR')
+    dest = destination(src, stage_dir)
+    os.makedirs(dest, exist_ok=True)
+    files = files_to_copy(src)
+    total = sum(size for _, size, _ in files)
+    record = {'dir': dest, 'host': socket.gethostname(), 'bytes': total, 'copied_bytes': 0, 'seconds': 0.0,
+              'mb_per_s': None, 'skipped': True}
+    with open(os.path.join(dest, '.lock'), 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another job on this node copying the same data: wait for it
+        done = _read_json(os.path.join(dest, DONE))
+        if done == {'source': os.path.realpath(src), 'files': [list(f) for f in files]}:
+            log(f'Staging: {dest} already holds the {len(files)} files of {src} ({_mb(total)}); nothing to copy')
+            return record
+        kept = _journaled(dest, files)
+        todo = [f for f in files if tuple(f) not in kept]
+        need = sum(size for _, size, _ in todo)
+        free = usage(stage_dir).free
+        if need > free:
+            raise DiskFull(f'--stage-dir {stage_dir} has {_mb(free)} free and the shards need {_mb(need)} more; '
+                           f'pass a larger local disk (or ask Slurm for one), or leave --stage-dir out to read '
+                           f'{src} in place.')
+        if os.path.exists(os.path.join(dest, DONE)):
+            os.remove(os.path.join(dest, DONE))  # about to change the folder: it is no longer a complete copy
+        log(f'Staging: copying {len(todo)} files ({_mb(need)}) from {src} to {dest}' +
+            (f'; {len(files) - len(todo)} kept from an earlier, unfinished copy' if kept else ''))
+        t0 = last = clock()
+        copied = 0
+        with open(os.path.join(dest, JOURNAL), 'a') as journal:
+            for name, size, mtime in todo:
+                copied, last = _copy(os.path.join(src, name), os.path.join(dest, name), stage_dir, copied, need,
+                                     t0, clock, log, last, usage)
+                journal.write(json.dumps([name, size, mtime]) + '\n')
+                journal.flush()
+                os.fsync(journal.fileno())
+        seconds = clock() - t0
+        _write_json(os.path.join(dest, DONE), {'source': os.path.realpath(src), 'files': [list(f) for f in files]})
+        rate = copied / seconds / 1e6 if seconds > 0 else None
+        log(f'Staging: {_mb(copied)} copied in {seconds:.1f} s' + (f' ({rate:,.0f} MB/s)' if rate else ''))
+        record.update(copied_bytes=copied, seconds=round(seconds, 3), mb_per_s=rate and round(rate, 1),
+                      skipped=False)
+        return record
+
+
+def _copy(src, dst, stage_dir, copied, need, t0, clock, log, last, usage):
+    """One file, under a temporary name, fsynced then renamed -> (bytes copied so far, last progress time)."""
+    tmp = dst + '.part'
+    try:
+        with open(src, 'rb') as fin, open(tmp, 'wb') as fout:
+            while True:
+                buf = fin.read(CHUNK)
+                if not buf:
+                    break
+                fout.write(buf)
+                copied += len(buf)
+                now = clock()
+                if now - last >= PROGRESS_S:
+                    rate = copied / max(now - t0, 1e-9)
+                    log(f'Staging: {_mb(copied)} of {_mb(need)}, {rate / 1e6:,.0f} MB/s, '
+                        f'{(need - copied) / rate:.0f} s left')
+                    last = now
+            fout.flush()
+            os.fsync(fout.fileno())
+        os.replace(tmp, dst)
+    except OSError as e:
+        try:
+            os.remove(tmp)  # the local disk is the job's: give its space back
+        except OSError:
+            pass
+        if e.errno in NO_SPACE:
+            free = usage(stage_dir).free
+            raise DiskFull(f'--stage-dir {stage_dir} filled during the copy ({_mb(copied)} of {_mb(need)} copied, '
+                           f'{_mb(free)} free); pass a larger local disk (or ask Slurm for one), or leave '
+                           f'--stage-dir out to read the shards in place.') from None
+        raise
+    return copied, last
+
+
+def _journaled(dest, files):
+    """The files an earlier copy finished: journaled with the source's size and mtime, and present at that
+    size (a source prepared again, or a file removed since, is copied again)."""
+    wanted = {tuple(f) for f in files}
+    kept = set()
+    try:
+        with open(os.path.join(dest, JOURNAL)) as f:
+            for line in f:
+                try:
+                    entry = tuple(json.loads(line))
+                except ValueError:
+                    continue  # a line cut by a kill: its file is copied again
+                if entry in wanted and os.path.isfile(os.path.join(dest, entry[0])) and \
+                        os.path.getsize(os.path.join(dest, entry[0])) == entry[1]:
+                    kept.add(entry)
+    except FileNotFoundError:
+        pass
+    return kept
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path, obj):
+    with open(path + '.tmp', 'w') as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + '.tmp', path)
+
+
+def staged_source(source, stage_dir, local_rank, on_ranks, log=print):
+    """-> (the DataSource to read, the staging record or the reason it was not used). Every rank of a node
+    reads the copy its local rank 0 made."""
+    if source.kind != 'shards':
+        why = (f'--stage-dir {stage_dir} not used: the data are {source.kind}' +
+               (f' ({source.root})' if source.root else '') + '; only shards (`python dlojz_data.py prepare`) '
+               'are copied to the local disk, and these are read where they are')
+        log(f'Note: {why}.')
+        return source, {'asked': stage_dir, 'used': False, 'reason': why}
+    if os.path.realpath(stage_dir).startswith(os.path.realpath(source.root) + os.sep):
+        raise UsageError(f'--stage-dir {stage_dir} is inside the shards folder {source.root}; pass a folder on the '
+                         f'node\'s local disk, such as $SLURM_TMPDIR.')
+    record = on_ranks(lambda: stage(source.root, stage_dir, log), when=local_rank == 0)
+    nodes = [r for r in dlojz_dist.all_gather_object(record) if r]  # one per node, its local rank 0's
+    dest = destination(source.root, stage_dir)
+    staged = type(source)('shards', dest, f'{source.reason}, staged to --stage-dir {stage_dir}')
+    return staged, {'asked': stage_dir, 'used': True, 'from': source.root, 'dir': dest,
+                    'bytes': nodes[0]['bytes'], 'copied_bytes': sum(r['copied_bytes'] for r in nodes),
+                    'seconds': max(r['seconds'] for r in nodes), 'nodes': nodes}
