@@ -127,7 +127,9 @@ def get_dist_info(environ=os.environ):
         # A port from the job id keeps two jobs sharing a node from colliding (range 20000-39999).
         port = 20000 + int(job_id) % 20000 if job_id.isdigit() else 29500
         return DistInfo(rank=rank, local_rank=local_rank, world_size=world, local_world_size=lws,
-                        master_addr=nodes[0] if nodes else '127.0.0.1', master_port=port, nodes=nodes,
+                        # a site's suffix picks the node's fast interface (JSC: <node>i, the InfiniBand name)
+                        master_addr=nodes[0] + environ.get('DLOJZ_MASTER_SUFFIX', '') if nodes else '127.0.0.1',
+                        master_port=port, nodes=nodes,
                         launcher='slurm', job_id=job_id)
     return DistInfo(job_id=job_id)
 

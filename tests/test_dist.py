@@ -51,6 +51,8 @@ def test_srun_task():
     assert d.master_addr == 'jz001' and d.nodes == ('jz001', 'jz002') and d.num_nodes == 2
     assert d.master_port == 20000 + 123456 % 20000
     assert get_dist_info({**SRUN, 'SLURM_JOB_ID': '123457'}).master_port != d.master_port
+    # JSC: the master address is the first node's InfiniBand name, <node>i; the site's script sets the suffix
+    assert get_dist_info({**SRUN, 'DLOJZ_MASTER_SUFFIX': 'i'}).master_addr == 'jz001i'
     # heterogeneous node: the third node runs 3 tasks
     d = get_dist_info({**SRUN, 'SLURM_STEP_TASKS_PER_NODE': '4(x2),3', 'SLURM_STEP_NUM_TASKS': '11',
                        'SLURM_PROCID': '9', 'SLURM_NODEID': '2', 'SLURM_STEP_NODELIST': 'jz[001-003]'})
