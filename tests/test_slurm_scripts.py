@@ -13,24 +13,33 @@ import dlojz_slurm as S
 from conftest import ROOT
 
 
-@pytest.mark.parametrize('machine,gpus', S.SHIPPED)
-def test_shipped_script_is_the_generator_output(machine, gpus):
-    path = os.path.join(ROOT, 'slurm', S.script_name(machine, gpus))
+@pytest.mark.parametrize('machine,gpus,ranks', S.SHIPPED)
+def test_shipped_script_is_the_generator_output(machine, gpus, ranks):
+    path = os.path.join(ROOT, 'slurm', S.script_name(machine, gpus, ranks))
     with open(path) as f:
-        assert f.read() == S.render(machine, gpus), f'{path} is stale: run python dlojz_slurm.py --write'
+        assert f.read() == S.render(machine, gpus, ranks_per_gpu=ranks), f'{path} is stale: run python ' \
+                                                                           'dlojz_slurm.py --write'
 
 
-@pytest.mark.parametrize('machine,gpus', S.SHIPPED)
-def test_script_shape_and_comments(machine, gpus):
-    text = S.render(machine, gpus)
+def test_no_stale_script_is_left_in_slurm():
+    names = {n for n in os.listdir(os.path.join(ROOT, 'slurm')) if n.endswith('.slurm')}
+    assert names == {S.script_name(m, g, r) for m, g, r in S.SHIPPED}
+
+
+@pytest.mark.parametrize('machine,gpus,ranks', S.SHIPPED)
+def test_script_shape_and_comments(machine, gpus, ranks):
+    text = S.render(machine, gpus, ranks_per_gpu=ranks)
     sbatch = [line for line in text.splitlines() if line.startswith('#SBATCH')]
     assert all(re.search(r'\S\s+# \S', line) for line in sbatch), 'every #SBATCH line carries a comment'
     opts = dict(re.match(r'#SBATCH --([\w-]+)=?(\S*)', line).groups() for line in sbatch)
     nodes, per_node = int(opts['nodes']), int(opts['ntasks-per-node'])
     if machine != 'cpu':
-        assert opts['gres'] == f'gpu:{per_node}' and nodes * per_node == gpus  # one task per GPU
-        assert per_node <= S.MACHINES[machine]['gpus_per_node']
-    assert opts['hint'] == 'nomultithread' and opts['signal'] == 'USR2@120' and 'requeue' in opts
+        request = opts.get('gres') or opts['gpus-per-node']
+        gpus_per_node = int(request.split(':')[-1])
+        assert per_node == ranks * gpus_per_node and nodes * gpus_per_node == gpus  # `ranks` tasks per GPU
+        assert gpus_per_node <= S.MACHINES[machine]['gpus_per_node']
+    assert opts['signal'] == 'USR2@120' and 'requeue' in opts
+    assert ('hint' in opts) == (S.MACHINES[machine]['site'] in ('jz', 'generic', 'cpu'))
     assert opts['output'] == f'slurm/log/%x_%j_{nodes}nodes_{nodes * per_node}tasks.out'
     assert 'srun python -u dlojz.py \\' in text and '    "$@" &\n' in text and text.rstrip().endswith('exit $code')
     assert '--resume auto' in text and 'ADAPT' in text
@@ -42,7 +51,9 @@ def test_expected_scripts_exist():
     names = sorted(os.listdir(os.path.join(ROOT, 'slurm')))
     for n in ('cpu.slurm', 'generic-4gpu.slurm', 'jz-v100-1gpu.slurm', 'jz-v100-4gpu.slurm', 'jz-v100-8gpu.slurm',
               'jz-a100-1gpu.slurm', 'jz-a100-8gpu.slurm', 'jz-a100-16gpu.slurm', 'jz-h100-1gpu.slurm',
-              'jz-h100-4gpu.slurm', 'jz-h100-8gpu.slurm'):
+              'jz-h100-4gpu.slurm', 'jz-h100-8gpu.slurm', 'ac-narval-1gpu.slurm', 'ac-narval-4gpu.slurm',
+              'ac-narval-8gpu.slurm', 'ac-narval-1gpu-mps4.slurm', 'jsc-booster-1gpu.slurm',
+              'jsc-booster-4gpu.slurm', 'jsc-booster-8gpu.slurm'):
         assert n in names
 
 
@@ -148,3 +159,66 @@ def test_the_batch_shell_passes_sigusr2_on_and_keeps_sruns_exit_code(tmp_path):
     p.send_signal(signal.SIGUSR2)
     assert p.wait(timeout=20) == 5
     assert (tmp_path / 'mark').read_text() == 'got\n'
+
+
+def docs_sites_table():
+    """The rows of docs/slurm.md's Sites table -> {(machine, partition): {column: value}}."""
+    with open(os.path.join(ROOT, 'docs', 'slurm.md')) as f:
+        text = f.read()
+    section = text[text.index('\n## Sites\n'):]
+    lines = [ln for ln in section.splitlines() if ln.startswith('| `') and not ln.startswith('| `--machine`')]
+    cols = ['machine', 'nodes', 'gpus', 'cpus', 'mem', 'request', 'partition', 'sources']
+    rows = {}
+    for ln in lines:
+        cells = dict(zip(cols, (c.strip() for c in ln.strip('|').split('|'))))
+        m = re.fullmatch(r'`(\w+)`(?: `--partition (\w+)`)?', cells['machine'])
+        rows[m.groups()] = cells
+    return rows, section
+
+
+def test_the_docs_table_is_what_the_generator_renders():
+    """Every GPU node shape (and Jean Zay's 8-GPU V100 partitions) has a row in docs/slurm.md, and a full node
+    rendered asks for exactly that row's GPUs, cores, memory, GPU request and partition, citing its sources."""
+    rows, section = docs_sites_table()
+    shapes = [(m, None) for m in S.MACHINES if m not in ('generic', 'cpu')] + [k for k in S.PARTITIONS]
+    assert set(rows) == set(shapes)
+    for (machine, partition), row in rows.items():
+        m = S.spec(machine, partition)
+        text = S.render(machine, m['gpus_per_node'], partition=partition)
+        opts = dict(re.match(r'#SBATCH --([\w-]+)=?(\S*)', ln).groups() for ln in text.splitlines()
+                    if ln.startswith('#SBATCH'))
+        request = f"--gpus-per-node={opts['gpus-per-node']}" if 'gpus-per-node' in opts else f"--gres={opts['gres']}"
+        assert row['request'] == f'`{request}`' and int(request.split(':')[-1]) == int(row['gpus'])
+        assert (row['cpus'], row['mem'], row['partition']) == (opts['cpus-per-task'], opts.get('mem', '—'),
+                                                               opts.get('partition', '—')), (machine, partition)
+        assert row['nodes'] == m['title'] and row['sources'] == ', '.join(m['sources'])
+    for key, where in S.SOURCES.items():  # each source is listed with its address
+        assert f'- `{key}`' in section and where.split()[0] in section, key
+
+
+def test_jean_zay_gpu_p2_is_eight_gpus_and_three_cores():
+    text = S.render('v100', 8, partition='gpu_p2')
+    for line in ('--nodes=1 ', '--ntasks-per-node=8 ', '--gres=gpu:8 ', '--cpus-per-task=3 ', '--partition=gpu_p2 '):
+        assert f'#SBATCH {line}' in text, line
+    assert '--constraint' not in text and S.shape('v100', 16, 'gpu_p2') == (2, 8)
+    assert S.main(['--machine', 'v100', '--partition', 'gpu_p2l', '--gpus', '8', '--dry-run']) == 0
+
+
+def test_site_set_ups(capsys):
+    jz = S.render('h100', 4).splitlines()
+    order = [next(i for i, ln in enumerate(jz) if ln.startswith(w)) for w in
+             ('module purge', 'module load arch/h100', 'conda deactivate', 'module load pytorch-gpu/')]
+    assert order == sorted(order)  # IDRIS's order
+    ac = S.render('narval', 8)
+    assert 'srun --ntasks=$SLURM_NNODES --ntasks-per-node=1 bash << \'EOF\'' in ac  # a venv on every node
+    assert 'virtualenv --no-download "$SLURM_TMPDIR/env"' in ac and 'pip install --no-index -r requirements.txt' in ac
+    assert '    --stage-dir "$SLURM_TMPDIR" \\' in ac and 'module load StdEnv/2023 python/3.11' in ac
+    assert '--stage-dir "' not in S.render('trillium', 4)  # its $SLURM_TMPDIR is memory
+    jsc = S.render('booster', 8)
+    assert 'export DLOJZ_MASTER_SUFFIX=${DLOJZ_MASTER_SUFFIX-i}' in jsc and '#SBATCH --mem=0 ' in jsc
+    assert '--stage-dir "' not in jsc and 'module load Stages/2025' in jsc
+    mps = S.render('narval', 1, ranks_per_gpu=4)
+    assert 'nvidia-cuda-mps-control -d' in mps and '#SBATCH --ntasks-per-node=4 ' in mps and \
+        '#SBATCH --cpus-per-task=3 ' in mps and '#SBATCH --gpus-per-node=a100:1 ' in mps
+    assert S.main(['--machine', 'trillium', '--gpus', '2', '--dry-run']) == 2
+    assert 'the site allows 1 or a multiple of 4 GPUs per job' in capsys.readouterr().err
