@@ -505,7 +505,7 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
     on_ranks = on_ranks or (lambda fn, when=True: fn() if when else None)
     source, staging = resolve_data_source(args), None
     if args.stage_dir:
-        source, staging = dlojz_stage.staged_source(source, args.stage_dir, dist.local_rank, on_ranks, log)
+        source, staging = dlojz_stage.staged_source(source, args.stage_dir, dist, on_ranks, log)
     if source.kind == 'fake':
         classes = [str(i) for i in range(args.fake_classes)]
         # Distinct batches per rank (seed + rank); train shares padded like DistributedSampler, val shares exact.

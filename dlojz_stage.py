@@ -69,7 +69,7 @@ def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usa
     os.makedirs(dest, exist_ok=True)
     files = files_to_copy(src)
     total = sum(size for _, size, _ in files)
-    record = {'dir': dest, 'host': socket.gethostname(), 'bytes': total, 'copied_bytes': 0, 'seconds': 0.0,
+    record = {'dir': dest, 'host': os.environ.get('SLURMD_NODENAME') or socket.gethostname(), 'bytes': total, 'copied_bytes': 0, 'seconds': 0.0,
               'mb_per_s': None, 'skipped': True}
     with open(os.path.join(dest, '.lock'), 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another job on this node copying the same data: wait for it
@@ -177,9 +177,9 @@ def _write_json(path, obj):
     os.replace(path + '.tmp', path)
 
 
-def staged_source(source, stage_dir, local_rank, on_ranks, log=print):
+def staged_source(source, stage_dir, dist, on_ranks, log=print):
     """-> (the DataSource to read, the staging record or the reason it was not used). Every rank of a node
-    reads the copy its local rank 0 made."""
+    reads the copy its local rank 0 made; that rank reports its node's progress (log: rank 0's console)."""
     if source.kind != 'shards':
         why = (f'--stage-dir {stage_dir} not used: the data are {source.kind}' +
                (f' ({source.root})' if source.root else '') + '; only shards (`python dlojz_data.py prepare`) '
@@ -189,7 +189,8 @@ def staged_source(source, stage_dir, local_rank, on_ranks, log=print):
     if os.path.realpath(stage_dir).startswith(os.path.realpath(source.root) + os.sep):
         raise UsageError(f'--stage-dir {stage_dir} is inside the shards folder {source.root}; pass a folder on the '
                          f'node\'s local disk, such as $SLURM_TMPDIR.')
-    record = on_ranks(lambda: stage(source.root, stage_dir, log), when=local_rank == 0)
+    say = log if dist.rank == 0 else (lambda m: print(f'[rank {dist.rank}] {m}', flush=True))
+    record = on_ranks(lambda: stage(source.root, stage_dir, say), when=dist.local_rank == 0)
     nodes = [r for r in dlojz_dist.all_gather_object(record) if r]  # one per node, its local rank 0's
     dest = destination(source.root, stage_dir)
     staged = type(source)('shards', dest, f'{source.reason}, staged to --stage-dir {stage_dir}')

@@ -1,5 +1,6 @@
 """A real single-machine Slurm for the tests: Debian's slurmctld/slurmd/munge (Slurm 22.05), two emulated
-nodes with 8 fake GPUs and 64 advertised CPUs each, all traffic on localhost.
+nodes with 16 fake GPUs (8 typed a100, 8 h100) and 128 advertised CPUs each, a per-node $SLURM_TMPDIR (a
+TaskProlog), all traffic on localhost.
 
 Nothing on the machine is changed unless asked: the tests run only with DLOJZ_SLURM_SETUP=1, as root, with
 the packages already installed (.ci/run installs them with apt-get and sets the variable); the fixture
@@ -103,11 +104,19 @@ class Cluster:
         gres = []
         for node in self.nodes:
             os.makedirs(os.path.join(fake, node), exist_ok=True)
-            for i in range(8):
+            for i in range(16):
                 dev = os.path.join(fake, node, f'nvidia{i}')
                 if not os.path.exists(dev):
                     os.mknod(dev, 0o600 | 0o020000, os.makedev(195, i))  # character device, NVIDIA major
-            gres.append(f'NodeName={node} Name=gpu File={fake}/{node}/nvidia[0-7]')
+            # typed: Alliance Canada's scripts ask for --gpus-per-node=a100:N; untyped requests take either type
+            gres.append(f'NodeName={node} Name=gpu Type=a100 File={fake}/{node}/nvidia[0-7]')
+            gres.append(f'NodeName={node} Name=gpu Type=h100 File={fake}/{node}/nvidia[8-15]')
+        # a per-node, per-job $SLURM_TMPDIR, as Alliance Canada's nodes give each job on their local disk
+        prolog = os.path.join(d, 'taskprolog.sh')
+        with open(prolog, 'w') as f:
+            f.write(f'#!/bin/sh\nd={d}/localdisk/$SLURMD_NODENAME/job$SLURM_JOB_ID\nmkdir -p "$d"\n'
+                    f'echo "export SLURM_TMPDIR=$d"\n')
+        os.chmod(prolog, 0o755)
         lines = [
             'ClusterName=dlojztest', 'SlurmctldHost=localhost', 'SlurmUser=root', 'SlurmdUser=root',
             'AuthType=auth/munge', 'CredType=cred/munge', f'SlurmctldPort={self.ctld_port}',
@@ -121,13 +130,15 @@ class Cluster:
             'Waittime=0', 'JobCompType=jobcomp/filetxt', f'JobCompLoc={d}/log/jobcomp.txt', 'MailProg=/bin/true',
             'ProctrackType=proctrack/linuxproc', 'TaskPlugin=task/none', 'JobAcctGatherType=jobacct_gather/none',
             'AccountingStorageType=accounting_storage/none', 'GresTypes=gpu', 'SlurmdParameters=config_overrides',
+            f'TaskProlog={prolog}',
         ]
         for node, port in zip(self.nodes, self.node_ports):
-            # 64 CPUs and 8 GPUs advertised (Jean Zay A100 node shape); the features the scripts ask for. Each
-            # node its own NodeHostname: two nodes on one host name are refused ("Duplicated NodeHostName")
-            lines.append(f'NodeName={node} NodeHostname={node} NodeAddr={node} Port={port} CPUs=64 '
-                         f'Boards=1 SocketsPerBoard=1 CoresPerSocket=64 ThreadsPerCore=1 RealMemory=256000 '
-                         f'Gres=gpu:8 Features=v100-32g,a100,h100 State=UNKNOWN')
+            # 128 CPUs, 16 GPUs (8 a100 + 8 h100) and 600 GB advertised: room for every shipped script's node
+            # (JUWELS Booster's 96 threads, Narval's 496 GB); the features the scripts ask for. Each node its own
+            # NodeHostname: two nodes on one host name are refused ("Duplicated NodeHostName")
+            lines.append(f'NodeName={node} NodeHostname={node} NodeAddr={node} Port={port} CPUs=128 '
+                         f'Boards=1 SocketsPerBoard=1 CoresPerSocket=128 ThreadsPerCore=1 RealMemory=600000 '
+                         f'Gres=gpu:a100:8,gpu:h100:8 Features=v100-32g,a100,h100 State=UNKNOWN')
         lines.append(f'PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP')
         with open(self.conf, 'w') as f:
             f.write('\n'.join(lines) + '\n')

@@ -1,5 +1,5 @@
 """The project's own slurm/ scripts submitted with sbatch to a real Slurm brought up on localhost
-(slurmctld + two emulated nodes with 8 fake GPUs each; dlojz falls back to CPU/gloo inside the jobs):
+(slurmctld + two emulated nodes with 16 fake GPUs each; dlojz falls back to CPU/gloo inside the jobs):
 
 - cpu.slurm and jz-a100-8gpu.slurm (8 tasks) train a few steps and write their summary, logs named
   after job name, id, nodes and tasks;
@@ -65,9 +65,20 @@ def workdir(tmp_path_factory):
     os.makedirs(d / 'slurm' / 'log', exist_ok=True)
     shims = d / 'shims'
     (shims / 'bin').mkdir(parents=True)
-    (shims / 'bin' / 'module').write_text('#!/bin/sh\nexit 0\n')
-    (shims / 'bin' / 'module').chmod(0o755)
-    (shims / 'bin' / 'activate').write_text(f'export PATH={os.path.dirname(sys.executable)}:$PATH\n')
+    # what the sites' set-up lines call, recorded in $DLOJZ_STUB_LOG with the node and its $SLURM_TMPDIR
+    record = 'echo "$(basename "$0") $* node=$SLURMD_NODENAME tmp=$SLURM_TMPDIR" >> "${DLOJZ_STUB_LOG:-/dev/null}"\n'
+    for name in ('module', 'conda', 'nvidia-cuda-mps-control'):
+        (shims / 'bin' / name).write_text('#!/bin/sh\n' + record)
+    # virtualenv DIR: an environment whose python is the tests' own and whose pip only records
+    python_dir = os.path.dirname(sys.executable)
+    (shims / 'bin' / 'virtualenv').write_text(
+        '#!/bin/sh\n' + record + 'for d; do :; done\nmkdir -p "$d/bin"\n'
+        f'printf \'export PATH=%s/bin:{python_dir}:$PATH\\n\' "$d" > "$d/bin/activate"\n'
+        'printf \'#!/bin/sh\\n%s\' \'' + record.replace("$(basename \"$0\")", 'pip').replace("'", "") +
+        '\' > "$d/bin/pip"\nchmod +x "$d/bin/pip"\n')
+    for name in ('module', 'conda', 'nvidia-cuda-mps-control', 'virtualenv'):
+        (shims / 'bin' / name).chmod(0o755)
+    (shims / 'bin' / 'activate').write_text(f'export PATH={python_dir}:$PATH\n')
     return d
 
 
