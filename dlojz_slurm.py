@@ -313,7 +313,8 @@ def render(machine, gpus, time_limit='02:00:00', account=None, qos=None, partiti
     if machine == 'cpu':
         L.append('    --device cpu \\')
     if m.get('stage'):
-        L.append('    --stage-dir "$SLURM_TMPDIR" \\')  # shards are copied to the local disk; other data read in place
+        # quoted: each task expands its own node's $SLURM_TMPDIR (dlojz reads the variable), not the batch shell
+        L.append("    --stage-dir '$SLURM_TMPDIR' \\")  # shards are copied to the local disk; other data read in place
     L += ['    "$@" &',
           'SRUN_PID=$!',
           '# A signal for this shell alone (scancel --batch --signal=USR2, #SBATCH --signal=B:USR2@120) is passed',

@@ -180,12 +180,16 @@ def _write_json(path, obj):
 def staged_source(source, stage_dir, dist, on_ranks, log=print):
     """-> (the DataSource to read, the staging record or the reason it was not used). Every rank of a node
     reads the copy its local rank 0 made; that rank reports its node's progress (log: rank 0's console)."""
+    asked, stage_dir = stage_dir, os.path.expandvars(stage_dir)  # '$SLURM_TMPDIR': each node's own, read here
+    if '$' in stage_dir:
+        raise UsageError(f'--stage-dir {asked}: {stage_dir[stage_dir.index("$"):].split("/")[0]} is not set on '
+                         f'{socket.gethostname()}; give a folder on the node\'s local disk, or leave --stage-dir out.')
     if source.kind != 'shards':
         why = (f'--stage-dir {stage_dir} not used: the data are {source.kind}' +
                (f' ({source.root})' if source.root else '') + '; only shards (`python dlojz_data.py prepare`) '
                'are copied to the local disk, and these are read where they are')
         log(f'Note: {why}.')
-        return source, {'asked': stage_dir, 'used': False, 'reason': why}
+        return source, {'asked': asked, 'used': False, 'reason': why}
     if os.path.realpath(stage_dir).startswith(os.path.realpath(source.root) + os.sep):
         raise UsageError(f'--stage-dir {stage_dir} is inside the shards folder {source.root}; pass a folder on the '
                          f'node\'s local disk, such as $SLURM_TMPDIR.')
@@ -194,6 +198,6 @@ def staged_source(source, stage_dir, dist, on_ranks, log=print):
     nodes = [r for r in dlojz_dist.all_gather_object(record) if r]  # one per node, its local rank 0's
     dest = destination(source.root, stage_dir)
     staged = type(source)('shards', dest, f'{source.reason}, staged to --stage-dir {stage_dir}')
-    return staged, {'asked': stage_dir, 'used': True, 'from': source.root, 'dir': dest,
+    return staged, {'asked': asked, 'used': True, 'from': source.root, 'dir': dest,
                     'bytes': nodes[0]['bytes'], 'copied_bytes': sum(r['copied_bytes'] for r in nodes),
                     'seconds': max(r['seconds'] for r in nodes), 'nodes': nodes}

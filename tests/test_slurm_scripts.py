@@ -212,11 +212,11 @@ def test_site_set_ups(capsys):
     ac = S.render('narval', 8)
     assert 'srun --ntasks=$SLURM_NNODES --ntasks-per-node=1 bash << \'EOF\'' in ac  # a venv on every node
     assert 'virtualenv --no-download "$SLURM_TMPDIR/env"' in ac and 'pip install --no-index -r requirements.txt' in ac
-    assert '    --stage-dir "$SLURM_TMPDIR" \\' in ac and 'module load StdEnv/2023 python/3.11' in ac
-    assert '--stage-dir "' not in S.render('trillium', 4)  # its $SLURM_TMPDIR is memory
+    assert "    --stage-dir '$SLURM_TMPDIR' \\" in ac and 'module load StdEnv/2023 python/3.11' in ac
+    assert "--stage-dir '" not in S.render('trillium', 4)  # its $SLURM_TMPDIR is memory
     jsc = S.render('booster', 8)
     assert 'export DLOJZ_MASTER_SUFFIX=${DLOJZ_MASTER_SUFFIX-i}' in jsc and '#SBATCH --mem=0 ' in jsc
-    assert '--stage-dir "' not in jsc and 'module load Stages/2025' in jsc
+    assert "--stage-dir '" not in jsc and 'module load Stages/2025' in jsc
     mps = S.render('narval', 1, ranks_per_gpu=4)
     assert 'nvidia-cuda-mps-control -d' in mps and '#SBATCH --ntasks-per-node=4 ' in mps and \
         '#SBATCH --cpus-per-task=3 ' in mps and '#SBATCH --gpus-per-node=a100:1 ' in mps

@@ -198,3 +198,18 @@ def test_two_ranks_on_a_node_copy_once(shards, cache_dir, tmp_path):
     st = s['data']['staging']
     assert len(st['nodes']) == 1 and st['copied_bytes'] == st['bytes'] and s['val']['images'] == 24
     assert (p.stdout + p.stderr).count('Staging: copying ') == 1
+
+
+def test_a_variable_in_stage_dir_is_each_nodes_own(shards, cache_dir, tmp_path):
+    """The Alliance scripts pass '$SLURM_TMPDIR' unexpanded: each task reads its own node's value; unset, one
+    sentence."""
+    flags = [*TINY, '--cache-dir', cache_dir, '--data-dir', shards, '--test-nsteps', '1']
+    r = run_cli(*flags, '--output-dir', tmp_path / 'run', '--stage-dir', '$SLURM_TMPDIR',
+                env={'SLURM_TMPDIR': str(tmp_path / 'node-local')})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert os.path.isfile(os.path.join(G.destination(shards, str(tmp_path / 'node-local')), G.DONE))
+    env = {k: v for k, v in os.environ.items() if k != 'SLURM_TMPDIR'}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz.py'), *flags, '--output-dir', str(tmp_path / 'x'),
+                        '--stage-dir', '$SLURM_TMPDIR'], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and 'Traceback' not in r.stderr
+    assert '--stage-dir $SLURM_TMPDIR: $SLURM_TMPDIR is not set on ' in r.stderr
