@@ -571,11 +571,11 @@ def report_error(e, dist):
 
 def cli(argv=None):
     """python dlojz.py FLAGS -> exit code (dlojz_errors lists them)."""
-    dist, peer_failed = None, False
+    dist, peer_failed, ended = None, False, False
     try:
-        args = get_args_parser().parse_args(argv)
-        dist = get_dist_info()
+        args, dist = get_args_parser().parse_args(argv), get_dist_info()  # in this order: --help first
         main(args, dist)
+        ended = True
         return 0
     except SystemExit as e:  # argparse: --help (0) or a bad flag (2, its sentence already printed)
         return e.code
@@ -588,7 +588,7 @@ def cli(argv=None):
         peer_failed = isinstance(e, CommFailure)
         return e.exit_code
     finally:
-        dlojz_dist.cleanup(peer_failed)
+        dlojz_dist.cleanup(peer_failed, synchronize=ended)
 
 
 if __name__ == '__main__':

@@ -296,16 +296,24 @@ def wrap_ddp(model, device, args, comm=None):
 abandoned = False  # set by cleanup(): the process must exit without tearing the NCCL group down
 
 
-def cleanup(peer_failed=False):
+def cleanup(peer_failed=False, synchronize=False):
     """Leave the process group. After a peer died, NCCL's teardown (ncclCommAbort in destroy_process_group
     or in the group's destructor) can wait forever for it (pytorch#119250, #132696): the group is abandoned
-    and the entry point exits at once with os._exit. gloo's teardown returns (tested with a killed rank)."""
+    and the entry point exits at once with os._exit. gloo's teardown returns (tested with a killed rank).
+    synchronize (a run that ended normally on every rank): meet at a barrier first, so that no rank tears its
+    group down while a peer still talks to it (one gloo rank of 8 aborted at exit, `terminate called without
+    an active exception`, with 15 jobs sharing 2 cores under tests/slurm)."""
     global abandoned
     if not (tdist.is_available() and tdist.is_initialized()):
         return
     if peer_failed and tdist.get_backend() == 'nccl':
         abandoned = True
         return
+    if synchronize:
+        try:
+            tdist.barrier(group=_CPU_GROUP)
+        except Exception:  # a peer gone already: leave anyway
+            pass
     try:
         tdist.destroy_process_group()
     except Exception:  # a failed group may refuse to close; the process is exiting anyway
