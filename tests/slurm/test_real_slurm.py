@@ -67,8 +67,10 @@ def workdir(tmp_path_factory):
     (shims / 'bin').mkdir(parents=True)
     # what the sites' set-up lines call, recorded in $DLOJZ_STUB_LOG with the node and its $SLURM_TMPDIR
     record = 'echo "$(basename "$0") $* node=$SLURMD_NODENAME tmp=$SLURM_TMPDIR" >> "${DLOJZ_STUB_LOG:-/dev/null}"\n'
-    for name in ('module', 'conda', 'nvidia-cuda-mps-control'):
+    for name in ('module', 'conda'):
         (shims / 'bin' / name).write_text('#!/bin/sh\n' + record)
+    (shims / 'bin' / 'nvidia-cuda-mps-control').write_text(  # without arguments it reads commands (quit)
+        '#!/bin/sh\n[ $# -eq 0 ] && set -- "stdin=$(cat)"\n' + record)
     # virtualenv DIR: an environment whose python is the tests' own and whose pip only records
     python_dir = os.path.dirname(sys.executable)
     (shims / 'bin' / 'virtualenv').write_text(

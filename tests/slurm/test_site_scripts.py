@@ -98,7 +98,7 @@ def test_every_site_script_trains_with_its_sites_set_up(slurm, workdir, cache_di
             assert sorted(r['dir'].rsplit('/', 1)[0] for r in st['nodes']) == sorted(t for _, t in venvs), st
         if ranks > 1:
             mps = [c for c, _, _ in calls if c.startswith('nvidia-cuda-mps-control')]
-            assert mps == ['nvidia-cuda-mps-control -d', 'nvidia-cuda-mps-control'], calls  # started, told to quit
+            assert mps == ['nvidia-cuda-mps-control -d', 'nvidia-cuda-mps-control stdin=quit'], calls  # on, off
 
 
 def test_two_node_alliance_job_requeued_copies_nothing_and_continues(slurm, workdir, cache_dir, shards,  # noqa: F811
