@@ -162,7 +162,8 @@ def loader_only(args, dist, device, say):
                'data': {'source': data.source.kind, 'root': data.source.root, 'reason': data.source.reason,
                         'classes': len(data.classes), 'train_images': data.n_train,
                         'batches_per_epoch': len(data.train_loader), 'bad_images_skipped': data.bad_images,
-                        'shard_file_opens': data.file_opens, 'gpu_decode': data.gpu_decode},
+                        'shard_file_opens': data.file_opens, 'gpu_decode': data.gpu_decode,
+                        'staging': data.staging},
                'loader': loader}
     write_json(os.path.join(args.output_dir, 'summary.json'), summary)
     return summary

@@ -69,8 +69,8 @@ def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usa
     os.makedirs(dest, exist_ok=True)
     files = files_to_copy(src)
     total = sum(size for _, size, _ in files)
-    record = {'dir': dest, 'host': os.environ.get('SLURMD_NODENAME') or socket.gethostname(), 'bytes': total, 'copied_bytes': 0, 'seconds': 0.0,
-              'mb_per_s': None, 'skipped': True}
+    record = {'dir': dest, 'host': os.environ.get('SLURMD_NODENAME') or socket.gethostname(), 'bytes': total,
+              'copied_bytes': 0, 'seconds': 0.0, 'mb_per_s': None, 'skipped': True}
     with open(os.path.join(dest, '.lock'), 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another job on this node copying the same data: wait for it
         done = _read_json(os.path.join(dest, DONE))

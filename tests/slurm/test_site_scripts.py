@@ -20,8 +20,8 @@ import dlojz_data as D
 import dlojz_shards as Sh
 import dlojz_slurm as S
 from conftest import TINY
-from test_real_slurm import job_log, slurm, submit, summary, train_losses, wait_for_steps, wait_requeued, \
-    workdir  # noqa: F401 (fixtures)
+from test_real_slurm import job_log, submit, summary, train_losses, wait_for_steps, wait_requeued
+from test_real_slurm import slurm, workdir  # noqa: F401 - the fixtures, shared with that module
 
 pytestmark = pytest.mark.slurm
 ELSEWHERE = ('cpu.slurm', 'jz-a100-8gpu.slurm', 'generic-4gpu.slurm')  # test_real_slurm.py submits them
