@@ -25,6 +25,7 @@ CONTRACT = {
     # data: the data may move (another --data-dir, cache, decode path); its classes and training set may not
     'data_dir': (K, 'the same classes and number of training images'),
     'cache_dir': (K, 'the same classes and number of training images'),
+    'stage_dir': (H, ''),
     'synthetic_classes': (K, 'other classes (with the synthetic data): the checkpoint\'s labels are others'),
     'synthetic_train_per_class': (K, 'another training set (with the synthetic data): the position counts its steps'),
     'synthetic_val_per_class': (H, ''),
