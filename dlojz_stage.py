@@ -91,15 +91,21 @@ def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usa
             (f'; {len(files) - len(todo)} kept from an earlier, unfinished copy' if kept else ''))
         t0 = last = clock()
         copied = 0
-        with open(os.path.join(dest, JOURNAL), 'a') as journal:
-            for name, size, mtime in todo:
-                copied, last = _copy(os.path.join(src, name), os.path.join(dest, name), stage_dir, copied, need,
-                                     t0, clock, log, last, usage)
-                journal.write(json.dumps([name, size, mtime]) + '\n')
-                journal.flush()
-                os.fsync(journal.fileno())
+        try:
+            with open(os.path.join(dest, JOURNAL), 'a') as journal:
+                for name, size, mtime in todo:
+                    copied, last = _copy(os.path.join(src, name), os.path.join(dest, name), stage_dir, copied,
+                                         need, t0, clock, log, last, usage)
+                    journal.write(json.dumps([name, size, mtime]) + '\n')
+                    journal.flush()
+                    os.fsync(journal.fileno())
+            _write_json(os.path.join(dest, DONE), {'source': os.path.realpath(src),
+                                                   'files': [list(f) for f in files]})
+        except OSError as e:  # the journal or the marker on a disk that just filled: the same sentence
+            if e.errno not in NO_SPACE:
+                raise
+            raise _filled(stage_dir, copied, need, usage) from None
         seconds = clock() - t0
-        _write_json(os.path.join(dest, DONE), {'source': os.path.realpath(src), 'files': [list(f) for f in files]})
         rate = copied / seconds / 1e6 if seconds > 0 else None
         log(f'Staging: {_mb(copied)} copied in {seconds:.1f} s' + (f' ({rate:,.0f} MB/s)' if rate else ''))
         record.update(copied_bytes=copied, seconds=round(seconds, 3), mb_per_s=rate and round(rate, 1),
@@ -133,12 +139,15 @@ def _copy(src, dst, stage_dir, copied, need, t0, clock, log, last, usage):
         except OSError:
             pass
         if e.errno in NO_SPACE:
-            free = usage(stage_dir).free
-            raise DiskFull(f'--stage-dir {stage_dir} filled during the copy ({_mb(copied)} of {_mb(need)} copied, '
-                           f'{_mb(free)} free); pass a larger local disk (or ask Slurm for one), or leave '
-                           f'--stage-dir out to read the shards in place.') from None
+            raise _filled(stage_dir, copied, need, usage) from None
         raise
     return copied, last
+
+
+def _filled(stage_dir, copied, need, usage):
+    return DiskFull(f'--stage-dir {stage_dir} filled during the copy ({_mb(copied)} of {_mb(need)} copied, '
+                    f'{_mb(usage(stage_dir).free)} free); pass a larger local disk (or ask Slurm for one), or '
+                    f'leave --stage-dir out to read the shards in place.')
 
 
 def _journaled(dest, files):
