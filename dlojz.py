@@ -33,7 +33,7 @@ from dlojz_flags import get_args_parser  # noqa: F401 (dlojz.get_args_parser: th
 # Stop signals that arrive before the run's own handler exists: importing torch, scanning the data and building
 # the model take seconds to minutes on a loaded node, and Slurm's warning (--signal=USR2@N) or a scancel may
 # come then; the default action would end the job without a checkpoint (measured: exit 140 on a real Slurm).
-EARLY_SIGNALS = []
+from dlojz_errors import EARLY_SIGNALS  # noqa: E402 - a light module; dlojz_dist.stop_received() reads it too
 
 
 def _record_early(signum, frame):

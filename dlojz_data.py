@@ -20,7 +20,6 @@ import random
 import shutil
 import signal
 import sys
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,12 +28,14 @@ from PIL import Image, ImageDraw, ImageFile
 
 import dlojz_augment
 import dlojz_decode
+import dlojz_dist
 import dlojz_failpoints
 import dlojz_shards
 import dlojz_stage
 from dlojz_decode import BadImageError, Blob, source_name
-from dlojz_errors import DataError, writable
+from dlojz_errors import DataError, Preempted, writable
 from dlojz_folder import IMG_EXTENSIONS, find_classes, scan_imagefolder  # noqa: F401 (dlojz_data's API too)
+from dlojz_workers import DataLoader, ignore_preemption_signals, loader_kwargs  # noqa: F401 (dlojz_data's API too)
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, never silently half-grey
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -174,7 +175,16 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
     log(f'Generating the synthetic dataset: {len(jobs)} JPEGs into {root} ({workers} processes)')
     if workers > 1:
         with mp.get_context('fork').Pool(workers, initializer=default_stop_signals) as pool:
-            sizes = pool.map(_write_one, jobs, chunksize=8)
+            result = pool.map_async(_write_one, jobs, chunksize=8)
+            while not result.ready():  # Slurm's SIGTERM ends the pool's workers too, and a task they lose
+                result.wait(0.2)       # would never finish: the main process stops on its own signal
+                if dlojz_dist.stop_received():
+                    pool.terminate()
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise Preempted(f'stopped by {dlojz_dist.stop_received()} while the synthetic dataset was '
+                                    f'generated, before any training; nothing is kept. Submit the same command '
+                                    f'again to start the run.')
+            sizes = result.get()
             pool.close()  # the workers end on their own: Pool's exit would SIGTERM them
             pool.join()
     else:
@@ -432,59 +442,6 @@ class Data:
             self.train_loader.set_epoch(epoch, start_sample * self.accum)
 
 
-def ignore_preemption_signals(worker_id=None):
-    """DataLoader workers survive SIGTERM and SIGUSR2 sent by anyone but their parent. Slurm signals every
-    process of a step (scancel, the time limit, --signal=USR2@120), workers included; the main process owns
-    these signals and checkpoints at a step boundary, while a worker killed by one made PyTorch raise in the
-    middle of a step (measured: `timeout -s TERM` to the process group crashed 4 runs in 4, twice inside
-    torch.save). A signal that came before this runs is pending (DataLoader above) and is read here.
-    SIGTERM from the parent (the loader's or multiprocessing's shutdown) still ends the worker:
-    ignoring it too would leave the main process waiting for its workers at exit. A thread reads the
-    sender of each SIGTERM (sigwaitinfo), blocked for the worker's other threads."""
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    if not hasattr(signal, 'sigwaitinfo'):  # not Linux: PyTorch's own handler stays
-        return
-    parent = os.getppid()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads made from here on inherit it
-
-    def serve():
-        while True:
-            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
-                os._exit(0)  # as PyTorch's handler does for its parent's SIGTERM
-    threading.Thread(target=serve, daemon=True, name='dlojz-sigterm').start()
-
-
-PREEMPTION_SIGNALS = {signal.SIGTERM, signal.SIGUSR2}
-
-
-class DataLoader(torch.utils.data.DataLoader):
-    """torch's DataLoader, its workers forked with SIGTERM and SIGUSR2 blocked. A worker inherits the mask of
-    the thread that forks it, so a signal sent to the process group while workers start (each validation
-    without persistent workers, each epoch without them) waits for ignore_preemption_signals instead of
-    reaching PyTorch's worker handler, which kills the worker (measured: 1 run in a test's 3 crashed this
-    way, a validation's workers starting as the group got SIGTERM). The main process's own handler gets the
-    signal when the mask is restored, a few ms later. (The 'fork' start method, Linux's default.)"""
-
-    def __iter__(self):
-        if self.num_workers == 0 or not hasattr(signal, 'pthread_sigmask'):
-            return super().__iter__()
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
-        try:
-            return super().__iter__()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def loader_kwargs(args):
-    kw = dict(num_workers=args.num_workers, pin_memory=args.pin_memory)
-    if args.num_workers > 0:
-        # fork: the workers inherit the blocked signal mask (DataLoader) and the shared counters; Python
-        # 3.14 makes forkserver the default on Linux
-        kw.update(persistent_workers=args.persistent_workers, prefetch_factor=args.prefetch_factor,
-                  worker_init_fn=ignore_preemption_signals, multiprocessing_context='fork')
-    return kw
-
-
 def train_transform(args):
     """-> (the training transform of --decode with the worker-side augmentations, the loader's collate_fn:
     None for torch's default)."""
@@ -542,7 +499,8 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
             f'{"process" if dist.world_size * args.accum_steps == 1 else "micro-batch stream"}, -b '
             f'{args.batch_size}), which BatchNorm cannot train on: that image is left out of each epoch (as '
             f'--drop-last would; another -b keeps it).')
-    train_loader = DataLoader(train_set, batch_sampler=batches, collate_fn=collate, **loader_kwargs(args))
+    train_loader = DataLoader(train_set, batch_sampler=batches, collate_fn=collate, abort_on_stop=True,
+                              **loader_kwargs(args))
     val_loader = DataLoader(val_set, batch_size=args.val_batch_size, drop_last=False, **loader_kwargs(args),
                             sampler=ShardSampler(len(val_set), dist.rank, dist.world_size))
     return Data(source, classes, train_loader, val_loader, train_set, len(train_set), len(val_set),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from dlojz_errors import DlojzError, UsageError, first_line
+from dlojz_errors import EARLY_SIGNALS, DlojzError, UsageError, first_line
 
 
 @dataclass(frozen=True)
@@ -403,10 +403,13 @@ class StopSignal:
                 self._old[s] = signal.signal(s, self._handler)
         if pending and self.received is None:
             self.received = pending[-1]
+        global _received
+        _received = self.received  # this run's, not an earlier in-process run's
         return self
 
     def _handler(self, signum, frame):
-        self.received = signal.Signals(signum).name
+        global _received
+        self.received = _received = signal.Signals(signum).name
 
     def restore(self):
         for s, old in self._old.items():
@@ -426,12 +429,22 @@ class StopSignal:
         return stop
 
     def settle(self):
-        """Wait for the all-reduce in flight (every rank started it at the same step); -> its verdict."""
+        """Wait for the all-reduce in flight (every rank started it at the same step); -> its verdict. None in
+        flight (no step ran: the loader's start was stopped by the signal, dlojz_data.DataLoader): this rank's
+        own signal, which Slurm sends to every rank."""
         if self._work is None:
-            return False
+            return self.received is not None
         self._work.wait()
         self._work = None
         return bool(self._flag.item())  # a CPU tensor: no device synchronisation
+
+
+_received = None  # the stop signal of the current run, for the loader's worker start (dlojz_data)
+
+
+def stop_received():
+    """The stop signal of this run so far: its handler's, or one recorded before the handler existed."""
+    return _received or (EARLY_SIGNALS[-1] if EARLY_SIGNALS else None)
 
 
 def requeue(dist, signal_name=None):

@@ -88,6 +88,10 @@ class DiskFull(DlojzError):
     status, exit_code = 'disk_full', 6
 
 
+# Stop signals received before the run's own handler exists (dlojz.py records them; the run's handler takes
+# them over): a stop during start-up, the synthetic dataset's generation included, is honoured.
+EARLY_SIGNALS = []
+
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # no space left, disk quota exceeded
 
 

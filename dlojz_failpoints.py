@@ -13,10 +13,12 @@ when this module is imported, and no-ops when it is unset (as etcd's gofail and 
   signal-val:<n>:<SIG>      the same after the n-th validation batch this process runs
   slow-loader:<r>:<s>       the loader of rank r (RANK or SLURM_PROCID) sleeps s seconds per training image:
                             a straggler whose cause is outside the code that measures it
+  slow-worker-start:<s>     the main process sleeps s seconds after forking each DataLoader worker: a start-up
+                            as slow as hundreds of workers' on a few cores, for the signal tests
 
 docs/development.md lists them beside the tests that use them. The code under test says one word (after_step,
-after_val_batch, train_sample, checkpoint_write, before_flock); with DLOJZ_FAULT unset each is one test of a
-constant and reads no environment, so the training loop pays nothing for them.
+after_val_batch, train_sample, worker_started, checkpoint_write, before_flock); with DLOJZ_FAULT unset each is
+one test of a constant and reads no environment, so the training loop pays nothing for them.
 """
 import errno
 import os
@@ -27,7 +29,7 @@ import time
 # name -> the form of its argument, as a pattern
 KNOWN = {'kill-in-checkpoint': r'\d+', 'no-flock': r'', 'slow-steps': r'\d+(\.\d*)?',
          'signal-step': r'\d+:SIG[A-Z0-9]+', 'signal-val': r'\d+:SIG[A-Z0-9]+',
-         'slow-loader': r'\d+:\d+(\.\d*)?'}
+         'slow-loader': r'\d+:\d+(\.\d*)?', 'slow-worker-start': r'\d+(\.\d*)?'}
 
 
 def parse(text, restart_count=0):
@@ -78,6 +80,12 @@ def train_sample():
         rank, seconds = ARMED['slow-loader'].split(':')
         if (os.environ.get('RANK') or os.environ.get('SLURM_PROCID') or '0') == rank:
             time.sleep(float(seconds))
+
+
+def worker_started():
+    """Called in the main process after each DataLoader worker is forked."""
+    if ARMED and 'slow-worker-start' in ARMED:
+        time.sleep(float(ARMED['slow-worker-start']))
 
 
 def after_val_batch():

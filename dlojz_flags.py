@@ -82,6 +82,9 @@ def get_args_parser(add_help=True):
     return p
 
 
+MAX_WORKERS_PER_CORE = 8  # loader workers per usable core beyond which --num-workers is refused
+
+
 def data_flags(p):
     g = p.add_argument_group('data')
     g.add_argument('--data-dir', help='ImageNet in ImageFolder layout (DIR/train/<class>/*.JPEG, DIR/val/...); '
@@ -410,7 +413,13 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
     if args.decode == 'auto':  # a cluster module may lack simplejpeg: the run still goes, the summary says how
         args.decode = 'fast' if dlojz_decode.simplejpeg is not None else 'pil'
     mode = '--loader-only' if args.loader_only else '--tune-loader'
+    cores = usable_cores()
     refusals = [
+        # measured: 1000 workers on 2 cores took minutes to start, and a stop signal then waited for them
+        (args.num_workers > MAX_WORKERS_PER_CORE * cores, f'--num-workers {args.num_workers} is more than '
+         f'{MAX_WORKERS_PER_CORE} workers per usable core ({cores} here); so many processes take minutes to start '
+         f'and slow the node down: use at most {MAX_WORKERS_PER_CORE * cores} (a few per core is usually best; '
+         f'--tune-loader measures it).'),
         (args.resume == 'auto' and not (args.output_dir or args.run_name or job_id), '--resume auto continues the '
          'run of --output-dir or --run-name (or, in a SLURM job, the job\'s own folder), and none was given: this '
          'run would start afresh in a new folder; name the run folder with --output-dir or --run-name.'),

@@ -306,8 +306,11 @@ def preempt(run, progress):
     then the SLURM job is requeued: its next start resumes with --resume auto. Ends in Preempted."""
     args, dist = run.args, run.dist
     run.chrono.stop()
-    path = save(run, progress)
     why = run.stop.received or 'a signal on another rank'
+    if progress.global_step == 0:  # stopped while the first epoch's loader started: nothing to keep
+        raise Preempted(f'stopped by {why} before the first training step (while the loader started); no '
+                        f'checkpoint: there is nothing to keep. Submit the same command again to start the run.')
+    path = save(run, progress)
     requeued, detail = False, '--no-requeue'
     if args.requeue:
         requeued, detail = dlojz_dist.on_ranks(lambda: dlojz_dist.requeue(dist, run.stop.received),
