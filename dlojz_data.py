@@ -28,12 +28,11 @@ from PIL import Image, ImageDraw, ImageFile
 
 import dlojz_augment
 import dlojz_decode
-import dlojz_dist
 import dlojz_failpoints
 import dlojz_shards
 import dlojz_stage
 from dlojz_decode import BadImageError, Blob, source_name
-from dlojz_errors import DataError, Preempted, writable
+from dlojz_errors import DataError, writable
 from dlojz_folder import IMG_EXTENSIONS, find_classes, scan_imagefolder  # noqa: F401 (dlojz_data's API too)
 from dlojz_workers import DataLoader, ignore_preemption_signals, loader_kwargs  # noqa: F401 (dlojz_data's API too)
 
@@ -148,11 +147,12 @@ def _write_one(job):
     return len(buf.getvalue())
 
 
-def default_stop_signals():
-    """A pool worker forked while dlojz.py records early stop signals (dlojz.EARLY_SIGNALS) would inherit that
-    handler and outlive a SIGTERM meant to end it (the pool's own, or Slurm's to the process group)."""
+def pool_worker_signals():
+    """A generator pool's worker: SIGTERM from the pool ends it; SIGTERM and SIGUSR2 from anyone else (Slurm
+    signals every process of the step) do not, as for the loader's workers (dlojz_workers)."""
     for s in (signal.SIGTERM, signal.SIGUSR2):
-        signal.signal(s, signal.SIG_DFL)
+        signal.signal(s, signal.SIG_DFL)  # not dlojz.py's early-signal recorder, inherited by the fork
+    ignore_preemption_signals()
 
 
 def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, seed, workers=None,
@@ -174,17 +174,17 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
     workers = workers or min(len(os.sched_getaffinity(0)), 8)
     log(f'Generating the synthetic dataset: {len(jobs)} JPEGs into {root} ({workers} processes)')
     if workers > 1:
-        with mp.get_context('fork').Pool(workers, initializer=default_stop_signals) as pool:
-            result = pool.map_async(_write_one, jobs, chunksize=8)
-            while not result.ready():  # Slurm's SIGTERM ends the pool's workers too, and a task they lose
-                result.wait(0.2)       # would never finish: the main process stops on its own signal
-                if dlojz_dist.stop_received():
-                    pool.terminate()
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    raise Preempted(f'stopped by {dlojz_dist.stop_received()} while the synthetic dataset was '
-                                    f'generated, before any training; nothing is kept. Submit the same command '
-                                    f'again to start the run.')
-            sizes = result.get()
+        # The pool's workers outlive Slurm's SIGTERM to the process group (as the loader's do): one killed by
+        # it lost its task and the pool waited for it forever; the main process stops at its first step. They
+        # are forked with the signals blocked, as the loader's (dlojz_workers): a thread that a library starts
+        # in the child at fork (OpenBLAS's) would otherwise take the signal before the initializer runs.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR2})
+        try:
+            pool = mp.get_context('fork').Pool(workers, initializer=pool_worker_signals)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        with pool:
+            sizes = pool.map(_write_one, jobs, chunksize=8)
             pool.close()  # the workers end on their own: Pool's exit would SIGTERM them
             pool.join()
     else:

@@ -307,16 +307,15 @@ def preempt(run, progress):
     args, dist = run.args, run.dist
     run.chrono.stop()
     why = run.stop.received or 'a signal on another rank'
-    if progress.global_step == 0:  # stopped while the first epoch's loader started: nothing to keep
-        raise Preempted(f'stopped by {why} before the first training step (while the loader started); no '
-                        f'checkpoint: there is nothing to keep. Submit the same command again to start the run.')
-    path = save(run, progress)
+    # before the first step (a stop during start-up or the first loader start) there is nothing to keep
+    path = save(run, progress) if progress.global_step else None
     requeued, detail = False, '--no-requeue'
     if args.requeue:
         requeued, detail = dlojz_dist.on_ranks(lambda: dlojz_dist.requeue(dist, run.stop.received),
                                                when=dist.is_main) or (False, '')
     requeued = dlojz_dist.broadcast_object(requeued)
-    raise Preempted(f'stopped by {why} at step {progress.global_step}; checkpoint {path} written. ' +
+    kept = f'checkpoint {path} written' if path else 'no checkpoint (no step had run)'
+    raise Preempted(f'stopped by {why} at step {progress.global_step}; {kept}. ' +
                     ('The SLURM job was requeued and will resume from it (--resume auto).' if requeued else
                      f'Not requeued ({detail}); ' + (
                          f'resubmit with the same flags to continue it (run name {args.run_name}).'

@@ -90,8 +90,11 @@ class DataLoader(torch.utils.data.DataLoader):
         if kwargs.get('num_workers'):
             kwargs['multiprocessing_context'] = _ForkContext(abort_on_stop)
         super().__init__(*args, **kwargs)
+        self.abort_on_stop = abort_on_stop
 
     def __iter__(self):
+        if self.abort_on_stop and dlojz_dist.stop_received():  # with or without workers: no batch to wait for
+            return iter(())
         try:
             return super().__iter__()
         except _StartStopped as e:

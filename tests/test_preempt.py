@@ -226,7 +226,8 @@ def test_a_stop_signal_during_start_up_stops_at_the_first_step(tmp_path, cache_d
     """Slurm's warning or a scancel can come while torch is imported and the data scanned (seconds on a loaded
     node): the default action used to end the job with no checkpoint (exit 140 under a real Slurm's 1-minute
     time limit). The signal is sent as soon as dlojz.py catches it (at most 1 s after the start, well before
-    torch is imported); the run stops with a checkpoint at its first step boundary and exit 5."""
+    torch is imported); the run stops before its first step (its training loader starts no workers), with
+    nothing to checkpoint, summary.json 'preempted' and exit 5."""
     out = tmp_path / 'run'
     fresh = tmp_path / 'cache'  # the synthetic dataset is generated during start-up, by forked pool workers
     p = start(out, fresh, '--test-nsteps', '20')
@@ -237,5 +238,5 @@ def test_a_stop_signal_during_start_up_stops_at_the_first_step(tmp_path, cache_d
     _, err = p.communicate(timeout=300)  # (a pool worker that outlived its SIGTERM hung here forever)
     assert p.returncode == 5, err[-2000:]
     summary = json.load(open(out / 'summary.json'))
-    assert summary['status'] == 'preempted' and summary['global_step'] == 1
-    assert list_checkpoints(str(out))[-1].endswith('checkpoint-00000001.pt')
+    assert summary['status'] == 'preempted' and summary['global_step'] == 0
+    assert list_checkpoints(str(out)) == [] and 'at step 0; no checkpoint (no step had run).' in err
