@@ -499,8 +499,9 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
             f'{"process" if dist.world_size * args.accum_steps == 1 else "micro-batch stream"}, -b '
             f'{args.batch_size}), which BatchNorm cannot train on: that image is left out of each epoch (as '
             f'--drop-last would; another -b keeps it).')
-    train_loader = DataLoader(train_set, batch_sampler=batches, collate_fn=collate, abort_on_stop=True,
-                              **loader_kwargs(args))
+    # a lone process may skip its loader's start on a stop; ranks with peers agree at a step boundary instead
+    train_loader = DataLoader(train_set, batch_sampler=batches, collate_fn=collate,
+                              abort_on_stop=dist.world_size == 1, **loader_kwargs(args))
     val_loader = DataLoader(val_set, batch_size=args.val_batch_size, drop_last=False, **loader_kwargs(args),
                             sampler=ShardSampler(len(val_set), dist.rank, dist.world_size))
     return Data(source, classes, train_loader, val_loader, train_set, len(train_set), len(val_set),

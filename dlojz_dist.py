@@ -430,10 +430,11 @@ class StopSignal:
 
     def settle(self):
         """Wait for the all-reduce in flight (every rank started it at the same step); -> its verdict. None in
-        flight (no step ran: the loader's start was stopped by the signal, dlojz_data.DataLoader): this rank's
-        own signal, which Slurm sends to every rank."""
+        flight in a lone process (no step ran: its loader's start was stopped by the signal, dlojz_workers):
+        its own signal. With peers, a rank never stops alone."""
         if self._work is None:
-            return self.received is not None
+            alone = not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1
+            return alone and self.received is not None
         self._work.wait()
         self._work = None
         return bool(self._flag.item())  # a CPU tensor: no device synchronisation

@@ -81,7 +81,8 @@ class _ForkContext(mp.context.ForkContext):
 
 
 class DataLoader(torch.utils.data.DataLoader):
-    """torch's DataLoader with _WorkerProcess workers. With abort_on_stop (the training loader), a stop signal
+    """torch's DataLoader with _WorkerProcess workers. With abort_on_stop (the training loader of a process
+    without peers: with peers, every rank must stop at the same step, which StopSignal agrees on), a stop signal
     during the workers' start ends it within one fork: the workers started so far are stopped and the
     iteration is empty, so the training loop reaches its stop check at once (a checkpoint at the current
     step, or none before the first step) instead of waiting for every worker and the first batch."""
