@@ -104,12 +104,18 @@ def test_a_stop_while_the_next_epochs_workers_start_keeps_the_last_step(cache_di
     out = tmp_path / 'run'
     p = start(cache_dir, out, '--num-workers', '4', '--no-persistent-workers', '-e', '2', '--val-every', '2',
               '--log-interval', '1')
-    first, deadline = set(), time.monotonic() + 300
-    while time.monotonic() < deadline:  # the first epoch's workers, then none, then the second epoch's
-        now = children(p.pid)
-        if first and now and not (now & first):
-            break
-        first |= now if not first or now & first else set()
+    deadline = time.monotonic() + 300
+    first = set()
+    while len(first) < 4 and time.monotonic() < deadline:  # the first epoch's 4 workers, all up
+        first = children(p.pid)
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.01)
+    while time.monotonic() < deadline:  # then gone, and a new worker that stays (not a subprocess's fork
+        now = children(p.pid) - first    # before its exec, which shows the same command line for a moment)
+        if now and not (children(p.pid) & first):
+            time.sleep(0.1)
+            if now & children(p.pid):
+                break
         assert p.poll() is None, p.communicate()
         time.sleep(0.01)
     seconds, stdout, err = term_and_time(p)
