@@ -34,7 +34,7 @@ import dlojz_stage
 from dlojz_decode import BadImageError, Blob, source_name
 from dlojz_errors import DataError, writable
 from dlojz_folder import IMG_EXTENSIONS, find_classes, scan_imagefolder  # noqa: F401 (dlojz_data's API too)
-from dlojz_workers import DataLoader, ignore_preemption_signals, loader_kwargs  # noqa: F401 (dlojz_data's API too)
+from dlojz_workers import DataLoader, ForkContext, ignore_preemption_signals, loader_kwargs  # noqa: F401 (API)
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, never silently half-grey
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -176,13 +176,9 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
     if workers > 1:
         # The pool's workers outlive Slurm's SIGTERM to the process group (as the loader's do): one killed by
         # it lost its task and the pool waited for it forever; the main process stops at its first step. They
-        # are forked with the signals blocked, as the loader's (dlojz_workers): a thread that a library starts
-        # in the child at fork (OpenBLAS's) would otherwise take the signal before the initializer runs.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR2})
-        try:
-            pool = mp.get_context('fork').Pool(workers, initializer=pool_worker_signals)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        # are forked as the loader's (dlojz_workers.ForkContext), with the signals blocked: a thread that a
+        # library starts in the child at fork (OpenBLAS's) would otherwise take the signal first.
+        pool = ForkContext().Pool(workers, initializer=pool_worker_signals)
         with pool:
             sizes = pool.map(_write_one, jobs, chunksize=8)
             pool.close()  # the workers end on their own: Pool's exit would SIGTERM them

@@ -99,8 +99,8 @@ def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usa
                     journal.write(json.dumps([name, size, mtime]) + '\n')
                     journal.flush()
                     os.fsync(journal.fileno())
-            _write_json(os.path.join(dest, DONE), {'source': os.path.realpath(src),
-                                                   'files': [list(f) for f in files]})
+            dlojz_shards._fsync_write(os.path.join(dest, DONE), json.dumps(  # atomic, as prepare's files
+                {'source': os.path.realpath(src), 'files': [list(f) for f in files]}).encode())
         except OSError as e:  # the journal or the marker on a disk that just filled: the same sentence
             if e.errno not in NO_SPACE:
                 raise
@@ -176,14 +176,6 @@ def _read_json(path):
             return json.load(f)
     except (OSError, ValueError):
         return None
-
-
-def _write_json(path, obj):
-    with open(path + '.tmp', 'w') as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + '.tmp', path)
 
 
 def staged_source(source, stage_dir, dist, on_ranks, log=print):

@@ -66,7 +66,7 @@ class _WorkerProcess(mp.context.ForkProcess):
         dlojz_failpoints.worker_started()
 
 
-class _ForkContext(mp.context.ForkContext):
+class ForkContext(mp.context.ForkContext):
     """The 'fork' start method (Linux's default; Python 3.14 makes forkserver the default) with
     _WorkerProcess: the workers inherit the shared counters and the blocked mask."""
 
@@ -89,7 +89,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __init__(self, *args, abort_on_stop=False, **kwargs):
         if kwargs.get('num_workers'):
-            kwargs['multiprocessing_context'] = _ForkContext(abort_on_stop)
+            kwargs['multiprocessing_context'] = ForkContext(abort_on_stop)
         super().__init__(*args, **kwargs)
         self.abort_on_stop = abort_on_stop
 
