@@ -29,11 +29,13 @@ from PIL import Image, ImageDraw, ImageFile
 import dlojz_augment
 import dlojz_decode
 import dlojz_failpoints
+import dlojz_handover
 import dlojz_shards
 import dlojz_stage
 from dlojz_decode import BadImageError, Blob, source_name
 from dlojz_errors import DataError, writable
 from dlojz_folder import IMG_EXTENSIONS, find_classes, scan_imagefolder  # noqa: F401 (dlojz_data's API too)
+from dlojz_handover import SharedCollate
 from dlojz_workers import DataLoader, ForkContext, ignore_preemption_signals, loader_kwargs  # noqa: F401 (API)
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, never silently half-grey
@@ -265,6 +267,37 @@ class ShardDataset(ImageFolderDataset):
         return Blob(data, f'{self.names[shard]}:{i:08d}'), label
 
     @property
+    def fast_decode(self):
+        """--decode fast (and the host path of --decode gpu): which decoder took how many training images, and
+        why the region decoder was not used when it was not; None for --decode pil."""
+        if self.dali is not None:
+            return None
+        transform = getattr(self.train_dataset, 'transform', None)
+        transform = getattr(transform, 'transform', transform)  # under worker-side augmentations
+        transform = getattr(transform, 'cpu', transform)  # --decode gpu's host path
+        if not isinstance(transform, dlojz_decode.FastTrainTransform):
+            return None
+        r = dlojz_decode.REGION
+        return {'region_decoder': f'nvimgcodec {r.version}' if r.lib else None, 'why_not': r.why_not,
+                'images_region': r.counts[0], 'images_whole_file': r.counts[1], 'images_pil': r.counts[2]}
+
+    @property
+    def dali(self):
+        """--loader dali: DALI's version, where it decodes and its threads; None for the native loader."""
+        loader = self.train_loader
+        if type(loader).__name__ != 'DaliLoader':
+            return None
+        return {'version': loader.version, 'decoder': 'mixed' if loader.device.type == 'cuda' else 'cpu',
+                'threads': loader.threads}
+
+    @property
+    def handover(self):
+        """How the training loader's workers handed their batches over (dlojz_handover); None without
+        workers or for --decode gpu."""
+        collate = getattr(self.train_loader, 'collate_fn', None)
+        return collate.stats() if isinstance(collate, SharedCollate) else None
+
+    @property
     def file_opens(self):
         return self.open_count.value
 
@@ -425,6 +458,37 @@ class Data:
         return {'cpu_in_workers': transform.in_workers.value, 'cpu_after_nvjpeg': dlojz_decode.DEVICE_DECODE.refused}
 
     @property
+    def fast_decode(self):
+        """--decode fast (and the host path of --decode gpu): which decoder took how many training images, and
+        why the region decoder was not used when it was not; None for --decode pil."""
+        if self.dali is not None:
+            return None
+        transform = getattr(self.train_dataset, 'transform', None)
+        transform = getattr(transform, 'transform', transform)  # under worker-side augmentations
+        transform = getattr(transform, 'cpu', transform)  # --decode gpu's host path
+        if not isinstance(transform, dlojz_decode.FastTrainTransform):
+            return None
+        r = dlojz_decode.REGION
+        return {'region_decoder': f'nvimgcodec {r.version}' if r.lib else None, 'why_not': r.why_not,
+                'images_region': r.counts[0], 'images_whole_file': r.counts[1], 'images_pil': r.counts[2]}
+
+    @property
+    def dali(self):
+        """--loader dali: DALI's version, where it decodes and its threads; None for the native loader."""
+        loader = self.train_loader
+        if type(loader).__name__ != 'DaliLoader':
+            return None
+        return {'version': loader.version, 'decoder': 'mixed' if loader.device.type == 'cuda' else 'cpu',
+                'threads': loader.threads}
+
+    @property
+    def handover(self):
+        """How the training loader's workers handed their batches over (dlojz_handover); None without
+        workers or for --decode gpu."""
+        collate = getattr(self.train_loader, 'collate_fn', None)
+        return collate.stats() if isinstance(collate, SharedCollate) else None
+
+    @property
     def file_opens(self):
         """Shard files opened by the training set's processes so far; None for other sources (ImageFolder
         opens one file per sample read)."""
@@ -473,6 +537,13 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
                                                   args.synthetic_val_per_class, args.synthetic_seed, log=log),
                  when=dist.local_rank == 0)
     transform, collate = train_transform(args)
+    if collate is None and args.num_workers > 0 and os.environ.get('DLOJZ_HANDOVER') != 'default':
+        # the batches handed over in shared slots (dlojz_handover); DLOJZ_HANDOVER=default: torch's way
+        collate, why_not = dlojz_handover.make(args.num_workers, args.prefetch_factor, args.batch_size,
+                                               max(args.image_size, args.res_start or 0))
+        if why_not:
+            log(f'Note: {why_not}; the workers hand each batch over in a new shared block (PyTorch\'s way).')
+    dlojz_decode.REGION.reset()
     val_transform = dlojz_decode.ValTransform(args.val_resize, args.val_image_size)
     if source.kind == 'shards':
         classes, splits = dlojz_shards.load_index(source.root)
@@ -495,6 +566,17 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
             f'{"process" if dist.world_size * args.accum_steps == 1 else "micro-batch stream"}, -b '
             f'{args.batch_size}), which BatchNorm cannot train on: that image is left out of each epoch (as '
             f'--drop-last would; another -b keeps it).')
+    if args.loader == 'dali':  # the same samplers; DALI decodes (dlojz_dali)
+        import dlojz_dali
+        dali_device = device if device is not None and device.type == 'cuda' else torch.device('cpu')
+        val_batches = torch.utils.data.BatchSampler(ShardSampler(len(val_set), dist.rank, dist.world_size),
+                                                    args.val_batch_size, drop_last=False)
+        return Data(source, classes,
+                    dlojz_dali.DaliLoader(train_set, batches, True, args.image_size, args.seed, args.num_workers,
+                                          dali_device),
+                    dlojz_dali.DaliLoader(val_set, val_batches, False, args.val_image_size, args.seed,
+                                          args.num_workers, dali_device, val_resize=args.val_resize),
+                    train_set, len(train_set), len(val_set), accum=args.accum_steps, staging=staging)
     # a lone process may skip its loader's start on a stop; ranks with peers agree at a step boundary instead
     train_loader = DataLoader(train_set, batch_sampler=batches, collate_fn=collate,
                               abort_on_stop=dist.world_size == 1, **loader_kwargs(args))

@@ -3,7 +3,9 @@ transform. Every path draws the same RandomResizedCrop box and flip from the sam
 dlojz_data from seed, epoch and index), so they differ by decoder and resampler only.
 
 - pil: PIL decodes the whole image (TrainTransform).
-- fast: libjpeg-turbo (simplejpeg) decodes at the smallest DCT scale the crop allows (FastTrainTransform).
+- fast: libjpeg-turbo decodes the crop's region only (nvImageCodec's CPU backend: rows above and below are
+  skipped, columns cut at iMCU boundaries), or the whole file at the smallest DCT scale the crop allows
+  (simplejpeg) when that is fewer pixels (FastTrainTransform).
 - gpu: the workers read the bytes and draw; nvJPEG decodes the batch on the GPU, which crops, resizes and
   flips (GpuTrainTransform -> EncodedBatch -> DeviceDecode), one batch ahead of training (DecodeAhead).
 """
@@ -11,6 +13,7 @@ import collections
 import io
 import math
 import multiprocessing as mp
+import os
 import re
 import sys
 import warnings
@@ -31,6 +34,62 @@ try:
     import simplejpeg  # libjpeg-turbo with DCT-domain scaling, in a wheel (no system package)
 except ImportError:  # --decode fast then says what to install
     simplejpeg = None
+
+
+def _import_nvimgcodec():
+    """NVIDIA's nvImageCodec, whose CPU backend is libjpeg-turbo with partial decompression, or None with the
+    reason. DLOJZ_REGION_DECODE=0 turns it off (the benchmark's comparison, a suspected decoder bug)."""
+    if os.environ.get('DLOJZ_REGION_DECODE', '1') == '0':
+        return None, 'turned off by DLOJZ_REGION_DECODE=0'
+    try:
+        from nvidia import nvimgcodec
+    except ImportError:
+        return None, 'nvidia-nvimgcodec-cu12 is not installed (pip install -r requirements.txt)'
+    return nvimgcodec, None
+
+
+class RegionDecoder:
+    """Decode only a region of a JPEG: libjpeg-turbo's jpeg_skip_scanlines() and jpeg_crop_scanline() through
+    nvImageCodec's CPU backend (PyPI nvidia-nvimgcodec-cu12; no GPU or CUDA needed). The pixels are those of a
+    full decode's crop, bit for bit (libjpeg-turbo's same IDCT and upsampling; tests/test_decode checks it), so
+    the path taken changes no sample. One decoder per process, made on first use: a forked worker makes its own.
+    `counts` (shared with the workers) says how many images each path decoded."""
+
+    def __init__(self):
+        self.lib, self.why_not = _import_nvimgcodec()
+        self._pid = self._decoder = self._params = None
+        self.counts = mp.get_context('fork').Array('q', 3)  # region, whole file (DCT-scaled), PIL
+
+    @property
+    def version(self):
+        return getattr(self.lib, '__version__', None)
+
+    def reset(self):
+        for k in range(3):
+            self.counts[k] = 0
+
+    def count(self, k):
+        with self.counts.get_lock():
+            self.counts[k] += 1
+
+    def __call__(self, data, top, left, h, w):
+        """-> uint8 (h, w, 3) RGB, or None when nvImageCodec refuses the file (the caller decodes it whole)."""
+        n = self.lib
+        if self._pid != os.getpid():
+            self._decoder = n.Decoder(device_id=n.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
+                                      backends=[n.Backend(n.BackendKind.CPU_ONLY)])
+            # the crop is drawn from the header's size, unrotated (as simplejpeg and PIL decode it)
+            self._params = n.DecodeParams(apply_exif_orientation=False, color_spec=n.SRGB, sample_format=n.I_RGB)
+            self._pid = os.getpid()
+        stream = n.CodeStream(data).get_sub_code_stream(region=n.Region(top, left, top + h, left + w))
+        img = self._decoder.decode(stream, params=self._params)
+        if img is None:
+            return None
+        arr = np.asarray(img.cpu())
+        return arr if arr.shape == (h, w, 3) else None
+
+
+REGION = RegionDecoder()
 
 
 class BadImageError(DataError):
@@ -124,10 +183,11 @@ def dct_reduction(h, w, size, most=8):
 
 class FastTrainTransform:
     """--decode fast: the same RandomResizedCrop + flip, same draws from the same per-sample RNG, decoding
-    no more pixels than the crop needs: the crop is drawn from the JPEG header's size, libjpeg-turbo
-    (simplejpeg) decodes at the smallest power-of-two scale that keeps the crop at least `size` pixels wide,
-    the crop is a view, and torch resizes it in uint8 (bilinear, antialiased, as torchvision's). Files
-    libjpeg-turbo will not decode to RGB (CMYK, a PNG named .JPEG, ...) go through PIL, same draws."""
+    no more pixels than the crop needs: the crop is drawn from the JPEG header's size; libjpeg-turbo decodes
+    the crop's region alone (RegionDecoder), or, when that is more pixels, the whole file at the smallest
+    power-of-two DCT scale that keeps the crop at least `size` pixels wide (simplejpeg); torch resizes the crop
+    in uint8 (bilinear, antialiased, as torchvision's). Files libjpeg-turbo will not decode to RGB (CMYK, a PNG
+    named .JPEG, ...) go through PIL, same draws."""
     decode = 'fast'
 
     def __init__(self, size):
@@ -139,19 +199,30 @@ class FastTrainTransform:
     def __call__(self, path, rng):
         data = read_bytes(path)
         try:
-            height, width = simplejpeg.decode_jpeg_header(data)[:2]
+            height, width, colorspace = simplejpeg.decode_jpeg_header(data)[:3]
         except ValueError:  # not a JPEG libjpeg-turbo reads
             return self._with_pil(path, rng)
         top, left, h, w = random_resized_crop_params(rng, width, height)
         r = dct_reduction(h, w, self.size)
+        # A file that does not end with its EOI marker (FF D9) is decoded whole: a truncated file must fail
+        # whatever its crop (a region above the cut would decode), as the other paths make it fail.
+        if REGION.lib is not None and colorspace in ('YCbCr', 'Gray') and h * w * r * r <= height * width \
+                and data.endswith(b'\xff\xd9'):
+            crop = REGION(data, top, left, h, w)  # the region's pixels, fewer than the scaled whole file's
+            if crop is not None:
+                REGION.count(0)
+                return self._finish(crop, w, h, 0, 0, h, w, rng)  # the crop is the whole array
         try:
             arr = simplejpeg.decode_jpeg(data, 'RGB', min_height=-(-height // r), min_width=-(-width // r))
         except ValueError:  # CMYK to RGB, a damaged file: PIL says which
+            REGION.count(2)
             img = load_rgb(path)
             return self._finish(np.asarray(img), width, height, top, left, h, w, rng)
+        REGION.count(1)
         return self._finish(arr, width, height, top, left, h, w, rng)
 
     def _with_pil(self, path, rng):
+        REGION.count(2)
         img = load_rgb(path)
         top, left, h, w = random_resized_crop_params(rng, img.width, img.height)
         return self._finish(np.asarray(img), img.width, img.height, top, left, h, w, rng)

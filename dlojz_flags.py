@@ -114,6 +114,10 @@ def data_flags(p):
                    '(torchvision\'s way); "gpu" has the workers read the files and nvJPEG decode each batch on the '
                    'GPU, which crops, resizes and flips (CUDA only; the host decodes what nvJPEG refuses). Same '
                    'crops and flips every way; validation decodes on the host')
+    g.add_argument('--loader', choices=['native', 'dali'], default='native', help='"native": PyTorch\'s '
+                   'DataLoader and its workers, decoding with --decode; "dali": NVIDIA DALI decodes, crops, resizes '
+                   'and flips (its CPU pipeline with --num-workers threads, or its GPU decoder on a GPU), the same '
+                   'crops, order and shares (pip install nvidia-dali-cuda120 or -cuda130)')
     g.add_argument('--decode-ahead', action=B, default=True, help='--decode gpu: decode the next batch on a '
                    'thread and side streams while the step before it trains (--no-decode-ahead: decode each '
                    'batch at the start of its step, to compare)')
@@ -372,6 +376,11 @@ def check_flags(args):
         (args.decode == 'gpu' and (worker_ops or args.res_start is not None),
          '--decode gpu decodes after the workers, where --randaugment, --trivialaugment, --random-erasing and '
          '--res-start act; use --decode fast with them.'),
+        (args.loader == 'dali' and (args.decode == 'gpu' or worker_ops or args.res_start is not None
+                                    or args.skip_bad_images or args.fake_data),
+         '--loader dali decodes, crops and flips by itself: it excludes --decode gpu, --randaugment, '
+         '--trivialaugment, --random-erasing, --res-start, --skip-bad-images and --fake-data; drop them or use '
+         '--loader native.'),
         (args.res_start is not None and args.res_start > args.image_size, f'--res-start {args.res_start} is larger '
          f'than --image-size {args.image_size}; progressive resizing grows the resolution up to --image-size.'),
         (args.res_start is not None and args.fake_data, '--res-start resizes decoded images and --fake-data has '
@@ -414,6 +423,10 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
         args.decode = 'fast' if dlojz_decode.simplejpeg is not None else 'pil'
     mode = '--loader-only' if args.loader_only else '--tune-loader'
     cores = usable_cores()
+    if args.loader == 'dali':
+        import dlojz_dali
+        if dlojz_dali.dali() is None:
+            raise UsageError(dlojz_dali.INSTALL)
     refusals = [
         # measured: 1000 workers on 2 cores took minutes to start, and a stop signal then waited for them
         (args.num_workers > MAX_WORKERS_PER_CORE * cores, f'--num-workers {args.num_workers} is more than '

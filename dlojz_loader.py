@@ -144,7 +144,9 @@ def loader_only(args, dist, device, say):
     # once and would inflate the rate (measured by review: 16 workers read 2.7x their true throughput).
     warmup = max(args.warmup_steps, args.num_workers * (args.prefetch_factor or 0))
     say(f'>>> Loader only: {steps} batches of {args.batch_size} after {warmup} warm-up batches, {args.num_workers} '
-        f'workers, prefetch {args.prefetch_factor}, pin memory {args.pin_memory}, decode {args.decode}, on {device}')
+        f'workers, prefetch {args.prefetch_factor}, pin memory {args.pin_memory}, '
+        + (f'DALI ({args.num_workers or 1} threads)' if args.loader == 'dali' else f'decode {args.decode}')
+        + f', on {device}')
     m = measure(data.train_batches, warmup + steps, warmup, device, args.non_blocking, data.set_epoch)
     workers = args.num_workers
     loader = {**m, 'num_workers': workers, 'prefetch_factor': args.prefetch_factor, 'pin_memory': args.pin_memory,
@@ -163,6 +165,7 @@ def loader_only(args, dist, device, say):
                         'classes': len(data.classes), 'train_images': data.n_train,
                         'batches_per_epoch': len(data.train_loader), 'bad_images_skipped': data.bad_images,
                         'shard_file_opens': data.file_opens, 'gpu_decode': data.gpu_decode,
+                        'fast_decode': data.fast_decode, 'handover': data.handover, 'dali': data.dali,
                         'staging': data.staging},
                'loader': loader}
     write_json(os.path.join(args.output_dir, 'summary.json'), summary)
@@ -174,7 +177,7 @@ def loader_only(args, dist, device, say):
 # flags the doctor sets itself in each trial
 _TRIAL_FLAGS = ('tune_loader', 'loader_only', 'output_dir', 'run_name', 'num_workers', 'prefetch_factor',
                 'pin_memory', 'persistent_workers', 'test', 'test_nsteps', 'overwrite', 'resume', 'fake_data',
-                'decode')
+                'decode', 'loader')
 
 
 def to_argv(parser, values):
@@ -197,10 +200,11 @@ def to_argv(parser, values):
     return argv
 
 
-def sweep(usable, cuda, max_workers=16, decode='fast'):
+def sweep(usable, cuda, max_workers=16, decode='fast', dali=False):
     """The trials: workers 0, 1, 2, 4, ... up to the usable cores (and the usable cores), prefetch 2 and 4
     with workers, pinned memory on and off on a GPU (it only matters for the copy to one); with the most
-    workers, the other host decode path too, and nvJPEG on a GPU."""
+    workers, the other host decode path too, and nvJPEG on a GPU; with `dali` (installed), --loader dali
+    with as many threads (its 'decode' is 'dali' in the table)."""
     top = min(usable, max_workers)
     workers = sorted({0, top} | {2 ** k for k in range(0, 8) if 2 ** k <= top})
     others = [d for d in ('fast', 'pil', 'gpu') if d != decode and (d != 'gpu' or cuda)]
@@ -211,10 +215,14 @@ def sweep(usable, cuda, max_workers=16, decode='fast'):
             for p in ([None] if w == 0 else [2, 4]):
                 for pin in ([False, True] if cuda else [None]):  # None: the flag is not given (refused on CPU)
                     trials.append({'num_workers': w, 'prefetch_factor': p, 'pin_memory': pin, 'decode': d})
+    if dali:
+        trials.append({'num_workers': top, 'prefetch_factor': None, 'pin_memory': None, 'decode': 'dali'})
     return trials
 
 
 def trial_argv(trial):
+    if trial['decode'] == 'dali':
+        return ['--num-workers', str(trial['num_workers']), '--loader', 'dali']
     argv = ['--num-workers', str(trial['num_workers']), '--decode', trial['decode']]
     if trial['pin_memory'] is not None:
         argv.append('--pin-memory' if trial['pin_memory'] else '--no-pin-memory')
@@ -280,7 +288,8 @@ def tune_loader(args, raw, parser, dist, device, say, python=sys.executable, scr
     script = script or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'dlojz.py')
     base = to_argv(parser, raw) + (['--overwrite'] if args.overwrite else [])  # its trials' folders too
     steps = args.test_nsteps or 30
-    trials = sweep(usable_cores(), device.type == 'cuda', decode=args.decode)
+    import dlojz_dali
+    trials = sweep(usable_cores(), device.type == 'cuda', decode=args.decode, dali=dlojz_dali.dali() is not None)
     budget = memory_budget()
     say(f'Loader doctor: {len(trials)} loader trials of {steps} batches, then the compute ceiling on --fake-data; '
         f'host memory budget ' + (f'{budget / 2**30:.1f} GiB' if budget else 'unknown'))

@@ -39,6 +39,7 @@ CONTRACT = {
     'val_image_size': (H, ''),
     'decode': (H, 'the same crops and flips, decoded another way'),
     'decode_ahead': (H, ''),
+    'loader': (H, 'the same batches, crops and flips, decoded by DALI or by the native workers'),
     'skip_bad_images': (H, ''),
     # loader
     'batch_size': (R, 'unless --allow-batch-change: the position and the schedule are then converted in images'),

@@ -58,6 +58,7 @@ def write_summary(run, progress, status, error=None, extra=None):
                  'classes': len(run.data.classes), 'train_images': run.data.n_train, 'val_images': run.data.n_val,
                  'batches_per_epoch': run.steps_per_epoch, 'bad_images_skipped': run.data.bad_images,
                  'shard_file_opens': run.data.file_opens, 'gpu_decode': run.data.gpu_decode,
+                 'fast_decode': run.data.fast_decode, 'handover': run.data.handover, 'dali': run.data.dali,
                  'staging': run.data.staging},
         'timing': timing,
         'memory': run.memory.summary(), 'host': run.host,

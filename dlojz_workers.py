@@ -13,6 +13,7 @@ import torch
 
 import dlojz_dist
 import dlojz_failpoints
+from dlojz_handover import Materialized, SharedCollate
 
 
 def ignore_preemption_signals(worker_id=None):
@@ -96,8 +97,12 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self):
         if self.abort_on_stop and dlojz_dist.stop_received():  # with or without workers: no batch to wait for
             return iter(())
+        shared = isinstance(self.collate_fn, SharedCollate)
+        if shared and not (self.persistent_workers and self._iterator is not None):
+            self.collate_fn.new_generation()  # workers are forked now: they get fresh permits
         try:
-            return super().__iter__()
+            it = super().__iter__()
+            return Materialized(it) if shared else it
         except _StartStopped as e:
             _abandon(e.__traceback__)
             return iter(())

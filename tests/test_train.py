@@ -92,7 +92,8 @@ def test_validation_is_the_mean_over_images(tmp_path, cache_dir):
     # validation reports plain cross-entropy (as timm does); the training criterion's value under its own name
     assert s['val']['loss'] == pytest.approx(losses.mean().item(), rel=1e-5)
     assert s['val']['criterion_loss'] == pytest.approx(smoothed.item(), rel=1e-5)
-    assert abs(smoothed.item() - losses.mean().item()) > 1e-3  # the two can be told apart
+    # the two can be told apart: their gap is many times the 1e-5 relative tolerance above (~1.4e-5 here)
+    assert abs(smoothed.item() - losses.mean().item()) > 1e-4
     # two clocks: from the process's start (imports and set-up included) and from the run's, as MLPerf counts
     assert s['val']['process_wall_s'] > s['val']['wall_s'] > 0
     assert s['val']['top1'] == pytest.approx((logits.argmax(1) == y).float().mean().item())

@@ -18,7 +18,9 @@
 - --decode gpu: nvJPEG's crops equal the CPU seam's (libjpeg-turbo) within 2 levels; decoding one batch ahead on
   a thread gives the same batches and the training stream never reads one before its decode ends; decoding never writes
   into memory that queued training kernels still read (pytorch/vision#9606; the same check catches a decode
-  on the training stream, its positive control), and a run trains with it.
+  on the training stream, its positive control), and a run trains with it;
+- batches handed over in shared slots and pinned by the pin-memory thread equal the default collate's;
+  --loader dali's mixed decoder gives its CPU pipeline's batches on the device, and a run trains with it.
 
 Run: python -m pytest -q tests/gpu    (bash tests/gpu/run.sh also runs the benchmark matrix)
 """
@@ -30,6 +32,7 @@ import random
 import statistics
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -586,3 +589,47 @@ def test_queued_work_is_clean_and_compute_bound():
     # the first steady step starts on an idle device (the window's sync): at most a probe or two
     assert s['bound'] == 'compute' and tot['gpu_step_source'] == 'clean' and tot['probe_steps'] <= 2
     assert tot['gpu_step_s'] == pytest.approx(0.08, rel=0.2)
+
+
+# ------------------------------------------------------------------------------ batches into pinned memory, DALI
+
+def test_pinned_shared_batches_equal_the_default_collates():
+    """With pinned memory, torch's pin-memory thread copies each shared slot into a pinned batch
+    (dlojz_handover.SlotBatch.pin_memory) and frees the slot: the batches equal the default collate's."""
+    import dlojz_handover
+    from dlojz_workers import DataLoader, ignore_preemption_signals
+
+    class Pictures(torch.utils.data.Dataset):
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return torch.full((3, 8, 8), i % 251, dtype=torch.uint8), i % 5
+
+    kw = dict(batch_size=6, num_workers=2, prefetch_factor=2, pin_memory=True, worker_init_fn=ignore_preemption_signals)
+    want = list(DataLoader(Pictures(), **kw))
+    collate = dlojz_handover.SharedCollate(2, 2, 6, 8)
+    got = list(DataLoader(Pictures(), collate_fn=collate, **kw))
+    assert len(got) == len(want) == 7 and collate.stats()['batches_in_slots'] == 7
+    for (x, y), (wx, wy) in zip(got, want):
+        assert x.is_pinned() and y.is_pinned() and torch.equal(x, wx) and torch.equal(y, wy)
+
+
+def test_dali_mixed_decoder_matches_its_cpu_pipeline(tmp_path, cache_dir):
+    """--loader dali on a GPU: the 'mixed' decoder (nvJPEG, the hardware engine on A100/H100) gives the CPU
+    pipeline's batches on the device, within a few levels (IDCT and upsampling differ), and a run trains."""
+    import dlojz_dali
+    if dlojz_dali.dali() is None:
+        pytest.skip('NVIDIA DALI is not installed')
+    s, _ = run_main(tmp_path / 'run', cache_dir, *CUDA, '--loader', 'dali', '--num-workers', 2, '--test-nsteps', 4)
+    assert s['status'] == 'completed' and s['data']['dali']['decoder'] == 'mixed'
+    argv = [*TINY, '--cache-dir', cache_dir, '--loader', 'dali', '--num-workers', '2']
+    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(argv), torch.device('cuda'))
+    dist = SimpleNamespace(rank=0, world_size=1, local_rank=0, is_main=True)
+    on = {d: dlojz_data.build_data(args, dist, log=lambda *a: None, device=torch.device(d)) for d in ('cuda', 'cpu')}
+    for d in on.values():
+        d.set_epoch(0)
+    gx, gy = next(iter(on['cuda'].train_loader))
+    cx, cy = next(iter(on['cpu'].train_loader))
+    assert gx.device.type == 'cuda' and torch.equal(gy, cy)
+    assert (gx.cpu().int() - cx.int()).abs().float().mean() < 3
