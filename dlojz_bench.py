@@ -15,7 +15,8 @@ the main process together, as the issue's protocol), alternated `--repeats` time
 - fast-whole: the same with region decoding turned off (DLOJZ_REGION_DECODE=0);
 - fast-torch-handover: the same with torch's default collate (DLOJZ_HANDOVER=default);
 - shards: the same from a `dlojz_data.py prepare --max-side 320` copy (made once, beside the corpus);
-- dali: DALI's CPU pipeline (file reader, fn.decoders.image_random_crop, resize, flip, normalise), one
+- dlojz-dali: `dlojz.py --loader-only --loader dali --num-workers 1` (DALI decodes dlojz's batches, one thread);
+- dali: DALI's own CPU pipeline (file reader, fn.decoders.image_random_crop, resize, flip, normalise), one
   thread, when nvidia-dali is installed.
 """
 import argparse
@@ -159,6 +160,8 @@ def one(name, root, size, batch, steps, warmup):
         return dlojz(root, size, batch, steps, warmup, env={'DLOJZ_REGION_DECODE': '0'})
     if name == 'fast-torch-handover':  # torch's default collate: a new shared block per batch
         return dlojz(root, size, batch, steps, warmup, env={'DLOJZ_HANDOVER': 'default'})
+    if name == 'dlojz-dali':  # --loader dali: DALI decodes dlojz's own batches and boxes, one thread
+        return dlojz(root, size, batch, steps, warmup, ['--loader', 'dali'])
     if name == 'shards':
         return dlojz(root, size, batch, steps, warmup, ['--data-dir', shards_of(root)])
     raise SystemExit(f'unknown pipeline {name}')
