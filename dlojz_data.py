@@ -544,6 +544,8 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
         if why_not:
             log(f'Note: {why_not}; the workers hand each batch over in a new shared block (PyTorch\'s way).')
     dlojz_decode.REGION.reset()
+    if args.decode == 'fast' and args.loader == 'native' and dlojz_decode.REGION.lib is None:
+        log(f'Note: {dlojz_decode.REGION.why_not}: --decode fast decodes whole files, not the crop\'s region alone.')
     val_transform = dlojz_decode.ValTransform(args.val_resize, args.val_image_size)
     if source.kind == 'shards':
         classes, splits = dlojz_shards.load_index(source.root)

@@ -20,8 +20,10 @@ that finds no permit within 50 ms stacks the batch the default way, and the summ
 nothing ever waits for the main process. Each iterator of a loader without persistent workers forks new
 workers and starts a new generation: a batch of an older one never releases a newer one's permit.
 """
+import itertools
 import multiprocessing as mp
 import os
+import weakref
 
 import torch
 from torch.utils.data import default_collate, get_worker_info
@@ -99,10 +101,12 @@ class SlotBatch:
 class SharedCollate:
     """collate_fn of the training loader with workers, for batches of uint8 (3, s, s) images and int labels
     (--decode fast and pil); anything else, or a batch larger than a slot, is collated the default way."""
-    registry = {}  # id -> SharedCollate, inherited by the forked workers
+    # id -> SharedCollate, inherited by the forked workers; weak, so that a loader's slots go with it
+    registry = weakref.WeakValueDictionary()
+    ids = itertools.count()
 
     def __init__(self, workers, prefetch_factor, batch_size, max_image_size):
-        self.id = len(SharedCollate.registry)
+        self.id = next(SharedCollate.ids)
         SharedCollate.registry[self.id] = self
         self.workers, self.per_worker = workers, (prefetch_factor or 2) + 1
         self.slot_bytes = batch_size * 3 * max_image_size ** 2

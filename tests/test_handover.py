@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import dlojz_data
 import dlojz_decode as DD
@@ -214,3 +215,42 @@ def test_slots_that_would_not_fit_in_shared_memory_are_not_made(monkeypatch):
     assert isinstance(collate, HO.SharedCollate)
     collate, why = HO.make(8, 2, 256, 224)  # 8 workers x 3 slots x 36.8 MiB = 882 MiB
     assert collate is None and why == 'the shared batch slots would take 882 MiB of the 64 MiB free in /dev/shm'
+
+
+def test_a_loaders_slots_go_with_it():
+    collate = HO.SharedCollate(1, 2, 4, 8)
+    ref = __import__('weakref').ref(collate.blocks)
+    key = collate.id
+    del collate
+    assert ref() is None and key not in HO.SharedCollate.registry
+
+
+@needs_region
+def test_the_region_path_meets_torchvisions_resized_crop_as_the_whole_file_path_does(tmp_path, monkeypatch):
+    """Against torchvision's own resized_crop of the fully decoded image (PIL), same boxes and flips: the region
+    path is within the tolerance the whole-file path meets."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as TF
+    path = tmp_path / 'b.JPEG'
+    path.write_bytes(jpeg(photo(seed=11)))
+    img = Image.open(path).convert('RGB')
+    fast = DD.FastTrainTransform(224)
+
+    def worst_error():
+        errors = []
+        for i in range(30):
+            got = fast(str(path), random.Random(f'1-2-{i}'))
+            rng = random.Random(f'1-2-{i}')  # the transform's draws, repeated: the box, then the flip
+            top, left, h, w = DD.random_resized_crop_params(rng, img.width, img.height)
+            want = TF.pil_to_tensor(TF.resized_crop(img, top, left, h, w, [224, 224], InterpolationMode.BILINEAR,
+                                                    antialias=True))
+            want = want.flip(-1) if rng.random() < 0.5 else want
+            errors.append((got.int() - want.int()).abs().float().mean().item())
+        return max(errors)
+    DD.REGION.reset()
+    region = worst_error()
+    assert DD.REGION.counts[0] == 30
+    monkeypatch.setattr(DD.REGION, 'lib', None)
+    whole = worst_error()
+    print(f'mean abs error vs torchvision, worst sample: region {region:.3f}, whole file {whole:.3f} levels')
+    assert region <= whole + 0.01 and region < 1.5
