@@ -19,7 +19,9 @@ Not with it: --decode gpu (DALI is the decoder), worker-side augmentations and -
 workers' transforms), --skip-bad-images (DALI fails a whole batch; the native loader names the file).
 """
 import io
+import os
 import random
+import weakref
 
 import numpy as np
 import torch
@@ -39,6 +41,24 @@ def dali():
         return nvidia.dali
     except ImportError:
         return None
+
+
+_PIPELINES = weakref.WeakSet()  # the DALI pipelines this process built
+_FORKED_AWAY = []  # their C++ halves, in a forked child: kept, never shut down there
+
+
+def _forget_pipelines_in_child():
+    """After a fork: a pipeline's threads stayed in the parent, and shutting it down in the child (its __del__,
+    at the next garbage collection) crashed the child (measured: a segfault in a synthetic-dataset generator
+    forked after a DALI run, whose pool then waited for it forever). The child keeps the C++ object unused."""
+    for pipe in list(_PIPELINES):
+        inner = getattr(pipe, '_pipe', None)  # DALI's handle on the C++ pipeline (Pipeline._shutdown uses it)
+        if inner is not None:
+            _FORKED_AWAY.append(inner)
+            pipe._pipe = None
+
+
+os.register_at_fork(after_in_child=_forget_pipelines_in_child)
 
 
 def image_size(data):
@@ -102,6 +122,7 @@ class DaliLoader:
 
         p = pipe()
         p.build()
+        _PIPELINES.add(p)
         return p
 
     def _inputs(self, keys):

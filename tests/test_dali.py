@@ -27,7 +27,7 @@ import dlojz_data
 import dlojz_decode as DD
 import dlojz_flags
 import dlojz_loader as L
-from conftest import TINY, run_cli, torchrun
+from conftest import TINY, latest, run_cli, run_main, torchrun
 from dlojz_errors import UsageError
 
 needs_dali = pytest.mark.skipif(dlojz_dali.dali() is None, reason='NVIDIA DALI is not installed')
@@ -160,3 +160,34 @@ def test_the_loader_doctor_shows_dali(tmp_path, cache_dir):
     record = json.loads((tmp_path / 'tune-loader.json').read_text())
     assert any(t['decode'] == 'dali' and t['images_per_second'] > 0 for t in record['trials'])
     assert '| dali |' in p.stdout
+
+
+@needs_dali
+def test_a_dali_run_resumed_mid_epoch_repeats_the_uninterrupted_losses(tmp_path, cache_dir):
+    """Stopped after 18 of 24 steps (mid-epoch 2) and resumed: the resumed steps see the images, crops and
+    flips the uninterrupted run saw, so its losses are the same, bit for bit (CPU)."""
+    flags = ['-e', '2', '--log-interval', '1', '--loader', 'dali', '--num-workers', '1']
+    _, full = run_main(tmp_path / 'full', cache_dir, *flags)
+    run_main(tmp_path / 'part', cache_dir, *flags, '--test-nsteps', '18', '--chkpt')
+    _, second = run_main(tmp_path / 'resumed', cache_dir, *flags, '--resume', latest(tmp_path / 'part'))
+    train = lambda recs: {r['global_step']: r['loss'] for r in recs if r['type'] == 'train'}  # noqa: E731
+    ref, got = train(full), train(second)
+    assert sorted(got) == list(range(19, 25)) and [got[k] for k in range(19, 25)] == [ref[k] for k in range(19, 25)]
+
+
+@needs_dali
+def test_a_process_forked_after_a_dali_run_does_not_crash_on_its_pipeline(coords):
+    """A DALI pipeline shut down in a forked child (its __del__ at the child's next collection) segfaulted the
+    child: a synthetic-dataset worker forked after a DALI run crashed, and its pool waited forever."""
+    import gc
+    import os
+    data = data_of(coords, 'dali')
+    data.set_epoch(0)
+    next(iter(data.train_loader))
+    pid = os.fork()
+    if pid == 0:  # the child drops the loader and collects: exit 0, or die of the crash
+        del data
+        gc.collect()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import dlojz
+import dlojz_dali
 import dlojz_loader as L
 import dlojz_report
 from conftest import TINY
@@ -128,6 +129,7 @@ def test_sweep_and_verdict_by_hand():
 @pytest.mark.slow
 def test_the_doctor_measures_trials_and_the_ceiling(tmp_path, cache_dir, capsys, monkeypatch):
     monkeypatch.setattr(L, 'usable_cores', lambda: 1)  # 0 workers; 1 worker x prefetch 2, 4 x decode fast, pil
+    monkeypatch.setattr(dlojz_dali, 'dali', lambda: None)  # its trial: tests/test_dali.py
     out = tmp_path / 'doctor'
     assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--tune-loader',
                       '--test-nsteps', '4']) == 0
