@@ -13,7 +13,6 @@ import collections
 import io
 import math
 import multiprocessing as mp
-import os
 import re
 import sys
 import warnings
@@ -29,6 +28,7 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
 from dlojz_errors import DataError
+from dlojz_region import REGION
 
 try:
     import simplejpeg  # libjpeg-turbo with DCT-domain scaling, in a wheel (no system package)
@@ -36,60 +36,6 @@ except ImportError:  # --decode fast then says what to install
     simplejpeg = None
 
 
-def _import_nvimgcodec():
-    """NVIDIA's nvImageCodec, whose CPU backend is libjpeg-turbo with partial decompression, or None with the
-    reason. DLOJZ_REGION_DECODE=0 turns it off (the benchmark's comparison, a suspected decoder bug)."""
-    if os.environ.get('DLOJZ_REGION_DECODE', '1') == '0':
-        return None, 'turned off by DLOJZ_REGION_DECODE=0'
-    try:
-        from nvidia import nvimgcodec
-    except ImportError:
-        return None, 'nvidia-nvimgcodec-cu12 is not installed (pip install -r requirements.txt)'
-    return nvimgcodec, None
-
-
-class RegionDecoder:
-    """Decode only a region of a JPEG: libjpeg-turbo's jpeg_skip_scanlines() and jpeg_crop_scanline() through
-    nvImageCodec's CPU backend (PyPI nvidia-nvimgcodec-cu12; no GPU or CUDA needed). The pixels are those of a
-    full decode's crop, bit for bit (libjpeg-turbo's same IDCT and upsampling; tests/test_decode checks it), so
-    the path taken changes no sample. One decoder per process, made on first use: a forked worker makes its own.
-    `counts` (shared with the workers) says how many images each path decoded."""
-
-    def __init__(self):
-        self.lib, self.why_not = _import_nvimgcodec()
-        self._pid = self._decoder = self._params = None
-        self.counts = mp.get_context('fork').Array('q', 3)  # region, whole file (DCT-scaled), PIL
-
-    @property
-    def version(self):
-        return getattr(self.lib, '__version__', None)
-
-    def reset(self):
-        for k in range(3):
-            self.counts[k] = 0
-
-    def count(self, k):
-        with self.counts.get_lock():
-            self.counts[k] += 1
-
-    def __call__(self, data, top, left, h, w):
-        """-> uint8 (h, w, 3) RGB, or None when nvImageCodec refuses the file (the caller decodes it whole)."""
-        n = self.lib
-        if self._pid != os.getpid():
-            self._decoder = n.Decoder(device_id=n.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
-                                      backends=[n.Backend(n.BackendKind.CPU_ONLY)])
-            # the crop is drawn from the header's size, unrotated (as simplejpeg and PIL decode it)
-            self._params = n.DecodeParams(apply_exif_orientation=False, color_spec=n.SRGB, sample_format=n.I_RGB)
-            self._pid = os.getpid()
-        stream = n.CodeStream(data).get_sub_code_stream(region=n.Region(top, left, top + h, left + w))
-        img = self._decoder.decode(stream, params=self._params)
-        if img is None:
-            return None
-        arr = np.asarray(img.cpu())
-        return arr if arr.shape == (h, w, 3) else None
-
-
-REGION = RegionDecoder()
 
 
 class BadImageError(DataError):

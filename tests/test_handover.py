@@ -254,3 +254,20 @@ def test_the_region_path_meets_torchvisions_resized_crop_as_the_whole_file_path_
     whole = worst_error()
     print(f'mean abs error vs torchvision, worst sample: region {region:.3f}, whole file {whole:.3f} levels')
     assert region <= whole + 0.01 and region < 1.5
+
+
+def test_nvimgcodecs_absent_extension_lines_are_dropped_and_others_kept(capfd):
+    """Without DALI's extra wheels (nvJPEG2000, nvTIFF), importing nvImageCodec printed 9 lines on stderr in every
+    worker, and the tests that read a run's stderr failed on the floors."""
+    import os
+    import dlojz_region
+
+    def noisy():
+        os.write(2, b'Failed to load nvjpeg2k library! Please install nvJPEG2000 (see https://docs.nvidia.com).\n')
+        os.write(2, b"Note: If using nvImageCodec's Python distribution, it is enough to install the wheel\n")
+        os.write(2, b'[ERROR] [nvtiff_ext] Failed to load nvTIFF library or retrieve version. Decoders and encoders '
+                    b'will not be registered.\n')
+        os.write(2, b'a genuine error\n')
+        return 7
+    assert dlojz_region._made_quietly(noisy) == 7
+    assert capfd.readouterr().err == 'a genuine error\n'
