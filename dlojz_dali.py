@@ -12,16 +12,17 @@ torchvision's) and the flip then give uint8 CHW batches. The training loop norma
 as it does the native loader's.
 
 On CPU, DALI's thread pool has --num-workers threads (at least one). On a GPU the pipeline runs on this rank's
-device. Each batch is fed and run in turn: DALI's threads decode the images of a batch in parallel, but
-no batch is prepared while a step trains, which the native loader's workers do.
+device. One batch is prepared ahead, on a thread of the main process, while the step before it trains.
 
 Not with it: --decode gpu (DALI is the decoder), worker-side augmentations and --res-start (the native
 workers' transforms), --skip-bad-images (DALI fails a whole batch; the native loader names the file).
 """
+import collections
 import io
 import os
 import random
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -140,25 +141,43 @@ class DaliLoader:
                 flips.append(rng.random() < 0.5)
         return data, labels, boxes, flips
 
-    def __iter__(self):
+    def _batch(self, keys):
+        """Feed and run one batch -> (images, labels), on the loader's thread."""
         from nvidia.dali.plugin.pytorch import feed_ndarray
+        p = self._pipe
+        data, labels, boxes, flips = self._inputs(keys)
+        p.feed_input('data', data)
+        if self.train:
+            p.feed_input('anchor', [np.array(b[:2], np.int32) for b in boxes])
+            p.feed_input('shape', [np.array(b[2:], np.int32) for b in boxes])
+            p.feed_input('flip', [np.array(int(f), np.int32) for f in flips])
+        try:
+            (out,) = p.run()
+        except RuntimeError as e:
+            raise DataError(f'DALI could not decode a batch ({str(e).strip().splitlines()[0]}); --loader '
+                            f'native names the file (and --skip-bad-images replaces it).') from None
+        out = out.as_tensor()
+        x = torch.empty(out.shape(), dtype=torch.uint8, device=self.device)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == 'cuda' else None
+        feed_ndarray(out, x, cuda_stream=stream)  # a blocking copy: DALI may reuse its buffer at the next run
+        return x, torch.tensor(labels, dtype=torch.int64)
+
+    def __iter__(self):
+        """One batch ahead: a thread reads, draws, feeds and runs batch k+1 (DALI's own threads decode it, the
+        GIL released) while the caller trains on batch k. Every call into the pipeline is made from that one
+        thread; a stop mid-epoch waits for the batch under way and starts no other."""
         if self._pipe is None:
             self._pipe = self._build()
-        p = self._pipe
-        for keys in self.batch_sampler:
-            data, labels, boxes, flips = self._inputs(keys)
-            p.feed_input('data', data)
-            if self.train:
-                p.feed_input('anchor', [np.array(b[:2], np.int32) for b in boxes])
-                p.feed_input('shape', [np.array(b[2:], np.int32) for b in boxes])
-                p.feed_input('flip', [np.array(int(f), np.int32) for f in flips])
-            try:
-                (out,) = p.run()
-            except RuntimeError as e:
-                raise DataError(f'DALI could not decode a batch ({str(e).strip().splitlines()[0]}); --loader '
-                                f'native names the file (and --skip-bad-images replaces it).') from None
-            out = out.as_tensor()
-            x = torch.empty(out.shape(), dtype=torch.uint8, device=self.device)
-            stream = torch.cuda.current_stream(self.device) if self.device.type == 'cuda' else None
-            feed_ndarray(out, x, cuda_stream=stream)
-            yield x, torch.tensor(labels, dtype=torch.int64)
+        cuda = self.device.type == 'cuda'
+        pool = ThreadPoolExecutor(1, thread_name_prefix='dlojz-dali',
+                                  initializer=(lambda: torch.cuda.set_device(self.device)) if cuda else None)
+        pending = collections.deque()
+        try:
+            for keys in self.batch_sampler:
+                pending.append(pool.submit(self._batch, keys))
+                if len(pending) > 1:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)

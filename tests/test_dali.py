@@ -191,3 +191,25 @@ def test_a_process_forked_after_a_dali_run_does_not_crash_on_its_pipeline(coords
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+@needs_dali
+def test_the_next_batch_is_prepared_while_the_step_trains(coords, monkeypatch):
+    import threading
+    import time
+    data = data_of(coords, 'dali')
+    data.set_epoch(0)
+    loader, events = data.train_loader, []
+    real = loader._batch
+
+    def recorded(keys):
+        events.append(('start', keys[0], threading.current_thread().name))
+        return real(keys)
+    monkeypatch.setattr(loader, '_batch', recorded)
+    order = [b[0] for b in loader.batch_sampler]
+    for i, _ in enumerate(loader):
+        time.sleep(0.2)  # the step
+        events.append(('step done', i))
+    starts = [e for e in events if e[0] == 'start']
+    assert [e[1] for e in starts] == order and all(e[2].startswith('dlojz-dali') for e in starts)
+    assert events.index(starts[1]) < events.index(('step done', 0))  # batch 1 began during step 0
