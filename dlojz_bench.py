@@ -176,14 +176,6 @@ def shards_of(root):
     return dst
 
 
-def has_dali():
-    try:
-        import nvidia.dali  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 def compare(root, pipelines, repeats, cpu, size, batch, steps, warmup):
     """Each pipeline in its own process pinned to `cpu`, alternated -> {name: [img/s]}."""
     if 'shards' in pipelines:
@@ -220,12 +212,13 @@ def main(argv=None):
             q.add_argument('--cpu', type=int, default=0, help='the core every pipeline is pinned to')
             q.add_argument('--pipelines', default=None, help='comma-separated; default classic,fast,shards[,dali]')
     a = p.parse_args(argv)
+    import dlojz_dali  # is DALI installed (one import of torch, in the parent only)
     if a.cmd == 'corpus':
         make_corpus(a.root, a.images, seed=a.seed)
     elif a.cmd == 'one':
         print(f'RATE {one(a.pipeline, a.root, a.image_size, a.batch_size, a.steps, a.warmup):.3f}')
     else:
-        names = a.pipelines.split(',') if a.pipelines else ['classic', 'fast', 'shards'] + (['dali'] * has_dali())
+        names = a.pipelines.split(',') if a.pipelines else ['classic', 'fast', 'shards'] + (['dali'] * (dlojz_dali.dali() is not None))
         res = compare(a.root, names, a.repeats, a.cpu, a.image_size, a.batch_size, a.steps, a.warmup)
         base = statistics.median(res['classic']) if 'classic' in res else None
         print('| pipeline | ' + ' | '.join(f'run {i + 1}' for i in range(a.repeats)) + ' | median | x classic |')

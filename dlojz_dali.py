@@ -20,7 +20,6 @@ workers' transforms), --skip-bad-images (DALI fails a whole batch; the native lo
 import collections
 import io
 import os
-import random
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from dlojz_decode import random_resized_crop_params, read_bytes, simplejpeg
+from dlojz_decode import random_resized_crop_params, read_bytes, sample_rng, simplejpeg
 from dlojz_errors import DataError
 
 INSTALL = ('--loader dali needs NVIDIA DALI, which is not installed: pip install nvidia-dali-cuda120 (CUDA 12 '
@@ -91,14 +90,15 @@ class DaliLoader:
     def __len__(self):
         return len(self.batch_sampler)
 
-    @property
-    def version(self):
-        return dali().__version__
+    def summary(self):
+        """summary.json's data.dali: DALI's version, where it decodes and its threads."""
+        return {'version': dali().__version__, 'decoder': 'mixed' if self.device.type == 'cuda' else 'cpu',
+                'threads': self.threads}
 
     def _build(self):
         from nvidia.dali import fn, pipeline_def, types
         gpu = self.device.type == 'cuda'
-        batch = max(1, getattr(self.batch_sampler, 'batch_size', None) or max(len(b) for b in self.batch_sampler))
+        batch = self.batch_sampler.batch_size  # the largest batch (StepBatchSampler, BatchSampler)
 
         @pipeline_def(batch_size=batch, num_threads=self.threads, device_id=self.device.index or 0 if gpu else None,
                       exec_async=False, exec_pipelined=False, seed=self.seed)
@@ -136,7 +136,7 @@ class DaliLoader:
             data.append(np.frombuffer(raw, dtype=np.uint8))
             labels.append(label)
             if self.train:  # the per-sample RNG of ImageFolderDataset, drawn as FastTrainTransform draws
-                rng = random.Random(f'{self.dataset.seed}-{epoch}-{index}')
+                rng = sample_rng(self.dataset.seed, epoch, index)
                 boxes.append(random_resized_crop_params(rng, *image_size(raw)))
                 flips.append(rng.random() < 0.5)
         return data, labels, boxes, flips

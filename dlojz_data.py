@@ -16,7 +16,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import random
 import shutil
 import signal
 import sys
@@ -220,7 +219,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
             dlojz_failpoints.train_sample()
         if self.resolution is not None:  # progressive resizing: this process's transform, this epoch's size
             self.transform.size = self.resolution(epoch)
-        rng = random.Random(f'{self.seed}-{epoch}-{index}')  # str seeds hash deterministically (sha512)
+        rng = dlojz_decode.sample_rng(self.seed, epoch, index)
         for attempt in range(len(self.samples)):
             src, label = self.source((index + attempt) % len(self.samples))
             try:
@@ -265,37 +264,6 @@ class ShardDataset(ImageFolderDataset):
                             f'byte {offset + size}; copy it again from where the shards were prepared, or run '
                             f'dlojz_data.py prepare again.')
         return Blob(data, f'{self.names[shard]}:{i:08d}'), label
-
-    @property
-    def fast_decode(self):
-        """--decode fast (and the host path of --decode gpu): which decoder took how many training images, and
-        why the region decoder was not used when it was not; None for --decode pil."""
-        if self.dali is not None:
-            return None
-        transform = getattr(self.train_dataset, 'transform', None)
-        transform = getattr(transform, 'transform', transform)  # under worker-side augmentations
-        transform = getattr(transform, 'cpu', transform)  # --decode gpu's host path
-        if not isinstance(transform, dlojz_decode.FastTrainTransform):
-            return None
-        r = dlojz_decode.REGION
-        return {'region_decoder': f'nvimgcodec {r.version}' if r.lib else None, 'why_not': r.why_not,
-                'images_region': r.counts[0], 'images_whole_file': r.counts[1], 'images_pil': r.counts[2]}
-
-    @property
-    def dali(self):
-        """--loader dali: DALI's version, where it decodes and its threads; None for the native loader."""
-        loader = self.train_loader
-        if type(loader).__name__ != 'DaliLoader':
-            return None
-        return {'version': loader.version, 'decoder': 'mixed' if loader.device.type == 'cuda' else 'cpu',
-                'threads': loader.threads}
-
-    @property
-    def handover(self):
-        """How the training loader's workers handed their batches over (dlojz_handover); None without
-        workers or for --decode gpu."""
-        collate = getattr(self.train_loader, 'collate_fn', None)
-        return collate.stats() if isinstance(collate, SharedCollate) else None
 
     @property
     def file_opens(self):
@@ -475,11 +443,8 @@ class Data:
     @property
     def dali(self):
         """--loader dali: DALI's version, where it decodes and its threads; None for the native loader."""
-        loader = self.train_loader
-        if type(loader).__name__ != 'DaliLoader':
-            return None
-        return {'version': loader.version, 'decoder': 'mixed' if loader.device.type == 'cuda' else 'cpu',
-                'threads': loader.threads}
+        summary = getattr(self.train_loader, 'summary', None)  # a DaliLoader's (dlojz_dali)
+        return summary() if summary else None
 
     @property
     def handover(self):

@@ -12,6 +12,7 @@ dlojz_data from seed, epoch and index), so they differ by decoder and resampler 
 import collections
 import io
 import math
+import random
 import multiprocessing as mp
 import re
 import sys
@@ -76,6 +77,12 @@ def load_rgb(src):
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError... depending on the damage
         raise BadImageError(f'cannot decode image {name} ({type(e).__name__}: {e}); remove or replace it, '
                             f'or pass --skip-bad-images to replace bad files and count them.') from None
+
+
+def sample_rng(seed, epoch, index):
+    """The RNG a training sample's augmentation draws from: (seed, epoch, index) alone, so that a batch is the
+    same whatever the workers, the loader (native or DALI) or a resume. str seeds hash deterministically (sha512)."""
+    return random.Random(f'{seed}-{epoch}-{index}')
 
 
 def random_resized_crop_params(rng, width, height, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):

@@ -21,6 +21,7 @@ nothing ever waits for the main process. Each iterator of a loader without persi
 workers and starts a new generation: a batch of an older one never releases a newer one's permit.
 """
 import itertools
+import math
 import multiprocessing as mp
 import os
 import weakref
@@ -38,7 +39,7 @@ SHM_SHARE = 0.25  # the most of its free space the slots may take
 def make(workers, prefetch_factor, batch_size, max_image_size, shm=SHM):
     """-> (SharedCollate, None), or (None, why not): the slots must fit in a quarter of the free shared memory
     (a container's /dev/shm is often 64 MB), and their allocation must succeed."""
-    need = workers * ((prefetch_factor or 2) + 1) * batch_size * 3 * max_image_size ** 2
+    need = SharedCollate.bytes_needed(workers, prefetch_factor, batch_size, max_image_size)
     try:
         st = os.statvfs(shm)
         free = st.f_bavail * st.f_frsize
@@ -105,10 +106,18 @@ class SharedCollate:
     registry = weakref.WeakValueDictionary()
     ids = itertools.count()
 
+    @staticmethod
+    def slots_per_worker(prefetch_factor):
+        return (prefetch_factor or 2) + 1
+
+    @staticmethod
+    def bytes_needed(workers, prefetch_factor, batch_size, max_image_size):
+        return workers * SharedCollate.slots_per_worker(prefetch_factor) * batch_size * 3 * max_image_size ** 2
+
     def __init__(self, workers, prefetch_factor, batch_size, max_image_size):
         self.id = next(SharedCollate.ids)
         SharedCollate.registry[self.id] = self
-        self.workers, self.per_worker = workers, (prefetch_factor or 2) + 1
+        self.workers, self.per_worker = workers, self.slots_per_worker(prefetch_factor)
         self.slot_bytes = batch_size * 3 * max_image_size ** 2
         # one block for every slot, allocated here so that the workers inherit its mapping at their fork; made
         # shared directly (as default_collate's blocks are), not copied into shared memory by share_memory_()
@@ -129,10 +138,7 @@ class SharedCollate:
         self.next = [0] * self.workers  # the worker's next slot in its ring (each worker's copy counts its own)
 
     def view(self, worker, slot, shape):
-        n = 1
-        for d in shape:
-            n *= d
-        return self.blocks[worker, slot, :n].view(shape)
+        return self.blocks[worker, slot, :math.prod(shape)].view(shape)
 
     def release(self, generation, worker):
         if generation == self.generation and os.getpid() == self.main_pid:
