@@ -117,6 +117,12 @@ def wait_all(procs, timeout=300):
                 p.wait()
 
 
+def stderr_of(log_dir, codes):
+    """The end of each failed rank's stderr (srun_like's logs), for an assertion's message."""
+    return '\n'.join(f'rank {r} exited {c}: ' + open(os.path.join(log_dir, f'rank{r}.err')).read()[-2000:]
+                     for r, c in enumerate(codes) if c != 0)
+
+
 def latest(run_dir):
     """The newest checkpoint-<step>.pt of a run directory."""
     from dlojz_checkpoint import list_checkpoints

@@ -25,7 +25,7 @@ import torchvision
 import dlojz
 import dlojz_data as D
 import dlojz_decode as DD
-from conftest import TINY, latest, run_cli, run_main, srun_like, torchrun, wait_all
+from conftest import TINY, latest, run_cli, run_main, srun_like, stderr_of, torchrun, wait_all
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD
 
 # The equivalence run: SGD with momentum at a constant LR. The LR is small because at this tiny batch
@@ -190,7 +190,8 @@ def test_exact_validation_at_any_world_size(tmp_path, cache_dir):
     evals[2] = summary_of(tmp_path / 'w2')
     procs = srun_like(3, *TINY, *five, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'w3', '--evaluate',
                       '--resume', ckpt, log_dir=tmp_path)
-    assert wait_all(procs) == [0, 0, 0], (tmp_path / 'rank0.err').read_text()[-3000:]
+    codes = wait_all(procs)
+    assert codes == [0, 0, 0], stderr_of(tmp_path, codes)
     evals[3] = summary_of(tmp_path / 'w3')
     for w, s in evals.items():
         assert (s['status'], s['mode'], s['world_size']) == ('completed', 'evaluate', w)

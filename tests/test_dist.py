@@ -153,6 +153,58 @@ def test_after_a_dead_peer_the_nccl_group_is_abandoned(monkeypatch):
         assert (dlojz_dist.abandoned, len(destroyed)) == (abandoned, n), backend
 
 
+def _thread_names():
+    import glob
+    return sorted(open(p).read().strip() for p in glob.glob('/proc/self/task/*/comm'))
+
+
+def _ending_rank(rank, port, result, drop):
+    """A rank of a 2-process gloo run that ends normally: DDP's model kept in a reference cycle, as a run's
+    is, then cleanup(). drop=False: destroy_process_group() alone, the teardown before the fix."""
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    info = DistInfo(rank=rank, world_size=2, local_world_size=2, master_port=port, launcher='torchrun')
+    dlojz_dist.setup(info, torch.device('cpu'))
+    cycle = {'model': torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))}
+    cycle['self'] = cycle
+    dlojz_dist.all_gather_object(rank)
+    before = _thread_names()
+    del cycle
+    if drop:
+        dlojz_dist.cleanup(synchronize=True)
+    else:
+        dlojz_dist.tdist.barrier(group=dlojz_dist._CPU_GROUP)
+        dlojz_dist.tdist.destroy_process_group()
+    result.put((rank, before, _thread_names()))
+
+
+@pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='thread names are read from /proc')
+@pytest.mark.parametrize('drop', [True, False])
+def test_a_normal_end_joins_the_groups_threads(drop):
+    """gloo's threads still running at the interpreter's finalisation could abort a rank after a normal end
+    (`terminate called without an active exception`): cleanup() leaves none. The same run without the fix
+    (drop=False) must keep them, or this test would not see the difference."""
+    import multiprocessing as mp
+    ctx = mp.get_context('spawn')
+    result, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_ending_rank, args=(r, port, result, drop)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        seen = [result.get(timeout=60) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    for rank, before, after in seen:
+        gloo = [n for n in before if 'gloo' in n]
+        assert len(gloo) >= 3, before  # the names this test looks for exist: 2 runloops and a tcp loop at least
+        left = [n for n in after if 'gloo' in n]
+        assert (left == []) == drop, (rank, drop, after)
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
 def test_gpu_sharing_needs_mps_or_the_flag(monkeypatch, tmp_path):
     """The Alliance Canada guide runs several small replicas per GPU under NVIDIA MPS: local rank modulo the
     GPUs then, refused (with the way out) otherwise."""
