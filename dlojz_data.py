@@ -19,6 +19,8 @@ import os
 import shutil
 import signal
 import sys
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +34,7 @@ import dlojz_handover
 import dlojz_shards
 import dlojz_stage
 from dlojz_decode import BadImageError, Blob, source_name
-from dlojz_errors import DataError, writable
+from dlojz_errors import DataError, DlojzError, OutOfMemory, writable
 from dlojz_folder import IMG_EXTENSIONS, find_classes, scan_imagefolder  # noqa: F401 (dlojz_data's API too)
 from dlojz_handover import SharedCollate
 from dlojz_workers import DataLoader, ForkContext, ignore_preemption_signals, loader_kwargs  # noqa: F401 (API)
@@ -131,6 +133,7 @@ QUIRKS = {0: 'grayscale', 1: 'cmyk', 2: 'png', 3: 'progressive'}
 
 
 def _write_one(job):
+    dlojz_failpoints.generator_image()
     seed, split, label, index, num_classes, path = job
     img = synthetic_image(seed, split, label, index, num_classes)
     quirk = QUIRKS.get(index) if (split == 'train' and label == 0) else None
@@ -179,11 +182,22 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
         # it lost its task and the pool waited for it forever; the main process stops at its first step. They
         # are forked as the loader's (dlojz_workers.ForkContext), with the signals blocked: a thread that a
         # library starts in the child at fork (OpenBLAS's) would otherwise take the signal first.
-        pool = ForkContext().Pool(workers, initializer=pool_worker_signals)
-        with pool:
-            sizes = pool.map(_write_one, jobs, chunksize=8)
-            pool.close()  # the workers end on their own: Pool's exit would SIGTERM them
-            pool.join()
+        # ProcessPoolExecutor, not multiprocessing.Pool: a worker that dies all the same (the OOM killer's
+        # SIGKILL) breaks the executor, which raises, where Pool.map waited forever for the lost task.
+        with ProcessPoolExecutor(workers, mp_context=ForkContext(), initializer=pool_worker_signals) as pool:
+            results = pool.map(_write_one, jobs, chunksize=8)  # submits every chunk: the workers are forked
+            procs = list(pool._processes.values())
+            try:
+                sizes = list(results)
+            except BrokenProcessPool:
+                shutil.rmtree(tmp, ignore_errors=True)  # the next run generates it again from the start
+                died = sorted({-p.exitcode for p in procs if p.exitcode is not None and p.exitcode < 0})
+                why = ', '.join(signal.Signals(s).name for s in died) or 'an unknown cause'
+                cls = OutOfMemory if signal.SIGKILL in died else DlojzError
+                raise cls(f'a process generating the synthetic dataset into {root} was killed ({why}'
+                          + ('; most likely by the kernel\'s out-of-memory killer' if cls is OutOfMemory else '')
+                          + '); nothing was kept: run again on a node with free memory, or ask Slurm for more '
+                            '(--mem).') from None
     else:
         sizes = [_write_one(j) for j in jobs]
     with open(os.path.join(tmp, 'COMPLETE.json'), 'w') as f:

@@ -15,10 +15,12 @@ when this module is imported, and no-ops when it is unset (as etcd's gofail and 
                             a straggler whose cause is outside the code that measures it
   slow-worker-start:<s>     the main process sleeps s seconds after forking each DataLoader worker: a start-up
                             as slow as hundreds of workers' on a few cores, for the signal tests
+  kill-generator:<n>        SIGKILL a process generating the synthetic dataset at its n-th image (the OOM
+                            killer)
 
 docs/development.md lists them beside the tests that use them. The code under test says one word (after_step,
-after_val_batch, train_sample, worker_started, checkpoint_write, before_flock); with DLOJZ_FAULT unset each is
-one test of a constant and reads no environment, so the training loop pays nothing for them.
+after_val_batch, train_sample, worker_started, checkpoint_write, before_flock, generator_image); with DLOJZ_FAULT
+unset each is one test of a constant and reads no environment, so the training loop pays nothing for them.
 """
 import errno
 import os
@@ -29,7 +31,7 @@ import time
 # name -> the form of its argument, as a pattern
 KNOWN = {'kill-in-checkpoint': r'\d+', 'no-flock': r'', 'slow-steps': r'\d+(\.\d*)?',
          'signal-step': r'\d+:SIG[A-Z0-9]+', 'signal-val': r'\d+:SIG[A-Z0-9]+',
-         'slow-loader': r'\d+:\d+(\.\d*)?', 'slow-worker-start': r'\d+(\.\d*)?'}
+         'slow-loader': r'\d+:\d+(\.\d*)?', 'slow-worker-start': r'\d+(\.\d*)?', 'kill-generator': r'\d+'}
 
 
 def parse(text, restart_count=0):
@@ -86,6 +88,12 @@ def worker_started():
     """Called in the main process after each DataLoader worker is forked."""
     if ARMED and 'slow-worker-start' in ARMED:
         time.sleep(float(ARMED['slow-worker-start']))
+
+
+def generator_image():
+    """Called before each synthetic image is generated."""
+    if ARMED and 'kill-generator' in ARMED and _nth('kill-generator'):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def after_val_batch():

@@ -72,6 +72,26 @@ def test_deterministic(synth, tmp_path):
     assert a.shape != b.shape or not np.array_equal(a, b)  # another seed, another dataset
 
 
+def test_a_generator_process_that_dies_is_an_error_not_a_wait(tmp_path, monkeypatch):
+    """A process generating the synthetic dataset killed by SIGKILL (the OOM killer; failpoint kill-generator):
+    one sentence naming the signal, status oom, no half-written folder kept, and the next run generates it.
+    multiprocessing.Pool waited forever for the killed worker's task."""
+    import time
+
+    import dlojz_failpoints
+    from dlojz_errors import OutOfMemory
+    monkeypatch.setattr(dlojz_failpoints, 'ARMED', {'kill-generator': '3'})
+    monkeypatch.setattr(dlojz_failpoints, '_hits', {})
+    root = tmp_path / 'synthetic'
+    t = time.time()
+    with pytest.raises(OutOfMemory, match=r'was killed \(SIGKILL; most likely by the kernel\'s out-of-memory'):
+        D.ensure_synthetic_dataset(str(root), 2, 8, 2, seed=0, workers=2, log=lambda *a: None)
+    assert time.time() - t < 60 and os.listdir(tmp_path) == []
+    monkeypatch.setattr(dlojz_failpoints, 'ARMED', {})
+    assert D.ensure_synthetic_dataset(str(root), 2, 8, 2, seed=0, workers=2, log=lambda *a: None)
+    assert len(glob.glob(str(root / '*' / '*' / '*.JPEG'))) == 2 * (8 + 2)
+
+
 def test_quirk_files_decode_to_rgb(synth):
     folder = os.path.join(synth, 'train', 'n00000000')
     modes = {}
