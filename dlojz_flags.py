@@ -184,7 +184,8 @@ def optimization_flags(p):
     g.add_argument('--wd', type=NON_NEGATIVE, default=0.0, help='weight decay (adamw, lion: decoupled)')
     g.add_argument('--wd-norm-bias', action=B, default=None, help='weight decay on BatchNorm weights and biases '
                    'too (default: yes, except for lars and lamb, which also leave them out of their adaptation)')
-    g.add_argument('--mom', type=FRACTION, default=0.9, help='momentum of SGD and LARS (beta1 of AdamW, LAMB, Lion)')
+    g.add_argument('--mom', type=FRACTION, default=0.9, help='momentum of SGD and LARS (beta1 of AdamW, LAMB, '
+                   'Lion); not used by onecycle, which cycles it from 0.95 to 0.85 and back')
     g.add_argument('--accum-steps', type=I, default=1, help='micro-batches of -b images per optimizer step, their '
                    'gradients added up (DDP all-reduces once, during the last): global batch = -b x processes x N, '
                    'and one GPU sees the batches N GPUs would')

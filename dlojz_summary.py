@@ -35,6 +35,9 @@ def print_header(run):
         say(f'learning rate: {args.lr:.6g} ({rule}; {args.scheduler} schedule)')
     # the flags that differ from their defaults; config.json holds them all
     defaults = vars(get_args_parser().parse_args([]))
+    if args.scheduler == 'onecycle' and not args.findlr and args.mom != defaults['mom']:
+        say(f"Note: --mom {args.mom:g} is not used: the onecycle schedule sets the momentum (beta1) at every step, "
+            f"from 0.95 down to 0.85 and back (torch's OneCycleLR); another --scheduler keeps --mom.")
     changed = [f'{k}={v}' for k, v in sorted(vars(args).items()) if k not in defaults or defaults[k] != v]
     say('Config (differs from the defaults; all of it in config.json): ' + ' '.join(changed))
     for warning in run.host['warnings']:

@@ -77,6 +77,31 @@ def test_schedules_by_formula():
     assert lrs == pytest.approx(want)
 
 
+def test_onecycle_sets_the_momentum_and_says_that_mom_is_not_used(tmp_path, cache_dir, capsys):
+    """torch's OneCycleLR overwrites the momentum (beta1) at every step, so --mom 0.8 never reaches the
+    optimizer under onecycle: the run says so; with another scheduler --mom is the momentum and nothing is said."""
+    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(TINY + ['--mom', '0.8', '-e', '2']),
+                                  torch.device('cpu'))
+    _, opt, sched, _ = R.build_optimization(args, nn.Linear(2, 2), 10, 20, torch.device('cpu'))
+    seen = []
+    for _ in range(20):
+        seen.append(opt.param_groups[0]['momentum'])
+        opt.step()
+        sched.step()
+    assert 0.8 not in seen and max(seen) == pytest.approx(0.95) and min(seen) < 0.86
+    note = 'Note: --mom 0.8 is not used'
+    for scheduler, said in (('onecycle', True), ('cosine', False)):
+        assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(tmp_path / scheduler), '--mom', '0.8',
+                          '--scheduler', scheduler, '--test-nsteps', '1']) == 0
+        assert (note in capsys.readouterr().out) == said, scheduler
+    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(TINY + ['--mom', '0.8', '--scheduler', 'cosine']),
+                                  torch.device('cpu'))
+    _, opt, sched, _ = R.build_optimization(args, nn.Linear(2, 2), 10, 20, torch.device('cpu'))
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]['momentum'] == 0.8
+
+
 @pytest.mark.parametrize('name', ['lars', 'lamb', 'lion', 'adamw'])
 def test_each_optimizer_trains(tmp_path, cache_dir, name):
     s, recs = run_main(tmp_path, cache_dir, '--optimizer', name, '--test-nsteps', '4', '--log-interval', '1',
