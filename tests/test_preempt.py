@@ -102,7 +102,7 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, cache_
     assert 'checkpoint-00000005.pt' in r.stdout
     got = train_losses(out)  # steps 6-10 were logged before the kill: once each all the same
     assert [got[k] for k in range(1, 25)] == [ref[k] for k in range(1, 25)]
-    assert f'Removed 1 partial checkpoint file(s)' in r.stdout and f'left in {out} by an interrupted' in r.stdout
+    assert 'Removed 1 partial checkpoint file(s)' in r.stdout and f'left in {out} by an interrupted' in r.stdout
     assert not [n for n in os.listdir(out) if n.endswith('.tmp')]
     resume = [json.loads(line) for line in open(out / 'metrics.jsonl') if '"resume"' in line]
     assert [(x['global_step'], x['dropped_records']) for x in resume] == [(5, 5)]
