@@ -218,7 +218,11 @@ def numbers(run):
         'load_ms': scaled(load, 1e3), 'compute_ms': scaled(dig(st, 'compute', 'median'), 1e3),
         'step_ms': scaled(dig(st, 'step', 'median'), 1e3),
         'train_img_s': t.get('train_throughput'), 'gpu_img_s': t.get('gpu_throughput'),
-        'busy_pct': scaled(t.get('device_busy'), 100), 'bound': t.get('bound'),
+        # a verdict over all ranks comes with its shares over all ranks (rank 0's alone could read 'compute,
+        # busy 100 %' beside 'loader (all ranks)'), as the run's '>>> Bound by' line gives them
+        'busy_pct': scaled(t.get('device_busy_all_ranks' if t.get('bound_all_ranks') else 'device_busy'), 100),
+        'data_pct': scaled(t.get('data_share_all_ranks' if t.get('bound_all_ranks') else 'data_share'), 100),
+        'bound': t.get('bound'),
         'host_mem_gib': scaled(m.get('host_peak_rss_bytes'), 1 / GiB),
         'gpu_mem_gib': scaled(m.get('gpu_max_allocated_bytes_any_rank') or m.get('gpu_max_allocated_bytes'), 1 / GiB),
         'j_per_img': e.get('joules_per_image_all_ranks') or e.get('joules_per_image'),
@@ -226,8 +230,8 @@ def numbers(run):
     }
 
 
-METRICS = ['load_ms', 'compute_ms', 'step_ms', 'train_img_s', 'gpu_img_s', 'busy_pct', 'bound', 'host_mem_gib',
-           'gpu_mem_gib', 'j_per_img', 'top1']
+METRICS = ['load_ms', 'compute_ms', 'step_ms', 'train_img_s', 'gpu_img_s', 'busy_pct', 'data_pct', 'bound',
+           'host_mem_gib', 'gpu_mem_gib', 'j_per_img', 'top1']
 
 
 HIGHER_IS_BETTER = {'train_img_s', 'gpu_img_s', 'top1'}  # sorted best first: these descending, others ascending
@@ -336,9 +340,10 @@ HELP_COLUMNS = ('load_ms: mean data wait + host-to-device copy per step; compute
                 'device time of the step\'s work; CPU: step without the data wait); step_ms: median step; '
                 'train_img_s = images / total time of the steady steps; gpu_img_s = global batch / device work per '
                 'step (clean spans, docs/chronometer.md); busy_pct: device busy time / step time over the steady '
-                'steps; bound: compute, loader, host, communication or straggler; host_mem_gib: peak RSS (VmHWM) '
-                'of rank 0; gpu_mem_gib: max allocated (any rank); j_per_img: GPU energy per image (all ranks); '
-                'top1: last validation.')
+                'steps and data_pct: data wait / step time (both summed over the ranks when every rank was '
+                'measured); bound: compute, loader, host, '
+                'communication or straggler; host_mem_gib: peak RSS (VmHWM) of rank 0; gpu_mem_gib: max allocated '
+                '(any rank); j_per_img: GPU energy per image (all ranks); top1: last validation.')
 
 
 def differing_keys(runs):
@@ -455,7 +460,7 @@ def dashboard(run, out):
         ('GPU throughput', f"{fmt(n['gpu_img_s'])} img/s (global batch / device work per step, {t.get('clock')} clock, "
                            f"from {t.get('gpu_step_source') or '?'} spans)"),
         ('Bound by', f"{n['bound']}{' (all ranks)' if t.get('bound_all_ranks') else ''}: device busy "
-                     f"{fmt(n['busy_pct'])} % of the steady steps, data wait {fmt(scaled(t.get('data_share'), 100))} %"
+                     f"{fmt(n['busy_pct'])} % of the steady steps, data wait {fmt(n['data_pct'])} %"
                      + (f", exposed communication {fmt(scaled(t['comm_share'], 100))} %, waiting for a late rank "
                         f"{fmt(scaled(t.get('straggler_share'), 100))} %" if t.get('bound_all_ranks') else '')
                      + (f" (rank {t['straggler_rank']}, bound by {t['straggler_bound']})"

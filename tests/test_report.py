@@ -244,6 +244,26 @@ def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_verdict_over_all_ranks_shows_the_shares_over_all_ranks(runs, tmp_path):
+    """Rank 0 busy 99 % while the ranks together waited for data 30 % of the time: the dashboard's 'Bound by'
+    row and the comparison give the all-ranks shares beside the all-ranks verdict, as the run's own line does
+    (hand-set numbers in a real 2-rank run folder)."""
+    two = tmp_path / 'two'
+    shutil.copytree(runs['ws2'], two)
+    s = summary(two)
+    assert s['timing'].get('bound_all_ranks')  # a 2-rank run measures every rank
+    s['timing'].update(device_busy=0.99, data_share=0.01, device_busy_all_ranks=0.6, data_share_all_ranks=0.3,
+                       bound='loader')
+    (two / 'summary.json').write_text(json.dumps(s))
+    code, out = report(tmp_path / 'rep', two)
+    text = (out / 'report.md').read_text()
+    assert code == 0 and re.search(r'loader \(all ranks\): device busy 60(\.0+)? % of the steady steps, data wait '
+                                   r'30(\.0+)? %', text), text
+    [row] = read_csv(out / 'comparison.csv')
+    assert (float(row['busy_pct']), float(row['data_pct'])) == pytest.approx((60.0, 30.0))
+
+
+@pytest.mark.slow
 def test_batchnorm_view_covers_every_batchnorm(runs):
     bn = bn_view(collect_runs([runs['ws1'], runs['ws2']])[0])
     for name in ('ws1', 'ws2'):  # reference: torchvision's own modules, loaded with the checkpoint
