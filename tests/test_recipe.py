@@ -57,6 +57,19 @@ def test_lars_follows_the_published_update_and_leaves_norm_and_bias_alone():
     assert not torch.allclose(adapted['3.bias'], before['3.bias'] - lr * grads['3.bias'])
 
 
+def scheduled(flags, key, steps=20):
+    """The optimizer's group value `key` before each of `steps` steps of the schedule a run with `flags` builds
+    (10 steps per epoch, 20 in all)."""
+    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(TINY + flags), torch.device('cpu'))
+    _, opt, sched, _ = R.build_optimization(args, nn.Linear(2, 2), 10, 20, torch.device('cpu'))
+    seen = []
+    for _ in range(steps):
+        seen.append(opt.param_groups[0][key])
+        opt.step()
+        sched.step()
+    return seen
+
+
 def test_schedules_by_formula():
     f = R.lr_factor
     assert [f('constant', s, 4, 20) for s in (0, 1, 3, 4, 19)] == [0.25, 0.5, 1.0, 1.0, 1.0]
@@ -64,15 +77,7 @@ def test_schedules_by_formula():
     assert f('cosine', 20, 4, 20) == pytest.approx(0.0, abs=1e-12)
     assert f('poly', 12, 4, 20) == pytest.approx(0.25) and f('poly', 12, 4, 20, power=1) == pytest.approx(0.5)
     # the scheduler the run builds: 10 steps per epoch, 2 epochs, 0.5 epoch of warm-up, poly power 2
-    args = dlojz.get_args_parser().parse_args(TINY + ['--scheduler', 'poly', '--warmup-epochs', '0.5', '-e', '2',
-                                                      '--lr', '0.4'])
-    args = dlojz_flags.check_args(args, torch.device('cpu'))
-    _, opt, sched, _ = R.build_optimization(args, nn.Linear(2, 2), 10, 20, torch.device('cpu'))
-    lrs = []
-    for _ in range(20):
-        lrs.append(opt.param_groups[0]['lr'])
-        opt.step()
-        sched.step()
+    lrs = scheduled(['--scheduler', 'poly', '--warmup-epochs', '0.5', '-e', '2', '--lr', '0.4'], 'lr')
     want = [0.4 * (s + 1) / 5 if s < 5 else 0.4 * (1 - (s - 5) / 15) ** 2 for s in range(20)]
     assert lrs == pytest.approx(want)
 
@@ -80,26 +85,14 @@ def test_schedules_by_formula():
 def test_onecycle_sets_the_momentum_and_says_that_mom_is_not_used(tmp_path, cache_dir, capsys):
     """torch's OneCycleLR overwrites the momentum (beta1) at every step, so --mom 0.8 never reaches the
     optimizer under onecycle: the run says so; with another scheduler --mom is the momentum and nothing is said."""
-    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(TINY + ['--mom', '0.8', '-e', '2']),
-                                  torch.device('cpu'))
-    _, opt, sched, _ = R.build_optimization(args, nn.Linear(2, 2), 10, 20, torch.device('cpu'))
-    seen = []
-    for _ in range(20):
-        seen.append(opt.param_groups[0]['momentum'])
-        opt.step()
-        sched.step()
+    seen = scheduled(['--mom', '0.8', '-e', '2'], 'momentum')
     assert 0.8 not in seen and max(seen) == pytest.approx(0.95) and min(seen) < 0.86
     note = 'Note: --mom 0.8 is not used'
     for scheduler, said in (('onecycle', True), ('cosine', False)):
         assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(tmp_path / scheduler), '--mom', '0.8',
                           '--scheduler', scheduler, '--test-nsteps', '1']) == 0
         assert (note in capsys.readouterr().out) == said, scheduler
-    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(TINY + ['--mom', '0.8', '--scheduler', 'cosine']),
-                                  torch.device('cpu'))
-    _, opt, sched, _ = R.build_optimization(args, nn.Linear(2, 2), 10, 20, torch.device('cpu'))
-    opt.step()
-    sched.step()
-    assert opt.param_groups[0]['momentum'] == 0.8
+    assert scheduled(['--mom', '0.8', '--scheduler', 'cosine'], 'momentum', steps=2)[1] == 0.8  # after a step
 
 
 @pytest.mark.parametrize('name', ['lars', 'lamb', 'lion', 'adamw'])
