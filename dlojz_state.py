@@ -236,6 +236,32 @@ def _first_difference(mine, theirs):
     return f'{extra[0]} is not in this model' if extra else 'no key differs'
 
 
+def load_optimizer(optimizer, state):
+    """Load an optimizer's state with this device's kernels (fused on a GPU, whatever the checkpoint's were)
+    -> take(keys), which sets those keys of every group back to this run's flags.
+
+    The step counts go where this run's kernels read them. torch's load_state_dict moves them to the parameters'
+    device only when the *saved* group was fused or capturable; a fused kernel reads them on the device (a CPU
+    step there is an illegal memory access), the others on the host (a device step there is read with .item(),
+    a synchronisation per parameter and step)."""
+    fresh = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]  # this run's flags'
+    optimizer.load_state_dict(state)
+
+    def take(keys):
+        for group, mine in zip(optimizer.param_groups, fresh):
+            group.update({k: mine[k] for k in keys if k in mine})
+    take(IMPLEMENTATION)
+    for group in optimizer.param_groups:
+        on_device = group.get('fused') or group.get('capturable')
+        for p in group['params']:
+            step = optimizer.state.get(p, {}).get('step')
+            where = p.device if on_device else torch.device('cpu')
+            if isinstance(step, torch.Tensor) and step.device != where:
+                dtype = torch.float32 if on_device else step.dtype  # the fused kernels take float32 steps
+                optimizer.state[p]['step'] = step.to(device=where, dtype=dtype)
+    return take
+
+
 def _restore(run, ckpt):
     run.model_without_ddp.load_state_dict(ckpt['model'])
     race = ckpt.get('race') or {}
@@ -254,13 +280,7 @@ def _restore(run, ckpt):
                                 {'module': run.model_without_ddp.state_dict(), 'updates': 0})
     if run.args.evaluate:
         return progress
-    fresh = [{k: v for k, v in g.items() if k != 'params'} for g in run.optimizer.param_groups]  # this run's flags'
-    run.optimizer.load_state_dict(ckpt['optimizer'])
-
-    def take(keys):  # these keys as this run's flags set them
-        for group, mine in zip(run.optimizer.param_groups, fresh):
-            group.update({k: mine[k] for k in keys if k in mine})
-    take(IMPLEMENTATION)  # this device's kernels, not the checkpoint's: a CPU checkpoint resumed on a GPU is fused
+    take = load_optimizer(run.optimizer, ckpt['optimizer'])
     was = ckpt.get('args') or {}
     for dest, keys in HYPERPARAMETERS.items():  # the resume contract: a changed flag is used from here on
         if dest in was and was[dest] != getattr(run.args, dest):

@@ -250,6 +250,31 @@ def test_a_resume_takes_this_devices_kernels_not_the_checkpoints(tmp_path, cache
     assert progress.global_step == 2 and all(g['fused'] is True for g in run.optimizer.param_groups)
 
 
+def test_an_adamw_checkpoint_from_the_cpu_continues_fused_on_another_device():
+    """AdamW written on the CPU (not fused: its step counts on the CPU), resumed where the optimizer is fused on
+    another device ('meta' stands for the GPU: nothing runs on it; torch refuses fused=True there, so the flag is
+    set as build_optimizer sets it on a GPU). torch's load_state_dict moves the moments to the parameters' device
+    and leaves the steps on the CPU (the saved group was not fused): the fused kernel then read them on the
+    device, an illegal memory access. Every state tensor must be on its parameter's device."""
+    import dlojz_state
+    torch.manual_seed(0)
+    cpu = torch.nn.Linear(3, 2)
+    written = torch.optim.AdamW(cpu.parameters())
+    cpu(torch.randn(4, 3)).sum().backward()
+    written.step()
+    with torch.device('meta'):
+        model = torch.nn.Linear(3, 2)
+    here = torch.optim.AdamW(model.parameters())
+    for group in here.param_groups:
+        group['fused'] = True
+    dlojz_state.load_optimizer(here, written.state_dict())
+    assert all(group['fused'] is True for group in here.param_groups)
+    for p in model.parameters():
+        state = here.state[p]
+        assert state['exp_avg'].device == p.device and state['exp_avg_sq'].device == p.device
+        assert state['step'].device == p.device and state['step'].dtype == torch.float32, state['step']
+
+
 def test_the_momentum_follows_the_new_schedule(tmp_path, cache_dir, capsys):
     """onecycle -> cosine: the momentum is --mom again (it stayed frozen at the cycle's value of the resumed
     step, 0.86); under onecycle a changed --mom changes nothing (the cycle sets it), so that resume's losses are
