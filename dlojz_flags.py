@@ -405,6 +405,13 @@ def check_flags(args):
     return args
 
 
+def native_bf16(capability):
+    """Whether a GPU of this (major, minor) compute capability computes bf16 natively: cuDNN does from sm80
+    (Ampere) on. torch.cuda.is_bf16_supported() also counts emulation, which on a V100 (sm70) sends every
+    convolution down a slow path."""
+    return tuple(capability) >= (8, 0)
+
+
 def check_args(args, device, world_size=1, capability=None, job_id=None, backend=None):
     """Refuse flag combinations that mean nothing and resolve the defaults that depend on other flags, on
     the device or on the world size. The parser has already checked each value's type and range.
@@ -458,10 +465,8 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
             (args.compile and not (shutil.which('cc') or shutil.which('gcc')),
              '--compile on CPU needs a C compiler (cc/gcc) on PATH; install one or drop --compile.')]
     else:
-        # cuDNN runs bf16 convolutions natively from sm80 (Ampere) on; torch.cuda.is_bf16_supported() also
-        # counts emulation, which on a V100 (sm70) sends every convolution down a slow path.
         major, minor = capability or torch.cuda.get_device_capability(device)
-        bf16 = (major, minor) >= (8, 0)
+        bf16 = native_bf16((major, minor))
         refusals.append((args.amp == 'bf16' and not bf16, f'--amp bf16 needs a GPU of compute capability 8.0 or '
                          f'more (A100, H100); this one is {major}.{minor} (V100: 7.0) and would emulate it slowly; '
                          f'use --amp fp16.'))

@@ -32,7 +32,7 @@ import time
 
 import dlojz_scaling
 from dlojz_errors import UsageError
-from dlojz_flags import get_args_parser
+from dlojz_flags import get_args_parser, native_bf16
 from dlojz_log import SUMMARY_VERSION, Console, write_json
 from dlojz_rundir import run_files, run_record
 from dlojz_trial import run_for_summary
@@ -306,9 +306,9 @@ def run_tune(args, raw, parser, device, say, python=sys.executable, script=None,
     check_tune_args(args, world_size)
     script = script or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'dlojz.py')
     cuda = device.type == 'cuda'
-    if bf16 is None:
+    if bf16 is None:  # dlojz refuses --amp bf16 below sm80: its trials would only be refused
         import torch
-        bf16 = not cuda or torch.cuda.is_bf16_supported()
+        bf16 = not cuda or native_bf16(torch.cuda.get_device_capability(device))
     base = _to_argv(parser, raw, TRIAL_FLAGS)
     runner = runner or (lambda argv, out: run_trial(python, script, [], argv, out, args.tune_steps))
     tuner = Tuner(args, base, cuda, say, runner, bf16=bf16)
