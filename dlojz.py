@@ -178,7 +178,7 @@ def build_run(args, dist, device, say):
     data = build_data(args, dist, log=say, on_ranks=dlojz_dist.on_ranks, device=device)
     say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train / '
         f'{data.n_val} val images, {len(data.classes)} classes')
-    comm = CommTimer(dist.world_size, CudaTimeline() if device.type == 'cuda' else None) \
+    comm = CommTimer(dist.world_size, CudaTimeline(device) if device.type == 'cuda' else None) \
         if dist.distributed and args.timing else None
     model, eval_model, plain = build_model(args, len(data.classes), device, dist, comm)
     steps_per_epoch = len(data.train_steps)
@@ -203,6 +203,8 @@ def build_run(args, dist, device, say):
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
     chrono = Chronometer(device, phases=args.timing, sync=args.sync_timing, warmup=args.warmup_steps)
     power, memory = PowerMeter(device), PeakMemory(device)
+    if dist.distributed and device.type == 'cuda':  # ranks sharing a board read the same energy counter
+        power.share(dlojz_dist.all_gather_object(power.board))
     chrono.on_steady += [memory.reset, power.window_start]  # once the warm-up steps are over
     chrono.comm = comm
     run = Run(args=args, dist=dist, device=device, data=data, model=model, eval_model=eval_model,

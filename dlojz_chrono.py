@@ -108,15 +108,45 @@ def _images(batch):
         return None
 
 
-class CudaTimeline:
-    """The device as the Chronometer sees it: events recorded on the current stream, and a synchronise.
-    Tests give the Chronometer a fake asynchronous device with the same three calls instead."""
+class DeviceEvent:
+    """A CUDA timing event recorded on its device's current stream, whichever thread records it."""
+    __slots__ = ('event', 'cuda', 'index')
 
-    def event(self):
-        return torch.cuda.Event(enable_timing=True)
+    def __init__(self, event, cuda, index):
+        self.event, self.cuda, self.index = event, cuda, index
+
+    def record(self):
+        self.event.record(self.cuda.current_stream(self.index))
+
+    def query(self):
+        return self.event.query()
 
     def synchronize(self):
-        torch.cuda.synchronize()
+        self.event.synchronize()
+
+    def elapsed_time(self, end):
+        return self.event.elapsed_time(end.event)
+
+
+class CudaTimeline:
+    """One GPU as the Chronometer and the all-reduce hook see it: timing events, a synchronise and a spin.
+
+    Events go to this GPU's current stream from any thread. gloo runs the all-reduce's done callback on its own
+    thread, whose current CUDA device is 0 whatever this rank's is: an event recorded there on the current
+    device would land on GPU 0 (a context opened there by every rank, and elapsed_time across two devices
+    raises). `cuda` is torch.cuda, or a fake in tests; tests also give the Chronometer a fake asynchronous
+    device with the same calls instead."""
+
+    def __init__(self, device=None, cuda=torch.cuda):
+        index = None if device is None else torch.device(device).index
+        self.cuda = cuda
+        self.index = cuda.current_device() if index is None else index
+
+    def event(self):
+        return DeviceEvent(self.cuda.Event(enable_timing=True), self.cuda, self.index)
+
+    def synchronize(self):
+        self.cuda.synchronize(self.index)
 
     def calibrate(self):
         """Clock cycles per second of the spin kernel: measured once (one synchronisation), where the
@@ -124,22 +154,23 @@ class CudaTimeline:
         if not hasattr(self, 'hz'):
             start, end = self.event(), self.event()
             start.record()
-            torch.cuda._sleep(10 ** 6)
+            self.cuda._sleep(10 ** 6)
             end.record()
             end.synchronize()
             self.hz = 10 ** 6 / max(start.elapsed_time(end) / 1e3, 1e-6)
 
     def delay(self, seconds):
-        """Queue a kernel that keeps the device busy for about `seconds` (a probe step's head start)."""
+        """Queue a kernel that keeps the device busy for about `seconds` (a probe step's head start), on the
+        current stream of the calling thread's device: the training thread's, this GPU."""
         self.calibrate()
-        torch.cuda._sleep(int(seconds * self.hz))
+        self.cuda._sleep(int(seconds * self.hz))
 
 
 class Chronometer:
     def __init__(self, device, phases=True, sync=False, warmup=1, clock=time.perf_counter, timeline=None):
         self.cuda = torch.device(device).type == 'cuda'
         self.phases_on, self.sync, self.warmup, self.clock = phases, sync, warmup, clock
-        self.timeline = timeline or (CudaTimeline() if self.cuda else None)
+        self.timeline = timeline or (CudaTimeline(device) if self.cuda else None)
         self.events = self.cuda and not sync  # device clock for compute and phases
         self.on_steady = []    # callables run once, before the first steady step
         self.exclude_steps = range(0)  # indices of steps left out of the statistics (--prof, on every rank)
@@ -465,11 +496,17 @@ class PowerMeter:
     Peak and mean power come from a background thread sampling nvmlDeviceGetPowerUsage (mW) every `period`
     seconds. Unavailable (CPU, no driver, no nvidia-ml-py, GPU not found): every field None, never guessed.
     `nvml` and `props` replace pynvml and torch's device properties in tests.
+
+    The counter is the board's: ranks sharing a GPU (--share-gpu, MPS, MIG instances of one board) each read
+    all of its energy. share() tells the meter how many ranks read its board; J/image then divides the board's
+    energy by the images of all of them (ranks train the same number of images per step), and report() gives
+    each rank its share, so that sums over ranks count every board once.
     """
 
     def __init__(self, device, period=0.1, nvml=None, props=None, synchronize=None):
         self.available, self.samples, self.period = False, [], period
         self.energy_j, self.why = None, 'not a CUDA device'
+        self.board, self.ranks_on_board = None, 1  # the board's NVML UUID (hex), and the ranks that read it
         self.train_energy_j, self.train_images, self._window = 0.0, 0, None
         self._stop = threading.Event()
         self._thread = None
@@ -485,6 +522,8 @@ class PowerMeter:
             self._nvml = nvml
             self._handle, self.why = nvml_handle(nvml, props)
             self.available = self._handle is not None
+            if self.available:
+                self.board = _hex(nvml.nvmlDeviceGetUUID(self._handle))
         except Exception as e:  # no NVML on this machine: power is reported as unavailable, never guessed
             self.why = f'NVML unavailable ({type(e).__name__}: {e})'
 
@@ -538,11 +577,24 @@ class PowerMeter:
         elif self.samples:  # no energy counter (pre-Volta boards): integrate the samples
             self.energy_j = statistics.fmean(self.samples) * seconds
 
+    def share(self, boards):
+        """boards: the board of every rank (None where unknown), e.g. gathered from all ranks."""
+        if self.board is not None:
+            self.ranks_on_board = max(1, list(boards).count(self.board))
+
+    def report(self):
+        """This rank's share of its board's energy (J) and its images, for sums over ranks."""
+        n = self.ranks_on_board
+        return {'energy_j': self.energy_j / n if self.energy_j is not None else None,
+                'train_energy_j': self.train_energy_j / n, 'train_images': self.train_images, 'ranks_on_board': n}
+
     def summary(self):
         peak = max(self.samples) if self.samples else None
         mean = statistics.fmean(self.samples) if self.samples else None
-        per_image = self.train_energy_j / self.train_images if self.train_images else None
+        images = self.train_images * self.ranks_on_board  # the board's, in the steady windows
+        per_image = self.train_energy_j / images if images else None
         return {'available': self.available, 'why_unavailable': None if self.available else self.why,
+                'board': self.board, 'ranks_on_board': self.ranks_on_board,
                 'peak_w': peak, 'mean_w': mean, 'energy_j': self.energy_j,
                 'train_energy_j': self.train_energy_j if self.train_images else None,
                 'train_images': self.train_images, 'joules_per_image': per_image}

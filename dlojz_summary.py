@@ -81,11 +81,7 @@ def write_summary(run, progress, status, error=None, extra=None):
             timing.update(ranks_summary(ranks))
             summary['memory']['gpu_max_allocated_bytes_any_rank'] = max(
                 (r['gpu_max_allocated_bytes'] or 0 for r in ranks), default=0) if cuda else None
-            if all(r['energy_j'] is not None for r in ranks):
-                energy['energy_j_all_ranks'] = sum(r['energy_j'] for r in ranks)
-            if all(r['train_images'] for r in ranks):
-                energy['joules_per_image_all_ranks'] = sum(r['train_energy_j'] for r in ranks) / \
-                    sum(r['train_images'] for r in ranks)
+            energy.update(energy_over_ranks(ranks))
     if dist.is_main:
         write_json(os.path.join(args.output_dir, 'summary.json'), summary)
     return summary
@@ -102,8 +98,20 @@ def rank_report(run):
             'data_mean_s': data['mean'] if data else None, 'val_time_s': run.chrono.val_time,
             'gpu_max_allocated_bytes': memory['gpu_max_allocated_bytes'],
             'host_peak_rss_bytes': memory['host_peak_rss_bytes'],
-            'energy_j': run.power.energy_j, 'train_energy_j': run.power.train_energy_j,
-            'train_images': run.power.train_images}
+            **run.power.report()}
+
+
+def energy_over_ranks(ranks):
+    """The energy of every rank's GPU board over the run (J) and per image trained over the steady steps,
+    from the rank reports: each rank reports its share of its board (PowerMeter.report), so that a board read
+    by several ranks is counted once. {} where a rank has no figure."""
+    out = {}
+    if all(r['energy_j'] is not None for r in ranks):
+        out['energy_j_all_ranks'] = sum(r['energy_j'] for r in ranks)
+    if all(r['train_images'] for r in ranks):
+        out['joules_per_image_all_ranks'] = sum(r['train_energy_j'] for r in ranks) / \
+            sum(r['train_images'] for r in ranks)
+    return out
 
 
 def ranks_summary(ranks):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dlojz_chrono import Chronometer, PowerMeter, describe
-from dlojz_summary import final_lines, ranks_summary
+from dlojz_summary import energy_over_ranks, final_lines, ranks_summary
 
 
 class FakeClock:
@@ -160,7 +160,8 @@ def test_power_meter_unavailable_on_cpu():
     p = PowerMeter('cpu')
     p.start()
     p.stop()
-    assert p.summary() == {'available': False, 'why_unavailable': 'not a CUDA device', 'peak_w': None,
+    assert p.summary() == {'available': False, 'why_unavailable': 'not a CUDA device', 'board': None,
+                           'ranks_on_board': 1, 'peak_w': None,
                            'mean_w': None, 'energy_j': None, 'train_energy_j': None, 'train_images': 0,
                            'joules_per_image': None}
 
@@ -401,6 +402,37 @@ def test_joules_per_image_counts_steady_training_only():
     assert s['energy_j'] == pytest.approx(8.0) and s['train_energy_j'] == pytest.approx(5.0)
     assert s['joules_per_image'] == pytest.approx(0.5) and s['peak_w'] == pytest.approx(300.0)
     assert syncs == [1]  # the warm-up's queued work is waited for once, outside the timed steps
+
+
+def test_ranks_sharing_a_board_count_its_energy_once():
+    """Ranks 0 and 1 share NVML board 2 (--share-gpu, MPS), rank 2 has board 3 (the fake GPU with UUID ...03).
+    Each rank reads its board's counter. Over the steady windows board 2 spends 6 J and board 3 4 J while each
+    rank trains 10 images; board 2 spends 2 J more in validation. By hand: the run's energy over all ranks
+    8 + 4 = 12 J (each rank summing its board's counter read 20 J), 10 J / 30 images = 0.333 J/image over all
+    ranks; rank 0 (or 1): 6 J / the board's 20 images = 0.3 J/image (not 0.6); rank 2: 0.4 J/image."""
+    class Board3(Props):
+        uuid, pci_bus_id = '00000003-aaaa-bbbb-cccc-dddddddddddd', 0x13
+    nvml = FakeNVML()
+    meters = [PowerMeter('cuda:0', nvml=nvml, props=props, synchronize=lambda: None, period=0.001)
+              for props in (Props(), Props(), Board3())]
+    boards = [m.board for m in meters]  # what every rank's all-gather returns
+    assert boards[0] == boards[1] != boards[2]
+    for m in meters:
+        m.share(boards)
+        m.start()
+        m.window_start()
+    nvml.energy[2] += 6000  # mJ
+    nvml.energy[3] += 4000
+    for m in meters:
+        m.window_stop(images=10)
+    nvml.energy[2] += 2000
+    for m in meters:
+        m.stop()
+    assert [m.summary()['joules_per_image'] for m in meters] == pytest.approx([0.3, 0.3, 0.4])
+    assert [m.summary()['energy_j'] for m in meters] == pytest.approx([8.0, 8.0, 4.0])  # each board's own counter
+    over = energy_over_ranks([m.report() for m in meters])
+    assert over['energy_j_all_ranks'] == pytest.approx(12.0)
+    assert over['joules_per_image_all_ranks'] == pytest.approx(10 / 30)
 
 
 def test_evaluate_with_nvml_ends_with_its_lines():

@@ -3,13 +3,14 @@ on stamps and rank reports whose expected values are worked out by hand. The sam
 with the cause outside the code (a shaped network link, a slowed loader), are in tests/test_ddp_truth.py."""
 import multiprocessing
 import os
+import threading
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
 
 import dlojz_comm
-from dlojz_chrono import Chronometer
+from dlojz_chrono import Chronometer, CudaTimeline
 from dlojz_summary import final_lines, ranks_summary
 
 
@@ -141,6 +142,59 @@ def test_the_hook_records_events_from_the_timeline_on_a_device():
     Event.now = 5.25
     pending[0][0].set_result([pending[0][1]])
     assert len(Timeline.made) == 2 and dlojz_comm.resolve(*timer.take())['exposed'] == pytest.approx(0.25)
+
+
+class FakeCuda:
+    """torch.cuda as CudaTimeline uses it: a current device per thread (0 in a new thread, as CUDA's), a
+    current stream per device, and events that keep the stream they were recorded on and refuse elapsed_time
+    between two devices, as CUDA does."""
+
+    def __init__(self):
+        self.local, cuda = threading.local(), self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.stream = None
+
+            def record(self, stream=None):
+                self.stream = stream if stream is not None else cuda.current_stream()
+
+            def query(self):
+                return True
+
+            def elapsed_time(self, end):
+                if self.stream[1] != end.stream[1]:
+                    raise RuntimeError('events recorded on different devices')
+                return 0.0
+        self.Event = Event
+
+    def current_device(self):
+        return getattr(self.local, 'device', 0)
+
+    def set_device(self, index):
+        self.local.device = index
+
+    def current_stream(self, device=None):
+        return ('default stream', self.current_device() if device is None else device)
+
+
+def test_the_done_event_is_recorded_on_the_ranks_gpu_from_gloos_thread():
+    """gloo on CUDA (ranks sharing GPUs): the all-reduce's done callback runs on gloo's own thread, whose current
+    device is 0. This rank drives GPU 1: both of each bucket's events must be on GPU 1's stream (on GPU 0,
+    elapsed_time between the two raised, and every rank opened a context on GPU 0)."""
+    cuda = FakeCuda()
+    cuda.set_device(1)
+    timer = dlojz_comm.CommTimer(2, CudaTimeline(torch.device('cuda', 1), cuda=cuda))
+    pending, outs = launch(timer, [Bucket(8)])
+    (fut, tensor), = pending
+    gloo = threading.Thread(target=fut.set_result, args=([tensor],))  # the callback runs where the result is set
+    gloo.start()
+    gloo.join()
+    assert outs[0].done() and torch.equal(outs[0].value(), torch.full((8,), 3.0))
+    (ready, done, _), = timer.marks
+    assert ready.event.stream == done.event.stream == ('default stream', 1)
+    assert dlojz_comm.resolve(*timer.take())['exposed'] == 0.0
+    assert CudaTimeline('cuda', cuda=cuda).index == 1  # a device without an index: the current one
 
 
 def test_the_chronometer_keeps_each_steps_stamps():
