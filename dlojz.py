@@ -58,7 +58,7 @@ import dlojz_recipe
 import dlojz_resume
 import dlojz_rundir
 import dlojz_tune
-from dlojz_chrono import Chronometer, CudaTimeline, PowerMeter, profiler
+from dlojz_chrono import Chronometer, CudaTimeline, profiler
 from dlojz_comm import CommTimer
 from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojz_dist import get_dist_info
@@ -66,6 +66,7 @@ from dlojz_errors import CommFailure, DiskFull, DlojzError, Interrupted, NonFini
 from dlojz_host import host_check, intra_op_threads, process_start_time
 from dlojz_log import Console, Logger, wandb_mode, write_json
 from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
+from dlojz_power import PowerMeter
 from dlojz_rundir import trim_metrics
 from dlojz_state import (Progress, check_form, check_resume, find_resume_checkpoint, interrupted, note_validation,
                          preempt, process_wall_s, restore, run_wall_s, save)

@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from dlojz_chrono import Chronometer, PowerMeter, describe
+from dlojz_chrono import Chronometer, describe
+from dlojz_power import PowerMeter
 from dlojz_summary import energy_over_ranks, final_lines, ranks_summary
 
 

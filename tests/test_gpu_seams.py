@@ -23,7 +23,7 @@ import dlojz_dist
 import dlojz_flags
 import dlojz_recipe
 from dlojz_errors import UsageError
-from dlojz_chrono import PowerMeter
+from dlojz_power import PowerMeter
 from dlojz_metrics import PeakMemory
 from test_chrono import FakeNVML
 

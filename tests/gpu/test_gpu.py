@@ -45,7 +45,7 @@ import dlojz_decode
 import dlojz_dist
 import dlojz_flags
 from conftest import TINY, latest, run_cli, run_main, torchrun
-from dlojz_chrono import PowerMeter
+from dlojz_power import PowerMeter
 from dlojz_log import Console
 from dlojz_metrics import Meters
 
