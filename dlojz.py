@@ -73,8 +73,7 @@ from dlojz_state import (Progress, check_form, check_resume, find_resume_checkpo
 from dlojz_summary import final_lines, print_header, write_summary
 
 
-# ------------------------------------------------------------------------------------------------ flags
-# parsed and checked by dlojz_flags (get_args_parser, check_flags, check_args)
+# ---------------------------------------------------------- flags (dlojz_flags parses and checks them)
 
 def seed_everything(seed):
     random.seed(seed)
@@ -203,9 +202,7 @@ def build_run(args, dist, device, say):
         dropped = trim_metrics(metrics, ckpt.get('metrics_bytes'), ckpt['global_step'])
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
     chrono = Chronometer(device, phases=args.timing, sync=args.sync_timing, warmup=args.warmup_steps)
-    power, memory = PowerMeter(device), PeakMemory(device)
-    if dist.distributed and device.type == 'cuda':  # ranks sharing a board read the same energy counter
-        power.share(dlojz_dist.all_gather_object(power.board))
+    power, memory = PowerMeter(device, gather=dlojz_dist.all_gather_object), PeakMemory(device)
     chrono.on_steady += [memory.reset, power.window_start]  # once the warm-up steps are over
     chrono.comm = comm
     run = Run(args=args, dist=dist, device=device, data=data, model=model, eval_model=eval_model,

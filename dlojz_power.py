@@ -43,7 +43,8 @@ class PowerMeter:
     steps after warm-up, excluding validation, compilation and start-up), which is what J/image divides.
     Peak and mean power come from a background thread sampling nvmlDeviceGetPowerUsage (mW) every `period`
     seconds. Unavailable (CPU, no driver, no nvidia-ml-py, GPU not found): every field None, never guessed.
-    `nvml` and `props` replace pynvml and torch's device properties in tests.
+    `nvml` and `props` replace pynvml and torch's device properties in tests; gather(x) -> every rank's x
+    (dlojz_dist.all_gather_object) tells the meter which ranks read its board (share()).
 
     The counter is the board's: ranks sharing a GPU (--share-gpu, MPS, MIG instances of one board) each read
     all of its energy. share() tells the meter how many ranks read its board; J/image then divides the board's
@@ -51,7 +52,7 @@ class PowerMeter:
     each rank its share, so that sums over ranks count every board once.
     """
 
-    def __init__(self, device, period=0.1, nvml=None, props=None, synchronize=None):
+    def __init__(self, device, period=0.1, nvml=None, props=None, synchronize=None, gather=None):
         self.available, self.samples, self.period = False, [], period
         self.energy_j, self.why = None, 'not a CUDA device'
         self.board, self.ranks_on_board = None, 1  # the board's NVML UUID (hex), and the ranks that read it
@@ -74,6 +75,8 @@ class PowerMeter:
                 self.board = _hex(nvml.nvmlDeviceGetUUID(self._handle))
         except Exception as e:  # no NVML on this machine: power is reported as unavailable, never guessed
             self.why = f'NVML unavailable ({type(e).__name__}: {e})'
+        if gather is not None:  # a collective: every rank of a GPU run builds its meter
+            self.share(gather(self.board))
 
     def _energy_mj(self):
         try:

@@ -93,7 +93,7 @@ class FakePower:
     """PowerMeter's interface, recording start/stop."""
     made = []
 
-    def __init__(self, device):
+    def __init__(self, device, gather=None):
         self.started = self.stopped = False
         self.energy_j = None
         FakePower.made.append(self)
