@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from dlojz_decode import random_resized_crop_params, read_bytes, sample_rng, simplejpeg
+from dlojz_decode import indexed, random_resized_crop_params, read_bytes, sample_rng, simplejpeg
 from dlojz_errors import DataError
 
 INSTALL = ('--loader dali needs NVIDIA DALI, which is not installed: pip install nvidia-dali-cuda120 (CUDA 12 '
@@ -84,7 +84,7 @@ class DaliLoader:
                  val_resize=None):
         self.dataset, self.batch_sampler, self.train = dataset, batch_sampler, train
         self.size, self.seed, self.val_resize = size, seed, val_resize
-        self.threads, self.device = max(1, threads), torch.device(device)
+        self.threads, self.device = max(1, threads), indexed(device)
         self._pipe = None
 
     def __len__(self):

@@ -106,6 +106,12 @@ def random_resized_crop_params(rng, width, height, scale=(0.08, 1.0), ratio=(3 /
     return (height - h) // 2, (width - w) // 2, h, w
 
 
+def host_train_transform(size):
+    """The training transform that decodes on the host: --decode fast where simplejpeg is installed, else
+    --decode pil (a cluster module may lack simplejpeg)."""
+    return (FastTrainTransform if simplejpeg is not None else TrainTransform)(size)
+
+
 class TrainTransform:
     """--decode pil: decode the whole image with PIL, then RandomResizedCrop + horizontal flip -> uint8 CHW
     tensor (normalised later, on the device)."""
@@ -270,7 +276,7 @@ class EncodedBatch:
         return self
 
     def to(self, device, non_blocking=False):
-        return DEVICE_DECODE(self, torch.device(device), non_blocking)
+        return DEVICE_DECODE(self, indexed(device), non_blocking)
 
 
 class GpuCollate:
@@ -340,6 +346,15 @@ class DecodedBatch:
             stream.wait_event(self.event)
             self.images.record_stream(stream)
         return self.images
+
+
+def indexed(device):
+    """`device` as a torch.device with its index: 'cuda' alone is the current GPU. torch.cuda.set_device refuses
+    a device without one, and a thread pool whose initializer raises fails its first task."""
+    device = torch.device(device)
+    if device.type == 'cuda' and device.index is None:
+        return torch.device('cuda', torch.cuda.current_device())
+    return device
 
 
 class DeviceDecode:
@@ -509,7 +524,7 @@ class DecodeAhead:
     device: 38 MB at 256 x 224 px). An error in the decode (a bad image) is raised when its batch is taken."""
 
     def __init__(self, loader, device, decoder=None, depth=1):
-        self.loader, self.device, self.depth = loader, torch.device(device), depth
+        self.loader, self.device, self.depth = loader, indexed(device), depth
         self.decoder = decoder
 
     def __len__(self):
