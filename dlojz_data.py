@@ -484,11 +484,10 @@ class Data:
 def train_transform(args):
     """-> (the training transform of --decode with the worker-side augmentations, the loader's collate_fn:
     None for torch's default)."""
-    cpu = dlojz_decode.FastTrainTransform if dlojz_decode.simplejpeg is not None else dlojz_decode.TrainTransform
     if args.decode == 'gpu':
         dlojz_decode.DEVICE_DECODE.skip_bad_images = args.skip_bad_images
-        return dlojz_decode.GpuTrainTransform(args.image_size, cpu(args.image_size)), \
-            dlojz_decode.GpuCollate(args.image_size)
+        refused = dlojz_decode.host_train_transform(args.image_size)  # files nvJPEG refuses
+        return dlojz_decode.GpuTrainTransform(args.image_size, refused), dlojz_decode.GpuCollate(args.image_size)
     transform = {'fast': dlojz_decode.FastTrainTransform, 'pil': dlojz_decode.TrainTransform}[args.decode](args.image_size)
     ops = dlojz_augment.worker_ops(args)
     return (dlojz_augment.Augmented(transform, ops) if ops else transform), None

@@ -439,7 +439,7 @@ def test_slow_loader_is_loader_bound_by_the_device_clock(tmp_path, cache_dir, gp
 
 def encoded_batch(n=32, size=64, seed=0):
     """n samples of three real-photo-like synthetic JPEGs (baseline, 4:2:0), as the workers hand them over."""
-    gpu = dlojz_decode.GpuTrainTransform(size, dlojz_decode.FastTrainTransform(size))
+    gpu = dlojz_decode.GpuTrainTransform(size, dlojz_decode.host_train_transform(size))
     blobs = []
     for k in range(3):
         buf = io.BytesIO()
