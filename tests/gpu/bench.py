@@ -5,11 +5,13 @@ one `python dlojz.py --test-nsteps N ...` process; the table is read from its su
 to stdout, progress to stderr:
 
     python tests/gpu/bench.py | tee tests/gpu/last-bench.md     # 16 configurations
-    python tests/gpu/bench.py --quick                            # 2: low precision, channels-last, fake vs JPEG
+    python tests/gpu/bench.py --quick                            # 2: low precision, channels-last, eager, compiled
     python tests/gpu/bench.py --data-dir /path/imagenet --steps 100 --batch 256
 
-A second table compares the host's fast decode with nvJPEG (--decode gpu), same workers, same JPEGs: the
-training loader alone (--loader-only) and a training run.
+A second table compares the host's decode paths (--decode fast and pil, on the machine's cores) with nvJPEG
+(--decode gpu), same workers, same JPEGs: the training loader alone (--loader-only) and a training run.
+--budget S starts no row after S seconds (the rows left are listed as not run). The exit code is 1 when any
+run failed, in either table.
 """
 import argparse
 import datetime
@@ -38,16 +40,35 @@ def get_args(argv=None):
     p.add_argument('--out', default=None, help='folder for the run directories (default runs/bench-<time>)')
     p.add_argument('--data-dir', default=None, help='ImageFolder dataset for the JPEG rows (default: dlojz\'s '
                    'built-in synthetic JPEGs)')
-    p.add_argument('--quick', action='store_true', help='2 configurations: low precision, channels-last, eager, '
-                   'fake vs JPEG data')
+    p.add_argument('--quick', action='store_true', help='2 configurations (low precision, channels-last, fake data, '
+                   'eager and compiled) and the decode rows without --no-decode-ahead')
+    p.add_argument('--budget', type=float, default=None, help='seconds: no row starts after this (default: no limit)')
     return p.parse_args(argv)
 
 
 def matrix(quick):
     """(--amp, channels-last, compile, data) of every row."""
     if quick:
-        return [('auto', True, False, 'fake'), ('auto', True, False, 'jpeg')]
+        return [('auto', True, False, 'fake'), ('auto', True, True, 'fake')]
     return list(itertools.product(('off', 'auto'), (True, False), (False, True), ('fake', 'jpeg')))
+
+
+def decodes(quick):
+    """The --decode settings of the second table: the host's paths, then nvJPEG."""
+    return ['fast', 'pil', 'gpu'] + ([] if quick else ['gpu --no-decode-ahead'])
+
+
+class Budget:
+    """--budget: whether a row may still start."""
+
+    def __init__(self, seconds, clock=time.monotonic):
+        self.seconds, self.clock, self.t0, self.left_out = seconds, clock, clock(), []
+
+    def allows(self, name):
+        if self.seconds is None or self.clock() - self.t0 < self.seconds:
+            return True
+        self.left_out.append(name)
+        return False
 
 
 def common_flags(opts):
@@ -89,29 +110,36 @@ def run_one(flags, out_dir):
     return summary, f'exit {code}: {said[-1][:200]}'
 
 
-def loader_rows(opts, out):
-    """--decode fast and gpu (with and without decoding one batch ahead), the loader alone (--loader-only) and
-    a training run (same flags): -> Markdown rows. The training run shows what the loader figure cannot:
-    nvJPEG's decode sharing the GPU with the step, and the host waiting for it."""
-    rows = []
-    for decode in ('fast', 'gpu', 'gpu --no-decode-ahead'):
+def failed(why):
+    return f"failed ({why or 'no result'})".replace('|', '/')
+
+
+def loader_rows(opts, out, budget):
+    """Each --decode of decodes(): the loader alone (--loader-only) and a training run (same flags) -> (Markdown
+    lines, how many runs failed). The training run shows what the loader figure cannot: nvJPEG's decode sharing
+    the GPU with the step, and the host waiting for it."""
+    rows, failures = [], 0
+    for decode in decodes(opts.quick):
+        if not budget.allows(f'--decode {decode}'):
+            continue
         flags = [*common_flags(opts), *row_flags(('auto', True, False, 'jpeg'), opts), '--decode', *decode.split()]
         decode_dir = decode.replace(' --', '_').replace('-', '_')
         summary, why = run_one([*flags, '--loader-only'], os.path.join(out, f'loader_{decode_dir}'))
-        loader = (summary or {}).get('loader') or {}
-        ips = loader.get('images_per_second')
-        cell = f'{ips:.1f}' if ips and not why else f"failed ({why or 'no result'})".replace('|', '/')
+        ips = ((summary or {}).get('loader') or {}).get('images_per_second')
+        failures += bool(why or not ips)
+        cell = f'{ips:.1f}' if ips and not why else failed(why)
         print(f'loader {decode}: {why or "completed"}', file=sys.stderr, flush=True)
         summary, why = run_one(flags, os.path.join(out, f'train_{decode_dir}'))
         t = (summary or {}).get('timing') or {}
-        train = f"{t['train_throughput']:.1f}" if t.get('train_throughput') and not why else \
-            f"failed ({why or 'no result'})".replace('|', '/')
+        failures += bool(why or not t.get('train_throughput'))
+        train = f"{t['train_throughput']:.1f}" if t.get('train_throughput') and not why else failed(why)
         rows.append(f"| {decode} | {opts.workers} | {cell} | {train} | {t.get('bound', '–')} |")
         print(f'train {decode}: {why or "completed"}', file=sys.stderr, flush=True)
-    return ['', f'Decoding on the host (`--decode fast`) or with nvJPEG (`--decode gpu`): the training loader alone '
-            f'(`--loader-only`) and training (low precision, channels-last, eager), {opts.batch} images per batch, '
-            f'{opts.steps} batches:', '', '| decode | workers | loader alone img/s | training img/s | bound |',
-            '|---|---:|---:|---:|---|', *rows]
+    lines = ['', f'Decoding on the host (`--decode fast`, `pil`) or with nvJPEG (`--decode gpu`): the training '
+             f'loader alone (`--loader-only`) and training (low precision, channels-last, eager), {opts.batch} '
+             f'images per batch, {opts.steps} batches:', '',
+             '| decode | workers | loader alone img/s | training img/s | bound |', '|---|---:|---:|---:|---|', *rows]
+    return lines, failures
 
 
 def label(cfg, summary, opts):
@@ -123,7 +151,7 @@ def label(cfg, summary, opts):
 
 def cells(summary, why, steps):
     if why:
-        return [f'failed ({why})'.replace('|', '/')] + [''] * 5
+        return [failed(why)] + [''] * 5
     t, m, e = summary['timing'], summary['memory'], summary['energy']
     note = f" ({t['steps']} steps)" if t['steps'] < steps else ''  # a small --data-dir ends with its epoch
     num = lambda v, fmt: '–' if v is None else format(v, fmt)
@@ -166,22 +194,23 @@ def main(argv=None):
         sys.exit('bench.py: PyTorch sees no CUDA GPU (torch.cuda.is_available() is False); run it on a GPU node.')
     out = opts.out or os.path.join(ROOT, 'runs', 'bench-' + datetime.datetime.now().strftime('%Y%m%d-%H%M%S'))
     os.makedirs(out, exist_ok=True)
-    rows, prov, failed = [], None, 0
+    rows, prov, failures, budget, interrupted = [], None, 0, Budget(opts.budget), False
     configs = matrix(opts.quick)
     for i, cfg in enumerate(configs, 1):
         name = '_'.join(['fp32' if cfg[0] == 'off' else 'amp', 'nhwc' if cfg[1] else 'nchw',
                          'compile' if cfg[2] else 'eager', cfg[3]])
+        if not budget.allows(name):
+            continue
         t0 = time.perf_counter()
         print(f'[{i}/{len(configs)}] {name} ...', file=sys.stderr, flush=True)
         try:
             summary, why = run_one([*common_flags(opts), *row_flags(cfg, opts)], os.path.join(out, name))
         except KeyboardInterrupt:
             print('bench.py: interrupted; the table holds the configurations that finished.', file=sys.stderr)
-            failed += 1
+            failures, interrupted = failures + 1, True
             break
         prov = prov or (summary or {}).get('provenance')
-        if why:
-            failed += 1
+        failures += bool(why)
         rows.append([label(cfg, summary, opts), *cells(summary, why, opts.steps)])
         print(f'[{i}/{len(configs)}] {name}: {why or "completed"} ({time.perf_counter() - t0:.0f} s)', file=sys.stderr,
               flush=True)
@@ -189,9 +218,16 @@ def main(argv=None):
     lines += ['| config | train img/s | GPU img/s | bound | device busy % | peak GPU memory GiB | J/image |',
               '|---|---:|---:|---|---:|---:|---:|']
     lines += ['| ' + ' | '.join(r) + ' |' for r in rows]
-    lines += loader_rows(opts, out)
+    decode_lines, decode_failures = loader_rows(opts, out, budget) if not interrupted else ([], 0)
+    lines += decode_lines
+    if budget.left_out:
+        lines += ['', f"Not run (--budget {opts.budget:g} s spent): {', '.join(budget.left_out)}."]
     print('\n'.join(lines))
-    return 1 if failed else 0
+    failures += decode_failures
+    if failures:
+        print(f'bench.py: {failures} run(s) failed; their cells say why, their logs are in {shown(out)}.',
+              file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == '__main__':
