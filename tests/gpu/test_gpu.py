@@ -45,6 +45,7 @@ import dlojz_decode
 import dlojz_dist
 import dlojz_flags
 from conftest import TINY, latest, run_cli, run_main, torchrun
+from .conftest import unavailable
 from dlojz_power import PowerMeter
 from dlojz_log import Console
 from dlojz_metrics import Meters
@@ -205,6 +206,14 @@ def kernel_intervals(prof):
     return [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA and is_kernel(e)]
 
 
+def profiled_kernels(prof):
+    """kernel_intervals(prof); none at all means the profiler cannot see the GPU (no CUPTI): unavailable()."""
+    kernels = kernel_intervals(prof)
+    if not kernels:
+        unavailable('torch.profiler recorded no CUDA kernel (CUPTI unavailable to this PyTorch)')
+    return kernels
+
+
 def busy_us(intervals):
     """Length of the union of intervals: time the GPU ran at least one kernel. Kernels of one stream may
     overlap a little (programmatic dependent launch on Hopper), so their durations are not simply added."""
@@ -236,9 +245,7 @@ def test_phase_events_add_up_to_profiled_kernel_time(tmp_path, cache_dir):
             run.chrono.finish()
             torch.cuda.synchronize()
         steps = run.chrono.steps[-n:]
-    kernels = kernel_intervals(prof)
-    if not kernels:
-        pytest.skip('torch.profiler recorded no CUDA kernel (CUPTI unavailable to this PyTorch)')
+    kernels = profiled_kernels(prof)
     gpu_s = busy_us(kernels) / 1e6
     phases_s = sum(r['forward'] + r['backward'] + r['optimizer'] for r in steps)
     span_s = sum(r['compute'] for r in steps)
@@ -254,11 +261,13 @@ def test_nvml_energy_within_the_power_limit():
     x the elapsed time + 10 % (boards exceed their limit only in transients), and agrees within 2x with the
     sampled mean power x the time (a mJ/J or mW/W slip is 1000x). From Ampere on (A100 excepted) NVML's power
     reading is a 1 s average, so the first samples lag the load: hence the loose factor."""
-    pynvml = pytest.importorskip('pynvml', reason='nvidia-ml-py is not installed')
     try:
+        import pynvml
         pynvml.nvmlInit()
+    except ImportError:
+        unavailable('nvidia-ml-py is not installed')
     except pynvml.NVMLError as e:
-        pytest.skip(f'NVML cannot start ({e})')
+        unavailable(f'NVML cannot start ({e})')
     meter = PowerMeter('cuda')
     assert meter.available, meter.why
     try:
