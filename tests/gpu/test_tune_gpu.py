@@ -1,8 +1,14 @@
-"""--tune on a real GPU (dlojz_tune): the batch doubling reads GPU memory, the GPU configurations (fp16, bf16
-where supported, channels-last, compile) run, and the winner rerun as a plain dlojz.py process reproduces the
-table's img/s within 10 % (an idle GPU; the CPU test allows 50 % on a shared machine).
+"""--tune on a real GPU (dlojz_tune), shrunk to about a minute: the batch doubling reads GPU memory (the peak
+grows with the batch), the GPU's low precisions run as trials (fp16; bf16 from sm80), and a trial chosen
+before the sweep (the default configuration at the largest batch), rerun as a plain dlojz.py process,
+reproduces the table's img/s within 15 %.
 
-    bash tests/gpu/run.sh      # or: python -m pytest -q tests/gpu/test_tune_gpu.py on a GPU node
+Not the winner: the best of several noisy trials is biased upwards (the winner's curse), so a winner rerun
+comes out slower than its table figure for no fault of the tuner. Compiled trials are left out here (minutes
+of inductor per trial; the compiled path is test_gpu.py's) and so are the NCHW ones: the sweep runs its eager
+channels-last configurations, and the CPU tests (tests/test_tune.py) check the full list and the winner's choice.
+
+    python -m pytest -q tests/gpu/test_tune_gpu.py        # on a GPU node; bash tests/gpu/run.sh runs it
 """
 import json
 
@@ -14,35 +20,47 @@ import dlojz_flags
 import dlojz_tune as T
 from conftest import TINY, run_cli
 
+STEPS = 60  # steady steps per trial and in the rerun: a ResNet-18 step at 32 px takes a few ms
+
+
+def eager(cuda, bf16=True):
+    """The tuner's configurations without compile, channels-last only: what this test proves is per precision."""
+    return [c for c in T.configurations(cuda, bf16) if c[1] and not c[2]]
+
 
 @pytest.fixture(scope='module')
 def gpu_sweep(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp('tune-gpu')
     parser = dlojz.get_args_parser()
-    args = parser.parse_args(TINY + ['--cache-dir', cache_dir, '--output-dir', str(out), '--tune', '--tune-max-batch',
-                                     '64', '--tune-steps', '20', '--tune-budget', '8', '--tune-machine', 'a100'])
+    tune = ['--tune', '--tune-max-batch', '16', '--tune-steps', str(STEPS), '--tune-budget', '4',
+            '--tune-machine', 'a100']
+    args = parser.parse_args(TINY + ['--cache-dir', cache_dir, '--output-dir', str(out), *tune])
     raw = dict(vars(args))
     device = torch.device('cuda', torch.cuda.current_device())
     dlojz_flags.check_args(args, device)
     lines = []
-    return T.run_tune(args, raw, parser, device, lines.append), lines, out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(T, 'configurations', eager)
+        record = T.run_tune(args, raw, parser, device, lines.append)
+    return record, lines, out
 
 
 def test_tune_on_a_gpu(gpu_sweep, cache_dir):
     record, lines, out = gpu_sweep
     names = [r['name'] for r in record['trials']]
-    assert names[:4] == ['b8-off-cl-eager', 'b16-off-cl-eager', 'b32-off-cl-eager', 'b64-off-cl-eager']
-    assert all(r['memory_bytes'] and r['memory_bytes'] > 0 for r in record['trials'] if r['status'] == 'completed')
+    bf16 = dlojz_flags.native_bf16(torch.cuda.get_device_capability())
+    assert names == ['b8-off-cl-eager', 'b16-off-cl-eager', 'b16-fp16-cl-eager'] + \
+        (['b16-bf16-cl-eager'] if bf16 else []), names
+    assert all(r['status'] == 'completed' for r in record['trials']), record['trials']
+    assert record['skipped'] == [] and any(line.startswith('>>> Recommended: python dlojz.py') for line in lines)
     # the memory peak grows with the batch (activations): a host figure read by mistake would not
-    mem = [r['memory_bytes'] for r in record['trials'][:4]]
-    assert mem == sorted(mem) and mem[-1] > mem[0]
-    assert any(r['amp'] == 'fp16' for r in record['trials']) and any(r['compile'] for r in record['trials']) \
-        or record['skipped'], 'the GPU configurations neither ran nor were listed as skipped'
-    best = next(r for r in record['trials'] if r['name'] == record['recommended']['trial'])
+    mem = [r['memory_bytes'] for r in record['trials'][:2]]
+    assert 0 < mem[0] < mem[1], mem
+    chosen = record['trials'][1]  # chosen before the sweep ran: no selection among noisy figures
     again = out / 'again'
-    r = run_cli(*TINY, '--cache-dir', cache_dir, *T.trial_argv(best['batch'], best['amp'], best['channels_last'],
-                                                                 best['compile']),
-                '--test-nsteps', 23, '--warmup-steps', 3, '-e', 1000, '--output-dir', again)
+    flags = T.trial_argv(chosen['batch'], chosen['amp'], chosen['channels_last'], chosen['compile'])
+    r = run_cli(*TINY, '--cache-dir', cache_dir, *flags, '--test-nsteps', STEPS + 3, '--warmup-steps', 3, '-e', 1000,
+                '--output-dir', again)
     assert r.returncode == 0, r.stderr[-2000:]
     measured = json.loads((again / 'summary.json').read_text())['timing']['steady_images_per_s']
-    assert best['images_per_s'] == pytest.approx(measured, rel=0.10)
+    assert chosen['images_per_s'] == pytest.approx(measured, rel=0.15), (chosen['images_per_s'], measured)
