@@ -6,6 +6,7 @@ turns "skipped for want of CUDA" into a failed session. The check's verdict is a
 Run: python -m pytest -q tests/test_gpu_runner.py
 """
 import importlib.util
+import json
 import os
 import pathlib
 import subprocess
@@ -29,17 +30,36 @@ CU13_ARCHS = ['sm_75', 'sm_80', 'sm_86', 'sm_90', 'sm_100', 'sm_120']
 
 
 @no_gpu
-def test_run_sh_without_cuda_stops_before_any_test(tmp_path):
+@pytest.mark.parametrize('options', [[], ['--quick'], ['--quick', '--no-compile', '--results', 'R']])
+def test_run_sh_without_cuda_stops_before_any_test(tmp_path, options):
     log = tmp_path / 'invocations'
     wrapper = tmp_path / 'python'
     wrapper.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
-    p = subprocess.run(['bash', str(ROOT / 'tests' / 'gpu' / 'run.sh')], capture_output=True, text=True,
+    results = tmp_path / 'R'
+    options = [str(results) if o == 'R' else o for o in options]
+    p = subprocess.run(['bash', str(ROOT / 'tests' / 'gpu' / 'run.sh'), *options], capture_output=True, text=True,
                        env={**os.environ, 'PYTHON': str(wrapper)}, timeout=120)
     out = (p.stdout + p.stderr).strip()
     assert p.returncode == 1, out
     assert len(out.splitlines()) == 1 and out.startswith('tests/gpu needs CUDA') and 'Traceback' not in out, out
-    assert log.read_text().splitlines() == ['tests/gpu/cuda_check.py']  # neither pytest nor bench.py started
+    calls = log.read_text().splitlines()  # neither pytest nor bench.py started
+    assert len(calls) == 1 and calls[0].split()[0] == 'tests/gpu/cuda_check.py', calls
+    assert not results.exists()  # nothing written
+
+
+def test_the_quick_list_names_tests_that_exist():
+    """run.sh --quick passes tests/gpu/quick.txt's node ids to pytest, which stops the whole session on one that
+    does not exist (a renamed test): collected here, where they are skipped, each must be found."""
+    ids = [line.strip() for line in (ROOT / 'tests' / 'gpu' / 'quick.txt').read_text().splitlines()
+           if line.strip() and not line.startswith('#')]
+    env = {k: v for k, v in os.environ.items() if k != 'DLOJZ_REQUIRE_GPU'}
+    p = subprocess.run([sys.executable, '-m', 'pytest', '--collect-only', '-q', '-m', 'not slurm', *ids],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    collected = [line for line in p.stdout.splitlines() if line.startswith('tests/gpu/')]
+    assert all(any(c == i or c.startswith(i + '[') for c in collected) for i in ids), (ids, collected)
+    assert len(ids) == len(set(ids)) >= 20
 
 
 @no_gpu
@@ -104,8 +124,8 @@ def test_bench_budget_starts_no_row_after_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench.torch.cuda, 'is_available', lambda: True)
     monkeypatch.setattr(bench, 'run_one', lambda flags, out_dir: pytest.fail('a run started'))
     assert bench.main(['--quick', '--budget', '0', '--out', str(tmp_path)]) == 0
-    assert 'Not run (--budget 0 s spent): amp_nhwc_eager_fake, amp_nhwc_compile_fake, --decode fast' in \
-        capsys.readouterr().out
+    assert 'Not run (--budget 0 s spent): amp_nhwc_eager_fake, --decode fast, --decode gpu, amp_nhwc_compile_fake.' \
+        in capsys.readouterr().out
 
 
 @pytest.mark.parametrize('required', [False, True])
@@ -118,3 +138,36 @@ def test_a_profile_without_gpu_kernels_fails_where_a_gpu_is_required(monkeypatch
         torch.ones(4).add_(1)
     with pytest.raises(pytest.fail.Exception if required else pytest.skip.Exception, match='no CUDA kernel'):
         profiled_kernels(prof)
+
+
+def side_by_side():
+    spec = importlib.util.spec_from_file_location('side_by_side', ROOT / 'tests' / 'gpu' / 'side_by_side.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_references_rate_is_images_over_the_time_of_its_windows():
+    """The reference prints, every 20 iterations, the mean time of the last 20. With 20 steps of warm-up and 40
+    measured: the lines at 40 (0.100 s) and 60 (0.300 s) tile iterations 21..60: 40 x 256 images in
+    20 x (0.1 + 0.3) = 8 s, 1280 img/s (the mean of the two windows' rates, 2560 and 853, would read 1707).
+    The line at 20 is the warm-up's; a missing window is no figure."""
+    m = side_by_side()
+    log = '\n'.join(f'Epoch: [0]  [{i:3d}/222]  eta: 0:00:30  lr: 0.1  img/s: 999.0  loss: 6.9 (6.9)  '
+                    f'acc1: 0.0 (0.0)  acc5: 0.0 (0.0)  time: {t:.4f}  data: 0.0010  max mem: 21000'
+                    for i, t in ((0, 5.0), (20, 0.5), (40, 0.1), (60, 0.3), (80, 0.2)))
+    rate, windows = m.reference_rate(log, 256, 20, 40)
+    assert windows == 2 and rate == pytest.approx(40 * 256 / 8.0)
+    assert m.reference_rate(log, 256, 20, 80) == (None, 3)  # the line at 100 is missing
+
+
+def test_the_best_row_takes_the_tuners_flags_and_keeps_the_comparisons_own(tmp_path):
+    """From a tune.json's recommended command: the batch, precision, layout and compile flags, not the data,
+    model, workers or output folder the side by side sets itself."""
+    m = side_by_side()
+    tune = tmp_path / 'tune.json'
+    tune.write_text(json.dumps({'recommended': {'command': 'python dlojz.py --arch resnet50 --data-dir /x '
+                                                           '--num-workers 8 -b 384 --amp bf16 --channels-last --compile'}}))
+    args = m.argparse.Namespace(tune_json=str(tune), best='--amp off')
+    flags, source = m.best_flags(args)
+    assert flags == ['-b', '384', '--amp', 'bf16', '--channels-last', '--compile'] and 'tune.json' in source

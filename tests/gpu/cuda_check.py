@@ -1,13 +1,17 @@
-"""Does this node give torch a CUDA GPU it has kernels for? bash tests/gpu/run.sh asks before any test:
-one line with torch's CUDA version, the driver and the GPUs (exit 0), or one sentence saying what is missing
-and what to do (exit 1).
+"""Does this node give torch a CUDA GPU it has kernels for, and can inductor compile there? bash tests/gpu/run.sh
+asks before any test: a line with torch's CUDA version, the driver and the GPUs, and with --compile a line with
+the C compiler and Python's headers that Triton (inductor's GPU backend) builds its launchers with (exit 0);
+or one sentence saying what is missing and what to do (exit 1).
 
-Run: python tests/gpu/cuda_check.py
+Run: python tests/gpu/cuda_check.py [--compile]
 """
 import os
+import platform
+import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 
 # The oldest driver each CUDA major release runs on (Linux, CUDA minor-version compatibility: NVIDIA's
 # "CUDA Compatibility" guide, table 1): a wheel built for CUDA 12.8 runs on a 525 driver, one for 13.0 needs 580.
@@ -44,6 +48,38 @@ def verdict(torch_version, cuda_version, driver, gpus, arch_list, host='this nod
     return True, f'CUDA: torch {torch_version} built for CUDA {cuda_version}, driver {driver}, {names}'
 
 
+def compile_verdict(compiler, headers, python=platform.python_version()):
+    """-> (ok, line). compiler: (path, first line of its --version) of the C compiler Triton would use, or None;
+    headers: the path of Python.h, or None where it is absent."""
+    fix = 'or pass --no-compile to bash tests/gpu/run.sh to leave the compiled checks out'
+    if compiler is None:
+        return False, (f'--compile needs a C compiler (Triton builds its GPU launchers with cc/gcc) and this node '
+                       f'has none on PATH; install gcc (apt-get install gcc), set CC, {fix}.')
+    if headers is None:
+        return False, (f"--compile needs Python {python}'s headers (Triton compiles against Python.h) and this node "
+                       f'lacks them; install them (apt-get install python3-dev, or the python module with '
+                       f'headers), {fix}.')
+    return True, f'compile: {compiler[1]} ({compiler[0]}), {headers}'
+
+
+def c_compiler():
+    """The compiler Triton looks for (CC, then cc, gcc, clang) and its --version's first line, or None."""
+    for name in [os.environ.get('CC'), 'cc', 'gcc', 'clang']:
+        path = name and shutil.which(name)
+        if path:
+            try:
+                out = subprocess.run([path, '--version'], capture_output=True, text=True, timeout=30).stdout
+            except (OSError, subprocess.SubprocessError):
+                continue
+            return path, (out.splitlines() or [name])[0].strip()
+    return None
+
+
+def python_headers():
+    path = os.path.join(sysconfig.get_paths()['include'], 'Python.h')
+    return path if os.path.exists(path) else None
+
+
 def driver_version():
     try:
         import pynvml
@@ -72,6 +108,9 @@ def main():
             for i in range(torch.cuda.device_count())] if available else []
     ok, line = verdict(torch.__version__, torch.version.cuda, driver_version(), gpus,
                        torch.cuda.get_arch_list() if available else [], socket.gethostname())
+    if ok and '--compile' in sys.argv[1:]:
+        print(line, flush=True)
+        ok, line = compile_verdict(c_compiler(), python_headers())
     print(line, file=sys.stdout if ok else sys.stderr, flush=True)
     return 0 if ok else 1
 
