@@ -119,6 +119,22 @@ def test_bench_exits_1_when_any_run_failed(tmp_path, monkeypatch, capsys, failin
     assert bench.main(['--quick', '--out', str(tmp_path)]) == 0
 
 
+def test_an_interrupted_bench_prints_the_runs_that_finished(tmp_path, monkeypatch, capsys):
+    """run.sh stops the quick benchmark with SIGINT when its time is up: the tables keep every run that ended
+    before (the eager row, the fast decode row), and the exit code says the run is incomplete."""
+    monkeypatch.setattr(bench.torch.cuda, 'is_available', lambda: True)
+
+    def run_one(flags, out_dir):
+        if os.path.basename(out_dir) == 'loader_gpu':
+            raise KeyboardInterrupt
+        return bench_summary(), None
+    monkeypatch.setattr(bench, 'run_one', run_one)
+    assert bench.main(['--quick', '--out', str(tmp_path)]) == 1
+    out = capsys.readouterr()
+    assert '| bf16 / channels-last / eager / fake data | 100.0' in out.out and '\n| fast | ' in out.out
+    assert '| gpu |' not in out.out and 'compile' not in out.out.split('| config |')[1] and 'interrupted' in out.err
+
+
 def test_bench_budget_starts_no_row_after_it(tmp_path, monkeypatch, capsys):
     """--budget 0: no run starts, the table says which rows were left out."""
     monkeypatch.setattr(bench.torch.cuda, 'is_available', lambda: True)

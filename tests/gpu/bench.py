@@ -8,8 +8,8 @@ to stdout, progress to stderr:
     python tests/gpu/bench.py --quick                            # 2: low precision, channels-last, eager, compiled
     python tests/gpu/bench.py --data-dir /path/imagenet --steps 100 --batch 256
 
-A second table compares the host's decode paths (--decode fast and pil, on the machine's cores) with nvJPEG
-(--decode gpu), same workers, same JPEGs: the training loader alone (--loader-only) and a training run.
+A second table compares the host's decode paths (--decode fast and pil; --quick: fast) on the machine's cores
+with nvJPEG (--decode gpu), same workers, same JPEGs: the training loader alone (--loader-only) and training.
 --budget S starts no row after S seconds (the rows left are listed as not run). The exit code is 1 when any
 run failed, in either table.
 """
@@ -41,21 +41,23 @@ def get_args(argv=None):
     p.add_argument('--data-dir', default=None, help='ImageFolder dataset for the JPEG rows (default: dlojz\'s '
                    'built-in synthetic JPEGs)')
     p.add_argument('--quick', action='store_true', help='2 configurations (low precision, channels-last, fake data, '
-                   'eager and compiled) and the decode rows without --no-decode-ahead')
+                   'eager and compiled) and 2 decode rows (fast, gpu)')
     p.add_argument('--budget', type=float, default=None, help='seconds: no row starts after this (default: no limit)')
+    p.add_argument('--no-compile', dest='compile', action='store_false', help='leave the --compile rows out (a '
+                   'node without a C compiler or Python\'s headers)')
     return p.parse_args(argv)
 
 
-def matrix(quick):
+def matrix(quick, compile_=True):
     """(--amp, channels-last, compile, data) of every row."""
-    if quick:
-        return [('auto', True, False, 'fake'), ('auto', True, True, 'fake')]
-    return list(itertools.product(('off', 'auto'), (True, False), (False, True), ('fake', 'jpeg')))
+    rows = [('auto', True, False, 'fake'), ('auto', True, True, 'fake')] if quick else \
+        list(itertools.product(('off', 'auto'), (True, False), (False, True), ('fake', 'jpeg')))
+    return [r for r in rows if compile_ or not r[2]]
 
 
 def decodes(quick):
     """The --decode settings of the second table: the host's paths, then nvJPEG."""
-    return ['fast', 'pil', 'gpu'] + ([] if quick else ['gpu --no-decode-ahead'])
+    return ['fast', 'gpu'] if quick else ['fast', 'pil', 'gpu', 'gpu --no-decode-ahead']
 
 
 class Budget:
@@ -107,6 +109,7 @@ def run_one(flags, out_dir):
     with open(f'{out_dir}.log') as f:
         lines = [line.strip() for line in f if line.strip()]
     said = [line for line in lines if line.startswith('dlojz:')] or lines or ['no output']
+    print(f'--- the last lines of {out_dir}.log:', *lines[-25:], sep='\n', file=sys.stderr, flush=True)
     return summary, f'exit {code}: {said[-1][:200]}'
 
 
@@ -114,11 +117,12 @@ def failed(why):
     return f"failed ({why or 'no result'})".replace('|', '/')
 
 
-def loader_rows(opts, out, budget):
-    """Each --decode of decodes(): the loader alone (--loader-only) and a training run (same flags) -> (Markdown
-    lines, how many runs failed). The training run shows what the loader figure cannot: nvJPEG's decode sharing
-    the GPU with the step, and the host waiting for it."""
-    rows, failures = [], 0
+def loader_rows(opts, out, budget, rows):
+    """Each --decode of decodes(): the loader alone (--loader-only) and a training run (same flags), a Markdown
+    row each appended to `rows` as it ends (an interrupt keeps those) -> how many runs failed. The training
+    run shows what the loader figure cannot: nvJPEG's decode sharing the GPU with the step, and the host
+    waiting for it."""
+    failures = 0
     for decode in decodes(opts.quick):
         if not budget.allows(f'--decode {decode}'):
             continue
@@ -135,11 +139,16 @@ def loader_rows(opts, out, budget):
         train = f"{t['train_throughput']:.1f}" if t.get('train_throughput') and not why else failed(why)
         rows.append(f"| {decode} | {opts.workers} | {cell} | {train} | {t.get('bound', '–')} |")
         print(f'train {decode}: {why or "completed"}', file=sys.stderr, flush=True)
-    lines = ['', f'Decoding on the host (`--decode fast`, `pil`) or with nvJPEG (`--decode gpu`): the training '
-             f'loader alone (`--loader-only`) and training (low precision, channels-last, eager), {opts.batch} '
-             f'images per batch, {opts.steps} batches:', '',
-             '| decode | workers | loader alone img/s | training img/s | bound |', '|---|---:|---:|---:|---|', *rows]
-    return lines, failures
+    return failures
+
+
+def decode_table(opts, rows):
+    if not rows:
+        return []
+    return ['', f'Decoding on the host (`--decode fast`, `pil`) or with nvJPEG (`--decode gpu`): the training '
+            f'loader alone (`--loader-only`) and training (low precision, channels-last, eager), {opts.batch} '
+            f'images per batch, {opts.steps} batches:', '',
+            '| decode | workers | loader alone img/s | training img/s | bound |', '|---|---:|---:|---:|---|', *rows]
 
 
 def label(cfg, summary, opts):
@@ -182,51 +191,63 @@ def header(prov, opts, argv, out):
             f"`{command}` (dlojz {prov['dlojz_sha'] if prov else '?'}): each row is `{dlojz} ROW FLAGS`, where "
             f"precision is `--amp off` (fp32, TF32 on) or `--amp auto`, the layout `--channels-last` or "
             f"`--no-channels-last`, `--compile` or not, and the data `--fake-data` or JPEGs decoded by "
-            f"{opts.workers} workers. Throughputs are global batch / median step after the warm-up steps: train "
-            f"= host step, GPU = device clock (CUDA events); device busy = GPU time / host step time; memory = max "
-            f"allocated after warm-up; J/image = NVML energy over the steady steps. Run folders: {out}.", '']
+            f"{opts.workers} workers. Throughputs are sums over the steady steps (after the warm-up): train = their "
+            f"images / their host time, GPU = global batch / mean GPU time per step (CUDA events); device busy = "
+            f"GPU time / host time; memory = max allocated after warm-up; J/image = NVML energy over the steady "
+            f"steps / their images. Run folders: {out}.", '']
+
+
+def matrix_row(i, cfg, opts, out):
+    """-> (its table cells, whether it failed, its provenance)."""
+    name = row_name(cfg)
+    t0 = time.perf_counter()
+    print(f'[{i}] {name} ...', file=sys.stderr, flush=True)
+    summary, why = run_one([*common_flags(opts), *row_flags(cfg, opts)], os.path.join(out, name))
+    print(f'[{i}] {name}: {why or "completed"} ({time.perf_counter() - t0:.0f} s)', file=sys.stderr, flush=True)
+    return [label(cfg, summary, opts), *cells(summary, why, opts.steps)], bool(why), (summary or {}).get('provenance')
+
+
+def row_name(cfg):
+    return '_'.join(['fp32' if cfg[0] == 'off' else 'amp', 'nhwc' if cfg[1] else 'nchw',
+                     'compile' if cfg[2] else 'eager', cfg[3]])
 
 
 def main(argv=None):
+    """The eager rows, the decode rows, then the compiled rows (minutes of inductor each: what --budget cuts
+    first); the tables keep the matrix's order. Interrupted (Ctrl-C, run.sh's stage timeout), it prints the
+    tables of what finished."""
     argv = sys.argv[1:] if argv is None else argv
     opts = get_args(argv)
     if not torch.cuda.is_available():
         sys.exit('bench.py: PyTorch sees no CUDA GPU (torch.cuda.is_available() is False); run it on a GPU node.')
     out = opts.out or os.path.join(ROOT, 'runs', 'bench-' + datetime.datetime.now().strftime('%Y%m%d-%H%M%S'))
     os.makedirs(out, exist_ok=True)
-    rows, prov, failures, budget, interrupted = [], None, 0, Budget(opts.budget), False
-    configs = matrix(opts.quick)
-    for i, cfg in enumerate(configs, 1):
-        name = '_'.join(['fp32' if cfg[0] == 'off' else 'amp', 'nhwc' if cfg[1] else 'nchw',
-                         'compile' if cfg[2] else 'eager', cfg[3]])
-        if not budget.allows(name):
-            continue
-        t0 = time.perf_counter()
-        print(f'[{i}/{len(configs)}] {name} ...', file=sys.stderr, flush=True)
-        try:
-            summary, why = run_one([*common_flags(opts), *row_flags(cfg, opts)], os.path.join(out, name))
-        except KeyboardInterrupt:
-            print('bench.py: interrupted; the table holds the configurations that finished.', file=sys.stderr)
-            failures, interrupted = failures + 1, True
-            break
-        prov = prov or (summary or {}).get('provenance')
-        failures += bool(why)
-        rows.append([label(cfg, summary, opts), *cells(summary, why, opts.steps)])
-        print(f'[{i}/{len(configs)}] {name}: {why or "completed"} ({time.perf_counter() - t0:.0f} s)', file=sys.stderr,
-              flush=True)
+    configs, budget = matrix(opts.quick, opts.compile), Budget(opts.budget)
+    done, prov, failures, decode_rows = {}, None, 0, []
+    try:
+        for cfg in [c for c in configs if not c[2]]:
+            if budget.allows(row_name(cfg)):
+                done[cfg], failed_row, found = matrix_row(len(done) + 1, cfg, opts, out)
+                failures, prov = failures + failed_row, prov or found
+        failures += loader_rows(opts, out, budget, decode_rows)
+        for cfg in [c for c in configs if c[2]]:
+            if budget.allows(row_name(cfg)):
+                done[cfg], failed_row, found = matrix_row(len(done) + 1, cfg, opts, out)
+                failures, prov = failures + failed_row, prov or found
+    except KeyboardInterrupt:
+        print('bench.py: interrupted; the tables hold the runs that finished.', file=sys.stderr)
+        failures += 1
     lines = header(prov, opts, argv, shown(out))
     lines += ['| config | train img/s | GPU img/s | bound | device busy % | peak GPU memory GiB | J/image |',
               '|---|---:|---:|---|---:|---:|---:|']
-    lines += ['| ' + ' | '.join(r) + ' |' for r in rows]
-    decode_lines, decode_failures = loader_rows(opts, out, budget) if not interrupted else ([], 0)
-    lines += decode_lines
+    lines += ['| ' + ' | '.join(done[cfg]) + ' |' for cfg in configs if cfg in done]
+    lines += decode_table(opts, decode_rows)
     if budget.left_out:
         lines += ['', f"Not run (--budget {opts.budget:g} s spent): {', '.join(budget.left_out)}."]
     print('\n'.join(lines))
-    failures += decode_failures
     if failures:
-        print(f'bench.py: {failures} run(s) failed; their cells say why, their logs are in {shown(out)}.',
-              file=sys.stderr)
+        print(f'bench.py: {failures} run(s) failed or were interrupted; their cells say why, their logs are in '
+              f'{shown(out)}.', file=sys.stderr)
     return 1 if failures else 0
 
 
