@@ -43,13 +43,13 @@ class PowerMeter:
     steps after warm-up, excluding validation, compilation and start-up), which is what J/image divides.
     Peak and mean power come from a background thread sampling nvmlDeviceGetPowerUsage (mW) every `period`
     seconds. Unavailable (CPU, no driver, no nvidia-ml-py, GPU not found): every field None, never guessed.
-    `nvml` and `props` replace pynvml and torch's device properties in tests; gather(x) -> every rank's x
-    (dlojz_dist.all_gather_object) tells the meter which ranks read its board (share()).
+    `nvml` and `props` replace pynvml and torch's device properties in tests.
 
     The counter is the board's: ranks sharing a GPU (--share-gpu, MPS, MIG instances of one board) each read
-    all of its energy. share() tells the meter how many ranks read its board; J/image then divides the board's
-    energy by the images of all of them (ranks train the same number of images per step), and report() gives
-    each rank its share, so that sums over ranks count every board once.
+    all of its energy. gather(x) -> every rank's x (dlojz_dist.all_gather_object, a collective) tells the meter
+    how many ranks read its board (share()); J/image then divides the board's energy by the images of all of
+    them (ranks train the same number of images per step), and report() gives each rank its share, so that
+    sums over ranks count every board once.
     """
 
     def __init__(self, device, period=0.1, nvml=None, props=None, synchronize=None, gather=None):
