@@ -99,10 +99,14 @@ def say(text):
 
 
 def run(cmd, log_path, cwd=ROOT):
+    """One run, alone: without the launcher's variables of a job this script may run in (the reference reads
+    SLURM_PROCID as a distributed launch, dlojz reads SLURM_* and RANK too)."""
     say(f'$ {shlex.join(cmd)}')
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith('SLURM_') and k not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE')}
     t0 = time.perf_counter()
     with open(log_path, 'w') as log:
-        code = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     say(f'  exit {code} after {time.perf_counter() - t0:.0f} s; log {log_path}')
     return code
 
