@@ -242,8 +242,9 @@ def load_optimizer(optimizer, state):
 
     The step counts go where this run's kernels read them. torch's load_state_dict moves them to the parameters'
     device only when the *saved* group was fused or capturable; a fused kernel reads them on the device (a CPU
-    step there is an illegal memory access), the others on the host (a device step there is read with .item(),
-    a synchronisation per parameter and step)."""
+    step there fails the step: a device mismatch, or an illegal memory access where the learning rate is a
+    tensor), the others on the host (a device step there is read with .item(), a synchronisation per parameter
+    and step)."""
     fresh = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]  # this run's flags'
     optimizer.load_state_dict(state)
 

@@ -254,8 +254,9 @@ def test_an_adamw_checkpoint_from_the_cpu_continues_fused_on_another_device():
     """AdamW written on the CPU (not fused: its step counts on the CPU), resumed where the optimizer is fused on
     another device ('meta' stands for the GPU: nothing runs on it; torch refuses fused=True there, so the flag is
     set as build_optimizer sets it on a GPU). torch's load_state_dict moves the moments to the parameters' device
-    and leaves the steps on the CPU (the saved group was not fused): the fused kernel then read them on the
-    device, an illegal memory access. Every state tensor must be on its parameter's device."""
+    and leaves the steps on the CPU (the saved group was not fused): the fused kernel was then given CPU steps
+    (a device mismatch; an illegal memory access with a tensor learning rate). Every state tensor must be on
+    its parameter's device."""
     import dlojz_state
     torch.manual_seed(0)
     cpu = torch.nn.Linear(3, 2)

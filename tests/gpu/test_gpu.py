@@ -436,7 +436,8 @@ def test_resume_on_gpu_is_bit_exact(tmp_path, cache_dir, uninterrupted, stop):
 
 def test_an_adamw_checkpoint_written_on_the_cpu_continues_fused_on_the_gpu(tmp_path, cache_dir):
     """AdamW on the CPU (not fused: its step counts stay on the CPU through load_state_dict), resumed on the GPU,
-    where it is fused: the fused kernel read a CPU step on the device (an illegal memory access). Then back."""
+    where it is fused: the fused kernel was given a CPU step (a device mismatch; an illegal memory access with
+    a tensor learning rate). Then back."""
     flags = [*TINY, '--cache-dir', cache_dir, '--optimizer', 'adamw', '--log-interval', 1]
     p = run_cli(*flags, '--device', 'cpu', '--output-dir', tmp_path / 'cpu', '--test-nsteps', 2, '--chkpt')
     assert p.returncode == 0, p.stderr[-3000:]
