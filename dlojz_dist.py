@@ -87,6 +87,13 @@ def _int(environ, name, launcher):
                          f'torchrun or srun without overriding it.') from None
 
 
+def launch_variables(environ=os.environ):
+    """The names of the launcher's variables this module reads (SLURM_*, RANK and the like) that are set: a
+    process that starts dlojz as a single process of its own (a test, a benchmark) removes them."""
+    return [k for k in environ if k.startswith('SLURM_') or k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK',
+                                                                    'LOCAL_WORLD_SIZE')]
+
+
 def get_dist_info(environ=os.environ):
     job_id = environ.get('SLURM_JOB_ID', environ.get('SLURM_JOBID', ''))
     if 'RANK' in environ and 'WORLD_SIZE' in environ:

@@ -16,6 +16,7 @@ if 'MPLCONFIGDIR' not in os.environ:
     atexit.register(shutil.rmtree, os.environ['MPLCONFIGDIR'], True)
 
 import dlojz  # noqa: E402 - after MPLCONFIGDIR
+import dlojz_dist  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,9 +58,7 @@ def run_cli(*flags, env=None, timeout=300):
 def not_launched():
     """dlojz reads RANK/SLURM_* itself; the test process must not look launched even when pytest runs inside
     a job or under torchrun. Restored at the end of the session."""
-    names = [k for k in os.environ if k.startswith('SLURM_') or k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK',
-                                                                      'LOCAL_WORLD_SIZE')]
-    saved = {k: os.environ.pop(k) for k in names}
+    saved = {k: os.environ.pop(k) for k in dlojz_dist.launch_variables()}
     yield
     os.environ.update(saved)
 

@@ -5,7 +5,6 @@ turns "skipped for want of CUDA" into a failed session. The check's verdict is a
 
 Run: python -m pytest -q tests/test_gpu_runner.py
 """
-import importlib.util
 import json
 import os
 import pathlib
@@ -15,14 +14,9 @@ import sys
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location('cuda_check', ROOT / 'tests' / 'gpu' / 'cuda_check.py')
-cuda_check = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(cuda_check)
+from gpu import bench, cuda_check, side_by_side  # tests/gpu's scripts, as modules
 
-spec = importlib.util.spec_from_file_location('gpu_bench', ROOT / 'tests' / 'gpu' / 'bench.py')
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason='this machine has a GPU: run.sh would run the suite')
 H100 = ('NVIDIA H100 80GB HBM3', (9, 0))
@@ -156,34 +150,25 @@ def test_a_profile_without_gpu_kernels_fails_where_a_gpu_is_required(monkeypatch
         profiled_kernels(prof)
 
 
-def side_by_side():
-    spec = importlib.util.spec_from_file_location('side_by_side', ROOT / 'tests' / 'gpu' / 'side_by_side.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_references_rate_is_images_over_the_time_of_its_windows():
     """The reference prints, every 20 iterations, the mean time of the last 20. With 20 steps of warm-up and 40
     measured: the lines at 40 (0.100 s) and 60 (0.300 s) tile iterations 21..60: 40 x 256 images in
     20 x (0.1 + 0.3) = 8 s, 1280 img/s (the mean of the two windows' rates, 2560 and 853, would read 1707).
     The line at 20 is the warm-up's; a missing window is no figure."""
-    m = side_by_side()
     log = '\n'.join(f'Epoch: [0]  [{i:3d}/222]  eta: 0:00:30  lr: 0.1  img/s: 999.0  loss: 6.9 (6.9)  '
                     f'acc1: 0.0 (0.0)  acc5: 0.0 (0.0)  time: {t:.4f}  data: 0.0010  max mem: 21000'
                     for i, t in ((0, 5.0), (20, 0.5), (40, 0.1), (60, 0.3), (80, 0.2)))
-    rate, windows = m.reference_rate(log, 256, 20, 40)
+    rate, windows = side_by_side.reference_rate(log, 256, 20, 40)
     assert windows == 2 and rate == pytest.approx(40 * 256 / 8.0)
-    assert m.reference_rate(log, 256, 20, 80) == (None, 3)  # the line at 100 is missing
+    assert side_by_side.reference_rate(log, 256, 20, 80) == (None, 3)  # the line at 100 is missing
 
 
 def test_the_best_row_takes_the_tuners_flags_and_keeps_the_comparisons_own(tmp_path):
     """From a tune.json's recommended command: the batch, precision, layout and compile flags, not the data,
     model, workers or output folder the side by side sets itself."""
-    m = side_by_side()
     tune = tmp_path / 'tune.json'
     tune.write_text(json.dumps({'recommended': {'command': 'python dlojz.py --arch resnet50 --data-dir /x '
                                                            '--num-workers 8 -b 384 --amp bf16 --channels-last --compile'}}))
-    args = m.argparse.Namespace(tune_json=str(tune), best='--amp off')
-    flags, source = m.best_flags(args)
+    args = side_by_side.argparse.Namespace(tune_json=str(tune), best='--amp off')
+    flags, source = side_by_side.best_flags(args)
     assert flags == ['-b', '384', '--amp', 'bf16', '--channels-last', '--compile'] and 'tune.json' in source

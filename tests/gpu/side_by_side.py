@@ -33,6 +33,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+import dlojz_dist  # noqa: E402 - from the repository root
+from dlojz_trial import run_for_summary  # noqa: E402
 CLASSES, VAL_PER_CLASS, WINDOW = 10, 16, 20  # WINDOW: the reference's SmoothedValue window (iterations)
 GOAL_IMG_S = 7000  # MLPerf Training v4.0, ResNet-50, per H100 (MXNet with DALI)
 LINE = re.compile(r'Epoch: \[0\]\s+\[\s*(\d+)/(\d+)\].*?\btime: ([0-9.]+)')
@@ -86,10 +88,10 @@ def make_dataset(args):
             folder = os.path.join(root, split, name)
             os.makedirs(folder, exist_ok=True)
             for i in range(n):
-                src = os.path.join(source, split, name, files[i % len(files)])
-                dst = os.path.join(folder, f'{i:06d}-{files[i % len(files)]}')
+                file = files[i % len(files)]
+                dst = os.path.join(folder, f'{i:06d}-{file}')
                 if not os.path.exists(dst):
-                    os.link(src, dst)
+                    os.link(os.path.join(source, split, name, file), dst)
     open(marker, 'w').close()
     return root
 
@@ -98,17 +100,6 @@ def say(text):
     print(text, file=sys.stderr, flush=True)
 
 
-def run(cmd, log_path, cwd=ROOT):
-    """One run, alone: without the launcher's variables of a job this script may run in (the reference reads
-    SLURM_PROCID as a distributed launch, dlojz reads SLURM_* and RANK too)."""
-    say(f'$ {shlex.join(cmd)}')
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith('SLURM_') and k not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE')}
-    t0 = time.perf_counter()
-    with open(log_path, 'w') as log:
-        code = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-    say(f'  exit {code} after {time.perf_counter() - t0:.0f} s; log {log_path}')
-    return code
 
 
 def reference_rate(log_text, batch, warmup, steps):
@@ -129,8 +120,10 @@ def reference_row(args, data, out):
            '--output-dir', '', '--device', args.device, '--train-crop-size', str(args.image_size),
            '--val-crop-size', str(args.image_size), '--val-resize-size', str(args.image_size * 8 // 7)]
     cmd += ['--amp'] if args.device.startswith('cuda') else []
+    say(f'$ {shlex.join(cmd)}')
     log = os.path.join(out, 'reference.log')
-    code = run(cmd, log, cwd=os.path.dirname(args.reference))
+    with open(log, 'w') as f:
+        code = subprocess.run(cmd, cwd=os.path.dirname(args.reference), stdout=f, stderr=subprocess.STDOUT).returncode
     with open(log) as f:
         rate, windows = reference_rate(f.read(), args.batch, args.warmup, args.steps)
     why = None if code == 0 and rate else f'exit {code}, {windows} of {args.steps // WINDOW} windows in its log'
@@ -148,16 +141,12 @@ def dlojz_row(args, data, out, name, flags, label):
            str(args.batch), '--num-workers', str(args.workers), *sizes, '--device', args.device, *flags,
            '--test-nsteps', str(args.warmup + args.steps), '--warmup-steps', str(args.warmup), '-e', '100',
            '--output-dir', run_dir]
-    code = run(cmd, run_dir + '.log')
-    try:
-        with open(os.path.join(run_dir, 'summary.json')) as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        summary = {}
+    say(f'$ {shlex.join(cmd)}')
+    summary, code, last_line = run_for_summary(cmd, run_dir)
+    summary = summary or {}
     t = summary.get('timing') or {}
     rate = t.get('steady_images_per_s')
-    why = None if code == 0 and summary.get('status') == 'completed' and rate else \
-        f"exit {code}, status {summary.get('status')}"
+    why = None if code == 0 and summary.get('status') == 'completed' and rate else f'exit {code}: {last_line}'
     amp = (summary.get('config') or {}).get('amp', '?')
     return {'run': label, 'flags': ' '.join(flags), 'precision': 'fp32' if amp == 'off' else amp,
             'img_s': rate, 'bound': t.get('bound', ''), 'why': why, 'steps': t.get('steps')}
@@ -207,6 +196,8 @@ def main(argv=None):
                  'run.')
     out = args.out or os.path.join(ROOT, 'runs', 'side-' + datetime.datetime.now().strftime('%Y%m%d-%H%M%S'))
     os.makedirs(out, exist_ok=True)
+    for name in dlojz_dist.launch_variables():  # each run alone, inside a job too (the reference reads
+        del os.environ[name]                     # SLURM_PROCID as a distributed launch)
     t0 = time.perf_counter()
     data = make_dataset(args)
     say(f'dataset {data} ready after {time.perf_counter() - t0:.0f} s')
