@@ -73,7 +73,7 @@ from dlojz_state import (Progress, check_form, check_resume, find_resume_checkpo
 from dlojz_summary import final_lines, print_header, write_summary
 
 
-# ---------------------------------------------------------- flags (dlojz_flags parses and checks them)
+# ----------------------------------------------------------------- flags (dlojz_flags checks them)
 
 def seed_everything(seed):
     random.seed(seed)

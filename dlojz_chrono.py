@@ -1,6 +1,6 @@
 """Measurement tools: the Chronometer, which splits every training step into data wait, host->device
-copy, forward, backward, optimizer and "other" without stalling the GPU; the --prof torch.profiler (power and
-energy: dlojz_power).
+copy, forward, backward, optimizer and "other" without stalling the GPU; the --prof torch.profiler
+(power and energy: dlojz_power).
 
     chrono = Chronometer(device, phases=True)
     for images, labels in chrono.iterate(loader, max_steps):
@@ -128,13 +128,14 @@ class DeviceEvent:
 
 
 class CudaTimeline:
-    """One GPU as the Chronometer and the all-reduce hook see it: timing events, a synchronise and a spin.
+    """One GPU as the Chronometer and the all-reduce hook see it: timing events, a synchronise and a
+    spin.
 
-    Events go to this GPU's current stream from any thread. gloo runs the all-reduce's done callback on its own
-    thread, whose current CUDA device is 0 whatever this rank's is: an event recorded there on the current
-    device would land on GPU 0 (a context opened there by every rank, and elapsed_time across two devices
-    raises). `cuda` is torch.cuda, or a fake in tests; tests also give the Chronometer a fake asynchronous
-    device with the same calls instead."""
+    Events go to this GPU's current stream from any thread. gloo runs the all-reduce's done callback
+    on its own thread, whose current CUDA device is 0 whatever this rank's is: an event recorded
+    there on the current device would land on GPU 0 (a context opened there by every rank, and
+    elapsed_time across two devices raises). `cuda` is torch.cuda, or a fake in tests; tests also
+    give the Chronometer a fake asynchronous device with the same calls instead."""
 
     def __init__(self, device=None, cuda=torch.cuda):
         index = None if device is None else torch.device(device).index
@@ -159,8 +160,9 @@ class CudaTimeline:
             self.hz = 10 ** 6 / max(start.elapsed_time(end) / 1e3, 1e-6)
 
     def delay(self, seconds):
-        """Queue a kernel that keeps the device busy for about `seconds` (a probe step's head start), on the
-        current stream of the calling thread's device: the training thread's, this GPU."""
+        """Queue a kernel that keeps the device busy for about `seconds` (a probe step's head
+        start), on the current stream of the calling thread's device: the training thread's, this
+        GPU."""
         self.calibrate()
         self.cuda._sleep(int(seconds * self.hz))
 

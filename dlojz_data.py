@@ -487,7 +487,8 @@ def train_transform(args):
     if args.decode == 'gpu':
         dlojz_decode.DEVICE_DECODE.skip_bad_images = args.skip_bad_images
         refused = dlojz_decode.host_train_transform(args.image_size)  # files nvJPEG refuses
-        return dlojz_decode.GpuTrainTransform(args.image_size, refused), dlojz_decode.GpuCollate(args.image_size)
+        return (dlojz_decode.GpuTrainTransform(args.image_size, refused),
+                dlojz_decode.GpuCollate(args.image_size))
     transform = {'fast': dlojz_decode.FastTrainTransform, 'pil': dlojz_decode.TrainTransform}[args.decode](args.image_size)
     ops = dlojz_augment.worker_ops(args)
     return (dlojz_augment.Augmented(transform, ops) if ops else transform), None

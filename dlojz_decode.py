@@ -107,8 +107,8 @@ def random_resized_crop_params(rng, width, height, scale=(0.08, 1.0), ratio=(3 /
 
 
 def host_train_transform(size):
-    """The training transform that decodes on the host: --decode fast where simplejpeg is installed, else
-    --decode pil (a cluster module may lack simplejpeg)."""
+    """The training transform that decodes on the host: --decode fast where simplejpeg is installed,
+    else --decode pil (a cluster module may lack simplejpeg)."""
     return (FastTrainTransform if simplejpeg is not None else TrainTransform)(size)
 
 
@@ -349,8 +349,9 @@ class DecodedBatch:
 
 
 def indexed(device):
-    """`device` as a torch.device with its index: 'cuda' alone is the current GPU. torch.cuda.set_device refuses
-    a device without one, and a thread pool whose initializer raises fails its first task."""
+    """`device` as a torch.device with its index: 'cuda' alone is the current GPU.
+    torch.cuda.set_device refuses a device without one, and a thread pool whose initializer raises
+    fails its first task."""
     device = torch.device(device)
     if device.type == 'cuda' and device.index is None:
         return torch.device('cuda', torch.cuda.current_device())

@@ -88,10 +88,11 @@ def _int(environ, name, launcher):
 
 
 def launch_variables(environ=os.environ):
-    """The names of the launcher's variables this module reads (SLURM_*, RANK and the like) that are set: a
-    process that starts dlojz as a single process of its own (a test, a benchmark) removes them."""
-    return [k for k in environ if k.startswith('SLURM_') or k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK',
-                                                                    'LOCAL_WORLD_SIZE')]
+    """The names of the launcher's variables this module reads (SLURM_*, RANK and the like) that are
+    set: a process that starts dlojz as a single process of its own (a test, a benchmark) removes
+    them."""
+    torchrun = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE')
+    return [k for k in environ if k.startswith('SLURM_') or k in torchrun]
 
 
 def get_dist_info(environ=os.environ):

@@ -406,9 +406,9 @@ def check_flags(args):
 
 
 def native_bf16(capability):
-    """Whether a GPU of this (major, minor) compute capability computes bf16 natively: cuDNN does from sm80
-    (Ampere) on. torch.cuda.is_bf16_supported() also counts emulation, which on a V100 (sm70) sends every
-    convolution down a slow path."""
+    """Whether a GPU of this (major, minor) compute capability computes bf16 natively: cuDNN does
+    from sm80 (Ampere) on. torch.cuda.is_bf16_supported() also counts emulation, which on a V100
+    (sm70) sends every convolution down a slow path."""
     return tuple(capability) >= (8, 0)
 
 

@@ -237,15 +237,16 @@ def _first_difference(mine, theirs):
 
 
 def load_optimizer(optimizer, state):
-    """Load an optimizer's state with this device's kernels (fused on a GPU, whatever the checkpoint's were)
-    -> take(keys), which sets those keys of every group back to this run's flags.
+    """Load an optimizer's state with this device's kernels (fused on a GPU, whatever the
+    checkpoint's were) -> take(keys), which sets those keys of every group back to this run's flags.
 
-    The step counts go where this run's kernels read them. torch's load_state_dict moves them to the parameters'
-    device only when the *saved* group was fused or capturable; a fused kernel reads them on the device (a CPU
-    step there fails the step: a device mismatch, or an illegal memory access where the learning rate is a
-    tensor), the others on the host (a device step there is read with .item(), a synchronisation per parameter
-    and step)."""
-    fresh = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]  # this run's flags'
+    The step counts go where this run's kernels read them. torch's load_state_dict moves them to the
+    parameters' device only when the *saved* group was fused or capturable; a fused kernel reads
+    them on the device (a CPU step there fails the step: a device mismatch, or an illegal memory
+    access where the learning rate is a tensor), the others on the host (a device step there is read
+    with .item(), a synchronisation per parameter and step)."""
+    # this run's flags
+    fresh = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
 
     def take(keys):
@@ -258,7 +259,7 @@ def load_optimizer(optimizer, state):
             step = optimizer.state.get(p, {}).get('step')
             where = p.device if on_device else torch.device('cpu')
             if isinstance(step, torch.Tensor) and step.device != where:
-                dtype = torch.float32 if on_device else step.dtype  # the fused kernels take float32 steps
+                dtype = torch.float32 if on_device else step.dtype  # fused kernels take float32
                 optimizer.state[p]['step'] = step.to(device=where, dtype=dtype)
     return take
 

@@ -102,9 +102,9 @@ def rank_report(run):
 
 
 def energy_over_ranks(ranks):
-    """The energy of every rank's GPU board over the run (J) and per image trained over the steady steps,
-    from the rank reports: each rank reports its share of its board (PowerMeter.report), so that a board read
-    by several ranks is counted once. {} where a rank has no figure."""
+    """The energy of every rank's GPU board over the run (J) and per image trained over the steady
+    steps, from the rank reports: each rank reports its share of its board (PowerMeter.report), so
+    that a board read by several ranks is counted once. {} where a rank has no figure."""
     out = {}
     if all(r['energy_j'] is not None for r in ranks):
         out['energy_j_all_ranks'] = sum(r['energy_j'] for r in ranks)

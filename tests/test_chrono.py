@@ -161,8 +161,8 @@ def test_power_meter_unavailable_on_cpu():
     p = PowerMeter('cpu')
     p.start()
     p.stop()
-    assert p.summary() == {'available': False, 'why_unavailable': 'not a CUDA device', 'board': None,
-                           'ranks_on_board': 1, 'peak_w': None,
+    assert p.summary() == {'available': False, 'why_unavailable': 'not a CUDA device',
+                           'board': None, 'ranks_on_board': 1, 'peak_w': None,
                            'mean_w': None, 'energy_j': None, 'train_energy_j': None, 'train_images': 0,
                            'joules_per_image': None}
 
@@ -406,11 +406,12 @@ def test_joules_per_image_counts_steady_training_only():
 
 
 def test_ranks_sharing_a_board_count_its_energy_once():
-    """Ranks 0 and 1 share NVML board 2 (--share-gpu, MPS), rank 2 has board 3 (the fake GPU with UUID ...03).
-    Each rank reads its board's counter. Over the steady windows board 2 spends 6 J and board 3 4 J while each
-    rank trains 10 images; board 2 spends 2 J more in validation. By hand: the run's energy over all ranks
-    8 + 4 = 12 J (each rank summing its board's counter read 20 J), 10 J / 30 images = 0.333 J/image over all
-    ranks; rank 0 (or 1): 6 J / the board's 20 images = 0.3 J/image (not 0.6); rank 2: 0.4 J/image."""
+    """Ranks 0 and 1 share NVML board 2 (--share-gpu, MPS), rank 2 has board 3 (the fake GPU with
+    UUID ...03). Each rank reads its board's counter. Over the steady windows board 2 spends 6 J and
+    board 3 4 J while each rank trains 10 images; board 2 spends 2 J more in validation. By hand:
+    the run's energy over all ranks 8 + 4 = 12 J (each rank summing its board's counter read 20 J),
+    10 J / 30 images = 0.333 J/image over all ranks; rank 0 (or 1): 6 J / the board's 20 images =
+    0.3 J/image (not 0.6); rank 2: 0.4 J/image."""
     class Board3(Props):
         uuid, pci_bus_id = '00000003-aaaa-bbbb-cccc-dddddddddddd', 0x13
     nvml = FakeNVML()
@@ -430,7 +431,8 @@ def test_ranks_sharing_a_board_count_its_energy_once():
     for m in meters:
         m.stop()
     assert [m.summary()['joules_per_image'] for m in meters] == pytest.approx([0.3, 0.3, 0.4])
-    assert [m.summary()['energy_j'] for m in meters] == pytest.approx([8.0, 8.0, 4.0])  # each board's own counter
+    # each board's own counter
+    assert [m.summary()['energy_j'] for m in meters] == pytest.approx([8.0, 8.0, 4.0])
     over = energy_over_ranks([m.report() for m in meters])
     assert over['energy_j_all_ranks'] == pytest.approx(12.0)
     assert over['joules_per_image_all_ranks'] == pytest.approx(10 / 30)

@@ -145,9 +145,9 @@ def test_the_hook_records_events_from_the_timeline_on_a_device():
 
 
 class FakeCuda:
-    """torch.cuda as CudaTimeline uses it: a current device per thread (0 in a new thread, as CUDA's), a
-    current stream per device, and events that keep the stream they were recorded on and refuse elapsed_time
-    between two devices, as CUDA does."""
+    """torch.cuda as CudaTimeline uses it: a current device per thread (0 in a new thread, as
+    CUDA's), a current stream per device, and events that keep the stream they were recorded on and
+    refuse elapsed_time between two devices, as CUDA does."""
 
     def __init__(self):
         self.local, cuda = threading.local(), self
@@ -179,15 +179,17 @@ class FakeCuda:
 
 
 def test_the_done_event_is_recorded_on_the_ranks_gpu_from_gloos_thread():
-    """gloo on CUDA (ranks sharing GPUs): the all-reduce's done callback runs on gloo's own thread, whose current
-    device is 0. This rank drives GPU 1: both of each bucket's events must be on GPU 1's stream (on GPU 0,
-    elapsed_time between the two raised, and every rank opened a context on GPU 0)."""
+    """gloo on CUDA (ranks sharing GPUs): the all-reduce's done callback runs on gloo's own thread,
+    whose current device is 0. This rank drives GPU 1: both of each bucket's events must be on GPU
+    1's stream (on GPU 0, elapsed_time between the two raised, and every rank opened a context on
+    GPU 0)."""
     cuda = FakeCuda()
     cuda.set_device(1)
     timer = dlojz_comm.CommTimer(2, CudaTimeline(torch.device('cuda', 1), cuda=cuda))
     pending, outs = launch(timer, [Bucket(8)])
     (fut, tensor), = pending
-    gloo = threading.Thread(target=fut.set_result, args=([tensor],))  # the callback runs where the result is set
+    # the callback runs in the thread that sets the result
+    gloo = threading.Thread(target=fut.set_result, args=([tensor],))
     gloo.start()
     gloo.join()
     assert outs[0].done() and torch.equal(outs[0].value(), torch.full((8,), 3.0))

@@ -216,11 +216,14 @@ def test_the_next_batch_is_prepared_while_the_step_trains(coords, monkeypatch):
 
 
 def test_a_gpu_given_without_an_index_is_the_current_one(monkeypatch):
-    """DaliLoader(..., device='cuda'): its thread's initializer called torch.cuda.set_device(torch.device('cuda')),
-    which raises, and the first batch failed. No DALI needed: the pipeline and its batches are stand-ins."""
+    """DaliLoader(..., device='cuda'): its thread's initializer called
+    torch.cuda.set_device(torch.device('cuda')), which raises, and the first batch failed. No DALI
+    needed: the pipeline and its batches are stand-ins."""
     from test_decode import fake_current_gpu
     chosen = fake_current_gpu(monkeypatch, 1)
-    loader = dlojz_dali.DaliLoader(None, [[0, 1], [2, 3]], train=True, size=8, seed=0, device='cuda')
+    loader = dlojz_dali.DaliLoader(None, [[0, 1], [2, 3]], train=True, size=8, seed=0,
+                                   device='cuda')
     loader._pipe = object()
     loader._batch = lambda keys: keys
-    assert list(loader) == [[0, 1], [2, 3]] and chosen == [1] and loader.device == torch.device('cuda', 1)
+    assert list(loader) == [[0, 1], [2, 3]] and chosen == [1]
+    assert loader.device == torch.device('cuda', 1)

@@ -512,8 +512,9 @@ def test_decode_ahead_raises_a_bad_batch_when_it_is_taken_and_stops_cleanly():
 
 
 def fake_current_gpu(monkeypatch, index):
-    """torch.cuda as the decode and DALI threads use it, on a machine without a GPU: GPU `index` is current, and
-    set_device resolves its argument as torch's does (an index-less 'cuda' raises ValueError). -> the indices set."""
+    """torch.cuda as the decode and DALI threads use it, on a machine without a GPU: GPU `index` is
+    current, and set_device resolves its argument as torch's does (an index-less 'cuda' raises
+    ValueError). -> the indices set."""
     chosen = []
     monkeypatch.setattr(torch.cuda, 'current_device', lambda: index)
     monkeypatch.setattr(torch.cuda, 'set_device',
@@ -522,18 +523,21 @@ def fake_current_gpu(monkeypatch, index):
 
 
 def test_decode_ahead_on_a_gpu_given_without_an_index(monkeypatch):
-    """DecodeAhead(loader, 'cuda'): the thread's initializer called torch.cuda.set_device(torch.device('cuda')),
-    which raises; the pool then failed at the first batch (BrokenThreadPool). 'cuda' is the current GPU, 1 here."""
+    """DecodeAhead(loader, 'cuda'): the thread's initializer called
+    torch.cuda.set_device(torch.device('cuda')), which raises; the pool then failed at the first
+    batch (BrokenThreadPool). 'cuda' is the current GPU, 1 here."""
     chosen = fake_current_gpu(monkeypatch, 1)
     log = []
-    ahead = DD.DecodeAhead(Loader([(k, k) for k in range(3)], log), 'cuda', decoder=SlowDecoder(0.0, log))
-    assert [y for _, y in ahead] == [0, 1, 2] and chosen == [1] and ahead.device == torch.device('cuda', 1)
+    loader = Loader([(k, k) for k in range(3)], log)
+    ahead = DD.DecodeAhead(loader, 'cuda', decoder=SlowDecoder(0.0, log))
+    assert [y for _, y in ahead] == [0, 1, 2] and chosen == [1]
+    assert ahead.device == torch.device('cuda', 1)
 
 
 def test_the_gpu_suites_batches_are_built_without_simplejpeg(monkeypatch):
-    """tests/gpu builds its nvJPEG batches on the host, and the GPU node lent to this project has no simplejpeg:
-    five nvJPEG tests errored there (FastTrainTransform's DataError), hiding what they test. The batches are
-    built here with simplejpeg missing, and decoded on the CPU seam."""
+    """tests/gpu builds its nvJPEG batches on the host, and the GPU node lent to this project has no
+    simplejpeg: five nvJPEG tests errored there (FastTrainTransform's DataError), hiding what they
+    test. The batches are built here with simplejpeg missing, and decoded on the CPU seam."""
     from gpu.test_gpu import encoded_batch
     monkeypatch.setattr(DD, 'simplejpeg', None)
     batch = encoded_batch(6, size=S)

@@ -24,7 +24,8 @@ CU13_ARCHS = ['sm_75', 'sm_80', 'sm_86', 'sm_90', 'sm_100', 'sm_120']
 
 
 @no_gpu
-@pytest.mark.parametrize('options', [[], ['--quick'], ['--quick', '--no-compile', '--results', 'R']])
+@pytest.mark.parametrize('options', [[], ['--quick'],
+                                     ['--quick', '--no-compile', '--results', 'R']])
 def test_run_sh_without_cuda_stops_before_any_test(tmp_path, options):
     log = tmp_path / 'invocations'
     wrapper = tmp_path / 'python'
@@ -32,8 +33,9 @@ def test_run_sh_without_cuda_stops_before_any_test(tmp_path, options):
     wrapper.chmod(0o755)
     results = tmp_path / 'R'
     options = [str(results) if o == 'R' else o for o in options]
-    p = subprocess.run(['bash', str(ROOT / 'tests' / 'gpu' / 'run.sh'), *options], capture_output=True, text=True,
-                       env={**os.environ, 'PYTHON': str(wrapper)}, timeout=120)
+    p = subprocess.run(['bash', str(ROOT / 'tests' / 'gpu' / 'run.sh'), *options],
+                       capture_output=True, text=True, env={**os.environ, 'PYTHON': str(wrapper)},
+                       timeout=120)
     out = (p.stdout + p.stderr).strip()
     assert p.returncode == 1, out
     assert len(out.splitlines()) == 1 and out.startswith('tests/gpu needs CUDA') and 'Traceback' not in out, out
@@ -43,16 +45,18 @@ def test_run_sh_without_cuda_stops_before_any_test(tmp_path, options):
 
 
 def test_the_quick_list_names_tests_that_exist():
-    """run.sh --quick passes tests/gpu/quick.txt's node ids to pytest, which stops the whole session on one that
-    does not exist (a renamed test): collected here, where they are skipped, each must be found."""
+    """run.sh --quick passes tests/gpu/quick.txt's node ids to pytest, which stops the whole session
+    on one that does not exist (a renamed test): collected here, where they are skipped, each must
+    be found."""
     ids = [line.strip() for line in (ROOT / 'tests' / 'gpu' / 'quick.txt').read_text().splitlines()
            if line.strip() and not line.startswith('#')]
     env = {k: v for k, v in os.environ.items() if k != 'DLOJZ_REQUIRE_GPU'}
-    p = subprocess.run([sys.executable, '-m', 'pytest', '--collect-only', '-q', '-m', 'not slurm', *ids],
-                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    p = subprocess.run([sys.executable, '-m', 'pytest', '--collect-only', '-q', '-m', 'not slurm',
+                        *ids], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     collected = [line for line in p.stdout.splitlines() if line.startswith('tests/gpu/')]
-    assert all(any(c == i or c.startswith(i + '[') for c in collected) for i in ids), (ids, collected)
+    found = [i for i in ids if any(c == i or c.startswith(i + '[') for c in collected)]
+    assert found == ids, (ids, collected)
     assert len(ids) == len(set(ids)) >= 20
 
 
@@ -89,16 +93,17 @@ def test_the_verdict_for_each_kind_of_node(facts, ok, words):
 def bench_summary():
     """The fields of a completed run's summary.json that bench.py's table reads."""
     return {'status': 'completed', 'config': {'amp': 'bf16'}, 'provenance': None,
-            'timing': {'train_throughput': 100.0, 'gpu_throughput': 120.0, 'bound': 'compute', 'device_busy': 0.95,
-                       'steps': 30},
+            'timing': {'train_throughput': 100.0, 'gpu_throughput': 120.0, 'bound': 'compute',
+                       'device_busy': 0.95, 'steps': 30},
             'memory': {'gpu_max_allocated_bytes': 2 ** 30}, 'energy': {'joules_per_image': 0.5},
             'loader': {'images_per_second': 500.0}}
 
 
 @pytest.mark.parametrize('failing', ['loader_gpu', 'train_fast', 'amp_nhwc_compile_fake'])
 def test_bench_exits_1_when_any_run_failed(tmp_path, monkeypatch, capsys, failing):
-    """A failed row of either table makes bench.py exit 1 (the decode table's failures were shown as 'failed'
-    cells and never counted: exit 0). The runs are a fake run_one; the failing one is named by its folder."""
+    """A failed row of either table makes bench.py exit 1 (the decode table's failures were shown as
+    'failed' cells and never counted: exit 0). The runs are a fake run_one; the failing one is named
+    by its folder."""
     monkeypatch.setattr(bench.torch.cuda, 'is_available', lambda: True)
 
     def run_one(flags, out_dir):
@@ -108,14 +113,16 @@ def test_bench_exits_1_when_any_run_failed(tmp_path, monkeypatch, capsys, failin
     monkeypatch.setattr(bench, 'run_one', run_one)
     assert bench.main(['--quick', '--out', str(tmp_path)]) == 1
     out = capsys.readouterr()
-    assert 'failed (exit 1: dlojz: nvJPEG refused every image)' in out.out and '1 run(s) failed' in out.err
+    assert 'failed (exit 1: dlojz: nvJPEG refused every image)' in out.out
+    assert '1 run(s) failed' in out.err
     monkeypatch.setattr(bench, 'run_one', lambda flags, out_dir: (bench_summary(), None))
     assert bench.main(['--quick', '--out', str(tmp_path)]) == 0
 
 
 def test_an_interrupted_bench_prints_the_runs_that_finished(tmp_path, monkeypatch, capsys):
-    """run.sh stops the quick benchmark with SIGINT when its time is up: the tables keep every run that ended
-    before (the eager row, the fast decode row), and the exit code says the run is incomplete."""
+    """run.sh stops the quick benchmark with SIGINT when its time is up: the tables keep every run
+    that ended before (the eager row, the fast decode row), and the exit code says the run is
+    incomplete."""
     monkeypatch.setattr(bench.torch.cuda, 'is_available', lambda: True)
 
     def run_one(flags, out_dir):
@@ -125,8 +132,10 @@ def test_an_interrupted_bench_prints_the_runs_that_finished(tmp_path, monkeypatc
     monkeypatch.setattr(bench, 'run_one', run_one)
     assert bench.main(['--quick', '--out', str(tmp_path)]) == 1
     out = capsys.readouterr()
-    assert '| bf16 / channels-last / eager / fake data | 100.0' in out.out and '\n| fast | ' in out.out
-    assert '| gpu |' not in out.out and 'compile' not in out.out.split('| config |')[1] and 'interrupted' in out.err
+    assert '| bf16 / channels-last / eager / fake data | 100.0' in out.out
+    assert '\n| fast | ' in out.out
+    assert '| gpu |' not in out.out and 'compile' not in out.out.split('| config |')[1]
+    assert 'interrupted' in out.err
 
 
 def test_bench_budget_starts_no_row_after_it(tmp_path, monkeypatch, capsys):
@@ -134,29 +143,32 @@ def test_bench_budget_starts_no_row_after_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench.torch.cuda, 'is_available', lambda: True)
     monkeypatch.setattr(bench, 'run_one', lambda flags, out_dir: pytest.fail('a run started'))
     assert bench.main(['--quick', '--budget', '0', '--out', str(tmp_path)]) == 0
-    assert 'Not run (--budget 0 s spent): amp_nhwc_eager_fake, --decode fast, --decode gpu, amp_nhwc_compile_fake.' \
-        in capsys.readouterr().out
+    assert ('Not run (--budget 0 s spent): amp_nhwc_eager_fake, --decode fast, --decode gpu, '
+            'amp_nhwc_compile_fake.') in capsys.readouterr().out
 
 
 @pytest.mark.parametrize('required', [False, True])
 def test_a_profile_without_gpu_kernels_fails_where_a_gpu_is_required(monkeypatch, required):
-    """The profiler check of tests/gpu on a profile with no CUDA kernel (CUPTI missing; here a CPU profile): a
-    skip, which DLOJZ_REQUIRE_GPU=1 did not turn into a failure, so the check vanished from a GPU run."""
+    """The profiler check of tests/gpu on a profile with no CUDA kernel (CUPTI missing; here a CPU
+    profile): a skip, which DLOJZ_REQUIRE_GPU=1 did not turn into a failure, so the check vanished
+    from a GPU run."""
     from gpu.test_gpu import profiled_kernels
     monkeypatch.setenv('DLOJZ_REQUIRE_GPU', '1' if required else '0')
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         torch.ones(4).add_(1)
-    with pytest.raises(pytest.fail.Exception if required else pytest.skip.Exception, match='no CUDA kernel'):
+    outcome = pytest.fail.Exception if required else pytest.skip.Exception
+    with pytest.raises(outcome, match='no CUDA kernel'):
         profiled_kernels(prof)
 
 
 def test_the_references_rate_is_images_over_the_time_of_its_windows():
-    """The reference prints, every 20 iterations, the mean time of the last 20. With 20 steps of warm-up and 40
-    measured: the lines at 40 (0.100 s) and 60 (0.300 s) tile iterations 21..60: 40 x 256 images in
-    20 x (0.1 + 0.3) = 8 s, 1280 img/s (the mean of the two windows' rates, 2560 and 853, would read 1707).
-    The line at 20 is the warm-up's; a missing window is no figure."""
-    log = '\n'.join(f'Epoch: [0]  [{i:3d}/222]  eta: 0:00:30  lr: 0.1  img/s: 999.0  loss: 6.9 (6.9)  '
-                    f'acc1: 0.0 (0.0)  acc5: 0.0 (0.0)  time: {t:.4f}  data: 0.0010  max mem: 21000'
+    """The reference prints, every 20 iterations, the mean time of the last 20. With 20 steps of
+    warm-up and 40 measured: the lines at 40 (0.100 s) and 60 (0.300 s) tile iterations 21..60: 40 x
+    256 images in 20 x (0.1 + 0.3) = 8 s, 1280 img/s (the mean of the two windows' rates, 2560 and
+    853, would read 1707). The line at 20 is the warm-up's; a missing window is no figure."""
+    log = '\n'.join(f'Epoch: [0]  [{i:3d}/222]  eta: 0:00:30  lr: 0.1  img/s: 999.0  '
+                    f'loss: 6.9 (6.9)  acc1: 0.0 (0.0)  acc5: 0.0 (0.0)  time: {t:.4f}  '
+                    f'data: 0.0010  max mem: 21000'
                     for i, t in ((0, 5.0), (20, 0.5), (40, 0.1), (60, 0.3), (80, 0.2)))
     rate, windows = side_by_side.reference_rate(log, 256, 20, 40)
     assert windows == 2 and rate == pytest.approx(40 * 256 / 8.0)
@@ -164,11 +176,13 @@ def test_the_references_rate_is_images_over_the_time_of_its_windows():
 
 
 def test_the_best_row_takes_the_tuners_flags_and_keeps_the_comparisons_own(tmp_path):
-    """From a tune.json's recommended command: the batch, precision, layout and compile flags, not the data,
-    model, workers or output folder the side by side sets itself."""
+    """From a tune.json's recommended command: the batch, precision, layout and compile flags, not
+    the data, model, workers or output folder the side by side sets itself."""
     tune = tmp_path / 'tune.json'
-    tune.write_text(json.dumps({'recommended': {'command': 'python dlojz.py --arch resnet50 --data-dir /x '
-                                                           '--num-workers 8 -b 384 --amp bf16 --channels-last --compile'}}))
+    command = ('python dlojz.py --arch resnet50 --data-dir /x --num-workers 8 -b 384 --amp bf16 '
+               '--channels-last --compile')
+    tune.write_text(json.dumps({'recommended': {'command': command}}))
     args = side_by_side.argparse.Namespace(tune_json=str(tune), best='--amp off')
     flags, source = side_by_side.best_flags(args)
-    assert flags == ['-b', '384', '--amp', 'bf16', '--channels-last', '--compile'] and 'tune.json' in source
+    assert flags == ['-b', '384', '--amp', 'bf16', '--channels-last', '--compile']
+    assert 'tune.json' in source

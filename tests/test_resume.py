@@ -251,12 +251,13 @@ def test_a_resume_takes_this_devices_kernels_not_the_checkpoints(tmp_path, cache
 
 
 def test_an_adamw_checkpoint_from_the_cpu_continues_fused_on_another_device():
-    """AdamW written on the CPU (not fused: its step counts on the CPU), resumed where the optimizer is fused on
-    another device ('meta' stands for the GPU: nothing runs on it; torch refuses fused=True there, so the flag is
-    set as build_optimizer sets it on a GPU). torch's load_state_dict moves the moments to the parameters' device
-    and leaves the steps on the CPU (the saved group was not fused): the fused kernel was then given CPU steps
-    (a device mismatch; an illegal memory access with a tensor learning rate). Every state tensor must be on
-    its parameter's device."""
+    """AdamW written on the CPU (not fused: its step counts on the CPU), resumed where the optimizer
+    is fused on another device ('meta' stands for the GPU: nothing runs on it; torch refuses
+    fused=True there, so the flag is set as build_optimizer sets it on a GPU). torch's
+    load_state_dict moves the moments to the parameters' device and leaves the steps on the CPU (the
+    saved group was not fused): the fused kernel was then given CPU steps (a device mismatch; an
+    illegal memory access with a tensor learning rate). Every state tensor must be on its
+    parameter's device."""
     import dlojz_state
     torch.manual_seed(0)
     cpu = torch.nn.Linear(3, 2)
@@ -273,7 +274,8 @@ def test_an_adamw_checkpoint_from_the_cpu_continues_fused_on_another_device():
     for p in model.parameters():
         state = here.state[p]
         assert state['exp_avg'].device == p.device and state['exp_avg_sq'].device == p.device
-        assert state['step'].device == p.device and state['step'].dtype == torch.float32, state['step']
+        step = state['step']
+        assert step.device == p.device and step.dtype == torch.float32, step
 
 
 def test_the_momentum_follows_the_new_schedule(tmp_path, cache_dir, capsys):

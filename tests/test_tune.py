@@ -136,16 +136,17 @@ def test_configurations():
 
 @pytest.mark.parametrize('capability, bf16_trials', [((7, 0), 0), ((8, 0), 4)])
 def test_bf16_trials_only_where_dlojz_runs_bf16(tmp_path, monkeypatch, capability, bf16_trials):
-    """A V100 (sm70): torch.cuda.is_bf16_supported() says True (it counts emulation), but dlojz refuses --amp
-    bf16 below sm80, so every bf16 trial would be launched only to be refused. The GPU's facts are a fake
-    torch.cuda's; the trials are the fake runner's. 4 bf16 configurations: channels-last x compile."""
+    """A V100 (sm70): torch.cuda.is_bf16_supported() says True (it counts emulation), but dlojz
+    refuses --amp bf16 below sm80, so every bf16 trial would be launched only to be refused. The
+    GPU's facts are a fake torch.cuda's; the trials are the fake runner's. 4 bf16 configurations:
+    channels-last x compile."""
     import torch
     monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: capability)
     args = args_for(tmp_path, tune_max_batch=8)
     runner = FakeRunner()
-    T.run_tune(args, {'lr': None}, argparse.ArgumentParser(), torch.device('cuda', 0), lambda s: None,
-               runner=runner)
+    T.run_tune(args, {'lr': None}, argparse.ArgumentParser(), torch.device('cuda', 0),
+               lambda s: None, runner=runner)
     amps = [argv[argv.index('--amp') + 1] for argv in runner.calls]
     assert amps.count('bf16') == bf16_trials and amps.count('fp16') == 4, amps
 

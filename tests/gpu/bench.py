@@ -5,13 +5,13 @@ one `python dlojz.py --test-nsteps N ...` process; the table is read from its su
 to stdout, progress to stderr:
 
     python tests/gpu/bench.py | tee tests/gpu/last-bench.md     # 16 configurations
-    python tests/gpu/bench.py --quick                            # 2: low precision, channels-last, eager, compiled
+    python tests/gpu/bench.py --quick                            # 2: low precision, channels-last
     python tests/gpu/bench.py --data-dir /path/imagenet --steps 100 --batch 256
 
-A second table compares the host's decode paths (--decode fast and pil; --quick: fast) on the machine's cores
-with nvJPEG (--decode gpu), same workers, same JPEGs: the training loader alone (--loader-only) and training.
---budget S starts no row after S seconds (the rows left are listed as not run). The exit code is 1 when any
-run failed, in either table.
+A second table compares the host's decode paths (--decode fast and pil; --quick: fast) on the
+machine's cores with nvJPEG (--decode gpu), same workers, same JPEGs: the training loader alone
+(--loader-only) and training. --budget S starts no row after S seconds (the rows left are listed as
+not run). The exit code is 1 when any run failed, in either table.
 """
 import argparse
 import datetime
@@ -40,11 +40,12 @@ def get_args(argv=None):
     p.add_argument('--out', default=None, help='folder for the run directories (default runs/bench-<time>)')
     p.add_argument('--data-dir', default=None, help='ImageFolder dataset for the JPEG rows (default: dlojz\'s '
                    'built-in synthetic JPEGs)')
-    p.add_argument('--quick', action='store_true', help='2 configurations (low precision, channels-last, fake data, '
-                   'eager and compiled) and 2 decode rows (fast, gpu)')
-    p.add_argument('--budget', type=float, default=None, help='seconds: no row starts after this (default: no limit)')
-    p.add_argument('--no-compile', dest='compile', action='store_false', help='leave the --compile rows out (a '
-                   'node without a C compiler or Python\'s headers)')
+    p.add_argument('--quick', action='store_true', help='2 configurations (low precision, '
+                   'channels-last, fake data, eager and compiled) and 2 decode rows (fast, gpu)')
+    p.add_argument('--budget', type=float, default=None, help='seconds: no row starts after this '
+                   '(default: no limit)')
+    p.add_argument('--no-compile', dest='compile', action='store_false', help='leave the --compile '
+                   'rows out (a node without a C compiler or Python\'s headers)')
     return p.parse_args(argv)
 
 
@@ -109,7 +110,8 @@ def run_one(flags, out_dir):
     with open(f'{out_dir}.log') as f:
         lines = [line.strip() for line in f if line.strip()]
     said = [line for line in lines if line.startswith('dlojz:')] or lines or ['no output']
-    print(f'--- the last lines of {out_dir}.log:', *lines[-25:], sep='\n', file=sys.stderr, flush=True)
+    print(f'--- the last lines of {out_dir}.log:', *lines[-25:], sep='\n', file=sys.stderr,
+          flush=True)
     return summary, f'exit {code}: {said[-1][:200]}'
 
 
@@ -118,10 +120,10 @@ def failed(why):
 
 
 def loader_rows(opts, out, budget, rows):
-    """Each --decode of decodes(): the loader alone (--loader-only) and a training run (same flags), a Markdown
-    row each appended to `rows` as it ends (an interrupt keeps those) -> how many runs failed. The training
-    run shows what the loader figure cannot: nvJPEG's decode sharing the GPU with the step, and the host
-    waiting for it."""
+    """Each --decode of decodes(): the loader alone (--loader-only) and a training run (same flags),
+    a Markdown row each appended to `rows` as it ends (an interrupt keeps those) -> how many runs
+    failed. The training run shows what the loader figure cannot: nvJPEG's decode sharing the GPU
+    with the step, and the host waiting for it."""
     failures = 0
     for decode in decodes(opts.quick):
         if not budget.allows(f'--decode {decode}'):
@@ -136,7 +138,8 @@ def loader_rows(opts, out, budget, rows):
         summary, why = run_one(flags, os.path.join(out, f'train_{decode_dir}'))
         t = (summary or {}).get('timing') or {}
         failures += bool(why or not t.get('train_throughput'))
-        train = f"{t['train_throughput']:.1f}" if t.get('train_throughput') and not why else failed(why)
+        rate = t.get('train_throughput')
+        train = f'{rate:.1f}' if rate and not why else failed(why)
         rows.append(f"| {decode} | {opts.workers} | {cell} | {train} | {t.get('bound', '–')} |")
         print(f'train {decode}: {why or "completed"}', file=sys.stderr, flush=True)
     return failures
@@ -145,10 +148,11 @@ def loader_rows(opts, out, budget, rows):
 def decode_table(opts, rows):
     if not rows:
         return []
-    return ['', f'Decoding on the host (`--decode fast`, `pil`) or with nvJPEG (`--decode gpu`): the training '
-            f'loader alone (`--loader-only`) and training (low precision, channels-last, eager), {opts.batch} '
-            f'images per batch, {opts.steps} batches:', '',
-            '| decode | workers | loader alone img/s | training img/s | bound |', '|---|---:|---:|---:|---|', *rows]
+    return ['', f'Decoding on the host (`--decode fast`, `pil`) or with nvJPEG (`--decode gpu`): '
+            f'the training loader alone (`--loader-only`) and training (low precision, '
+            f'channels-last, eager), {opts.batch} images per batch, {opts.steps} batches:', '',
+            '| decode | workers | loader alone img/s | training img/s | bound |',
+            '|---|---:|---:|---:|---|', *rows]
 
 
 def label(cfg, summary, opts):
@@ -191,10 +195,11 @@ def header(prov, opts, argv, out):
             f"`{command}` (dlojz {prov['dlojz_sha'] if prov else '?'}): each row is `{dlojz} ROW FLAGS`, where "
             f"precision is `--amp off` (fp32, TF32 on) or `--amp auto`, the layout `--channels-last` or "
             f"`--no-channels-last`, `--compile` or not, and the data `--fake-data` or JPEGs decoded by "
-            f"{opts.workers} workers. Throughputs are sums over the steady steps (after the warm-up): train = their "
-            f"images / their host time, GPU = global batch / mean GPU time per step (CUDA events); device busy = "
-            f"GPU time / host time; memory = max allocated after warm-up; J/image = NVML energy over the steady "
-            f"steps / their images. Run folders: {out}.", '']
+            f"{opts.workers} workers. Throughputs are sums over the steady steps (after the "
+            f"warm-up): train = their images / their host time, GPU = global batch / mean GPU time "
+            f"per step (CUDA events); device busy = GPU time / host time; memory = max allocated "
+            f"after warm-up; J/image = NVML energy over the steady steps / their images. Run "
+            f"folders: {out}.", '']
 
 
 def matrix_row(i, cfg, opts, out):
@@ -203,8 +208,10 @@ def matrix_row(i, cfg, opts, out):
     t0 = time.perf_counter()
     print(f'[{i}] {name} ...', file=sys.stderr, flush=True)
     summary, why = run_one([*common_flags(opts), *row_flags(cfg, opts)], os.path.join(out, name))
-    print(f'[{i}] {name}: {why or "completed"} ({time.perf_counter() - t0:.0f} s)', file=sys.stderr, flush=True)
-    return [label(cfg, summary, opts), *cells(summary, why, opts.steps)], bool(why), (summary or {}).get('provenance')
+    seconds = time.perf_counter() - t0
+    print(f'[{i}] {name}: {why or "completed"} ({seconds:.0f} s)', file=sys.stderr, flush=True)
+    row = [label(cfg, summary, opts), *cells(summary, why, opts.steps)]
+    return row, bool(why), (summary or {}).get('provenance')
 
 
 def row_name(cfg):
@@ -213,9 +220,9 @@ def row_name(cfg):
 
 
 def main(argv=None):
-    """The eager rows, the decode rows, then the compiled rows (minutes of inductor each: what --budget cuts
-    first); the tables keep the matrix's order. Interrupted (Ctrl-C, run.sh's stage timeout), it prints the
-    tables of what finished."""
+    """The eager rows, the decode rows, then the compiled rows (minutes of inductor each: what
+    --budget cuts first); the tables keep the matrix's order. Interrupted (Ctrl-C, run.sh's stage
+    timeout), it prints the tables of what finished."""
     argv = sys.argv[1:] if argv is None else argv
     opts = get_args(argv)
     if not torch.cuda.is_available():
@@ -246,8 +253,8 @@ def main(argv=None):
         lines += ['', f"Not run (--budget {opts.budget:g} s spent): {', '.join(budget.left_out)}."]
     print('\n'.join(lines))
     if failures:
-        print(f'bench.py: {failures} run(s) failed or were interrupted; their cells say why, their logs are in '
-              f'{shown(out)}.', file=sys.stderr)
+        print(f'bench.py: {failures} run(s) failed or were interrupted; their cells say why, their '
+              f'logs are in {shown(out)}.', file=sys.stderr)
     return 1 if failures else 0
 
 

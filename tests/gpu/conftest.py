@@ -25,11 +25,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def unavailable(reason):
-    """A check this machine cannot make: skipped, unless DLOJZ_REQUIRE_GPU=1 says the node was meant to make it
-    (run.sh sets it): then failed, so that a proof cannot vanish from a GPU run as a skip. For what the node
-    must have (CUPTI for the profiler, NVML); a legitimate skip (2 GPUs, DALI, bf16 below sm80) stays a skip."""
+    """A check this machine cannot make: skipped, unless DLOJZ_REQUIRE_GPU=1 says the node was meant
+    to make it (run.sh sets it): then failed, so that a proof cannot vanish from a GPU run as a
+    skip. For what the node must have (CUPTI for the profiler, NVML); a legitimate skip (2 GPUs,
+    DALI, bf16 below sm80) stays a skip."""
     if os.environ.get('DLOJZ_REQUIRE_GPU') == '1':
-        pytest.fail(f'{reason} (DLOJZ_REQUIRE_GPU=1: a GPU node must make this check)', pytrace=False)
+        pytest.fail(f'{reason} (DLOJZ_REQUIRE_GPU=1: a GPU node must make this check)',
+                    pytrace=False)
     pytest.skip(reason)
 
 

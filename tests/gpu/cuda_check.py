@@ -1,7 +1,8 @@
-"""Does this node give torch a CUDA GPU it has kernels for, and can inductor compile there? bash tests/gpu/run.sh
-asks before any test: a line with torch's CUDA version, the driver and the GPUs, and with --compile a line with
-the C compiler and Python's headers that Triton (inductor's GPU backend) builds its launchers with (exit 0);
-or one sentence saying what is missing and what to do (exit 1).
+"""Does this node give torch a CUDA GPU it has kernels for, and can inductor compile there? bash
+tests/gpu/run.sh asks before any test: a line with torch's CUDA version, the driver and the GPUs,
+and with --compile a line with the C compiler and Python's headers that Triton (inductor's GPU
+backend) builds its launchers with (exit 0); or one sentence saying what is missing and what to do
+(exit 1).
 
 Run: python tests/gpu/cuda_check.py [--compile]
 """
@@ -49,26 +50,29 @@ def verdict(torch_version, cuda_version, driver, gpus, arch_list, host='this nod
 
 
 def compile_verdict(compiler, headers, python=platform.python_version()):
-    """-> (ok, line). compiler: (path, first line of its --version) of the C compiler Triton would use, or None;
-    headers: the path of Python.h, or None where it is absent."""
+    """-> (ok, line). compiler: (path, first line of its --version) of the C compiler Triton would
+    use, or None; headers: the path of Python.h, or None where it is absent."""
     fix = 'or pass --no-compile to bash tests/gpu/run.sh to leave the compiled checks out'
     if compiler is None:
-        return False, (f'--compile needs a C compiler (Triton builds its GPU launchers with cc/gcc) and this node '
-                       f'has none on PATH; install gcc (apt-get install gcc), set CC, {fix}.')
+        return False, ('--compile needs a C compiler (Triton builds its GPU launchers with '
+                       'cc/gcc) and this node has none on PATH; install gcc (apt-get install gcc), '
+                       f'set CC, {fix}.')
     if headers is None:
-        return False, (f"--compile needs Python {python}'s headers (Triton compiles against Python.h) and this node "
-                       f'lacks them; install them (apt-get install python3-dev, or the python module with '
-                       f'headers), {fix}.')
+        return False, (f"--compile needs Python {python}'s headers (Triton compiles against "
+                       'Python.h) and this node lacks them; install them (apt-get install '
+                       f'python3-dev, or the python module with headers), {fix}.')
     return True, f'compile: {compiler[1]} ({compiler[0]}), {headers}'
 
 
 def c_compiler():
-    """The compiler Triton looks for (CC, then cc, gcc, clang) and its --version's first line, or None."""
+    """The compiler Triton looks for (CC, then cc, gcc, clang) and its --version's first line, or
+    None."""
     for name in [os.environ.get('CC'), 'cc', 'gcc', 'clang']:
         path = name and shutil.which(name)
         if path:
             try:
-                out = subprocess.run([path, '--version'], capture_output=True, text=True, timeout=30).stdout
+                out = subprocess.run([path, '--version'], capture_output=True, text=True,
+                                     timeout=30).stdout
             except (OSError, subprocess.SubprocessError):
                 continue
             return path, (out.splitlines() or [name])[0].strip()

@@ -1,9 +1,11 @@
-"""The GPU run's results by test name, from pytest's JUnit XML: each test's outcome and seconds, then the tests
-that were asked for and never ran (a stage's time budget ran out). bash tests/gpu/run.sh prints it last and
-keeps it as summary.md in the results folder, ready for BENCHMARKS.md.
+"""The GPU run's results by test name, from pytest's JUnit XML: each test's outcome and seconds,
+then the tests that were asked for and never ran (a stage's time budget ran out). bash
+tests/gpu/run.sh prints it last and keeps it as summary.md in the results folder, ready for
+BENCHMARKS.md.
 
     python tests/gpu/results.py RESULTS/junit.xml [tests/gpu/quick.txt]
 """
+import collections
 import sys
 import xml.etree.ElementTree as ET
 
@@ -19,7 +21,7 @@ def outcomes(junit_path):
             found = case.find(tag)
             if found is not None:
                 outcome = {'failure': 'failed', 'error': 'error', 'skipped': 'skipped'}[tag]
-                message = (found.get('message') or '').splitlines()[0][:160] if found.get('message') else ''
+                message = (found.get('message') or '').split('\n')[0][:160]
                 break
         rows.append((node, outcome, float(case.get('time') or 0.0), message))
     return rows
@@ -32,30 +34,31 @@ def asked(list_path):
 
 
 def not_run(rows, wanted):
-    """The tests of `wanted` of which no case ran (a node id without [...] matches its parametrised cases)."""
+    """The tests of `wanted` of which no case ran (a node id without [...] matches its parametrised
+    cases)."""
     ran = {node for node, *_ in rows}
     return [w for w in wanted if w not in ran and not any(r.startswith(w + '[') for r in ran)]
 
 
 def table(rows, missing=()):
-    counts = {}
-    for _, outcome, _, _ in rows:
-        counts[outcome] = counts.get(outcome, 0) + 1
     lines = ['| test | result | s |', '|---|---|---:|']
-    lines += [f"| `{node.split('::', 1)[1]}` | {outcome}{': ' + msg.replace('|', '/') if msg else ''} | {t:.1f} |"
-              for node, outcome, t, msg in rows]
+    for node, outcome, seconds, message in rows:
+        result = f"{outcome}: {message.replace('|', '/')}" if message else outcome
+        lines.append(f"| `{node.split('::', 1)[1]}` | {result} | {seconds:.1f} |")
     lines += [f"| `{node.split('::', 1)[1]}` | not run | |" for node in missing]
-    said = ', '.join(f'{n} {k}' for k, n in sorted(counts.items()))
-    lines += ['', f"{said}{', ' if said and missing else ''}{f'{len(missing)} not run' if missing else ''}; "
-                  f"{sum(t for _, _, t, _ in rows):.0f} s in tests."]
-    return lines
+    counts = collections.Counter(outcome for _, outcome, _, _ in rows)
+    said = [f'{n} {outcome}' for outcome, n in sorted(counts.items())]
+    said += [f'{len(missing)} not run'] if missing else []
+    seconds = sum(t for _, _, t, _ in rows)
+    return lines + ['', f"{', '.join(said)}; {seconds:.0f} s in tests."]
 
 
 def main(argv):
     try:
         rows = outcomes(argv[0])
     except (OSError, ET.ParseError) as e:
-        print(f'results.py: no test results in {argv[0]} ({e}); pytest was stopped before it wrote them.')
+        print(f'results.py: no test results in {argv[0]} ({e}); pytest was stopped before it wrote '
+              f'them.')
         return 1
     missing = not_run(rows, asked(argv[1])) if len(argv) > 1 else []
     print('\n'.join(table(rows, missing)))

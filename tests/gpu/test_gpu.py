@@ -1,28 +1,32 @@
 """What only a real GPU can prove (every test here is skipped on a machine without CUDA):
 
-- mixed precision (fp16; bf16 from sm80) x channels-last x torch.compile trains: finite losses, the precision
-  asked for, a completed summary, phases that fit in their step;
-- steady training steps never make the host wait for the GPU (torch.cuda.set_sync_debug_mode('error')),
-  fp16's GradScaler with the fused optimizer included, on pinned batches copied without blocking;
+- mixed precision (fp16; bf16 from sm80) x channels-last x torch.compile trains: finite losses, the
+  precision asked for, a completed summary, phases that fit in their step;
+- steady training steps never make the host wait for the GPU
+  (torch.cuda.set_sync_debug_mode('error')), fp16's GradScaler with the fused optimizer included, on
+  pinned batches copied without blocking;
 - the Chronometer's CUDA-event phases add up to the kernel time torch.profiler records (within 5 %);
 - NVML energy is positive and within the board's enforced power limit x the elapsed time;
-- the all-reduce hook's done event (dlojz_comm) comes after the all-reduce, on NCCL; on gloo with CUDA
-  tensors both events are on this rank's GPU and read;
+- the all-reduce hook's done event (dlojz_comm) comes after the all-reduce, on NCCL; on gloo with
+  CUDA tensors both events are on this rank's GPU and read;
 - an AdamW checkpoint written on the CPU continues fused on the GPU, and back;
-- torchrun with NCCL at world size 1, and 2 GPUs with --sync-bn where the node has them; 2 ranks sharing
-  one GPU (--share-gpu: gloo, since NCCL refuses it), its energy counted once;
-- under --deterministic, a run resumed from a checkpoint reproduces the uninterrupted run's losses exactly;
-- the device-clock verdicts: a fake-data ResNet-50 is compute-bound; the same run behind a slow loader is
-  loader-bound, and its device clock still measures the same GPU time per step;
-- device busy time on real CUDA events: a step that sleeps on the host between its launches is 'host'
-  bound and its probe steps measure the GPU work queued back to back, not the launch rate; the spin
-  kernel behind the probes lasts what it was asked to, also when calibrated on an idle GPU;
-- --decode gpu: nvJPEG's crops equal the CPU seam's (libjpeg-turbo) within 2 levels; decoding one batch ahead on
-  a thread gives the same batches and the training stream never reads one before its decode ends; decoding never writes
-  into memory that queued training kernels still read (pytorch/vision#9606; the same check catches a decode
-  on the training stream, its positive control), and a run trains with it;
-- batches handed over in shared slots and pinned by the pin-memory thread equal the default collate's;
-  --loader dali's mixed decoder gives its CPU pipeline's batches on the device, and a run trains with it.
+- torchrun with NCCL at world size 1, and 2 GPUs with --sync-bn where the node has them; 2 ranks
+  sharing one GPU (--share-gpu: gloo, since NCCL refuses it), its energy counted once;
+- under --deterministic, a run resumed from a checkpoint reproduces the uninterrupted run's losses
+  exactly;
+- the device-clock verdicts: a fake-data ResNet-50 is compute-bound; the same run behind a slow
+  loader is loader-bound, and its device clock still measures the same GPU time per step;
+- device busy time on real CUDA events: a step that sleeps on the host between its launches is
+  'host' bound and its probe steps measure the GPU work queued back to back, not the launch rate;
+  the spin kernel behind the probes lasts what it was asked to, also when calibrated on an idle GPU;
+- --decode gpu: nvJPEG's crops equal the CPU seam's (libjpeg-turbo) within 2 levels; decoding one
+  batch ahead on a thread gives the same batches and the training stream never reads one before its
+  decode ends; decoding never writes into memory that queued training kernels still read
+  (pytorch/vision#9606; the same check catches a decode on the training stream, its positive
+  control), and a run trains with it;
+- batches handed over in shared slots and pinned by the pin-memory thread equal the default
+  collate's; --loader dali's mixed decoder gives its CPU pipeline's batches on the device, and a run
+  trains with it.
 
 Run: python -m pytest -q tests/gpu    (bash tests/gpu/run.sh also runs the benchmark matrix)
 """
@@ -209,7 +213,8 @@ def kernel_intervals(prof):
 
 
 def profiled_kernels(prof):
-    """kernel_intervals(prof); none at all means the profiler cannot see the GPU (no CUPTI): unavailable()."""
+    """kernel_intervals(prof); none at all means the profiler cannot see the GPU (no CUPTI):
+    unavailable()."""
     kernels = kernel_intervals(prof)
     if not kernels:
         unavailable('torch.profiler recorded no CUDA kernel (CUPTI unavailable to this PyTorch)')
@@ -342,9 +347,10 @@ def test_the_all_reduce_done_event_waits_for_the_all_reduce(tmp_path):
 
 
 def test_the_hooks_events_on_gloo_with_cuda_tensors(tmp_path):
-    """gloo on CUDA tensors (ranks sharing GPUs) runs the done callback on gloo's own thread, whose current
-    device is 0: CudaTimeline records both of a bucket's events on this rank's GPU, and elapsed_time reads them
-    (it raised across devices). One GPU cannot show a second device; tests/test_comm.py does, on a fake."""
+    """gloo on CUDA tensors (ranks sharing GPUs) runs the done callback on gloo's own thread, whose
+    current device is 0: CudaTimeline records both of a bucket's events on this rank's GPU, and
+    elapsed_time reads them (it raised across devices). One GPU cannot show a second device;
+    tests/test_comm.py does, on a fake."""
     import torch.distributed as tdist
 
     import dlojz_comm
@@ -361,20 +367,23 @@ def test_the_hooks_events_on_gloo_with_cuda_tensors(tmp_path):
             torch.cuda.synchronize()
             marks, buffers = timer.take()
             got = dlojz_comm.resolve(marks, buffers)
-        assert got is not None and got['exposed'] >= 0 and got['bytes'] == 4 * (64 * 64 + 64 + 64 * 2 + 2)
+        parameters = 64 * 64 + 64 + 64 * 2 + 2
+        assert got is not None and got['exposed'] >= 0 and got['bytes'] == 4 * parameters
         assert all(e.index == device.index for mark in marks for e in mark[:2])
     finally:
         tdist.destroy_process_group()
 
 
 def test_torchrun_two_ranks_share_one_gpu(tmp_path, cache_dir):
-    """--share-gpu with 2 ranks on 1 GPU: NCCL refuses two ranks on one device ("Duplicate GPU detected"), so
-    the group is gloo (CUDA all-reduce through host memory) and DDP trains to the end on both ranks. The
-    all-reduce hook's events were read on both ranks, and the one board's energy, read by both, is counted
-    once: the ranks' sum is about what one rank's counter read (the windows differ by start-up skew)."""
-    p = torchrun(2, *TINY, *CUDA, '--cache-dir', cache_dir, '--output-dir', tmp_path, '--test-nsteps', 6,
-                 '--share-gpu', '--chkpt', env={'CUDA_VISIBLE_DEVICES': os.environ.get('CUDA_VISIBLE_DEVICES',
-                                                                                         '0').split(',')[0]})
+    """--share-gpu with 2 ranks on 1 GPU: NCCL refuses two ranks on one device ("Duplicate GPU
+    detected"), so the group is gloo (CUDA all-reduce through host memory) and DDP trains to the end
+    on both ranks. The all-reduce hook's events were read on both ranks, and the one board's energy,
+    read by both, is counted once: the ranks' sum is about what one rank's counter read (the windows
+    differ by start-up skew)."""
+    first_gpu = os.environ.get('CUDA_VISIBLE_DEVICES', '0').split(',')[0]
+    p = torchrun(2, *TINY, *CUDA, '--cache-dir', cache_dir, '--output-dir', tmp_path,
+                 '--test-nsteps', 6, '--share-gpu', '--chkpt',
+                 env={'CUDA_VISIBLE_DEVICES': first_gpu})
     assert p.returncode == 0, p.stderr[-3000:]
     assert 'all-reduced with gloo' in p.stdout
     s, _ = read_run(tmp_path)
@@ -382,7 +391,8 @@ def test_torchrun_two_ranks_share_one_gpu(tmp_path, cache_dir):
     assert all(r['comm_steps'] >= 1 for r in s['timing']['ranks']), s['timing']['ranks']
     e = s['energy']
     if e['available']:
-        assert e['ranks_on_board'] == 2 and all(r['ranks_on_board'] == 2 for r in s['timing']['ranks'])
+        assert e['ranks_on_board'] == 2
+        assert all(r['ranks_on_board'] == 2 for r in s['timing']['ranks'])
         assert e['energy_j_all_ranks'] == pytest.approx(e['energy_j'], rel=0.5), e
 
 
@@ -435,20 +445,21 @@ def test_resume_on_gpu_is_bit_exact(tmp_path, cache_dir, uninterrupted, stop):
 
 
 def test_an_adamw_checkpoint_written_on_the_cpu_continues_fused_on_the_gpu(tmp_path, cache_dir):
-    """AdamW on the CPU (not fused: its step counts stay on the CPU through load_state_dict), resumed on the GPU,
-    where it is fused: the fused kernel was given a CPU step (a device mismatch; an illegal memory access with
-    a tensor learning rate). Then back."""
+    """AdamW on the CPU (not fused: its step counts stay on the CPU through load_state_dict),
+    resumed on the GPU, where it is fused: the fused kernel was given a CPU step (a device mismatch;
+    an illegal memory access with a tensor learning rate). Then back."""
     flags = [*TINY, '--cache-dir', cache_dir, '--optimizer', 'adamw', '--log-interval', 1]
-    p = run_cli(*flags, '--device', 'cpu', '--output-dir', tmp_path / 'cpu', '--test-nsteps', 2, '--chkpt')
+    p = run_cli(*flags, '--device', 'cpu', '--output-dir', tmp_path / 'cpu', '--test-nsteps', 2,
+                '--chkpt')
     assert p.returncode == 0, p.stderr[-3000:]
-    p = run_cli(*flags, *CUDA, '--output-dir', tmp_path / 'gpu', '--test-nsteps', 4, '--chkpt', '--resume',
-                latest(tmp_path / 'cpu'))
+    p = run_cli(*flags, *CUDA, '--output-dir', tmp_path / 'gpu', '--test-nsteps', 4, '--chkpt',
+                '--resume', latest(tmp_path / 'cpu'))
     assert p.returncode == 0, p.stderr[-3000:]
     s, recs = read_run(tmp_path / 'gpu')
     assert s['status'] == 'completed' and sorted(losses(recs)) == [3, 4]
     assert all(math.isfinite(v) for v in losses(recs).values())
-    p = run_cli(*flags, '--device', 'cpu', '--output-dir', tmp_path / 'back', '--test-nsteps', 6, '--resume',
-                latest(tmp_path / 'gpu'))
+    p = run_cli(*flags, '--device', 'cpu', '--output-dir', tmp_path / 'back', '--test-nsteps', 6,
+                '--resume', latest(tmp_path / 'gpu'))
     assert p.returncode == 0, p.stderr[-3000:]
     assert read_run(tmp_path / 'back')[0]['status'] == 'completed'
 
@@ -632,10 +643,11 @@ def test_probe_spin_lasts_what_it_was_asked():
 
 
 def test_a_spin_calibrated_on_an_idle_gpu_holds_once_it_is_busy():
-    """torch.cuda._sleep counts SM clock cycles, and the probe's spin is calibrated by one 0.5 ms kernel where
-    the steady window starts. Suspected: on a GPU idle long enough for its clocks to drop, the calibration
-    reads a low clock and later spins, at full clock, come out shorter than asked. Calibrated after 2 s idle,
-    then 1 s of matmuls: a 50 ms spin must still last 50 ms within 15 %."""
+    """torch.cuda._sleep counts SM clock cycles, and the probe's spin is calibrated by one 0.5 ms
+    kernel where the steady window starts. Suspected: on a GPU idle long enough for its clocks to
+    drop, the calibration reads a low clock and later spins, at full clock, come out shorter than
+    asked. Calibrated after 2 s idle, then 1 s of matmuls: a 50 ms spin must still last 50 ms within
+    15 %."""
     from dlojz_chrono import CudaTimeline
     torch.cuda.synchronize()
     time.sleep(2.0)

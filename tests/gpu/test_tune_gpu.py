@@ -1,14 +1,15 @@
-"""--tune on a real GPU (dlojz_tune), shrunk to about a minute: the batch doubling reads GPU memory (the peak
-grows with the batch), the GPU's low precisions run as trials (fp16; bf16 from sm80), and a trial chosen
-before the sweep (the default configuration at the largest batch), rerun as a plain dlojz.py process,
-reproduces the table's img/s within 15 %.
+"""--tune on a real GPU (dlojz_tune), shrunk to about a minute: the batch doubling reads GPU memory
+(the peak grows with the batch), the GPU's low precisions run as trials (fp16; bf16 from sm80), and
+a trial chosen before the sweep (the default configuration at the largest batch), rerun as a plain
+dlojz.py process, reproduces the table's img/s within 15 %.
 
-Not the winner: the best of several noisy trials is biased upwards (the winner's curse), so a winner rerun
-comes out slower than its table figure for no fault of the tuner. Compiled trials are left out here (minutes
-of inductor per trial; the compiled path is test_gpu.py's) and so are the NCHW ones: the sweep runs its eager
-channels-last configurations, and the CPU tests (tests/test_tune.py) check the full list and the winner's choice.
+Not the winner: the best of several noisy trials is biased upwards (the winner's curse), so a winner
+rerun comes out slower than its table figure for no fault of the tuner. Compiled trials are left out
+here (minutes of inductor per trial; the compiled path is test_gpu.py's) and so are the NCHW ones:
+the sweep runs its eager channels-last configurations, and the CPU tests (tests/test_tune.py) check
+the full list and the winner's choice.
 
-    python -m pytest -q tests/gpu/test_tune_gpu.py        # on a GPU node; bash tests/gpu/run.sh runs it
+    python -m pytest -q tests/gpu/test_tune_gpu.py    # on a GPU node; bash tests/gpu/run.sh runs it
 """
 import json
 
@@ -24,7 +25,8 @@ STEPS = 60  # steady steps per trial and in the rerun: a ResNet-18 step at 32 px
 
 
 def eager(cuda, bf16=True):
-    """The tuner's configurations without compile, channels-last only: what this test proves is per precision."""
+    """The tuner's configurations without compile, channels-last only: what this test proves is
+    per precision."""
     return [c for c in T.configurations(cuda, bf16) if c[1] and not c[2]]
 
 
@@ -52,15 +54,17 @@ def test_tune_on_a_gpu(gpu_sweep, cache_dir):
     assert names == ['b8-off-cl-eager', 'b16-off-cl-eager', 'b16-fp16-cl-eager'] + \
         (['b16-bf16-cl-eager'] if bf16 else []), names
     assert all(r['status'] == 'completed' for r in record['trials']), record['trials']
-    assert record['skipped'] == [] and any(line.startswith('>>> Recommended: python dlojz.py') for line in lines)
+    assert record['skipped'] == []
+    assert any(line.startswith('>>> Recommended: python dlojz.py') for line in lines)
     # the memory peak grows with the batch (activations): a host figure read by mistake would not
     mem = [r['memory_bytes'] for r in record['trials'][:2]]
     assert 0 < mem[0] < mem[1], mem
     chosen = record['trials'][1]  # chosen before the sweep ran: no selection among noisy figures
     again = out / 'again'
     flags = T.trial_argv(chosen['batch'], chosen['amp'], chosen['channels_last'], chosen['compile'])
-    r = run_cli(*TINY, '--cache-dir', cache_dir, *flags, '--test-nsteps', STEPS + 3, '--warmup-steps', 3, '-e', 1000,
-                '--output-dir', again)
+    r = run_cli(*TINY, '--cache-dir', cache_dir, *flags, '--test-nsteps', STEPS + 3,
+                '--warmup-steps', 3, '-e', 1000, '--output-dir', again)
     assert r.returncode == 0, r.stderr[-2000:]
     measured = json.loads((again / 'summary.json').read_text())['timing']['steady_images_per_s']
-    assert chosen['images_per_s'] == pytest.approx(measured, rel=0.15), (chosen['images_per_s'], measured)
+    table = chosen['images_per_s']
+    assert table == pytest.approx(measured, rel=0.15), (table, measured)
