@@ -99,38 +99,36 @@ def bench_summary():
             'loader': {'images_per_second': 500.0}}
 
 
-@pytest.mark.parametrize('failing', ['loader_gpu', 'train_fast', 'amp_nhwc_compile_fake'])
-def test_bench_exits_1_when_any_run_failed(tmp_path, monkeypatch, capsys, failing):
-    """A failed row of either table makes bench.py exit 1 (the decode table's failures were shown as
-    'failed' cells and never counted: exit 0). The runs are a fake run_one; the failing one is named
-    by its folder."""
+def quick_bench(monkeypatch, tmp_path, broken=None, failure=None):
+    """bench.py --quick on a fake GPU, its runs a fake run_one: the run whose folder is `broken`
+    returns failure() instead of a completed summary. -> the exit code."""
     monkeypatch.setattr(bench.torch.cuda, 'is_available', lambda: True)
 
     def run_one(flags, out_dir):
-        if os.path.basename(out_dir) == failing:
-            return None, 'exit 1: dlojz: nvJPEG refused every image'
-        return bench_summary(), None
+        return failure() if os.path.basename(out_dir) == broken else (bench_summary(), None)
     monkeypatch.setattr(bench, 'run_one', run_one)
-    assert bench.main(['--quick', '--out', str(tmp_path)]) == 1
+    return bench.main(['--quick', '--out', str(tmp_path)])
+
+
+@pytest.mark.parametrize('failing', ['loader_gpu', 'train_fast', 'amp_nhwc_compile_fake'])
+def test_bench_exits_1_when_any_run_failed(tmp_path, monkeypatch, capsys, failing):
+    """A failed row of either table makes bench.py exit 1 (the decode table's failures were shown as
+    'failed' cells and never counted: exit 0). The failing run is named by its folder."""
+    refused = lambda: (None, 'exit 1: dlojz: nvJPEG refused every image')  # noqa: E731
+    assert quick_bench(monkeypatch, tmp_path, failing, refused) == 1
     out = capsys.readouterr()
     assert 'failed (exit 1: dlojz: nvJPEG refused every image)' in out.out
     assert '1 run(s) failed' in out.err
-    monkeypatch.setattr(bench, 'run_one', lambda flags, out_dir: (bench_summary(), None))
-    assert bench.main(['--quick', '--out', str(tmp_path)]) == 0
+    assert quick_bench(monkeypatch, tmp_path) == 0
 
 
 def test_an_interrupted_bench_prints_the_runs_that_finished(tmp_path, monkeypatch, capsys):
     """run.sh stops the quick benchmark with SIGINT when its time is up: the tables keep every run
     that ended before (the eager row, the fast decode row), and the exit code says the run is
     incomplete."""
-    monkeypatch.setattr(bench.torch.cuda, 'is_available', lambda: True)
-
-    def run_one(flags, out_dir):
-        if os.path.basename(out_dir) == 'loader_gpu':
-            raise KeyboardInterrupt
-        return bench_summary(), None
-    monkeypatch.setattr(bench, 'run_one', run_one)
-    assert bench.main(['--quick', '--out', str(tmp_path)]) == 1
+    def interrupt():
+        raise KeyboardInterrupt
+    assert quick_bench(monkeypatch, tmp_path, 'loader_gpu', interrupt) == 1
     out = capsys.readouterr()
     assert '| bf16 / channels-last / eager / fake data | 100.0' in out.out
     assert '\n| fast | ' in out.out
