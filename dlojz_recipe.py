@@ -42,7 +42,7 @@ def build_optimizer(args, model, lr, device):
     # inf flag as device tensors: GradScaler.step then skips its per-step found_inf.item() synchronisation.
     fused = {'fused': True} if device.type == 'cuda' else {}
     if args.optimizer == 'sgd':
-        return torch.optim.SGD(groups, lr=lr, momentum=args.mom, **fused)
+        return zero_momentum(torch.optim.SGD(groups, lr=lr, momentum=args.mom, **fused))
     if args.optimizer == 'adamw':
         return torch.optim.AdamW(groups, lr=lr, betas=(args.mom, 0.999), **fused)
     from timm import optim as timm_optim  # seconds to import: only when asked for
@@ -50,6 +50,23 @@ def build_optimizer(args, model, lr, device):
     kw = {'momentum': args.mom} if args.optimizer == 'lars' else \
         {'betas': (args.mom, 0.999 if args.optimizer == 'lamb' else 0.99)}
     return cls(groups, lr=lr, **kw, **timm_foreach(cls, device))
+
+
+def zero_momentum(optimizer):
+    """SGD with its momentum buffers set to zero before the first step -> optimizer.
+
+    torch's fused SGD allocates them uninitialised (empty_like) at its first step and tells the
+    kernel to fill them with the gradient; when fp16's GradScaler finds an inf in that step (usual at
+    the initial scale of 65536), the kernel skips, and every later step reads the uninitialised
+    memory: NaN within a few steps (ResNet-18, H100, torch 2.11). A zero buffer gives the first
+    step's own rule, momentum x 0 + gradient = gradient (dampening is 0), bit for bit, on every
+    implementation, and a skipped step leaves it zero."""
+    for group in optimizer.param_groups:
+        assert group['dampening'] == 0, 'the zero buffer equals the first-step rule only without dampening'
+        if group['momentum']:
+            for p in group['params']:
+                optimizer.state[p]['momentum_buffer'] = torch.zeros_like(p)
+    return optimizer
 
 
 def timm_foreach(cls, device):

@@ -57,6 +57,37 @@ def test_lars_follows_the_published_update_and_leaves_norm_and_bias_alone():
     assert not torch.allclose(adapted['3.bias'], before['3.bias'] - lr * grads['3.bias'])
 
 
+def test_sgd_survives_a_first_step_that_fp16s_scaler_skips():
+    """fp16's GradScaler hands the fused SGD its inf flag; an inf in the first step (usual at the
+    initial scale) makes the kernel skip. torch's fused SGD had allocated its momentum buffers
+    uninitialised for that step and reads them from then on: NaN on an H100 (torch 2.11). Here the
+    CPU's fused kernel stands in (build_optimizer fuses on a GPU only, so the flag is set as it sets
+    it there), and deterministic mode fills uninitialised memory with NaN, so the defect shows on
+    every run. Expected: torch's plain SGD after one step with the same gradients, bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    reference = nn.Linear(3, 2)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3)
+    for m in (model, reference):
+        m(x).square().sum().backward()
+    args = Namespace(optimizer='sgd', wd=1e-4, wd_norm_bias=True, mom=0.9)
+    optimizer = R.build_optimizer(args, model, 0.1, torch.device('cpu'))
+    for group in optimizer.param_groups:
+        group['fused'] = True
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # torch.empty* filled with NaN
+    try:
+        for inf in (1.0, 0.0):  # the step the scaler skips, then a finite one
+            optimizer.found_inf = torch.tensor(inf)
+            optimizer.step()
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4).step()
+    for p, want in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.detach(), want.detach()), (p, want)
+
+
 def scheduled(flags, key, steps=20):
     """The optimizer's group value `key` before each of `steps` steps of the schedule a run with `flags` builds
     (10 steps per epoch, 20 in all)."""
