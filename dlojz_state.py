@@ -244,7 +244,12 @@ def load_optimizer(optimizer, state):
     parameters' device only when the *saved* group was fused or capturable; a fused kernel reads
     them on the device (a CPU step there fails the step: a device mismatch, or an illegal memory
     access where the learning rate is a tensor), the others on the host (a device step there is read
-    with .item(), a synchronisation per parameter and step)."""
+    with .item(), a synchronisation per parameter and step).
+
+    The moments take their parameter's memory layout: torch's load_state_dict keeps the saved
+    strides, and a fused kernel refuses a channels-last parameter with contiguous moments ("must
+    have same dtype, device, and layout"; a checkpoint from a --no-channels-last or CPU run,
+    measured on an H100 with torch 2.11), where the foreach kernels fall back to a slow path."""
     # this run's flags
     fresh = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
@@ -256,12 +261,22 @@ def load_optimizer(optimizer, state):
     for group in optimizer.param_groups:
         on_device = group.get('fused') or group.get('capturable')
         for p in group['params']:
-            step = optimizer.state.get(p, {}).get('step')
+            state = optimizer.state.get(p, {})
+            step = state.get('step')
             where = p.device if on_device else torch.device('cpu')
             if isinstance(step, torch.Tensor) and step.device != where:
                 dtype = torch.float32 if on_device else step.dtype  # fused kernels take float32
-                optimizer.state[p]['step'] = step.to(device=where, dtype=dtype)
+                state['step'] = step.to(device=where, dtype=dtype)
+            for key, value in list(state.items()):
+                if _restride(value, p):
+                    state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
     return take
+
+
+def _restride(value, p):
+    """Whether an optimizer state tensor is one of p's moments (p's shape) laid out otherwise."""
+    return (isinstance(value, torch.Tensor) and value.shape == p.shape and value.device == p.device
+            and value.stride() != p.stride())
 
 
 def _restore(run, ckpt):

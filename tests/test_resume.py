@@ -278,6 +278,29 @@ def test_an_adamw_checkpoint_from_the_cpu_continues_fused_on_another_device():
         assert step.device == p.device and step.dtype == torch.float32, step
 
 
+def test_the_moments_take_the_layout_of_this_runs_parameters():
+    """A checkpoint written with contiguous weights (a CPU or --no-channels-last run), resumed where
+    the weights are channels-last: torch's load_state_dict kept the saved strides, and the fused
+    AdamW on an H100 refused the step ("must have same dtype, device, and layout"; the CPU's fused
+    kernel accepts them, so the strides are compared). Expected: each moment has its parameter's
+    strides and its values."""
+    import dlojz_state
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3)
+    written = torch.optim.AdamW(conv.parameters())
+    conv(torch.randn(2, 3, 8, 8)).sum().backward()
+    written.step()
+    saved = written.state_dict()
+    here = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.AdamW(here.parameters())
+    dlojz_state.load_optimizer(optimizer, saved)
+    for p, before in zip(here.parameters(), saved['state'].values()):
+        for key in ('exp_avg', 'exp_avg_sq'):
+            moment = optimizer.state[p][key]
+            assert moment.stride() == p.stride() and torch.equal(moment, before[key]), key
+    assert here.weight.stride() != conv.weight.stride()  # the case is the one named
+
+
 def test_the_momentum_follows_the_new_schedule(tmp_path, cache_dir, capsys):
     """onecycle -> cosine: the momentum is --mom again (it stayed frozen at the cycle's value of the resumed
     step, 0.86); under onecycle a changed --mom changes nothing (the cycle sets it), so that resume's losses are
