@@ -96,7 +96,7 @@ def classic(root, size, batch, steps, warmup):
     return _rate((b for _ in iter(int, 1) for b in dl), steps, warmup)  # epoch after epoch
 
 
-def dali(root, size, batch, steps, warmup):
+def dali_pipeline(root, size, batch, steps, warmup):
     """DALI's CPU pipeline, one thread: the crop decoded alone (image_random_crop, same area and ratio ranges as
     RandomResizedCrop), resize, flip, normalise to float CHW -> img/s."""
     from nvidia.dali import fn, pipeline_def, types
@@ -153,7 +153,7 @@ def one(name, root, size, batch, steps, warmup):
     if name == 'classic':
         return classic(root, size, batch, steps, warmup)
     if name == 'dali':
-        return dali(root, size, batch, steps, warmup)
+        return dali_pipeline(root, size, batch, steps, warmup)
     if name == 'fast':
         return dlojz(root, size, batch, steps, warmup)
     if name == 'fast-whole':  # the whole file decoded, DCT-scaled (no region decoding)

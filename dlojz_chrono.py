@@ -302,10 +302,10 @@ class Chronometer:
                                                   dlojz_comm.completed(*rec.get('comm', ([], [])))):
                 return  # the GPU has not reached the end of this step yet; try again next step
             if 'comm' in rec:
-                comm = dlojz_comm.resolve(*rec.pop('comm'))
-                if comm:
-                    rec.update(exposed=comm['exposed'], link=comm['link'], comm_bytes=comm['bytes'],
-                               buffers=comm['buffers'])
+                timed = dlojz_comm.resolve(*rec.pop('comm'))
+                if timed:
+                    rec.update(exposed=timed['exposed'], link=timed['link'], comm_bytes=timed['bytes'],
+                               buffers=timed['buffers'])
             for name, start, end in rec.pop('events'):
                 rec[name] = rec.get(name, 0.0) + start.elapsed_time(end) / 1e3  # ms -> s
             if self.events:

@@ -68,10 +68,10 @@ def coords(tmp_path_factory):
     return root
 
 
-def data_of(root, loader, rank=0, world_size=1, *flags):
+def data_of(root, loader, rank=0, world_size=1, *extra):
     args = dlojz_flags.get_args_parser().parse_args(
         ['--data-dir', str(root), '--image-size', '64', '--val-image-size', '64', '--val-resize', '72', '-b', '4',
-         '--val-batch-size', '5', '--num-workers', '1', '--loader', loader, *flags])
+         '--val-batch-size', '5', '--num-workers', '1', '--loader', loader, *extra])
     args = dlojz_flags.check_args(args, torch.device('cpu'))
     dist = SimpleNamespace(rank=rank, world_size=world_size, local_rank=rank, is_main=rank == 0)
     return dlojz_data.build_data(args, dist, log=lambda *a: None)

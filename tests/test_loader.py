@@ -149,8 +149,8 @@ def test_the_doctor_measures_trials_and_the_ceiling(tmp_path, cache_dir, capsys,
         assert [int(r['num_workers']) for r in csv.DictReader(f)] == [0, 1, 1, 1, 1]
     assert dlojz_report.cli([str(out), '--out', str(tmp_path / 'report')]) == 0
     with open(tmp_path / 'report' / 'report.md') as f:
-        report = f.read()
-    assert '## Loader doctor' in report and os.path.exists(tmp_path / 'report' / 'doctor-doctor.png')
+        text = f.read()
+    assert '## Loader doctor' in text and os.path.exists(tmp_path / 'report' / 'doctor-doctor.png')
 
 
 def test_memory_budget_is_one_tasks_share(tmp_path):

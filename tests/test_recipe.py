@@ -88,10 +88,10 @@ def test_sgd_survives_a_first_step_that_fp16s_scaler_skips():
         assert torch.equal(p.detach(), want.detach()), (p, want)
 
 
-def scheduled(flags, key, steps=20):
-    """The optimizer's group value `key` before each of `steps` steps of the schedule a run with `flags` builds
+def scheduled(run_flags, key, steps=20):
+    """The optimizer's group value `key` before each of `steps` steps of the schedule a run with `run_flags` builds
     (10 steps per epoch, 20 in all)."""
-    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(TINY + flags), torch.device('cpu'))
+    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(TINY + run_flags), torch.device('cpu'))
     _, opt, sched, _ = R.build_optimization(args, nn.Linear(2, 2), 10, 20, torch.device('cpu'))
     seen = []
     for _ in range(steps):

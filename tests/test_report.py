@@ -76,7 +76,7 @@ def summary(path):
         return json.load(f)
 
 
-def report(tmp_path, *paths, args=()):
+def make_report(tmp_path, *paths, args=()):
     out = tmp_path / 'report'
     code = dlojz_report.cli([str(p) for p in paths] + ['--out', str(out)] + list(args))
     if code == 0:  # no section of a report on dlojz's own runs may fail
@@ -103,7 +103,7 @@ def check_figures(out):
 @pytest.mark.slow
 def test_dataloader_trial_table_matches_summaries(runs, tmp_path, capsys):
     trial = [runs[n] for n in ('w0', 'w1', 'w2', 'w2np', 'w0b')]
-    code, out = report(tmp_path, *trial)
+    code, out = make_report(tmp_path, *trial)
     assert code == 0
     rows = read_csv(out / 'comparison.csv')
     flags = [c for c in rows[0] if c not in dlojz_report.METRICS and c not in ('run', 'status')]
@@ -135,10 +135,10 @@ def test_dataloader_trial_table_matches_summaries(runs, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_sort_column_and_bad_column(runs, tmp_path, capsys):
-    code, out = report(tmp_path, runs['w0'], runs['w2'], args=['--sort', 'load_ms'])
+    code, out = make_report(tmp_path, runs['w0'], runs['w2'], args=['--sort', 'load_ms'])
     rows = read_csv(out / 'comparison.csv')
     assert code == 0 and [float(r['load_ms']) for r in rows] == sorted(float(r['load_ms']) for r in rows)
-    code, _ = report(tmp_path, runs['w0'], runs['w2'], args=['--sort', 'speed'])
+    code, _ = make_report(tmp_path, runs['w0'], runs['w2'], args=['--sort', 'speed'])
     err = capsys.readouterr().err
     assert code == 2 and '--sort speed is not a column' in err and 'Traceback' not in err
 
@@ -170,7 +170,7 @@ def test_batch_size_sweep_from_real_runs(runs, tmp_path):
     assert [r['mem_bytes'] for r in rows[:3]] == mems
     slope, intercept = np.polyfit([4, 6, 10], mems, 1)  # the OOM run is left out of the fit
     assert found[0]['fit'] == pytest.approx((intercept, slope), rel=1e-6, abs=1e-3)
-    code, out = report(tmp_path, runs['b4'], runs['b6'], runs['b10'], oom)
+    code, out = make_report(tmp_path, runs['b4'], runs['b6'], runs['b10'], oom)
     text = (out / 'report.md').read_text()
     assert code == 0 and '## Batch-size sweep' in text and 'sweep-1.png' in check_figures(out)
     assert 'out of memory at step 1 with batch 16 per process' in text
@@ -194,7 +194,7 @@ def test_sweep_of_gpu_runs_uses_gpu_memory_and_the_gpu_size(runs, tmp_path):
     assert sw['memory'] == 'GPU max allocated' and sw['device_memory_bytes'] == 85_100_000_000
     assert sw['fit'] == pytest.approx((3e9, 9e7), rel=1e-9)
     assert [r['mean_w'] for r in sw['rows']] == [250.0] * 3
-    code, out = report(tmp_path, *dirs)
+    code, out = make_report(tmp_path, *dirs)
     text = (out / 'report.md').read_text()
     assert code == 0 and 'memory = 2.794 GiB' in text and '85.83 MiB per image' in text  # 3e9 B, 9e7 B
     assert read_csv(out / 'comparison.csv')[0]['j_per_img'] == '0.5' and 'peak 300.0 W, mean 250.0 W' in text
@@ -221,13 +221,13 @@ def test_scaling_splits_the_lost_efficiency_as_measured(runs, tmp_path):
     assert row['efficiency'] == pytest.approx(0.8) and row['step_ms'] == pytest.approx(125.0)
     assert (row['comm_pts'], row['straggler_pts'], row['rest_pts']) == pytest.approx((8.0, 4.0, 8.0))
     assert sc['rows'][0]['comm_pts'] == 0.0  # one process waits for no one
-    code, out = report(tmp_path / 'rep', one, two)
+    code, out = make_report(tmp_path / 'rep', one, two)
     assert code == 0 and '| straggler_pts |' in (out / 'report.md').read_text()
 
 
 @pytest.mark.slow
 def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
-    code, out = report(tmp_path, runs['ws1'], runs['ws2'])
+    code, out = make_report(tmp_path, runs['ws1'], runs['ws2'])
     t1 = summary(runs['ws1'])['timing']['train_throughput']
     t2 = summary(runs['ws2'])['timing']['train_throughput']
     [s] = dlojz_report.scalings(collect_runs([runs['ws1'], runs['ws2']])[0])
@@ -255,7 +255,7 @@ def test_a_verdict_over_all_ranks_shows_the_shares_over_all_ranks(runs, tmp_path
     s['timing'].update(device_busy=0.99, data_share=0.01, device_busy_all_ranks=0.6, data_share_all_ranks=0.3,
                        bound='loader')
     (two / 'summary.json').write_text(json.dumps(s))
-    code, out = report(tmp_path / 'rep', two)
+    code, out = make_report(tmp_path / 'rep', two)
     text = (out / 'report.md').read_text()
     assert code == 0 and re.search(r'loader \(all ranks\): device busy 60(\.0+)? % of the steady steps, data wait '
                                    r'30(\.0+)? %', text), text
@@ -291,7 +291,7 @@ def test_metric_sync_log_from_two_ranks(runs, tmp_path):
         assert {r['loss_after'] for r in at} == {logged[step]['loss']}  # synced: what rank 0 logged
         assert len({r['loss_before'] for r in at}) == 2  # each rank saw only its own batches
         assert statistics.fmean(r['loss_before'] for r in at) == pytest.approx(logged[step]['loss'], rel=1e-5)
-    code, out = report(tmp_path, runs['ws2'])
+    code, out = make_report(tmp_path, runs['ws2'])
     assert 'every rank holds the same values: yes (3 syncs)' in (out / 'report.md').read_text()
 
 
@@ -306,7 +306,7 @@ def test_lr_finder_view_uses_dlojz_rule_and_clips_spikes(runs, tmp_path):
     assert cut == 200 and lrs[0] <= suggested <= 1e-3
     lo, hi = lr_plot_ylim(losses[:cut], sm)
     assert lo <= 1.0 and max(sm) < hi < 60 / 2
-    code, out = report(tmp_path, runs['findlr'])
+    code, out = make_report(tmp_path, runs['findlr'])
     s = summary(runs['findlr'])
     text = (out / 'report.md').read_text()
     assert code == 0 and f"{len(s['findlr']['lr'])} steps from lr 1e-08" in text and 'lrfind-findlr.png' in \
@@ -326,7 +326,7 @@ def test_failed_and_crashed_runs_get_a_verdict(runs, tmp_path, capsys):
     (broken / 'summary.json').write_text((runs['w0'] / 'summary.json').read_text()[:500])
     empty = tmp_path / 'empty'
     empty.mkdir()
-    code, out = report(tmp_path, runs['nan'], runs['crash'], broken, empty)
+    code, out = make_report(tmp_path, runs['nan'], runs['crash'], broken, empty)
     printed = capsys.readouterr()
     assert code == 0 and 'Traceback' not in printed.err
     assert f'nan: NaN loss at step {step}' in printed.out
@@ -342,7 +342,7 @@ def test_failed_and_crashed_runs_get_a_verdict(runs, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_every_kind_of_run_reports_cleanly(runs, tmp_path):
-    code, out = report(tmp_path, runs['notiming'], runs['evaluate'], runs['ws1'], runs['ws2'])
+    code, out = make_report(tmp_path, runs['notiming'], runs['evaluate'], runs['ws1'], runs['ws2'])
     text = (out / 'report.md').read_text()
     assert code == 0 and '**completed (evaluate run)**' in text
     assert {'timeline-notiming.png', 'timeline-ws1.png'} <= set(check_figures(out))
@@ -365,7 +365,7 @@ def test_older_and_newer_summaries(runs, tmp_path):
     s.update(version=99, future_section={'x': 1})
     s['timing']['future_key'] = [1, 2]
     (new / 'summary.json').write_text(json.dumps(s))
-    code, out = report(tmp_path, old, new)
+    code, out = make_report(tmp_path, old, new)
     text = (out / 'report.md').read_text()
     assert code == 0 and '## Problems' not in text and 'version 99, newer than this report' in text
     assert float(read_csv(out / 'comparison.csv')[0]['train_img_s']) > 0
@@ -448,7 +448,7 @@ def test_nccl_bytes_from_count_and_datatype(tmp_path):
     assert c['table'][('train', 'AllReduce')] == {'calls': 12, 'bytes': 3 * (4 * n + 2000)}
     assert c['table'][('train', 'AllGather')] == {'calls': 2, 'bytes': 20}
     assert c['allreduce_per_step'] == 4 * n + 2000 and c['unknown_dtypes'] == ['type 42']
-    code, out = report(tmp_path, run_dir)
+    code, out = make_report(tmp_path, run_dir)
     text = (out / 'report.md').read_text()
     assert code == 0 and '## Communication (NCCL)' in text and 'All ranks issued the same collectives' in text
     assert 'comm-ddp.png' in check_figures(out)
@@ -473,7 +473,7 @@ def test_ranks_that_differ_are_flagged(tmp_path):
     (run_dir / 'config.json').write_text('{"batch_size": 8}')
     c = comm_view(collect_runs([run_dir])[0][0])
     assert not c['consistent']
-    code, out = report(tmp_path, run_dir)
+    code, out = make_report(tmp_path, run_dir)
     text = (out / 'report.md').read_text()
     assert code == 0 and '**Ranks differ**' in text and 'incomplete: no summary.json' in text
 
@@ -485,7 +485,7 @@ def test_time_to_accuracy_view(tmp_path, cache_dir):
     target = 0.4
     for name, extra in (('plain', []), ('ema', ['--ema-decay', '0.8'])):
         run_main(tmp_path / name, cache_dir, '-e', '3', '--target-top1', target, *extra)
-    code, out = report(tmp_path, tmp_path / 'plain', tmp_path / 'ema')
+    code, out = make_report(tmp_path, tmp_path / 'plain', tmp_path / 'ema')
     assert code == 0 and 'time-to-accuracy.png' in check_figures(out)
     rows = {r['run']: r for r in read_csv(out / 'time-to-accuracy.csv')}
     for name in ('plain', 'ema'):

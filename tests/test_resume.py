@@ -272,9 +272,9 @@ def test_an_adamw_checkpoint_from_the_cpu_continues_fused_on_another_device():
     dlojz_state.load_optimizer(here, written.state_dict())
     assert all(group['fused'] is True for group in here.param_groups)
     for p in model.parameters():
-        state = here.state[p]
-        assert state['exp_avg'].device == p.device and state['exp_avg_sq'].device == p.device
-        step = state['step']
+        moments = here.state[p]
+        assert moments['exp_avg'].device == p.device and moments['exp_avg_sq'].device == p.device
+        step = moments['step']
         assert step.device == p.device and step.dtype == torch.float32, step
 
 

@@ -89,10 +89,10 @@ def heavy_flags():
 
 
 @contextmanager
-def built(tmp_path, cache_dir, *flags):
+def built(tmp_path, cache_dir, *extra):
     """A run built in-process the way dlojz._main builds it (same backend flags, same seeding), for tests that
     drive train_step themselves. Nothing is logged (a disabled console opens no metrics file)."""
-    argv = [str(a) for a in [*TINY, *CUDA, '--cache-dir', cache_dir, '--output-dir', tmp_path, *flags]]
+    argv = [str(a) for a in [*TINY, *CUDA, '--cache-dir', cache_dir, '--output-dir', tmp_path, *extra]]
     dist = dlojz.get_dist_info()
     device = dlojz_dist.pick_device('cuda', dist)
     args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(argv), device, dist.world_size)
@@ -533,9 +533,9 @@ def test_nvjpeg_crops_match_the_cpu_seam():
     assert on_gpu.shape == on_cpu.shape and diff.max() < 2, diff  # IDCT and chroma upsampling differ slightly
 
 
-def overwritten(batch, decode, trials=20):
+def overwritten(batch, decoder, trials=20):
     """Tensors the size of the decoded images are filled, reductions over them are queued behind a long
-    kernel, the tensors are freed (their blocks return to the caching allocator at once), then `decode()`
+    kernel, the tensors are freed (their blocks return to the caching allocator at once), then `decoder()`
     runs. -> how many reductions saw other values than the fill: blocks a decoder wrote before the queued
     kernels read them."""
     sizes = [tuple(img.shape) for img in dlojz_decode.decode_jpeg(list(torch.split(batch.data, batch.sizes)),
@@ -547,7 +547,7 @@ def overwritten(batch, decode, trials=20):
         torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time ahead of the reductions
         sums = [t.sum(dtype=torch.int64) for t in held]
         del held
-        decode()
+        decoder()
         torch.cuda.synchronize()
         bad += sum(int(s.item()) != 7 * math.prod(shape) for s, shape in zip(sums, sizes))
     return bad

@@ -71,8 +71,8 @@ def test_tune_on_a_gpu(gpu_sweep, cache_dir):
     assert 0 < mem[0] < mem[1], mem
     chosen = record['trials'][1]  # chosen before the sweep ran: no selection among noisy figures
     again = out / 'again'
-    flags = T.trial_argv(chosen['batch'], chosen['amp'], chosen['channels_last'], chosen['compile'])
-    r = run_cli(*SWEEP, '--cache-dir', cache_dir, *flags, '--test-nsteps', STEPS + 3,
+    argv = T.trial_argv(chosen['batch'], chosen['amp'], chosen['channels_last'], chosen['compile'])
+    r = run_cli(*SWEEP, '--cache-dir', cache_dir, *argv, '--test-nsteps', STEPS + 3,
                 '--warmup-steps', 3, '-e', 1000, '--output-dir', again)
     assert r.returncode == 0, r.stderr[-2000:]
     measured = json.loads((again / 'summary.json').read_text())['timing']['steady_images_per_s']
