@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 from torchvision.ops import stochastic_depth
 
-import dlojz_flags
+from dlojzlib import flags
 
 RESNETS = {
     'resnet18': (BasicBlock, [2, 2, 2, 2]),
@@ -32,8 +32,8 @@ RESNETS = {
     'resnet101': (Bottleneck, [3, 4, 23, 3]),
     'resnet152': (Bottleneck, [3, 8, 36, 3]),
 }
-assert tuple(RESNETS) == dlojz_flags.RESNETS  # the parser lists the names without importing torch
-ARCHS = dlojz_flags.ARCHS
+assert tuple(RESNETS) == flags.RESNETS  # the parser lists the names without importing torch
+ARCHS = flags.ARCHS
 
 
 class ClassifierMixture(nn.Module):

@@ -10,10 +10,10 @@ fast or slow.
 Outputs go to --output-dir (default runs/<job id or timestamp>_<arch>_bs<b>): config.json,
 metrics.jsonl, summary.json, checkpoint-<step>.pt (--chkpt), profiler traces (--prof), wandb files.
 
-Reading order: flags (dlojz_flags.py) -> builders -> train_step and the loops (train, validation) -> main.
-Around it: the run folder in dlojz_rundir.py, checkpoints in dlojz_state.py (contents) and dlojz_checkpoint.py
-(files), the other modes in dlojz_recipe.py (--findlr), dlojz_loader.py and dlojz_tune.py, how a run ends in
-dlojz_errors.py, what it says in dlojz_summary.py; docs/development.md lists every module.
+Reading order: flags (dlojzlib/flags.py) -> builders -> train_step and the loops (train, validation) -> main.
+Around it: the run folder in dlojzlib/record/rundir.py, checkpoints in dlojzlib/record/state.py (contents) and dlojzlib/record/checkpoint.py
+(files), the other modes in dlojzlib/recipe.py (--findlr), dlojz_loader.py and dlojzlib/modes/tune.py, how a run ends in
+dlojzlib/errors.py, what it says in dlojzlib/record/summary.py; docs/development.md lists every module.
 """
 import argparse
 import itertools
@@ -27,13 +27,13 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-import dlojz_flags
-from dlojz_flags import get_args_parser  # noqa: F401 (dlojz.get_args_parser: the tests' and tune_loader's way in)
+from dlojzlib import flags
+from dlojzlib.flags import get_args_parser  # noqa: F401 (dlojz.get_args_parser: the tests' and tune_loader's way in)
 
 # Stop signals that arrive before the run's own handler exists: importing torch, scanning the data and building
 # the model take seconds to minutes on a loaded node, and Slurm's warning (--signal=USR2@N) or a scancel may
 # come then; the default action would end the job without a checkpoint (measured: exit 140 on a real Slurm).
-from dlojz_errors import EARLY_SIGNALS  # noqa: E402 - a light module; dlojz_dist.stop_received() reads it too
+from dlojzlib.errors import EARLY_SIGNALS  # noqa: E402 - a light module; dist.launch.stop_received() reads it too
 
 
 def _record_early(signum, frame):
@@ -43,37 +43,37 @@ def _record_early(signum, frame):
 if __name__ == '__main__':  # flags first: --help and usage errors answer before torch is imported (seconds)
     for _s in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(_s, _record_early)
-    dlojz_flags.parse_or_exit()
+    flags.parse_or_exit()
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 import custom_models
-import dlojz_augment
-import dlojz_dist
-import dlojz_failpoints as failpoints
-import dlojz_loader
-import dlojz_recipe
-import dlojz_resume
-import dlojz_rundir
-import dlojz_tune
 from dlojz_chrono import Chronometer, CudaTimeline, profiler
-from dlojz_comm import CommTimer
-from dlojz_data import IMAGENET_MEAN, IMAGENET_STD, build_data
-from dlojz_dist import get_dist_info
-from dlojz_errors import CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation, translate
-from dlojz_host import host_check, intra_op_threads, process_start_time
-from dlojz_log import Console, Logger, wandb_mode, write_json
-from dlojz_metrics import Meters, NonFiniteGuard, PeakMemory
-from dlojz_power import PowerMeter
-from dlojz_rundir import trim_metrics
-from dlojz_state import (Progress, check_form, check_resume, find_resume_checkpoint, interrupted, note_validation,
+from dlojzlib import failpoints
+from dlojzlib import recipe
+from dlojzlib.data import augment
+from dlojzlib.data.datasets import IMAGENET_MEAN, IMAGENET_STD, build_data
+from dlojzlib.dist import launch
+from dlojzlib.dist.launch import get_dist_info
+from dlojzlib.errors import CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation, translate
+from dlojzlib.host import host_check, intra_op_threads, process_start_time
+from dlojzlib.measure.comm import CommTimer
+from dlojzlib.measure.power import PowerMeter
+from dlojzlib.metrics import Meters, NonFiniteGuard, PeakMemory
+from dlojzlib.modes import doctor
+from dlojzlib.modes import tune
+from dlojzlib.record import resume
+from dlojzlib.record import rundir
+from dlojzlib.record.log import Console, Logger, wandb_mode, write_json
+from dlojzlib.record.rundir import trim_metrics
+from dlojzlib.record.state import (Progress, check_form, check_resume, find_resume_checkpoint, interrupted, note_validation,
                          preempt, process_wall_s, restore, run_wall_s, save)
-from dlojz_summary import final_lines, print_header, write_summary
+from dlojzlib.record.summary import final_lines, print_header, write_summary
 
 
-# ----------------------------------------------------------------- flags (dlojz_flags checks them)
+# ----------------------------------------------------------------- flags (flags checks them)
 
 def seed_everything(seed):
     random.seed(seed)
@@ -87,7 +87,7 @@ def build_model(args, num_classes, device, dist, comm=None):
     """-> (model to train: DDP-wrapped and/or compiled, model to evaluate, plain module for state dicts).
 
     Validation runs the module without its DDP wrapper: a DDP forward may broadcast buffers (a collective),
-    and ranks can run different numbers of validation batches. `comm`: a dlojz_comm.CommTimer to time the
+    and ranks can run different numbers of validation batches. `comm`: a measure.comm.CommTimer to time the
     gradient all-reduce with."""
     model = custom_models.build_model(args.arch, num_classes, args.sd_prob, args.n_heads)
     if args.grad_checkpointing:
@@ -96,7 +96,7 @@ def build_model(args, num_classes, device, dist, comm=None):
     model = model.to(device, memory_format=memory_format)
     if dist.distributed and args.sync_bn:  # before the DDP wrap, as DDP must see the final modules
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    train_model = dlojz_dist.wrap_ddp(model, device, args, comm) if dist.distributed else model
+    train_model = launch.wrap_ddp(model, device, args, comm) if dist.distributed else model
     eval_model = model
     if args.compile:  # DDP first, then compile: dynamo's DDPOptimizer keeps communication overlapped
         # Static shapes: an epoch's smaller last batch gets its own graph (compiled once, outside the
@@ -139,9 +139,9 @@ def console_lines(args, steps_per_epoch):
 class Run:
     """What a run is built from; none of it changes while the loops run (their state is a Progress)."""
     args: argparse.Namespace
-    dist: dlojz_dist.DistInfo
+    dist: launch.DistInfo
     device: torch.device
-    data: object                  # dlojz_data.Data: loaders, classes, counts
+    data: object                  # data.datasets.Data: loaders, classes, counts
     model: nn.Module              # what trains: DDP-wrapped and/or compiled
     eval_model: nn.Module         # what validates: without the DDP wrapper
     model_without_ddp: nn.Module  # plain module: state dicts, buffers
@@ -155,27 +155,27 @@ class Run:
     power: PowerMeter             # NVML energy: whole run, and steady training windows for J/image
     memory: PeakMemory            # peak memory, reset after the warm-up steps
     guard: NonFiniteGuard
-    stop: dlojz_dist.StopSignal
+    stop: launch.StopSignal
     log: Logger
     global_batch: int
-    host: dict                    # cores, load, threads, workers (dlojz_host.host_check)
+    host: dict                    # cores, load, threads, workers (host.host_check)
     steps_per_epoch: int
     total_steps: int              # of this invocation's schedule: --findlr's sweep length
-    mix: object = None            # dlojz_augment.Mix: --mixup / --cutmix on the device (identity when off)
-    ema: object = None            # dlojz_recipe.EMA with --ema-decay
+    mix: object = None            # data.augment.Mix: --mixup / --cutmix on the device (identity when off)
+    ema: object = None            # recipe.EMA with --ema-decay
     started: float = 0.0          # time.time() when the run was built: time to accuracy counts from here
     process_started: float = 0.0  # time.time() when the process started: the second clock, start-up included
 
 
 def build_run(args, dist, device, say):
-    """-> (run, where it starts). The checkpoint's flags are settled first (dlojz_resume: the seed, for one, shapes
+    """-> (run, where it starts). The checkpoint's flags are settled first (record.resume: the seed, for one, shapes
     the data order), and the checkpoint is checked against the run before any log is opened."""
     ckpt_path, ckpt = find_resume_checkpoint(args, dist, say)
     if ckpt is not None:
         check_form(args, ckpt, ckpt_path)
         if not args.evaluate:
-            dlojz_resume.resolve(args, ckpt.get('args') or {}, say)
-    data = build_data(args, dist, log=say, on_ranks=dlojz_dist.on_ranks, device=device)
+            resume.resolve(args, ckpt.get('args') or {}, say)
+    data = build_data(args, dist, log=say, on_ranks=launch.on_ranks, device=device)
     say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train / '
         f'{data.n_val} val images, {len(data.classes)} classes')
     comm = CommTimer(dist.world_size, CudaTimeline(device) if device.type == 'cuda' else None) \
@@ -190,7 +190,7 @@ def build_run(args, dist, device, say):
     if len(data.classes) == 1:
         say(f'Warning: the data has a single class ({data.classes[0]}): every prediction is right, loss and '
             f'accuracy say nothing; check --data-dir.')
-    criterion, optimizer, scheduler, scaler = dlojz_recipe.build_optimization(args, plain, steps_per_epoch,
+    criterion, optimizer, scheduler, scaler = recipe.build_optimization(args, plain, steps_per_epoch,
                                                                                     total_steps, device)
     global_batch = args.batch_size * dist.world_size * args.accum_steps
     check_resume(args, dist, ckpt_path, ckpt, data, plain, optimizer, global_batch, steps_per_epoch, total_steps)
@@ -202,7 +202,7 @@ def build_run(args, dist, device, say):
         dropped = trim_metrics(metrics, ckpt.get('metrics_bytes'), ckpt['global_step'])
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
     chrono = Chronometer(device, phases=args.timing, sync=args.sync_timing, warmup=args.warmup_steps)
-    power, memory = PowerMeter(device, gather=dlojz_dist.all_gather_object), PeakMemory(device)
+    power, memory = PowerMeter(device, gather=launch.all_gather_object), PeakMemory(device)
     chrono.on_steady += [memory.reset, power.window_start]  # once the warm-up steps are over
     chrono.comm = comm
     run = Run(args=args, dist=dist, device=device, data=data, model=model, eval_model=eval_model,
@@ -215,15 +215,15 @@ def build_run(args, dist, device, say):
               # every step anyway and stops on its own
               guard=NonFiniteGuard(device, 1 if device.type == 'cpu' and not args.findlr else 0,
                                    dist.distributed),
-              stop=dlojz_dist.StopSignal(),
+              stop=launch.StopSignal(),
               log=Logger(metrics, say, append=resumed, lines=console_lines(args, steps_per_epoch),
                          wandb=build_wandb(args, dist)),
               global_batch=global_batch, host=host_check(args.num_workers, device.type == 'cpu'),
               steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-              mix=dlojz_augment.Mix(args.mixup, args.cutmix, len(data.classes), args.seed),
-              ema=dlojz_recipe.EMA(plain, args.ema_decay, args.ema_warmup) if args.ema_decay else None,
+              mix=augment.Mix(args.mixup, args.cutmix, len(data.classes), args.seed),
+              ema=recipe.EMA(plain, args.ema_decay, args.ema_warmup) if args.ema_decay else None,
               started=time.time(), process_started=process_start_time())
-    sync = dlojz_recipe.scaler_sync_warning(optimizer, args.amp)
+    sync = recipe.scaler_sync_warning(optimizer, args.amp)
     run.host['warnings'] += [sync] if sync else []  # printed in the header, kept in summary.json
     if resumed:  # where this attempt starts, and what it replaced of the one before
         run.log.log(type='resume', global_step=ckpt['global_step'], checkpoint=ckpt_path, dropped_records=dropped)
@@ -406,7 +406,7 @@ def log_train_metrics(run, progress, meters):
     for when, v in (('Before', before), ('After', after)):
         print(f"Step {progress.step} - {when} metric compute {name}: loss: {v['loss']:.4f}, accuracy: "
               f"{v['top1']:.4f}", flush=True)
-    ranks = dlojz_dist.all_gather_object({'rank': run.dist.rank, 'before': before, 'after': after})
+    ranks = launch.all_gather_object({'rank': run.dist.rank, 'before': before, 'after': after})
     run.log.log(type='metric_sync', global_step=progress.global_step, step=progress.step, ranks=ranks)
 
 
@@ -419,7 +419,7 @@ def evaluate(run, epoch, progress, max_batches=None, ema=False):
     if run.args.nccl_debug:  # comm_profiler marker: the collectives that follow belong to validation
         print(f'Validation - rank {run.dist.rank}', flush=True)
     # rank 0's BatchNorm statistics, as in its checkpoint
-    dlojz_dist.broadcast_buffers_(run.ema.module if ema else run.model_without_ddp)
+    launch.broadcast_buffers_(run.ema.module if ema else run.model_without_ddp)
     meters, batches, raw_time = Meters(len(run.data.classes), run.device, criterion=True), 0, chrono.val_time
     with run.memory.validation(), chrono.validation():  # the memory read after the Chronometer's sync
         for x, labels in itertools.islice(run.data.val_loader, max_batches):
@@ -452,32 +452,32 @@ def main(args, dist=None):
     dist = dist or get_dist_info()
     if args.deterministic:  # cuBLAS reads it when its first handle is made: before any GPU matmul
         os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
-    share = args.share_gpu or dlojz_dist.mps_active()
-    device = dlojz_dist.pick_device(args.device, dist, share)
+    share = args.share_gpu or launch.mps_active()
+    device = launch.pick_device(args.device, dist, share)
     raw = dict(vars(args))  # the flags as given: --tune-loader passes them on to its trials
-    backend = dlojz_dist.process_group_backend(device.type, torch.cuda.device_count(), dist.local_world_size, share)
-    args = dlojz_flags.check_args(args, device, dist.world_size, job_id=dist.job_id, backend=backend)
+    backend = launch.process_group_backend(device.type, torch.cuda.device_count(), dist.local_world_size, share)
+    args = flags.check_args(args, device, dist.world_size, job_id=dist.job_id, backend=backend)
     threads = intra_op_threads(args.num_workers, device.type == 'cpu', dist.local_world_size)
     if threads:  # before the first parallel op: OpenMP sizes its pool then
         torch.set_num_threads(threads)
     if args.dist_debug:  # read by torch.distributed when the process group starts
         os.environ['TORCH_DISTRIBUTED_DEBUG'] = 'DETAIL'
     if args.nccl_debug:
-        dlojz_dist.nccl_debug_env()
-    dlojz_dist.setup(dist, device, args.dist_timeout, share)
-    with dlojz_rundir.taken(args, dist):  # sets args.output_dir, the same on every rank
+        launch.nccl_debug_env()
+    launch.setup(dist, device, args.dist_timeout, share)
+    with rundir.taken(args, dist):  # sets args.output_dir, the same on every rank
         tee = None
         try:
             if args.nccl_debug:  # before the first NCCL collective, so that the communicator's INIT lines are in it
                 os.makedirs(args.output_dir, exist_ok=True)  # node-local folders: other nodes' ranks make their own
-                tee = dlojz_dist.StdoutTee(os.path.join(args.output_dir, f'nccl.rank{dist.rank}.log'))
+                tee = launch.StdoutTee(os.path.join(args.output_dir, f'nccl.rank{dist.rank}.log'))
                 print(f'Train step 0 - rank {dist.rank}', flush=True)  # marker: what follows is initialisation
             if args.loader_only or args.tune_loader or args.tune:  # no StopSignal there: the default actions
                 release_early_signals()
             if args.loader_only or args.tune_loader:
-                return dlojz_loader.loader_mode(args, raw, dist, device)
+                return doctor.loader_mode(args, raw, dist, device)
             if args.tune:
-                return dlojz_tune.tune_mode(args, raw, dist, device)
+                return tune.tune_mode(args, raw, dist, device)
             return _main(args, dist, device)
         finally:
             if tee:
@@ -495,7 +495,7 @@ def release_early_signals():
 
 def _main(args, dist, device):
     """Build the run, run its mode (train, LR sweep or evaluation), and end every way it can end with a
-    summary.json that says how (dlojz_errors), the power meter stopped and the logs closed."""
+    summary.json that says how (errors), the power meter stopped and the logs closed."""
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     torch.use_deterministic_algorithms(args.deterministic)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
@@ -508,7 +508,7 @@ def _main(args, dist, device):
         # This attempt's record from its start: a kill or a full disk leaves 'running' with this attempt's config
         # and step, never an earlier attempt's summary (a 'preempted' one) that would read as the current state.
         # Rank 0 writes; a failure there (a full disk) stops every rank.
-        dlojz_dist.on_ranks(lambda: (write_json(os.path.join(args.output_dir, 'config.json'), vars(args)),
+        launch.on_ranks(lambda: (write_json(os.path.join(args.output_dir, 'config.json'), vars(args)),
                                      write_summary(run, progress, 'running')), when=dist.is_main)
         run.chrono.start()
         power.start()
@@ -518,7 +518,7 @@ def _main(args, dist, device):
             if run.ema is not None:
                 progress.val_ema = evaluate(run, max(0, epoch), progress, 20 if args.test else None, ema=True)
         elif args.findlr:
-            extra['findlr'] = dlojz_recipe.find_lr(run, progress, train_step)
+            extra['findlr'] = recipe.find_lr(run, progress, train_step)
         else:
             # rank 0 only: one trace tells the story, and every rank's export would stall its own step
             run.chrono.labels = args.prof and dist.is_main
@@ -570,7 +570,7 @@ def report_error(e, dist):
 
 
 def cli(argv=None):
-    """python dlojz.py FLAGS -> exit code (dlojz_errors lists them)."""
+    """python dlojz.py FLAGS -> exit code (errors lists them)."""
     dist, peer_failed, ended = None, False, False
     try:
         args, dist = get_args_parser().parse_args(argv), get_dist_info()  # in this order: --help first
@@ -588,12 +588,12 @@ def cli(argv=None):
         peer_failed = isinstance(e, CommFailure)
         return e.exit_code
     finally:
-        dlojz_dist.cleanup(peer_failed, synchronize=ended)
+        launch.cleanup(peer_failed, synchronize=ended)
 
 
 if __name__ == '__main__':
     code = cli()
-    if dlojz_dist.abandoned:  # a dead peer's NCCL group: no teardown, no destructor that could wait for it
+    if launch.abandoned:  # a dead peer's NCCL group: no teardown, no destructor that could wait for it
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

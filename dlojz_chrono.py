@@ -1,6 +1,6 @@
 """Measurement tools: the Chronometer, which splits every training step into data wait, host->device
 copy, forward, backward, optimizer and "other" without stalling the GPU; the --prof torch.profiler
-(power and energy: dlojz_power).
+(power and energy: measure.power).
 
     chrono = Chronometer(device, phases=True)
     for images, labels in chrono.iterate(loader, max_steps):
@@ -36,8 +36,8 @@ Two clocks, never mixed in one subtraction:
 - `device_busy` = device busy time / host time of the steady steps, and the verdict `bound` (verdict()):
   'compute' when the device did useful work >= 90% of the time, else what the idle time went to, the
   largest of: the data wait ('loader'), the exposed transfer of the gradient all-reduce ('communication'),
-  waiting for a late rank ('straggler'; dlojz_comm measures the waits in collectives, and
-  dlojz_summary.ranks_summary splits them once every rank's numbers are gathered at the end), and the rest
+  waiting for a late rank ('straggler'; measure.comm measures the waits in collectives, and
+  record.summary.ranks_summary splits them once every rank's numbers are gathered at the end), and the rest
   ('host': Python, kernel launches, synchronisations).
 - The first `warmup` steps (worker start-up, cudnn autotune, compilation) are reported separately and
   left out of the statistics; `on_steady` callbacks run once, before the first steady step asks for its
@@ -53,7 +53,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-import dlojz_comm
+from dlojzlib.measure import comm
 
 PHASES = ('data', 'h2d', 'forward', 'backward', 'optimizer', 'other')
 # --prof: the course's record_function tags (solutions/dlojz1_4.py), one per phase
@@ -180,7 +180,7 @@ class Chronometer:
         self._last_probe = None
         self._clean = 0        # clean steps after the warm-up
         self.labels = False    # --prof: each phase is also a torch.profiler record_function range
-        self.comm = None       # dlojz_comm.CommTimer of a distributed run: each step's all-reduce stamps
+        self.comm = None       # measure.comm.CommTimer of a distributed run: each step's all-reduce stamps
         self.steps = []        # completed records: {'data': s, 'step': s, 'compute': s, 'h2d': s, ...}
         self._pending = []     # records whose events may not have completed yet
         self._current = None
@@ -299,10 +299,10 @@ class Chronometer:
             rec = self._pending[0]
             if self.events and not block and not (rec['span'][1].query() and
                                                   all(end.query() for _, _, end in rec['events']) and
-                                                  dlojz_comm.completed(*rec.get('comm', ([], [])))):
+                                                  comm.completed(*rec.get('comm', ([], [])))):
                 return  # the GPU has not reached the end of this step yet; try again next step
             if 'comm' in rec:
-                timed = dlojz_comm.resolve(*rec.pop('comm'))
+                timed = comm.resolve(*rec.pop('comm'))
                 if timed:
                     rec.update(exposed=timed['exposed'], link=timed['link'], comm_bytes=timed['bytes'],
                                buffers=timed['buffers'])
@@ -373,7 +373,7 @@ class Chronometer:
                'wall_s': sum(r['step'] for r in steady), 'data_s': sum(r['data'] for r in steady),
                'probe_steps': sum(bool(r.get('probe')) for r in steady), 'busy_s': None, 'gpu_step_s': None,
                'gpu_step_source': None, 'gpu_measured_steps': 0, 'backward_s': None}
-        timed = [r for r in steady if 'exposed' in r]  # the all-reduce of a distributed run (dlojz_comm)
+        timed = [r for r in steady if 'exposed' in r]  # the all-reduce of a distributed run (measure.comm)
         if timed:
             res.update(comm_steps=len(timed), exposed_s=sum(r['exposed'] for r in timed),
                        link_s=sum(r['link'] for r in timed), comm_bytes=sum(r['comm_bytes'] for r in timed),

@@ -169,7 +169,8 @@ def loader_error_message(exc):
     traceback is in the message; its last line is the original exception)."""
     text = str(exc).strip().splitlines()
     last = text[-1] if text else ''
-    for prefix in ('dlojz_decode.BadImageError: ', 'dlojz_data.BadImageError: ', 'BadImageError: ', 'dlojz_errors.DataError: ', 'DataError: '):
+    for prefix in ('dlojzlib.data.decode.BadImageError: ', 'dlojzlib.data.datasets.BadImageError: ',
+                   'BadImageError: ', 'dlojzlib.errors.DataError: ', 'DataError: '):
         if last.startswith(prefix):
             return last[len(prefix):]
     return last

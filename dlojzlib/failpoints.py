@@ -45,7 +45,7 @@ def parse(text, restart_count=0):
         if not re.fullmatch(KNOWN[name], arg) or (name.startswith('signal-') and
                                                   not hasattr(signal, arg.split(':')[1])):
             raise ValueError(f'DLOJZ_FAULT: failpoint {name} takes an argument of the form {KNOWN[name]!r} '
-                             f'(got {arg!r}); see dlojz_failpoints.py.')
+                             f'(got {arg!r}); see dlojzlib/failpoints.py.')
         armed[name] = arg
     if restart_count:  # slow steps are for the attempt that Slurm stops; the requeued one runs at full speed
         armed.pop('slow-steps', None)

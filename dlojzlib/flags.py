@@ -10,7 +10,7 @@ import re
 import shutil
 import sys
 
-from dlojz_errors import UsageError
+from dlojzlib.errors import UsageError
 
 # custom_models builds these (resnets from torchvision's blocks); the names live here so that the parser can
 # list and check them without importing torch
@@ -314,7 +314,7 @@ def tuning_flags(p):
                    'reach, GiB (GPU memory on a GPU, host peak on CPU); default: until out of memory (GPU) or '
                    '--tune-max-batch')
     g.add_argument('--tune-max-batch', type=int, default=1024, help='--tune: largest batch per device tried')
-    g.add_argument('--tune-machine', default=None, help='--tune: machine profile of dlojz_slurm (a100, h100, v100, '
+    g.add_argument('--tune-machine', default=None, help='--tune: machine profile of dlojz_slurm.py (a100, h100, v100, '
                    'generic) for the scaling forecast; default: a100 on a GPU, none on CPU')
 
 
@@ -351,7 +351,7 @@ def check_flags(args):
         args.resume = None  # the slurm/ scripts pass --resume auto to every run; nothing to resume here
     args.cudnn_benchmark = args.cudnn_benchmark and not args.deterministic
     mode = '--loader-only' if args.loader_only else '--tune-loader'
-    worker_ops = args.randaugment or args.trivialaugment or args.random_erasing  # dlojz_augment.worker_ops
+    worker_ops = args.randaugment or args.trivialaugment or args.random_erasing  # data.augment.worker_ops
     refusals = [
         (args.arch not in ARCHS, f'unknown --arch {args.arch}; choose one of {", ".join(ARCHS)}.'),
         (args.val_image_size > args.val_resize, f'--val-image-size {args.val_image_size} is larger than '
@@ -417,24 +417,24 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
     the device or on the world size. The parser has already checked each value's type and range.
     capability: the GPU's (major, minor) compute capability (default: asked from CUDA). job_id: SLURM's, which
     names the default run folder (a requeued job keeps it). backend: the process group's
-    (dlojz_dist.process_group_backend). Imports torch and the data modules when called, not when this module
+    (dist.launch.process_group_backend). Imports torch and the data modules when called, not when this module
     is imported."""
     import torch
 
-    import dlojz_decode
-    import dlojz_dist
-    from dlojz_host import usable_cores
+    from dlojzlib.data import decode
+    from dlojzlib.dist import launch
+    from dlojzlib.host import usable_cores
     args = check_flags(args)  # those that need only the flags (`python dlojz.py` ran it already)
     if args.num_workers is None:
-        args.num_workers = dlojz_dist.slurm_cpus_per_task() or min(8, usable_cores())
+        args.num_workers = launch.slurm_cpus_per_task() or min(8, usable_cores())
     if args.decode == 'auto':  # a cluster module may lack simplejpeg: the run still goes, the summary says how
-        args.decode = 'fast' if dlojz_decode.simplejpeg is not None else 'pil'
+        args.decode = 'fast' if decode.simplejpeg is not None else 'pil'
     mode = '--loader-only' if args.loader_only else '--tune-loader'
     cores = usable_cores()
     if args.loader == 'dali':
-        import dlojz_dali
-        if dlojz_dali.dali() is None:
-            raise UsageError(dlojz_dali.INSTALL)
+        from dlojzlib.data import dali
+        if dali.dali() is None:
+            raise UsageError(dali.INSTALL)
     refusals = [
         # measured: 1000 workers on 2 cores took minutes to start, and a stop signal then waited for them
         (args.num_workers > MAX_WORKERS_PER_CORE * cores, f'--num-workers {args.num_workers} is more than '
@@ -498,7 +498,7 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
 
 def parse_or_exit(argv=None):
     """`python dlojz.py`'s first step, before torch is imported: --help (exit 0), a bad flag (exit 2, the
-    parser's sentence) or a refused combination (exit 2, dlojz_errors.UsageError's line) end here. -> args."""
+    parser's sentence) or a refused combination (exit 2, errors.UsageError's line) end here. -> args."""
     args = get_args_parser().parse_args(argv)
     try:
         return check_flags(args)

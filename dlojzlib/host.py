@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from dlojzlib import ROOT, SCRIPT
+
 PROCESS_T0 = time.time()  # process_start_time()'s fallback: when this module was imported
 
 
@@ -45,11 +47,10 @@ def host_memory(pid='self'):
 
 
 def git_sha():
-    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        sha = subprocess.run(['git', '-C', here, 'rev-parse', 'HEAD'], capture_output=True, text=True,
+        sha = subprocess.run(['git', '-C', ROOT, 'rev-parse', 'HEAD'], capture_output=True, text=True,
                              timeout=5).stdout.strip()
-        dirty = subprocess.run(['git', '-C', here, 'status', '--porcelain', '--untracked-files=no'],
+        dirty = subprocess.run(['git', '-C', ROOT, 'status', '--porcelain', '--untracked-files=no'],
                                capture_output=True, text=True, timeout=5).stdout.strip()
         return (sha + ('-dirty' if dirty else '')) or None
     except (OSError, subprocess.SubprocessError):
@@ -105,8 +106,7 @@ def host_check(num_workers, cpu_device, cores=usable_cores, load=os.getloadavg, 
 def provenance(device, dist):
     import torchvision
     prov = {
-        'dlojz_sha': git_sha(), 'dlojz_py_sha256': file_hash(os.path.join(os.path.dirname(
-            os.path.abspath(__file__)), 'dlojz.py')),
+        'dlojz_sha': git_sha(), 'dlojz_py_sha256': file_hash(SCRIPT),
         'python': sys.version.split()[0], 'torch': torch.__version__, 'torchvision': torchvision.__version__,
         'cuda': torch.version.cuda, 'cudnn': torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         'nccl': None, 'host': socket.gethostname(), 'platform': platform.platform(),

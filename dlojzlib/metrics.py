@@ -5,9 +5,9 @@ from contextlib import contextmanager
 
 import torch
 
-import dlojz_dist
-from dlojz_errors import NonFiniteLoss
-from dlojz_host import host_memory
+from dlojzlib.dist import launch
+from dlojzlib.errors import NonFiniteLoss
+from dlojzlib.host import host_memory
 
 
 class NonFiniteGuard:
@@ -38,7 +38,7 @@ class NonFiniteGuard:
         """Read the first bad step (a MIN all-reduce first when distributed) and raise if there is one,
         together with `also` (0-d tensors on the device) in the same read: the log line's loss comes with it,
         so the guard and the log line share one sync. -> the values of `also`."""
-        bad = dlojz_dist.all_reduce_(self.first_bad.clone(), 'min') if self.distributed else self.first_bad
+        bad = launch.all_reduce_(self.first_bad.clone(), 'min') if self.distributed else self.first_bad
         # float64 holds every step count exactly, and GOOD = 2**62 too
         values = torch.stack([bad.double(), *(t.detach().double() for t in also)]).tolist()
         if values[0] < self.GOOD:
@@ -72,7 +72,7 @@ class Meters:
 
     def compute(self, sync=True):
         """-> {'loss', 'top1', 'top5', 'images'}, or {} before any update (on every rank when synced)."""
-        sums = dlojz_dist.all_reduce_(self.sums.clone()) if sync else self.sums
+        sums = launch.all_reduce_(self.sums.clone()) if sync else self.sums
         loss, top1, top5, n, *criterion = sums.tolist()
         if n == 0:
             return {}

@@ -18,9 +18,9 @@ import math
 import torch
 import torch.nn as nn
 
-import dlojz_dist
-from dlojz_errors import Preempted
-from dlojz_flags import ADAPTIVE, BASE_LR  # noqa: F401 (beside the flags, which read them without torch)
+from dlojzlib.dist import launch
+from dlojzlib.errors import Preempted
+from dlojzlib.flags import ADAPTIVE, BASE_LR  # noqa: F401 (beside the flags, which read them without torch)
 
 
 def param_groups(model, wd, wd_norm_bias=True, adaptive=False):
@@ -239,7 +239,7 @@ def find_lr(run, progress, train_step, beta=0.98, explode=4.0):
     for images, labels in run.chrono.iterate(batches(), run.total_steps):
         lr = run.optimizer.param_groups[0]['lr']
         loss = train_step(run, images, labels)[0]
-        loss = dlojz_dist.all_reduce_(loss.float().clone()).item() / run.dist.world_size
+        loss = launch.all_reduce_(loss.float().clone()).item() / run.dist.world_size
         progress.advance()
         if not math.isfinite(loss):
             why = f'non-finite loss at lr {lr:.3g}'

@@ -16,7 +16,7 @@ if 'MPLCONFIGDIR' not in os.environ:
     atexit.register(shutil.rmtree, os.environ['MPLCONFIGDIR'], True)
 
 import dlojz  # noqa: E402 - after MPLCONFIGDIR
-import dlojz_dist  # noqa: E402
+from dlojzlib.dist import launch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,7 +58,7 @@ def run_cli(*flags, env=None, timeout=300):
 def not_launched():
     """dlojz reads RANK/SLURM_* itself; the test process must not look launched even when pytest runs inside
     a job or under torchrun. Restored at the end of the session."""
-    saved = {k: os.environ.pop(k) for k in dlojz_dist.launch_variables()}
+    saved = {k: os.environ.pop(k) for k in launch.launch_variables()}
     yield
     os.environ.update(saved)
 
@@ -124,7 +124,7 @@ def stderr_of(log_dir, codes):
 
 def latest(run_dir):
     """The newest checkpoint-<step>.pt of a run directory."""
-    from dlojz_checkpoint import list_checkpoints
+    from dlojzlib.record.checkpoint import list_checkpoints
     import pathlib
     found = list_checkpoints(str(run_dir))
     assert found, f'no checkpoint in {run_dir}'

@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dlojz  # noqa: E402
-import dlojz_state  # noqa: E402
+from dlojzlib.record import state  # noqa: E402
 
 RANK = int(os.environ.get('RANK', '0'))
 draws = [0]
@@ -29,8 +29,8 @@ def restore(state, device):
 
 
 dlojz.train_step = train_step
-dlojz_state.device_rng_state = lambda device: torch.tensor([RANK, draws[0]])
-dlojz_state.set_device_rng_state = restore
+state.device_rng_state = lambda device: torch.tensor([RANK, draws[0]])
+state.set_device_rng_state = restore
 
 if __name__ == '__main__':
     sys.exit(dlojz.cli())

@@ -18,11 +18,11 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-import dlojz
-import dlojz_augment as A
-import dlojz_data as D
-import dlojz_decode as DD
 from conftest import TINY, run_main
+import dlojz
+from dlojzlib.data import augment as A
+from dlojzlib.data import datasets as D
+from dlojzlib.data import decode as DD
 
 
 @pytest.fixture(scope='module')

@@ -22,10 +22,10 @@ import signal
 import pytest
 import torch
 
-import dlojz
-import dlojz_data as D
-import dlojz_shards as S
 from conftest import TINY
+import dlojz
+from dlojzlib.data import datasets as D
+from dlojzlib.data import shards as S
 
 
 class Hang(Exception):

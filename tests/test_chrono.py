@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from dlojz_chrono import Chronometer, describe
-from dlojz_power import PowerMeter
-from dlojz_summary import energy_over_ranks, final_lines, ranks_summary
+from dlojzlib.measure.power import PowerMeter
+from dlojzlib.record.summary import energy_over_ranks, final_lines, ranks_summary
 
 
 class FakeClock:

@@ -1,4 +1,4 @@
-"""The all-reduce timing (dlojz_comm) and the verdict made of it across ranks (dlojz_summary.ranks_summary),
+"""The all-reduce timing (measure.comm) and the verdict made of it across ranks (record.summary.ranks_summary),
 on stamps and rank reports whose expected values are worked out by hand. The same verdicts on real gloo runs,
 with the cause outside the code (a shaped network link, a slowed loader), are in tests/test_ddp_truth.py."""
 import multiprocessing
@@ -9,9 +9,9 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
-import dlojz_comm
 from dlojz_chrono import Chronometer, CudaTimeline
-from dlojz_summary import final_lines, ranks_summary
+from dlojzlib.measure import comm
+from dlojzlib.record.summary import final_lines, ranks_summary
 
 
 class Clock:
@@ -49,7 +49,7 @@ def test_host_stamps_give_exposed_time_link_time_and_bytes():
     after another, 30 ms each: done at 40, 70 and 100 ms. By hand: exposed = 100 - 50 = 50 ms, link = 90 ms,
     bytes = (100 + 200 + 300) x 4."""
     clock = Clock()
-    timer = dlojz_comm.CommTimer(2, clock=clock)
+    timer = comm.CommTimer(2, clock=clock)
     buckets = [Bucket(100), Bucket(200), Bucket(300)]
     pending, outs = [], []
     timer.all_reduce = lambda t: (pending.append((torch.futures.Future(), t)) or pending[-1][0])
@@ -61,7 +61,7 @@ def test_host_stamps_give_exposed_time_link_time_and_bytes():
         clock.t = at
         fut.set_result([tensor * 2])  # the sum over 2 ranks of the same gradient
     assert [o.wait()[0].item() for o in outs] == [6.0, 6.0, 6.0]  # the mean, as DDP's own all-reduce gives
-    got = dlojz_comm.resolve(*timer.take())
+    got = comm.resolve(*timer.take())
     assert got['exposed'] == pytest.approx(0.050) and got['link'] == pytest.approx(0.090)
     assert got['bytes'] == 600 * 4
     assert timer.take() == ([], [])  # the next step starts empty
@@ -70,7 +70,7 @@ def test_host_stamps_give_exposed_time_link_time_and_bytes():
 def test_a_link_idle_between_buckets_is_not_counted():
     """Bucket 1 done at 15 ms, bucket 2 ready only at 40 ms, done at 45: the link ran 5 + 5 ms, not 45."""
     marks = [[0.010, 0.015, 4], [0.040, 0.045, 4]]
-    got = dlojz_comm.resolve(marks)
+    got = comm.resolve(marks)
     assert got['link'] == pytest.approx(0.010) and got['exposed'] == pytest.approx(0.005)
 
 
@@ -85,18 +85,18 @@ def test_the_buffer_broadcast_before_the_forward_pass_is_timed():
             calls.append(clock.t)
             clock.t += 0.040
     ddp = DDP()
-    timer = dlojz_comm.CommTimer(2, clock=clock)
+    timer = comm.CommTimer(2, clock=clock)
     timer.time_buffers(ddp)
     ddp._sync_buffers()
     timer.marks.append([0.1, 0.11, 4])
-    got = dlojz_comm.resolve(*timer.take())
+    got = comm.resolve(*timer.take())
     assert calls == [0.0] and timer.buffers_timed and got['buffers'] == pytest.approx(0.040)
-    assert dlojz_comm.CommTimer(2).time_buffers(object()) is None  # no such method: not timed, no error
+    assert comm.CommTimer(2).time_buffers(object()) is None  # no such method: not timed, no error
 
 
 def test_a_step_without_all_reduce_or_unfinished_has_no_measure():
-    assert dlojz_comm.resolve([]) is None  # a no_sync() micro-batch
-    assert dlojz_comm.resolve([[0.01, None, 4]]) is None  # the callback never ran
+    assert comm.resolve([]) is None  # a no_sync() micro-batch
+    assert comm.resolve([[0.01, None, 4]]) is None  # the callback never ran
 
 
 class Event:
@@ -121,9 +121,9 @@ def test_device_events_are_read_only_once_completed_and_in_milliseconds():
     base = 1000.0
     marks = [[Event(base + r), Event(base + d), 4] for r, d in ((0.010, 0.040), (0.020, 0.070), (0.050, 0.100))]
     Event.now = base + 0.080
-    assert not dlojz_comm.completed(marks) and dlojz_comm.resolve(marks) is None
+    assert not comm.completed(marks) and comm.resolve(marks) is None
     Event.now = base + 0.100
-    got = dlojz_comm.resolve(marks)
+    got = comm.resolve(marks)
     assert got['exposed'] == pytest.approx(0.050) and got['link'] == pytest.approx(0.090)
 
 
@@ -136,12 +136,12 @@ def test_the_hook_records_events_from_the_timeline_on_a_device():
             e.record = lambda: setattr(e, 'at', Event.now)
             self.made.append(e)
             return e
-    timer = dlojz_comm.CommTimer(2, timeline=Timeline())
+    timer = comm.CommTimer(2, timeline=Timeline())
     Event.now = 5.0
     pending, _ = launch(timer, [Bucket(8)])
     Event.now = 5.25
     pending[0][0].set_result([pending[0][1]])
-    assert len(Timeline.made) == 2 and dlojz_comm.resolve(*timer.take())['exposed'] == pytest.approx(0.25)
+    assert len(Timeline.made) == 2 and comm.resolve(*timer.take())['exposed'] == pytest.approx(0.25)
 
 
 class FakeCuda:
@@ -185,7 +185,7 @@ def test_the_done_event_is_recorded_on_the_ranks_gpu_from_gloos_thread():
     GPU 0)."""
     cuda = FakeCuda()
     cuda.set_device(1)
-    timer = dlojz_comm.CommTimer(2, CudaTimeline(torch.device('cuda', 1), cuda=cuda))
+    timer = comm.CommTimer(2, CudaTimeline(torch.device('cuda', 1), cuda=cuda))
     pending, outs = launch(timer, [Bucket(8)])
     (fut, tensor), = pending
     # the callback runs in the thread that sets the result
@@ -195,7 +195,7 @@ def test_the_done_event_is_recorded_on_the_ranks_gpu_from_gloos_thread():
     assert outs[0].done() and torch.equal(outs[0].value(), torch.full((8,), 3.0))
     (ready, done, _), = timer.marks
     assert ready.event.stream == done.event.stream == ('default stream', 1)
-    assert dlojz_comm.resolve(*timer.take())['exposed'] == 0.0
+    assert comm.resolve(*timer.take())['exposed'] == 0.0
     assert CudaTimeline('cuda', cuda=cuda).index == 1  # a device without an index: the current one
 
 
@@ -204,7 +204,7 @@ def test_the_chronometer_keeps_each_steps_stamps():
     and link times are summed in totals() (the first step is the warm-up)."""
     clock = Clock()
     chrono = Chronometer('cpu', warmup=1, clock=clock)
-    chrono.comm = timer = dlojz_comm.CommTimer(2, clock=clock)
+    chrono.comm = timer = comm.CommTimer(2, clock=clock)
     for i, _ in enumerate(chrono.iterate(range(4))):
         clock.t += 0.1  # backward computed
         timer.marks.append([clock.t, clock.t + 0.02 * (i + 1), 1024])
@@ -285,7 +285,7 @@ def ddp_step(tmp_path, read_in_hook=False):
                                     torch.nn.LazyLinear(2))
         model(torch.randn(2, 3, 6, 6))
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        timer = dlojz_comm.CommTimer(1)
+        timer = comm.CommTimer(1)
         hook = timer.hook
         if read_in_hook:  # the control: a hook that reads a value on the host
             hook = lambda state, bucket: (bucket.buffer().sum().item(), timer.hook(state, bucket))[1]
@@ -295,7 +295,7 @@ def ddp_step(tmp_path, read_in_hook=False):
         with DeviceReads() as mode:
             ddp(x).square().mean().backward()
         marks, buffers = timer.take()
-        return mode.seen, len(buffers), dlojz_comm.resolve(marks, buffers)
+        return mode.seen, len(buffers), comm.resolve(marks, buffers)
     finally:
         tdist.destroy_process_group()
 

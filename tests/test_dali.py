@@ -1,4 +1,4 @@
-"""--loader dali (dlojz_dali), where NVIDIA DALI is installed (CI installs it in a stage of its own; the
+"""--loader dali (data.dali), where NVIDIA DALI is installed (CI installs it in a stage of its own; the
 default test command runs without it, and then only the missing-package sentence and the doctor's sweep are
 tested here):
 
@@ -21,29 +21,29 @@ import pytest
 import torch
 from PIL import Image
 
-import dlojz
-import dlojz_dali
-import dlojz_data
-import dlojz_decode as DD
-import dlojz_flags
-import dlojz_loader as L
 from conftest import TINY, latest, run_cli, run_main, torchrun
-from dlojz_errors import UsageError
+import dlojz
+from dlojzlib import flags
+from dlojzlib.data import dali
+from dlojzlib.data import datasets
+from dlojzlib.data import decode as DD
+from dlojzlib.errors import UsageError
+from dlojzlib.modes import doctor as L
 
-needs_dali = pytest.mark.skipif(dlojz_dali.dali() is None, reason='NVIDIA DALI is not installed')
+needs_dali = pytest.mark.skipif(dali.dali() is None, reason='NVIDIA DALI is not installed')
 
 
 def test_missing_dali_is_one_sentence(monkeypatch):
-    monkeypatch.setattr(dlojz_dali, 'dali', lambda: None)
-    args = dlojz_flags.get_args_parser().parse_args(TINY + ['--loader', 'dali'])
+    monkeypatch.setattr(dali, 'dali', lambda: None)
+    args = flags.get_args_parser().parse_args(TINY + ['--loader', 'dali'])
     with pytest.raises(UsageError, match=r'^--loader dali needs NVIDIA DALI, which is not installed: pip install '):
-        dlojz_flags.check_args(args, torch.device('cpu'))
+        flags.check_args(args, torch.device('cpu'))
 
 
 def test_what_dali_cannot_do_is_refused():
-    args = dlojz_flags.get_args_parser().parse_args(TINY + ['--loader', 'dali', '--res-start', '16'])
+    args = flags.get_args_parser().parse_args(TINY + ['--loader', 'dali', '--res-start', '16'])
     with pytest.raises(UsageError, match='--loader dali decodes, crops and flips by itself'):
-        dlojz_flags.check_flags(args)
+        flags.check_flags(args)
 
 
 def test_the_doctor_sweeps_dali_when_installed():
@@ -69,12 +69,12 @@ def coords(tmp_path_factory):
 
 
 def data_of(root, loader, rank=0, world_size=1, *extra):
-    args = dlojz_flags.get_args_parser().parse_args(
+    args = flags.get_args_parser().parse_args(
         ['--data-dir', str(root), '--image-size', '64', '--val-image-size', '64', '--val-resize', '72', '-b', '4',
          '--val-batch-size', '5', '--num-workers', '1', '--loader', loader, *extra])
-    args = dlojz_flags.check_args(args, torch.device('cpu'))
+    args = flags.check_args(args, torch.device('cpu'))
     dist = SimpleNamespace(rank=rank, world_size=world_size, local_rank=rank, is_main=rank == 0)
-    return dlojz_data.build_data(args, dist, log=lambda *a: None)
+    return datasets.build_data(args, dist, log=lambda *a: None)
 
 
 @needs_dali
@@ -221,7 +221,7 @@ def test_a_gpu_given_without_an_index_is_the_current_one(monkeypatch):
     needed: the pipeline and its batches are stand-ins."""
     from test_decode import fake_current_gpu
     chosen = fake_current_gpu(monkeypatch, 1)
-    loader = dlojz_dali.DaliLoader(None, [[0, 1], [2, 3]], train=True, size=8, seed=0,
+    loader = dali.DaliLoader(None, [[0, 1], [2, 3]], train=True, size=8, seed=0,
                                    device='cuda')
     loader._pipe = object()
     loader._batch = lambda keys: keys

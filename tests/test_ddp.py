@@ -22,11 +22,11 @@ import torch
 import torch.nn as nn
 import torchvision
 
-import dlojz
-import dlojz_data as D
-import dlojz_decode as DD
 from conftest import TINY, latest, run_cli, run_main, srun_like, stderr_of, torchrun, wait_all
-from dlojz_data import IMAGENET_MEAN, IMAGENET_STD
+import dlojz
+from dlojzlib.data import datasets as D
+from dlojzlib.data import decode as DD
+from dlojzlib.data.datasets import IMAGENET_MEAN, IMAGENET_STD
 
 # The equivalence run: SGD with momentum at a constant LR. The LR is small because at this tiny batch
 # size larger steps amplify float rounding (1e-7 after one step) into 1e-3 differences within 3 steps.
@@ -307,8 +307,8 @@ def test_stdout_tee_keeps_c_and_python_output_in_order(tmp_path):
     code = f'''
 import ctypes, sys
 sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
-import dlojz_dist
-tee = dlojz_dist.StdoutTee({str(tmp_path / 'log')!r})
+from dlojzlib.dist import launch
+tee = launch.StdoutTee({str(tmp_path / 'log')!r})
 libc = ctypes.CDLL(None)
 for i in range(3):
     print(f'py {{i}}', flush=True)

@@ -25,10 +25,10 @@ import torch
 from PIL import Image
 from torchvision import transforms as T
 
-import dlojz
-import dlojz_flags
-import dlojz_decode as DD
 from conftest import TINY, run_main
+import dlojz
+from dlojzlib import flags
+from dlojzlib.data import decode as DD
 
 W, H, S, N = 500, 375, 64, 1500  # an ImageNet-sized JPEG, 64 px crops (DCT scaling applies), samples per path
 KS_CRIT = 1.95 * (2 / N) ** 0.5  # two-sample Kolmogorov-Smirnov, alpha = 0.001
@@ -580,14 +580,14 @@ def test_a_run_through_the_gpu_path_trains_like_the_pil_path(tmp_path, cache_dir
     PIL path's within 0.5 % (same model, inputs that differ by the resampler only; measured 0.2 %; later steps
     drift apart as any two trainings do); the summary counts the host decodes."""
     _, ref = run_main(tmp_path / 'pil', cache_dir, '--test-nsteps', '6', '--log-interval', '1', '--decode', 'pil')
-    real = dlojz_flags.check_args
+    real = flags.check_args
 
     def allow_cpu(args, device, *a, **kw):
         args.decode = 'pil'
         out = real(args, device, *a, **kw)
         out.decode = 'gpu'
         return out
-    monkeypatch.setattr(dlojz_flags, 'check_args', allow_cpu)
+    monkeypatch.setattr(flags, 'check_args', allow_cpu)
     epochs, real_iter = [], DD.DecodeAhead.__iter__
     monkeypatch.setattr(DD.DecodeAhead, '__iter__', lambda self: epochs.append(self) or real_iter(self))
     got, records = run_main(tmp_path / 'gpu', cache_dir, '--test-nsteps', '6', '--log-interval', '1',
@@ -604,14 +604,14 @@ def test_a_run_through_the_gpu_path_trains_like_the_pil_path(tmp_path, cache_dir
 def test_fake_data_with_gpu_decode_trains_without_a_decoder(tmp_path, cache_dir, monkeypatch):
     """--fake-data has no files to decode: with --decode gpu its in-memory batches go straight to the step
     (before the fix the decode-ahead wrapper took them for encoded batches and the run crashed)."""
-    real = dlojz_flags.check_args
+    real = flags.check_args
 
     def allow_cpu(args, device, *a, **kw):
         args.decode = 'pil'
         out = real(args, device, *a, **kw)
         out.decode = 'gpu'
         return out
-    monkeypatch.setattr(dlojz_flags, 'check_args', allow_cpu)
+    monkeypatch.setattr(flags, 'check_args', allow_cpu)
     got, records = run_main(tmp_path / 'fake', cache_dir, '--fake-data', '--fake-train-size', '64',
                             '--test-nsteps', '2', '--log-interval', '1', '--decode', 'gpu')
     assert got['status'] == 'completed' and len([r for r in records if r['type'] == 'train']) == 2

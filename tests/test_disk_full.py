@@ -5,7 +5,7 @@ every earlier checkpoint stays whole and loadable, and summary.json never descri
 current state (each attempt starts by writing its own 'running' summary). Free space is checked before each
 checkpoint against the newest one's size, with a warning while there is still room.
 
-Two ways: OSError(ENOSPC) injected at each write site through dlojz_log.open_for_write (table-driven, in
+Two ways: OSError(ENOSPC) injected at each write site through record.log.open_for_write (table-driven, in
 process), and a real full filesystem (a small tmpfs, where mounting one is permitted).
 
 Run: python -m pytest -q tests/test_disk_full.py
@@ -22,10 +22,10 @@ from collections import namedtuple
 import pytest
 import torch
 
-import dlojz
-import dlojz_checkpoint
-import dlojz_log
 from conftest import TINY, run_cli
+import dlojz
+from dlojzlib.record import checkpoint
+from dlojzlib.record import log
 from test_exits import at_step, usr2
 
 
@@ -86,10 +86,10 @@ def error_line(err):
 def assert_intact(out, steps, exact=True, killed=False):
     """The checkpoints of these steps are there (and no other when exact) and every checkpoint loads; no temp
     file anywhere (but the one a kill left: the next start removes it)."""
-    names = [os.path.basename(p) for p in dlojz_checkpoint.list_checkpoints(str(out))]
+    names = [os.path.basename(p) for p in checkpoint.list_checkpoints(str(out))]
     wanted = [f'checkpoint-{s:08d}.pt' for s in steps]
     assert names == wanted if exact else set(wanted) <= set(names), names
-    for path in dlojz_checkpoint.list_checkpoints(str(out)):
+    for path in checkpoint.list_checkpoints(str(out)):
         step = torch.load(path, map_location='cpu', weights_only=False)['global_step']
         assert path.endswith(f'checkpoint-{step:08d}.pt')
     if killed:
@@ -115,8 +115,8 @@ SITES = {
 @pytest.mark.parametrize('site', list(SITES))
 def test_enospc_at_each_write_site(site, tmp_path, cache_dir, monkeypatch, capsys):
     pattern, nth, room, status, kept = SITES[site]
-    monkeypatch.setattr(dlojz_log, 'open_for_write', fill_at(pattern, nth, room))
-    monkeypatch.setattr(dlojz_log, 'disk_usage', lambda p: Usage(100 * 2**30, 100 * 2**30 - 3 * 2**20, 3 * 2**20))
+    monkeypatch.setattr(log, 'open_for_write', fill_at(pattern, nth, room))
+    monkeypatch.setattr(log, 'disk_usage', lambda p: Usage(100 * 2**30, 100 * 2**30 - 3 * 2**20, 3 * 2**20))
     out = tmp_path / 'run'
     code, cap = run(capsys, out, '--cache-dir', cache_dir, '--test-nsteps', '4', '--chkpt-every', '2', '--log-interval',
                     '1')
@@ -146,7 +146,7 @@ def test_resumed_attempt_never_leaves_the_previous_summary(tmp_path, cache_dir, 
     code, cap = run(capsys, out, '--cache-dir', cache_dir, '--test-nsteps', '4', '--chkpt')
     assert code == 5 and json.load(open(out / 'summary.json'))['status'] == 'preempted'
     monkeypatch.undo()
-    monkeypatch.setattr(dlojz_log, 'open_for_write', fill_at('summary.json', 2, 100))
+    monkeypatch.setattr(log, 'open_for_write', fill_at('summary.json', 2, 100))
     code, cap = run(capsys, out, '--cache-dir', cache_dir, '--test-nsteps', '4', '--chkpt', '--resume', 'auto')
     assert code == 6 and 'summary.json' in error_line(cap.err)
     summary = json.load(open(out / 'summary.json'))
@@ -172,7 +172,7 @@ def test_killed_attempt_never_leaves_the_previous_summary(tmp_path, cache_dir, m
 
 def test_translate_a_write_site_not_wrapped(tmp_path):
     """A profiler trace or any other write that raises ENOSPC itself still ends as disk_full, exit 6."""
-    import dlojz_errors as E
+    from dlojzlib import errors as E
     args = dlojz.get_args_parser().parse_args([])
     err = E.translate(OSError(errno.ENOSPC, 'No space left on device', str(tmp_path / 'trace.json')), args, step=3)
     assert type(err) is E.DiskFull and (err.status, err.exit_code) == ('disk_full', 6)
@@ -184,10 +184,10 @@ def test_translate_a_write_site_not_wrapped(tmp_path):
 def test_space_warning():
     """Twice the newest checkpoint's size is the line: this write and the next."""
     with tempfile.TemporaryDirectory() as d:
-        assert dlojz_checkpoint.space_warning(d, lambda p: Usage(0, 0, 0)) is None  # no checkpoint yet: no size to go by
-        with open(dlojz_checkpoint.checkpoint_path(d, 2), 'wb') as f:
+        assert checkpoint.space_warning(d, lambda p: Usage(0, 0, 0)) is None  # no checkpoint yet: no size to go by
+        with open(checkpoint.checkpoint_path(d, 2), 'wb') as f:
             f.write(b'x' * 2**20)
-        at = lambda mib: dlojz_checkpoint.space_warning(d, lambda p: Usage(0, 0, int(mib * 2**20)))
+        at = lambda mib: checkpoint.space_warning(d, lambda p: Usage(0, 0, int(mib * 2**20)))
         assert at(2) is None
         assert 'room for one more checkpoint only' in at(1.5) and '2 MiB free' in at(1.5)
         assert 'the next checkpoint will not fit' in at(0.5)

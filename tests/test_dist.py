@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-import dlojz_dist
 from conftest import free_port
-from dlojz_dist import DistInfo, expand_nodelist, expand_tasks_per_node, get_dist_info
-from dlojz_errors import UsageError
+from dlojzlib.dist import launch
+from dlojzlib.dist.launch import DistInfo, expand_nodelist, expand_tasks_per_node, get_dist_info
+from dlojzlib.errors import UsageError
 
 # What srun exports to task 5 of `srun --nodes 2 --ntasks-per-node 4` (values as Slurm 23 writes them).
 SRUN = {'SLURM_PROCID': '5', 'SLURM_LOCALID': '1', 'SLURM_NODEID': '1', 'SLURM_NTASKS': '8', 'SLURM_STEP_ID': '0',
@@ -94,14 +94,14 @@ def test_gpu_binding(monkeypatch):
     visible GPU (index 0); more tasks than GPUs on a node is refused with a sentence."""
     d = get_dist_info(SRUN)  # local rank 1 of 4
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 4)
-    assert dlojz_dist.cuda_device_for(d) == 1
+    assert launch.cuda_device_for(d) == 1
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
-    assert dlojz_dist.cuda_device_for(d) == 0
+    assert launch.cuda_device_for(d) == 0
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
     d3 = get_dist_info({**SRUN, 'SLURM_LOCALID': '3'})
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
     with pytest.raises(UsageError, match='only 2 GPUs are visible'):
-        dlojz_dist.cuda_device_for(d3)
+        launch.cuda_device_for(d3)
 
 
 
@@ -109,13 +109,13 @@ def _side_group_rank(rank, port, result):
     """A rank of a 2-process gloo group: rank 1 never joins the side-group collective rank 0 starts."""
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     info = DistInfo(rank=rank, world_size=2, local_world_size=2, master_port=port, launcher='torchrun')
-    dlojz_dist.setup(info, torch.device('cpu'), timeout_min=0.05)  # 3 s
+    launch.setup(info, torch.device('cpu'), timeout_min=0.05)  # 3 s
     if rank == 1:
         time.sleep(30)
         return
     t = time.time()
     try:
-        dlojz_dist.all_gather_object('rank 0 is waiting')
+        launch.all_gather_object('rank 0 is waiting')
         result.put(('returned', time.time() - t))
     except RuntimeError:
         result.put(('timed out', time.time() - t))
@@ -143,14 +143,14 @@ def test_after_a_dead_peer_the_nccl_group_is_abandoned(monkeypatch):
     """NCCL's teardown can wait forever for a dead peer: after a communication failure the group is left to
     os._exit; a gloo group, or a run that ended normally, is destroyed."""
     destroyed = []
-    monkeypatch.setattr(dlojz_dist.tdist, 'is_initialized', lambda: True)
-    monkeypatch.setattr(dlojz_dist.tdist, 'destroy_process_group', lambda *a: destroyed.append(1))
-    monkeypatch.setattr(dlojz_dist, 'abandoned', False)
+    monkeypatch.setattr(launch.tdist, 'is_initialized', lambda: True)
+    monkeypatch.setattr(launch.tdist, 'destroy_process_group', lambda *a: destroyed.append(1))
+    monkeypatch.setattr(launch, 'abandoned', False)
     for backend, peer_failed, abandoned, n in [('nccl', False, False, 1), ('gloo', True, False, 2),
                                                ('nccl', True, True, 2)]:
-        monkeypatch.setattr(dlojz_dist.tdist, 'get_backend', lambda *a: backend)
-        dlojz_dist.cleanup(peer_failed)
-        assert (dlojz_dist.abandoned, len(destroyed)) == (abandoned, n), backend
+        monkeypatch.setattr(launch.tdist, 'get_backend', lambda *a: backend)
+        launch.cleanup(peer_failed)
+        assert (launch.abandoned, len(destroyed)) == (abandoned, n), backend
 
 
 def _threads():
@@ -166,17 +166,17 @@ def _ending_rank(rank, port, result, drop):
     start = _threads()
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     info = DistInfo(rank=rank, world_size=2, local_world_size=2, master_port=port, launcher='torchrun')
-    dlojz_dist.setup(info, torch.device('cpu'))
+    launch.setup(info, torch.device('cpu'))
     cycle = {'model': torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))}
     cycle['self'] = cycle
-    dlojz_dist.all_gather_object(rank)
+    launch.all_gather_object(rank)
     during = {k: v for k, v in _threads().items() if k not in start}
     del cycle
     if drop:
-        dlojz_dist.cleanup(synchronize=True)
+        launch.cleanup(synchronize=True)
     else:
-        dlojz_dist.tdist.barrier(group=dlojz_dist._CPU_GROUP)
-        dlojz_dist.tdist.destroy_process_group()
+        launch.tdist.barrier(group=launch._CPU_GROUP)
+        launch.tdist.destroy_process_group()
     result.put((rank, during, {k: v for k, v in _threads().items() if k not in start}))
 
 
@@ -213,11 +213,11 @@ def test_gpu_sharing_needs_mps_or_the_flag(monkeypatch, tmp_path):
     d3 = get_dist_info({**SRUN, 'SLURM_LOCALID': '3'})
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
     with pytest.raises(UsageError, match='run NVIDIA MPS'):
-        dlojz_dist.cuda_device_for(d3)
-    assert dlojz_dist.cuda_device_for(d3, share=True) == 1
-    assert not dlojz_dist.mps_active({'CUDA_MPS_PIPE_DIRECTORY': str(tmp_path)})
+        launch.cuda_device_for(d3)
+    assert launch.cuda_device_for(d3, share=True) == 1
+    assert not launch.mps_active({'CUDA_MPS_PIPE_DIRECTORY': str(tmp_path)})
     (tmp_path / 'control').touch()
-    assert dlojz_dist.mps_active({'CUDA_MPS_PIPE_DIRECTORY': str(tmp_path)})
+    assert launch.mps_active({'CUDA_MPS_PIPE_DIRECTORY': str(tmp_path)})
 
 
 @pytest.mark.parametrize('device_type, gpus, per_node, share, backend', [
@@ -229,21 +229,21 @@ def test_gpu_sharing_needs_mps_or_the_flag(monkeypatch, tmp_path):
     ('cuda', 1, 4, False, 'nccl'),   # srun --gpus-per-task: each task sees its own GPU
 ])
 def test_backend_when_ranks_share_a_gpu(device_type, gpus, per_node, share, backend):
-    assert dlojz_dist.process_group_backend(device_type, gpus, per_node, share) == backend
+    assert launch.process_group_backend(device_type, gpus, per_node, share) == backend
 
 
 def test_setup_joins_with_gloo_when_ranks_share_a_gpu(monkeypatch, capsys):
     """setup() with an injected device count (no GPU here): 4 tasks, 2 GPUs, --share-gpu -> the process
     group is gloo, rank 0 says why; 4 tasks on 4 GPUs -> NCCL."""
     joined = []
-    monkeypatch.setattr(dlojz_dist.tdist, 'init_process_group', lambda backend, **kw: joined.append(backend))
-    monkeypatch.setattr(dlojz_dist.tdist, 'new_group', lambda **kw: None)
-    monkeypatch.setattr(dlojz_dist, '_check_distinct_gpus', lambda *a: None)
-    monkeypatch.setattr(dlojz_dist, '_CPU_GROUP', None)
+    monkeypatch.setattr(launch.tdist, 'init_process_group', lambda backend, **kw: joined.append(backend))
+    monkeypatch.setattr(launch.tdist, 'new_group', lambda **kw: None)
+    monkeypatch.setattr(launch, '_check_distinct_gpus', lambda *a: None)
+    monkeypatch.setattr(launch, '_CPU_GROUP', None)
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
     dist = DistInfo(rank=0, local_rank=0, world_size=4, local_world_size=4, launcher='torchrun')
-    dlojz_dist.setup(dist, torch.device('cuda', 0), share_gpu=True)
+    launch.setup(dist, torch.device('cuda', 0), share_gpu=True)
     assert joined == ['gloo'] and 'all-reduced with gloo' in capsys.readouterr().out
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 4)
-    dlojz_dist.setup(dist, torch.device('cuda', 0), share_gpu=True)
+    launch.setup(dist, torch.device('cuda', 0), share_gpu=True)
     assert joined == ['gloo', 'nccl'] and capsys.readouterr().out == ''

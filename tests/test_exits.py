@@ -1,5 +1,5 @@
 """How a run ends. translate() maps each outside exception to its status and exit code (the table in
-dlojz_errors), and every way a run can end, driven through cli() with a fault injected at a known step,
+errors), and every way a run can end, driven through cli() with a fault injected at a known step,
 leaves a summary.json with that status, the exit code, one sentence on stderr (a traceback only for a
 crash), the power meter stopped, metrics.jsonl closed and wandb finished with the exit code.
 
@@ -12,15 +12,15 @@ import signal
 import pytest
 import torch
 
-import dlojz
-import dlojz_errors as E
 from conftest import TINY, free_port
-from dlojz_decode import BadImageError
+import dlojz
+from dlojzlib import errors as E
+from dlojzlib.data.decode import BadImageError
 
 ARGS = dlojz.get_args_parser().parse_args(['--arch', 'resnet18-heads', '-b', '7', '--dist-timeout', '2'])
 WORKER_MESSAGE = ('Caught BadImageError in DataLoader worker process 0.\nOriginal Traceback (most recent call '
                   'last):\n  File "dlojz_data.py", line 300, in __getitem__\n    raise BadImageError(msg)\n'
-                  'dlojz_data.BadImageError: cannot decode image /data/train/n01/x.JPEG (truncated); pass '
+                  'dlojzlib.data.datasets.BadImageError: cannot decode image /data/train/n01/x.JPEG (truncated); pass '
                   '--skip-bad-images to skip such files.')
 UNUSED = ('Expected to have finished reduction in the prior iteration before starting a new one. This error '
           'indicates that your module has parameters that were not used in producing loss. You can enable unused '

@@ -12,7 +12,7 @@ validation, must be what an uninterrupted run's holds, or say why not.
   nothing; with flock, and with the O_EXCL fallback of file systems without it (DLOJZ_FAULT=no-flock; the
   fallback's rules are also tested in-process, fast, in tests/test_output_dir.py). Subprocess runs: slow.
 - A non-finite validation loss ends with status 'nan' and exit 3, never 'completed'.
-- dlojz_report counts a step once in a metrics.jsonl written before resumes trimmed it.
+- tools.report counts a step once in a metrics.jsonl written before resumes trimmed it.
 
 Run: python -m pytest -q tests/test_faults.py            (the full matrix: -m slow)
 """
@@ -27,8 +27,8 @@ import time
 import pytest
 import torch
 
-import dlojz
 from conftest import DLOJZ, ROOT, TINY, run_main
+import dlojz
 
 RUN = ['-e', '2', '--log-interval', '1', '--num-workers', '2', '--chkpt', '--target-top1', '0.3']
 VAL_KEYS = ('epoch', 'global_step', 'loss', 'top1', 'top5', 'images', 'batches', 'train_images')
@@ -191,12 +191,12 @@ def test_a_nan_validation_loss_is_not_completed(tmp_path, cache_dir, capsys):
 
 def test_the_report_counts_a_repeated_step_once(tmp_path):
     """metrics.jsonl of a run resumed by an older dlojz: steps 3-4 logged by the killed attempt, then again."""
-    import dlojz_report
+    from dlojzlib.tools import report
     lines = [{'type': 'train', 'global_step': s, 'loss': 1.0 / s} for s in (1, 2, 3, 4)] + \
         [{'type': 'train', 'global_step': s, 'loss': 2.0 / s} for s in (3, 4, 5)] + \
         [{'type': 'val', 'global_step': 5, 'epoch': 1, 'top1': 0.5, 'wall_s': 1.0, 'train_images': 40}]
     (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in lines))
-    run = dlojz_report.load_run(str(tmp_path))
+    run = report.load_run(str(tmp_path))
     train = [(r['global_step'], r['loss']) for r in run.records if r['type'] == 'train']
     assert train == [(1, 1.0), (2, 0.5), (3, 2.0 / 3), (4, 0.5), (5, 0.4)]  # the resumed attempt's
     assert any('2 record(s)' in n for n in run.notes)
@@ -205,10 +205,10 @@ def test_the_report_counts_a_repeated_step_once(tmp_path):
 # ------------------------------------------------------------------------------------------- the failpoints
 
 def test_failpoints_parse_their_names_and_refuse_what_would_inject_nothing():
-    """DLOJZ_FAULT is read once: the names of dlojz_failpoints' table with their arguments; a misspelt name or a
+    """DLOJZ_FAULT is read once: the names of failpoints' table with their arguments; a misspelt name or a
     malformed argument is refused (it would inject nothing, and the crash test around it would pass without
     its crash); a requeued Slurm attempt (SLURM_RESTART_COUNT >= 1) runs without its slow steps."""
-    import dlojz_failpoints as F
+    from dlojzlib import failpoints as F
     assert F.parse(None) == {} and F.parse('') == {}
     assert F.parse('slow-steps:0.5,no-flock') == {'slow-steps': '0.5', 'no-flock': ''}
     assert F.parse('signal-step:5:SIGUSR2, kill-in-checkpoint:2') == {'signal-step': '5:SIGUSR2',
@@ -225,7 +225,7 @@ def test_failpoints_fire_where_they_are_armed(monkeypatch):
     flock's ENOLCK; and nothing at all when nothing is armed."""
     import errno
 
-    import dlojz_failpoints as F
+    from dlojzlib import failpoints as F
     killed, sent, slept = [], [], []
     monkeypatch.setattr(F, '_die_half_written', lambda f, state: killed.append(state))
     monkeypatch.setattr(F.os, 'killpg', lambda pgid, sig: sent.append(sig))
@@ -273,17 +273,17 @@ def environment_reads(fn, *args):
 def test_failpoints_cost_nothing_when_unset(tmp_path, cache_dir, monkeypatch):
     """With DLOJZ_FAULT unset, the training loop's steps read no environment variable: the failpoints were read
     once, at import (the loop called a function that parsed DLOJZ_FAULT, and SLURM_RESTART_COUNT, after every
-    step before they moved to dlojz_failpoints). The watch can see a read: the same loop armed with a fault
+    step before they moved to failpoints). The watch can see a read: the same loop armed with a fault
     that reads the environment at each step is caught."""
-    import dlojz_failpoints
-    import dlojz_flags
-    from dlojz_log import Console
-    from dlojz_state import Progress
-    assert dlojz_failpoints.ARMED == {}, 'run the tests with DLOJZ_FAULT unset'
+    from dlojzlib import failpoints
+    from dlojzlib import flags
+    from dlojzlib.record.log import Console
+    from dlojzlib.record.state import Progress
+    assert failpoints.ARMED == {}, 'run the tests with DLOJZ_FAULT unset'
     argv = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(tmp_path), '--test-nsteps', '6', '--log-interval',
             '3', '--metric-step', '3', '--chkpt-every', '0']
     device = torch.device('cpu')
-    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(argv), device)
+    args = flags.check_args(dlojz.get_args_parser().parse_args(argv), device)
     dlojz.seed_everything(args.seed)
     run, _ = dlojz.build_run(args, dlojz.get_dist_info(), device, Console(False))
     run.data.set_epoch(0)
@@ -293,7 +293,7 @@ def test_failpoints_cost_nothing_when_unset(tmp_path, cache_dir, monkeypatch):
 
     def reads_each_step(step):  # a failpoint that reads its configuration where it fires: the positive control
         os.environ.get('DLOJZ_FAULT')
-    monkeypatch.setattr(dlojz_failpoints, 'after_step', reads_each_step)
+    monkeypatch.setattr(failpoints, 'after_step', reads_each_step)
     reads = environment_reads(dlojz.train_one_epoch, run, progress, 3)
     assert [key for key, _ in reads] == ['DLOJZ_FAULT'] * 3 and 'test_faults.py' in reads[0][1]
     run.log.close()

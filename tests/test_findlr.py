@@ -3,7 +3,7 @@ diverges (status completed, exit 0, the curve up to there in summary.json), and 
 sweep stops it within a step with the curve kept. The stopping rule is re-derived here from the
 recorded losses (EMA 0.98, bias-corrected; 4x the running minimum), not taken from dlojz.
 
-The suggestion (dlojz_recipe.suggest_lr, steepest descent of the smoothed loss): on a loss with a known
+The suggestion (recipe.suggest_lr, steepest descent of the smoothed loss): on a loss with a known
 steepest point (a tanh in log10(lr), inflection at 1e-3) it lands on that point; on any curve, noisy, short,
 flat or diverging, it is one of the swept LRs or None, never outside [start, end] (the old minimum/10 rule
 suggested 1e-9 for a sweep from 1e-8). It is printed and stored in summary.json; a sweep shorter than 100
@@ -23,9 +23,9 @@ import random
 
 import pytest
 
-import dlojz
-from dlojz_recipe import FINDLR_MIN_STEPS, suggest_lr
 from conftest import DLOJZ, ROOT, TINY, run_main
+import dlojz
+from dlojzlib.recipe import FINDLR_MIN_STEPS, suggest_lr
 
 
 def smoothed(losses, beta=0.98):

@@ -12,16 +12,16 @@ import sys
 import pytest
 import torch
 
-import dlojz
-import dlojz_flags
 from conftest import ROOT
-from dlojz_errors import UsageError
+import dlojz
+from dlojzlib import flags
+from dlojzlib.errors import UsageError
 
 CPU = torch.device('cpu')
 
 
 def resolved(*argv, world_size=1):
-    return dlojz_flags.check_args(dlojz.get_args_parser().parse_args([str(a) for a in argv]), CPU, world_size)
+    return flags.check_args(dlojz.get_args_parser().parse_args([str(a) for a in argv]), CPU, world_size)
 
 
 @pytest.mark.parametrize('argv, sentence', [
@@ -58,7 +58,7 @@ def test_learning_rate_follows_the_global_batch(argv, world_size, lr):
 def test_check_args_adds_no_attribute():
     parsed = dlojz.get_args_parser().parse_args([])
     before = set(vars(parsed))
-    assert set(vars(dlojz_flags.check_args(parsed, CPU))) == before
+    assert set(vars(flags.check_args(parsed, CPU))) == before
 
 
 def test_cpu_defaults_and_test_mode():
@@ -132,7 +132,7 @@ def test_resume_auto_needs_a_run_folder():
     with pytest.raises(UsageError, match='--resume auto continues the run of --output-dir or --run-name'):
         resolved('--resume', 'auto')
     parse = lambda *a: dlojz.get_args_parser().parse_args(['--resume', 'auto', *a])
-    assert dlojz_flags.check_args(parse('--output-dir', 'runs/x'), CPU).resume == 'auto'
-    assert dlojz_flags.check_args(parse('--run-name', 'x'), CPU).resume == 'auto'
-    assert dlojz_flags.check_args(parse(), CPU, job_id='4242').resume == 'auto'
-    assert dlojz_flags.check_args(parse('--loader-only'), CPU).resume is None  # the slurm/ scripts pass it to every run
+    assert flags.check_args(parse('--output-dir', 'runs/x'), CPU).resume == 'auto'
+    assert flags.check_args(parse('--run-name', 'x'), CPU).resume == 'auto'
+    assert flags.check_args(parse(), CPU, job_id='4242').resume == 'auto'
+    assert flags.check_args(parse('--loader-only'), CPU).resume is None  # the slurm/ scripts pass it to every run

@@ -19,19 +19,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import custom_models
 import dlojz
-import dlojz_dist
-import dlojz_flags
-import dlojz_recipe
-from dlojz_errors import UsageError
-from dlojz_power import PowerMeter
-from dlojz_metrics import PeakMemory
+from dlojzlib import flags
+from dlojzlib import recipe
+from dlojzlib.dist import launch
+from dlojzlib.errors import UsageError
+from dlojzlib.measure.power import PowerMeter
+from dlojzlib.metrics import PeakMemory
 from test_chrono import FakeNVML
 
 GPU = torch.device('cuda', 0)  # a device object only: nothing runs on it
 
 
 def resolved_on(capability, *argv):
-    return dlojz_flags.check_args(dlojz.get_args_parser().parse_args(list(argv)), GPU, 1, capability=capability)
+    return flags.check_args(dlojz.get_args_parser().parse_args(list(argv)), GPU, 1, capability=capability)
 
 
 @pytest.mark.parametrize('capability, expected', [((7, 0), 'fp16'), ((7, 5), 'fp16'), ((8, 0), 'bf16'),
@@ -88,9 +88,9 @@ def test_gpu_runs_build_fused_optimizers():
     args = resolved_on((8, 0), '--amp', 'fp16')
     for name in ('sgd', 'adamw'):
         args.optimizer = name
-        opt = dlojz_recipe.build_optimization(args, torch.nn.Linear(2, 2), 10, 10, GPU)[1]
+        opt = recipe.build_optimization(args, torch.nn.Linear(2, 2), 10, 10, GPU)[1]
         assert opt.defaults['fused'] is True, name
-    cpu = dlojz_recipe.build_optimization(args, torch.nn.Linear(2, 2), 10, 10, torch.device('cpu'))[1]
+    cpu = recipe.build_optimization(args, torch.nn.Linear(2, 2), 10, 10, torch.device('cpu'))[1]
     assert not cpu.defaults.get('fused')
 
 
@@ -100,7 +100,7 @@ def fp16_step_syncs(name):
     args = resolved_on((7, 0), '--optimizer', name)  # a V100: --amp auto picks fp16
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-    opt = dlojz_recipe.build_optimizer(args, model, 0.01, GPU)
+    opt = recipe.build_optimizer(args, model, 0.01, GPU)
     scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
     scaler.scale(model(torch.randn(16, 8)).square().mean()).backward()
     with HostSyncs() as mode:
@@ -120,21 +120,21 @@ def test_fp16_host_syncs_per_optimizer_are_counted_and_said(name):
         assert seen == []
     else:
         assert seen.count('_local_scalar_dense') >= 1, seen
-    warning = dlojz_recipe.scaler_sync_warning(opt, args.amp)
+    warning = recipe.scaler_sync_warning(opt, args.amp)
     assert (warning is not None) == bool(seen)
     assert warning is None or ('reads the inf/NaN flag on the host at every step' in warning and
                                type(opt).__name__ in warning)
-    assert dlojz_recipe.scaler_sync_warning(opt, 'bf16') is None  # no scaler, no read
+    assert recipe.scaler_sync_warning(opt, 'bf16') is None  # no scaler, no read
 
 
 def test_the_sync_warning_reaches_the_summary_warnings(monkeypatch, tmp_path, cache_dir):
     """build_run puts the scaler's sentence in run.host['warnings'] (the header prints them, summary.json keeps
     them); CPU runs cannot use fp16, so the sentence is forced here and the wiring checked."""
     from conftest import TINY
-    from dlojz_log import Console
-    monkeypatch.setattr(dlojz_recipe, 'scaler_sync_warning', lambda opt, amp: f'sync with {type(opt).__name__}')
+    from dlojzlib.record.log import Console
+    monkeypatch.setattr(recipe, 'scaler_sync_warning', lambda opt, amp: f'sync with {type(opt).__name__}')
     argv = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(tmp_path), '--test-nsteps', '1', '--optimizer', 'lion']
-    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(argv), torch.device('cpu'))
+    args = flags.check_args(dlojz.get_args_parser().parse_args(argv), torch.device('cpu'))
     run, _ = dlojz.build_run(args, dlojz.get_dist_info(), torch.device('cpu'), Console(False))
     assert run.host['warnings'][-1] == 'sync with Lion'
 
@@ -158,14 +158,14 @@ def test_timm_optimizers_take_their_foreach_path_on_a_gpu(name):
     62 of them). Older timm: the per-parameter loop, and this test says so by skipping."""
     from timm import optim as timm_optim
     cls = {'lars': timm_optim.Lars, 'lamb': timm_optim.Lamb, 'lion': timm_optim.Lion}[name]
-    if not dlojz_recipe.timm_foreach(cls, GPU):
+    if not recipe.timm_foreach(cls, GPU):
         pytest.skip(f'this timm has no foreach path for {cls.__name__}')
     args = resolved_on((8, 0), '--optimizer', name)
     counts = {}
     for device in (torch.device('cpu'), GPU):  # CPU: the loop (no foreach asked for); GPU: foreach
         torch.manual_seed(0)
         model = custom_models.build_model('resnet18', 4)
-        opt = dlojz_recipe.build_optimizer(args, model, 0.01, device)
+        opt = recipe.build_optimizer(args, model, 0.01, device)
         for p in model.parameters():
             p.grad = torch.randn_like(p)
         opt.step()  # state made at the first step
@@ -318,10 +318,10 @@ def cpu_run(tmp_path, cache_dir):
     """A run built as dlojz builds it, on CPU, with the NaN guard read by the log lines only, as on a GPU
     (CPU runs read it every step too, where it costs nothing)."""
     from conftest import TINY
-    from dlojz_log import Console
+    from dlojzlib.record.log import Console
     argv = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(tmp_path), '--test-nsteps', '20']
     device = torch.device('cpu')
-    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(argv), device)
+    args = flags.check_args(dlojz.get_args_parser().parse_args(argv), device)
     dlojz.seed_everything(args.seed)
     run, _ = dlojz.build_run(args, dlojz.get_dist_info(), device, Console(False))
     run.guard.every = 0
@@ -337,7 +337,7 @@ ALLOWED = {
 
 
 def test_steps_and_validation_batches_never_read_the_device(cpu_run):
-    from dlojz_metrics import Meters
+    from dlojzlib.metrics import Meters
     (run, args), meters = cpu_run, Meters(4, torch.device('cpu'))
     batches = iter(run.data.train_loader)
     for _ in range(2):  # global steps 0 and 1
@@ -388,8 +388,8 @@ def test_power_meter_on_torch_without_device_uuid_says_why():
 def test_log_line_read_carries_the_nan_guard():
     """On a GPU the guard is read only with the log line's loss, in one transfer: the loss comes back, and
     a non-finite loss seen since is raised with its step (global step 7 -> step 8 in the message)."""
-    from dlojz_errors import NonFiniteLoss
-    from dlojz_metrics import NonFiniteGuard
+    from dlojzlib.errors import NonFiniteLoss
+    from dlojzlib.metrics import NonFiniteGuard
     guard = NonFiniteGuard(torch.device('cpu'), every=0)
     guard.reset(5)
     for loss in (1.0, 2.0):
@@ -406,11 +406,11 @@ def test_log_line_read_carries_the_nan_guard():
 
 def test_sync_bn_is_refused_where_ranks_share_a_gpu_through_gloo():
     """gloo has no all_gather of CUDA tensors, which SyncBatchNorm needs: with ranks sharing a GPU (the gloo
-    group, dlojz_dist.process_group_backend) --sync-bn is one sentence, not a traceback inside the first
+    group, dist.launch.process_group_backend) --sync-bn is one sentence, not a traceback inside the first
     forward; with NCCL, or alone, it is allowed."""
     args = lambda: dlojz.get_args_parser().parse_args(['--sync-bn'])
-    backend = dlojz_dist.process_group_backend('cuda', device_count=1, local_world_size=4, share=True)
+    backend = launch.process_group_backend('cuda', device_count=1, local_world_size=4, share=True)
     with pytest.raises(UsageError, match='--sync-bn all-gathers'):
-        dlojz_flags.check_args(args(), GPU, 4, capability=(8, 0), backend=backend)
-    assert dlojz_flags.check_args(args(), GPU, 4, capability=(8, 0), backend='nccl').sync_bn
-    assert dlojz_flags.check_args(args(), GPU, 1, capability=(8, 0), backend='gloo').sync_bn
+        flags.check_args(args(), GPU, 4, capability=(8, 0), backend=backend)
+    assert flags.check_args(args(), GPU, 4, capability=(8, 0), backend='nccl').sync_bn
+    assert flags.check_args(args(), GPU, 1, capability=(8, 0), backend='gloo').sync_bn

@@ -1,10 +1,10 @@
 """The fast path's two savings, each against an independent reference:
 
-- region decoding (nvImageCodec's libjpeg-turbo, dlojz_decode.RegionDecoder) gives the pixels of simplejpeg's
+- region decoding (nvImageCodec's libjpeg-turbo, data.decode.RegionDecoder) gives the pixels of simplejpeg's
   whole-file decode cropped, bit for bit, on 4:2:0, 4:4:4, grayscale and progressive files; --decode fast gives
   the same tensors with it and without it, and uses it (counted); a truncated file still fails whatever its
   crop; the summary says which decoder took how many images, and why not when it is off;
-- batches handed over in shared slots (dlojz_handover) equal torch's default collate's, batch for batch, through
+- batches handed over in shared slots (data.handover) equal torch's default collate's, batch for batch, through
   real workers that run ahead of a slow consumer, over epochs, with and without persistent workers; a worker
   never writes a slot the main process has not copied out (the permits, driven by hand), a batch dropped unread
   gives its slot back, and an older generation's batch never frees a newer one's slot.
@@ -23,19 +23,19 @@ import pytest
 import torch
 from PIL import Image
 
-import dlojz_data
-import dlojz_decode as DD
-import dlojz_handover as HO
-import dlojz
 from conftest import TINY
-from dlojz_workers import DataLoader, ignore_preemption_signals
+import dlojz
+from dlojzlib.data import datasets
+from dlojzlib.data import decode as DD
+from dlojzlib.data import handover as HO
+from dlojzlib.data.workers import DataLoader, ignore_preemption_signals
 
 simplejpeg = pytest.importorskip('simplejpeg')
 
 
 def photo(w=500, h=375, seed=0):
     """A textured RGB image (the synthetic dataset's generator), JPEG-compressible like a photo."""
-    return dlojz_data.synthetic_image(seed, 'train', seed % 10, seed, 10).resize((w, h))
+    return datasets.synthetic_image(seed, 'train', seed % 10, seed, 10).resize((w, h))
 
 
 def jpeg(img, **kw):
@@ -260,7 +260,7 @@ def test_nvimgcodecs_absent_extension_lines_are_dropped_and_others_kept(capfd):
     """Without DALI's extra wheels (nvJPEG2000, nvTIFF), importing nvImageCodec printed 9 lines on stderr in every
     worker, and the tests that read a run's stderr failed on the floors."""
     import os
-    import dlojz_region
+    from dlojzlib.data import region
 
     def noisy():
         os.write(2, b'Failed to load nvjpeg2k library! Please install nvJPEG2000 (see https://docs.nvidia.com).\n')
@@ -269,5 +269,5 @@ def test_nvimgcodecs_absent_extension_lines_are_dropped_and_others_kept(capfd):
                     b'will not be registered.\n')
         os.write(2, b'a genuine error\n')
         return 7
-    assert dlojz_region._made_quietly(noisy) == 7
+    assert region._made_quietly(noisy) == 7
     assert capfd.readouterr().err == 'a genuine error\n'

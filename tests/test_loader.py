@@ -17,11 +17,11 @@ import re
 import pytest
 import torch
 
-import dlojz
-import dlojz_dali
-import dlojz_loader as L
-import dlojz_report
 from conftest import TINY
+import dlojz
+from dlojzlib.data import dali
+from dlojzlib.modes import doctor as L
+from dlojzlib.tools import report
 
 
 class Clock:
@@ -68,7 +68,7 @@ def test_loader_only_measures_the_training_loader(tmp_path, cache_dir, capsys):
 
 def test_loader_modes_name_their_default_folder():
     from argparse import Namespace
-    from dlojz_rundir import default_output_dir
+    from dlojzlib.record.rundir import default_output_dir
     dist = Namespace(job_id='77')
     for flags, name in ((dict(loader_only=True), '77_loader_bs8'), (dict(tune_loader=True), '77_tune-loader_bs8'),
                         (dict(), '77_resnet50_bs8')):
@@ -129,7 +129,7 @@ def test_sweep_and_verdict_by_hand():
 @pytest.mark.slow
 def test_the_doctor_measures_trials_and_the_ceiling(tmp_path, cache_dir, capsys, monkeypatch):
     monkeypatch.setattr(L, 'usable_cores', lambda: 1)  # 0 workers; 1 worker x prefetch 2, 4 x decode fast, pil
-    monkeypatch.setattr(dlojz_dali, 'dali', lambda: None)  # its trial: tests/test_dali.py
+    monkeypatch.setattr(dali, 'dali', lambda: None)  # its trial: tests/test_dali.py
     out = tmp_path / 'doctor'
     assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--tune-loader',
                       '--test-nsteps', '4']) == 0
@@ -147,7 +147,7 @@ def test_the_doctor_measures_trials_and_the_ceiling(tmp_path, cache_dir, capsys,
     assert tune['ceiling']['images_per_second'] == ceiling['timing']['gpu_throughput']  # compute only
     with open(out / 'tune-loader.csv') as f:
         assert [int(r['num_workers']) for r in csv.DictReader(f)] == [0, 1, 1, 1, 1]
-    assert dlojz_report.cli([str(out), '--out', str(tmp_path / 'report')]) == 0
+    assert report.cli([str(out), '--out', str(tmp_path / 'report')]) == 0
     with open(tmp_path / 'report' / 'report.md') as f:
         text = f.read()
     assert '## Loader doctor' in text and os.path.exists(tmp_path / 'report' / 'doctor-doctor.png')

@@ -10,9 +10,9 @@ import re
 
 import pytest
 
-import dlojz
 from conftest import TINY
-from dlojz_log import Console, Logger
+import dlojz
+from dlojzlib.record.log import Console, Logger
 from test_exits import FakeWandb
 
 NUM = r'(-?[0-9.]+)'

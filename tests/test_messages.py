@@ -9,10 +9,10 @@ import re
 import numpy as np
 from PIL import Image
 
-import dlojz
-import dlojz_flags
-import dlojz_host
 from conftest import TINY
+import dlojz
+from dlojzlib import flags
+from dlojzlib import host
 
 
 def jpegs(folder, n):
@@ -51,7 +51,7 @@ def test_single_class_is_warned(tmp_path, capsys):
 
 
 def test_host_check_warns_of_oversubscription_and_a_busy_node():
-    from dlojz_host import host_check
+    from dlojzlib.host import host_check
     calm = host_check(1, True, cores=lambda: 4, load=lambda: (0.5, 0, 0), threads=lambda: 2, node_cores=lambda: 4)
     assert calm['warnings'] == [] and calm['usable_cores'] == 4 and calm['torch_threads'] == 2
     many = host_check(64, False, cores=lambda: 2, load=lambda: (0.0, 0, 0), threads=lambda: 2, node_cores=lambda: 2)
@@ -63,18 +63,18 @@ def test_host_check_warns_of_oversubscription_and_a_busy_node():
 
 def test_default_workers_follow_the_usable_cores(monkeypatch):
     import torch
-    monkeypatch.setattr(dlojz_host, 'usable_cores', lambda: 2)
-    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args([]), torch.device('cpu'))
+    monkeypatch.setattr(host, 'usable_cores', lambda: 2)
+    args = flags.check_args(dlojz.get_args_parser().parse_args([]), torch.device('cpu'))
     assert args.num_workers == 2
     monkeypatch.setenv('SLURM_CPUS_PER_TASK', '10')
-    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args([]), torch.device('cpu'))
+    args = flags.check_args(dlojz.get_args_parser().parse_args([]), torch.device('cpu'))
     assert args.num_workers == 10
 
 
 def test_each_process_gets_its_share_of_the_cores():
     """Hand counts: a CPU run computes on all its cores, a GPU run leaves the workers theirs, ranks that share
     one affinity mask split it, and OMP_NUM_THREADS set by the user (or torchrun) is left alone."""
-    from dlojz_host import intra_op_threads as t
+    from dlojzlib.host import intra_op_threads as t
     env = {}
     assert t(2, True, usable=8, node=8, environ=env) == 8
     assert t(6, False, usable=8, node=8, environ=env) == 2
@@ -88,7 +88,7 @@ def test_each_process_gets_its_share_of_the_cores():
 def test_the_summary_records_the_threads_dlojz_chose(tmp_path, cache_dir, monkeypatch):
     import json
     import torch
-    from dlojz_host import usable_cores
+    from dlojzlib.host import usable_cores
     monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # so that a run which chose nothing would record 1, not this machine's cores

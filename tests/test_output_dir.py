@@ -13,8 +13,8 @@ import subprocess
 
 import pytest
 
-import dlojz
 from conftest import TINY
+import dlojz
 
 
 def cli(out, cache_dir, *flags):
@@ -96,7 +96,7 @@ def test_a_run_name_is_continued_until_its_run_is_over(tmp_path, cache_dir, caps
 def test_a_duplicate_live_job_gets_its_own_folder(tmp_path):
     """The same script and flags submitted twice: the second job must not write into the folder the first,
     still alive, writes (a requeued job, same id, and a job after a dead one continue there)."""
-    from dlojz_rundir import OWNER, named_run_dir
+    from dlojzlib.record.rundir import OWNER, named_run_dir
     root = tmp_path / 'runs'
     (root / 'r').mkdir(parents=True)
     (root / 'r' / OWNER).write_text('{"job_id": "11"}')
@@ -108,8 +108,8 @@ def test_a_duplicate_live_job_gets_its_own_folder(tmp_path):
 
 
 def test_one_owner_per_folder_with_flock(tmp_path):
-    from dlojz_errors import UsageError
-    from dlojz_rundir import LOCK, FolderLock
+    from dlojzlib.errors import UsageError
+    from dlojzlib.record.rundir import LOCK, FolderLock
     folder = str(tmp_path / 'run')
     first = FolderLock().acquire(folder, job_id='11')
     with open(os.path.join(folder, LOCK)) as f:
@@ -125,8 +125,8 @@ def test_one_owner_per_folder_with_flock(tmp_path):
 def test_the_owner_file_where_flock_is_missing(tmp_path):
     """A file system without flock (ENOLCK, as some Lustre/GPFS mounts): the claim is an O_EXCL file, and the
     one a killed run left is taken over when it is stale, never when its owner may live."""
-    from dlojz_errors import UsageError
-    from dlojz_rundir import LOCK_EXCL, FolderLock
+    from dlojzlib.errors import UsageError
+    from dlojzlib.record.rundir import LOCK_EXCL, FolderLock
 
     def no_flock(fd, operation):
         raise OSError(errno.ENOLCK, 'No locks available')

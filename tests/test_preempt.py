@@ -22,9 +22,9 @@ import time
 import pytest
 import torch
 
-import dlojz_data
 from conftest import DLOJZ, ROOT, TINY, run_cli, run_main
-from dlojz_checkpoint import list_checkpoints
+from dlojzlib.data import datasets
+from dlojzlib.record.checkpoint import list_checkpoints
 
 LONG = ['-e', '2', '--log-interval', '1']  # 24 steps of 8 images
 
@@ -166,12 +166,12 @@ def test_sigterm_to_the_process_group_with_workers(tmp_path, cache_dir, six_epoc
 def test_a_worker_dying_during_a_checkpoint_write_is_reported_after_it(tmp_path, monkeypatch):
     """PyTorch's DataLoader raises from its SIGCHLD handler when a worker dies; during a checkpoint write that
     lost the checkpoint. The handler now runs once the file is in place."""
-    import dlojz_checkpoint
+    from dlojzlib.record import checkpoint
 
     def loader_handler(signum, frame):  # what torch.utils.data's SIGCHLD handler does
         raise RuntimeError('DataLoader worker (pid 1) is killed by signal: Terminated.')
     child = subprocess.Popen(['sleep', '60'])
-    real_save = dlojz_checkpoint.torch.save
+    real_save = checkpoint.torch.save
 
     def save_while_a_worker_dies(obj, f):
         child.terminate()
@@ -179,10 +179,10 @@ def test_a_worker_dying_during_a_checkpoint_write_is_reported_after_it(tmp_path,
         time.sleep(0.05)  # bytecode boundaries: where Python would run the handler
         real_save(obj, f)
     old = signal.signal(signal.SIGCHLD, loader_handler)
-    monkeypatch.setattr(dlojz_checkpoint.torch, 'save', save_while_a_worker_dies)
+    monkeypatch.setattr(checkpoint.torch, 'save', save_while_a_worker_dies)
     try:
         with pytest.raises(RuntimeError, match='killed by signal'):
-            dlojz_checkpoint.save_checkpoint(str(tmp_path / 'checkpoint-00000001.pt'), {'step': 1})
+            checkpoint.save_checkpoint(str(tmp_path / 'checkpoint-00000001.pt'), {'step': 1})
     finally:
         signal.signal(signal.SIGCHLD, old)
     assert list_checkpoints(str(tmp_path)) == [str(tmp_path / 'checkpoint-00000001.pt')]
@@ -192,7 +192,7 @@ def _signalled_while_starting(worker_id):
     """A worker that gets SIGTERM from another process (as from Slurm) before dlojz's init has run."""
     subprocess.run(['kill', '-TERM', str(os.getpid())], check=True)
     time.sleep(0.2)  # an unblocked SIGTERM is handled by now
-    dlojz_data.ignore_preemption_signals(worker_id)
+    datasets.ignore_preemption_signals(worker_id)
 
 
 @pytest.mark.parametrize('persistent', [False, True])
@@ -201,7 +201,7 @@ def test_a_signal_while_the_workers_start_spares_them(persistent):
     for ignore_preemption_signals. (torch's DataLoader kills the worker: the loader then raises; this is
     what crashed 1 trial in 3 of the process-group test above, as a validation's workers started.)"""
     got = []
-    loader = dlojz_data.DataLoader(list(range(12)), batch_size=3, num_workers=2, persistent_workers=persistent,
+    loader = datasets.DataLoader(list(range(12)), batch_size=3, num_workers=2, persistent_workers=persistent,
                                    worker_init_fn=_signalled_while_starting)
     for _ in range(2):
         got.append([b.tolist() for b in loader])

@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 import torchvision
 
-import dlojz
-import dlojz_flags
-import dlojz_recipe as R
 from conftest import TINY, run_main
+import dlojz
+from dlojzlib import flags
+from dlojzlib import recipe as R
 
 
 def test_no_wd_norm_bias_groups_by_hand():
@@ -91,7 +91,7 @@ def test_sgd_survives_a_first_step_that_fp16s_scaler_skips():
 def scheduled(run_flags, key, steps=20):
     """The optimizer's group value `key` before each of `steps` steps of the schedule a run with `run_flags` builds
     (10 steps per epoch, 20 in all)."""
-    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(TINY + run_flags), torch.device('cpu'))
+    args = flags.check_args(dlojz.get_args_parser().parse_args(TINY + run_flags), torch.device('cpu'))
     _, opt, sched, _ = R.build_optimization(args, nn.Linear(2, 2), 10, 20, torch.device('cpu'))
     seen = []
     for _ in range(steps):

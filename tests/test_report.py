@@ -1,10 +1,10 @@
-"""dlojz_report: the report reads real run directories and its numbers are the runs' own.
+"""tools.report: the report reads real run directories and its numbers are the runs' own.
 
 Run directories come from real tiny CPU runs of dlojz.py made once per session (a DataLoader trial,
 a batch-size sweep, world sizes 1 and 2 with checkpoints and --metric-sync-log, --findlr, a NaN run
 and a run killed mid-checkpoint); NCCL logs, which need GPUs, are written here in NCCL's own line
 format with hand-counted bytes. Expected values come from the summaries, numpy or torchvision, never
-from dlojz_report itself. The time-to-accuracy figure keeps runs with one validation visible.
+from tools.report itself. The time-to-accuracy figure keeps runs with one validation visible.
 
     python -m pytest -q tests/test_report.py
 """
@@ -21,8 +21,8 @@ import torch
 import torchvision
 
 from conftest import run_cli, run_main, torchrun, TINY
-import dlojz_report
-from dlojz_report import (bn_view, collect_runs, comm_view, fit_line, lr_plot_ylim, lr_suggestion, parse_nccl,
+from dlojzlib.tools import report
+from dlojzlib.tools.report import (bn_view, collect_runs, comm_view, fit_line, lr_plot_ylim, lr_suggestion, parse_nccl,
                           sweeps)
 
 STEPS = ['--test-nsteps', '6', '--log-interval', '2']
@@ -78,7 +78,7 @@ def summary(path):
 
 def make_report(tmp_path, *paths, args=()):
     out = tmp_path / 'report'
-    code = dlojz_report.cli([str(p) for p in paths] + ['--out', str(out)] + list(args))
+    code = report.cli([str(p) for p in paths] + ['--out', str(out)] + list(args))
     if code == 0:  # no section of a report on dlojz's own runs may fail
         assert '## Problems' not in (out / 'report.md').read_text()
     return code, out
@@ -106,7 +106,7 @@ def test_dataloader_trial_table_matches_summaries(runs, tmp_path, capsys):
     code, out = make_report(tmp_path, *trial)
     assert code == 0
     rows = read_csv(out / 'comparison.csv')
-    flags = [c for c in rows[0] if c not in dlojz_report.METRICS and c not in ('run', 'status')]
+    flags = [c for c in rows[0] if c not in report.METRICS and c not in ('run', 'status')]
     # only what differs, as resolved by dlojz (prefetch 2 with workers, none without); paths never
     assert flags == ['num_workers', 'persistent_workers', 'prefetch_factor']
     by_run = {r['run']: r for r in rows}
@@ -216,7 +216,7 @@ def test_scaling_splits_the_lost_efficiency_as_measured(runs, tmp_path):
         r.update(wall_s=1.25, steady_steps=10, comm_s=0.1, late_s=0.05 if r['rank'] == 0 else 0.0)
     (one / 'summary.json').write_text(json.dumps(s1))
     (two / 'summary.json').write_text(json.dumps(s2))
-    [sc] = dlojz_report.scalings(collect_runs([one, two])[0])
+    [sc] = report.scalings(collect_runs([one, two])[0])
     row = sc['rows'][1]
     assert row['efficiency'] == pytest.approx(0.8) and row['step_ms'] == pytest.approx(125.0)
     assert (row['comm_pts'], row['straggler_pts'], row['rest_pts']) == pytest.approx((8.0, 4.0, 8.0))
@@ -230,7 +230,7 @@ def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
     code, out = make_report(tmp_path, runs['ws1'], runs['ws2'])
     t1 = summary(runs['ws1'])['timing']['train_throughput']
     t2 = summary(runs['ws2'])['timing']['train_throughput']
-    [s] = dlojz_report.scalings(collect_runs([runs['ws1'], runs['ws2']])[0])
+    [s] = report.scalings(collect_runs([runs['ws1'], runs['ws2']])[0])
     assert [r['world_size'] for r in s['rows']] == [1, 2] and [r['global_batch'] for r in s['rows']] == [8, 16]
     assert s['rows'][1]['efficiency'] == pytest.approx(t2 / t1 / 2)
     two = s['rows'][1]  # the ranks measured their waits: the split adds up to the lost points
@@ -282,7 +282,7 @@ def test_batchnorm_view_covers_every_batchnorm(runs):
 
 @pytest.mark.slow
 def test_metric_sync_log_from_two_ranks(runs, tmp_path):
-    rows = dlojz_report.metric_sync_rows(collect_runs([runs['ws2']])[0][0])
+    rows = report.metric_sync_rows(collect_runs([runs['ws2']])[0][0])
     logged = {r['global_step']: r for r in map(json.loads, (runs['ws2'] / 'metrics.jsonl').read_text().splitlines())
               if r['type'] == 'train_metrics'}
     assert sorted({r['step'] for r in rows}) == [2, 4, 6] and sorted({r['rank'] for r in rows}) == [0, 1]
@@ -297,7 +297,7 @@ def test_metric_sync_log_from_two_ranks(runs, tmp_path):
 
 @pytest.mark.slow
 def test_lr_finder_view_uses_dlojz_rule_and_clips_spikes(runs, tmp_path):
-    """The report's suggestion is the one in summary.json (dlojz_recipe.suggest_lr, tested on known curves in
+    """The report's suggestion is the one in summary.json (recipe.suggest_lr, tested on known curves in
     test_findlr.py); the plot's loss axis follows the smoothed curve, so a raw spike is clipped, not scaled to."""
     lrs = [10 ** (-6 + i * 0.03) for i in range(200)]  # 1e-6 .. 1e-0.03
     losses = [0.1 * (math.log10(lr) + 3) ** 2 + 1 for lr in lrs]  # minimum at lr = 1e-3, at most 1.9
@@ -373,12 +373,12 @@ def test_older_and_newer_summaries(runs, tmp_path):
 
 @pytest.mark.slow
 def test_diff_and_usage_errors(runs, tmp_path, capsys):
-    assert dlojz_report.cli(['diff', str(runs['w0']), str(runs['w2np'])]) == 0
+    assert report.cli(['diff', str(runs['w0']), str(runs['w2np'])]) == 0
     out = capsys.readouterr().out
     assert re.search(r'config\s+num_workers\s+0\s+2', out) and 'persistent_workers' in out
     assert 'output_dir' not in out
-    assert dlojz_report.cli(['diff', str(runs['w0'])]) == 2
-    assert dlojz_report.cli([str(tmp_path / 'nowhere')]) == 2
+    assert report.cli(['diff', str(runs['w0'])]) == 2
+    assert report.cli([str(tmp_path / 'nowhere')]) == 2
     err = capsys.readouterr().err
     assert 'does not exist' in err and 'Traceback' not in err
 
@@ -505,10 +505,10 @@ def test_time_to_accuracy_shows_runs_with_one_validation(tmp_path, monkeypatch):
     (it was a dot of 3 points in an otherwise empty corner)."""
     from types import SimpleNamespace
     figs = []
-    monkeypatch.setattr(dlojz_report, 'save_fig', lambda fig, out, name: figs.append(fig) or name)
+    monkeypatch.setattr(report, 'save_fig', lambda fig, out, name: figs.append(fig) or name)
     runs = [SimpleNamespace(name=f'run{i}', records=[{'type': 'val', 'wall_s': 30.0 + i, 'train_images': 800,
                                                       'top1': 0.25 + 0.5 * i}]) for i in range(2)]
-    dlojz_report.plot_race(runs, [0.7], str(tmp_path))
+    report.plot_race(runs, [0.7], str(tmp_path))
     [fig] = figs
     for ax in fig.axes:
         assert ax.get_xlim()[0] == 0 and ax.get_ylim()[0] == 0

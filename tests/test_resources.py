@@ -22,8 +22,8 @@ import sys
 import pytest
 
 from conftest import DLOJZ, ROOT, TINY
-from dlojz_errors import OutOfMemory, translate
-from dlojz_log import wandb_mode
+from dlojzlib.errors import OutOfMemory, translate
+from dlojzlib.record.log import wandb_mode
 
 
 def run(*flags, env=None, limit_bytes=None):
@@ -67,8 +67,8 @@ def test_translate_names_host_memory(exc):
 
 def test_unwritable_folders_are_one_sentence_before_any_work(tmp_path, cache_dir, capsys):
     import dlojz
-    import dlojz_data
-    import dlojz_shards
+    from dlojzlib.data import datasets
+    from dlojzlib.data import shards
     a_file = tmp_path / 'a-file'
     a_file.write_text('not a folder')
     cli = lambda *flags: dlojz.cli([*TINY, '--test-nsteps', '1', *map(str, flags)])
@@ -80,8 +80,8 @@ def test_unwritable_folders_are_one_sentence_before_any_work(tmp_path, cache_dir
     assert cli('--cache-dir', cache_dir, '--output-dir', a_file / 'run') == 2
     assert capsys.readouterr().err.startswith(f'dlojz: error: cannot write to output directory {a_file}/run')
     src = str(tmp_path / 'src')
-    dlojz_data.ensure_synthetic_dataset(src, 2, 2, 1, seed=0, workers=1, log=lambda m: None)
-    assert dlojz_shards.main(['prepare', src, str(a_file / 'shards')]) == 2
+    datasets.ensure_synthetic_dataset(src, 2, 2, 1, seed=0, workers=1, log=lambda m: None)
+    assert shards.main(['prepare', src, str(a_file / 'shards')]) == 2
     assert capsys.readouterr().err == (f'dlojz_data.py prepare: error: cannot write to the shards folder '
                                        f'{a_file}/shards (Not a directory); pass a writable DST.\n')
 

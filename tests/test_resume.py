@@ -1,4 +1,4 @@
-"""The resume contract (dlojz_resume, docs/resume.md): a resumed run uses what it is given, or says why not.
+"""The resume contract (record.resume, docs/resume.md): a resumed run uses what it is given, or says why not.
 
 - A completed run given more epochs continues from its last checkpoint: its LR schedule is rebuilt for the new
   length (the LRs of the new steps are torch's OneCycleLR for that length, built here), every step is logged
@@ -26,10 +26,10 @@ import threading
 import pytest
 import torch
 
-import dlojz
-import dlojz_flags
-import dlojz_resume
 from conftest import DLOJZ, ROOT, TINY, free_port, latest
+import dlojz
+from dlojzlib import flags
+from dlojzlib.record import resume
 
 LR = 0.1 * 8 / 256  # --base-lr 0.1 per 256 images x the tiny config's global batch of 8
 
@@ -148,11 +148,11 @@ def test_a_changed_optimizer_is_refused_in_one_sentence(completed, tmp_path, cac
 
 
 def test_the_contract_has_a_row_for_every_flag_and_the_docs_show_it():
-    dests = {a.dest for a in dlojz_flags.get_args_parser()._actions if a.option_strings and a.dest != 'help'}
-    assert dests == set(dlojz_resume.CONTRACT)
+    dests = {a.dest for a in flags.get_args_parser()._actions if a.option_strings and a.dest != 'help'}
+    assert dests == set(resume.CONTRACT)
     page = open(os.path.join(ROOT, 'docs', 'resume.md')).read()
     rows = dict(re.findall(r'^\| `(--[a-z0-9-]+)` \| (\w+) \|', page, flags=re.M))
-    assert rows == {dlojz_resume.flag(d): rule for d, (rule, _) in dlojz_resume.CONTRACT.items()}
+    assert rows == {resume.flag(d): rule for d, (rule, _) in resume.CONTRACT.items()}
 
 
 def rank_cli(cache_dir, out, rank, port, addr='127.0.0.1'):
@@ -237,14 +237,14 @@ def test_a_resume_takes_this_devices_kernels_not_the_checkpoints(tmp_path, cache
     """A checkpoint written without fused kernels (on CPU) resumed where the optimizer is fused (a GPU): the
     optimizer keeps fused=True (load_state_dict brought back fused=None while the scaler still took the step
     for a fused one: 'Expected grad_scale and found_inf to be None' on the first fp16 step)."""
-    import dlojz_recipe
-    from dlojz_log import Console
+    from dlojzlib import recipe
+    from dlojzlib.record.log import Console
     out = tmp_path / 'run'
     assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--test-nsteps', '2', '--chkpt']) == 0
-    monkeypatch.setattr(dlojz_recipe, 'build_optimizer', lambda args, model, lr, device: torch.optim.SGD(
-        dlojz_recipe.param_groups(model, args.wd, args.wd_norm_bias), lr=lr, momentum=args.mom, fused=True))
+    monkeypatch.setattr(recipe, 'build_optimizer', lambda args, model, lr, device: torch.optim.SGD(
+        recipe.param_groups(model, args.wd, args.wd_norm_bias), lr=lr, momentum=args.mom, fused=True))
     argv = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--test-nsteps', '4', '--resume', 'auto']
-    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(argv), torch.device('cpu'))
+    args = flags.check_args(dlojz.get_args_parser().parse_args(argv), torch.device('cpu'))
     run, progress = dlojz.build_run(args, dlojz.get_dist_info(), torch.device('cpu'), Console(False))
     run.log.close()
     assert progress.global_step == 2 and all(g['fused'] is True for g in run.optimizer.param_groups)
@@ -258,7 +258,7 @@ def test_an_adamw_checkpoint_from_the_cpu_continues_fused_on_another_device():
     saved group was not fused): the fused kernel was then given CPU steps (a device mismatch; an
     illegal memory access with a tensor learning rate). Every state tensor must be on its
     parameter's device."""
-    import dlojz_state
+    from dlojzlib.record import state
     torch.manual_seed(0)
     cpu = torch.nn.Linear(3, 2)
     written = torch.optim.AdamW(cpu.parameters())
@@ -269,7 +269,7 @@ def test_an_adamw_checkpoint_from_the_cpu_continues_fused_on_another_device():
     here = torch.optim.AdamW(model.parameters())
     for group in here.param_groups:
         group['fused'] = True
-    dlojz_state.load_optimizer(here, written.state_dict())
+    state.load_optimizer(here, written.state_dict())
     assert all(group['fused'] is True for group in here.param_groups)
     for p in model.parameters():
         moments = here.state[p]
@@ -284,7 +284,7 @@ def test_the_moments_take_the_layout_of_this_runs_parameters():
     AdamW on an H100 refused the step ("must have same dtype, device, and layout"; the CPU's fused
     kernel accepts them, so the strides are compared). Expected: each moment has its parameter's
     strides and its values."""
-    import dlojz_state
+    from dlojzlib.record import state
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(3, 4, 3)
     written = torch.optim.AdamW(conv.parameters())
@@ -293,7 +293,7 @@ def test_the_moments_take_the_layout_of_this_runs_parameters():
     saved = written.state_dict()
     here = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(here.parameters())
-    dlojz_state.load_optimizer(optimizer, saved)
+    state.load_optimizer(optimizer, saved)
     for p, before in zip(here.parameters(), saved['state'].values()):
         for key in ('exp_avg', 'exp_avg_sq'):
             moment = optimizer.state[p][key]
@@ -350,15 +350,15 @@ def test_tune_is_refused_in_a_training_runs_folder_even_without_checkpoints(tmp_
 
 def test_held_stderr_keeps_all_but_torchs_cpp_log(capfd):
     """What torch's C++ logs during the rendezvous goes when it fails; other lines stay (they were dropped)."""
-    import dlojz_dist
+    from dlojzlib.dist import launch
     cpp = (b'[W1125 01:40:35.694498078 TCPStore.cpp:340] [c10d] TCP client failed to connect\n'
            b'Exception raised from ping at TCPStore.cpp:427 (most recent call first):\n'
            b'frame #0: c10::Error::Error(...) + 0x9d\n<omitting python frames>\n\n')
     with pytest.raises(RuntimeError):
-        with dlojz_dist.cpp_errors_held():
+        with launch.cpp_errors_held():
             os.write(2, cpp + b'UserWarning: kept\n')
             raise RuntimeError('rendezvous failed')
     assert capfd.readouterr().err == 'UserWarning: kept\n'
-    with dlojz_dist.cpp_errors_held():
+    with launch.cpp_errors_held():
         os.write(2, cpp)
     assert capfd.readouterr().err == cpp.decode()

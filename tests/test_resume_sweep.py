@@ -1,7 +1,7 @@
 """The resume contract, flag by flag (long tier): a run stopped by SIGUSR2 after step 3 of 6 (to its whole
 process group, as Slurm sends it), then resumed once per flag of --help, in a copy of its folder, with that
 flag changed to a value valid on this CPU-only machine. Each resume must do what the flag's row of
-dlojz_resume.CONTRACT says:
+record.resume.CONTRACT says:
 
 - honoured: exit 0, the run continued from the checkpoint to step 6, and config.json and summary.json record
   the new value; where the value lives in restored state (the optimizer's, the schedule's, the EMA's) or
@@ -25,11 +25,11 @@ import sys
 import pytest
 import torch
 
-import dlojz
-import dlojz_dali
-import dlojz_flags
-import dlojz_resume
 from conftest import DLOJZ, ROOT, TINY
+import dlojz
+from dlojzlib import flags
+from dlojzlib.data import dali
+from dlojzlib.record import resume
 from test_resume import onecycle, records, reference_lrs, snapshot
 
 pytestmark = pytest.mark.slow
@@ -92,11 +92,11 @@ CHECKED_REFUSED = {'synthetic_classes', 'synthetic_train_per_class', 'fake_data'
 
 
 def dests():
-    return sorted(a.dest for a in dlojz_flags.get_args_parser()._actions if a.option_strings and a.dest != 'help')
+    return sorted(a.dest for a in flags.get_args_parser()._actions if a.option_strings and a.dest != 'help')
 
 
 def test_every_flag_has_a_row_and_a_value_here():
-    assert set(dlojz_resume.CONTRACT) == set(dests()) == set(CHANGES)
+    assert set(resume.CONTRACT) == set(dests()) == set(CHANGES)
 
 
 @pytest.fixture(scope='module')
@@ -163,7 +163,7 @@ def test_a_resume_with_one_flag_changed_follows_its_row(dest, stopped, tmp_path,
     shutil.copytree(base_out, out)
     monkeypatch.chdir(tmp_path)  # --run-name's runs/<name>
     monkeypatch.setenv('HOME', str(tmp_path))  # wandb's own logs (~/.cache/wandb) stay in the test's folder
-    if dest == 'loader' and dlojz_dali.dali() is None:  # .ci/run's DALI stage runs this case with it installed
+    if dest == 'loader' and dali.dali() is None:  # .ci/run's DALI stage runs this case with it installed
         pytest.skip('NVIDIA DALI is not installed')
     case = Case(tmp_path, out, data_copy)
     change = CHANGES[dest](case) if callable(CHANGES[dest]) else CHANGES[dest]
@@ -178,7 +178,7 @@ def test_a_resume_with_one_flag_changed_follows_its_row(dest, stopped, tmp_path,
     before = snapshot(out)
     code = dlojz.cli(argv)
     got = capsys.readouterr()
-    rule = dlojz_resume.CONTRACT[dest][0]
+    rule = resume.CONTRACT[dest][0]
     refused = dest in CPU_REFUSES or rule in ('refused', 'mode') or dest in CHECKED_REFUSED
     if refused:
         assert code == 2 and got.err.count('\n') == 1 and got.err.startswith('dlojz: error: '), got.err[-2000:]
@@ -191,11 +191,11 @@ def test_a_resume_with_one_flag_changed_follows_its_row(dest, stopped, tmp_path,
     summary = json.load(open(where / 'summary.json'))
     config = json.load(open(where / 'config.json'))
     assert summary['status'] == 'completed' and summary['config'] == config
-    expected = dlojz_flags.get_args_parser().parse_args(argv)
+    expected = flags.get_args_parser().parse_args(argv)
     if rule == 'checkpoint':
         old = torch.load(base_out / 'checkpoint-00000003.pt', map_location='cpu', weights_only=False)['args'][dest]
         assert config[dest] == old != getattr(expected, dest)
-        assert f'Warning: {dlojz_resume.flag(dest)} ' in got.out
+        assert f'Warning: {resume.flag(dest)} ' in got.out
     elif dest == 'base_lr':
         assert config['base_lr'] == 0.2 and config['lr'] == pytest.approx(0.2 * 8 / 256)
     elif dest in ('test', 'chkpt', 'output_dir'):

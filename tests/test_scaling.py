@@ -1,4 +1,4 @@
-"""The scaling forecast (dlojz_scaling): DDP's bucket split, the ring and hierarchical all-reduce costs, the
+"""The scaling forecast (measure.scaling): DDP's bucket split, the ring and hierarchical all-reduce costs, the
 overlap of all-reduces with the backward, the forecast rows, the probe fit, reading a summary.json, and the
 gloo probe under torchrun. Expected values are computed by hand in each test (timelines written out), never
 by the module itself.
@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-import dlojz_scaling as S
-import dlojz_slurm
 from conftest import ROOT, torchrun
+from dlojzlib.dist import machines
+from dlojzlib.measure import scaling as S
 
 MiB = 2 ** 20
 
@@ -107,7 +107,7 @@ def test_a100_profile_resnet152_by_hand():
 
 
 def test_every_gpu_machine_has_an_interconnect():
-    for name, m in dlojz_slurm.MACHINES.items():
+    for name, m in machines.MACHINES.items():
         if m['gpus_per_node']:
             ic = m['interconnect']
             assert ic['intra_bw'] > (ic['net_bw'] or 0) >= 0 and ic['intra_lat'] > 0

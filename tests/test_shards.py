@@ -1,4 +1,4 @@
-"""WebDataset-style shards (dlojz_data.py prepare, dlojz_shards.py):
+"""WebDataset-style shards (dlojz_data.py prepare, dlojzlib/data/shards.py):
 
 - the shards are plain tars, key.<ext> beside key.cls, holding the source files' bytes and labels, and
   the index's offsets point at them (read back with tarfile, independently of dlojz's reader);
@@ -23,11 +23,11 @@ import tarfile
 import pytest
 import torch
 
-import dlojz
-import dlojz_data as D
-import dlojz_decode as DD
-import dlojz_shards as S
 from conftest import ROOT, TINY, latest, run_cli, torchrun
+import dlojz
+from dlojzlib.data import datasets as D
+from dlojzlib.data import decode as DD
+from dlojzlib.data import shards as S
 
 SHARD_MB = 2  # the tiny dataset's 96 train images (~100 KB each) make several shards
 

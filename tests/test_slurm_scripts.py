@@ -1,4 +1,4 @@
-"""slurm/: the shipped scripts are exactly what dlojz_slurm renders (one source of truth), every #SBATCH
+"""slurm/: the shipped scripts are exactly what tools.slurm renders (one source of truth), every #SBATCH
 line says why, one task per GPU, flags forwarded, and the submit helper's dry run, shape rules and help.
 
 Run: python -m pytest -q tests/test_slurm_scripts.py
@@ -9,8 +9,9 @@ import subprocess
 
 import pytest
 
-import dlojz_slurm as S
 from conftest import ROOT
+from dlojzlib.dist import machines
+from dlojzlib.tools import slurm as S
 
 
 @pytest.mark.parametrize('machine,gpus,ranks', S.SHIPPED)
@@ -192,7 +193,7 @@ def test_the_docs_table_is_what_the_generator_renders():
         assert (row['cpus'], row['mem'], row['partition']) == (opts['cpus-per-task'], opts.get('mem', '—'),
                                                                opts.get('partition', '—')), (machine, partition)
         assert row['nodes'] == m['title'] and row['sources'] == ', '.join(m['sources'])
-    for key, where in S.SOURCES.items():  # each source is listed with its address
+    for key, where in machines.SOURCES.items():  # each source is listed with its address
         assert f'- `{key}`' in section and where.split()[0] in section, key
 
 

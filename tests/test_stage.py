@@ -1,4 +1,4 @@
-"""--stage-dir (dlojz_stage): the shards copied to a node-local folder once, then read there.
+"""--stage-dir (data.stage): the shards copied to a node-local folder once, then read there.
 
 - the copy is the source byte for byte; a second start finds it complete and copies nothing;
 - a copy SIGKILLed in the middle of a file is never taken for complete: the next start keeps the files the
@@ -22,12 +22,12 @@ from collections import namedtuple
 
 import pytest
 
-import dlojz
-import dlojz_data as D
-import dlojz_shards as S
-import dlojz_stage as G
 from conftest import ROOT, TINY, run_cli, torchrun
-from dlojz_errors import DiskFull
+import dlojz
+from dlojzlib.data import datasets as D
+from dlojzlib.data import shards as S
+from dlojzlib.data import stage as G
+from dlojzlib.errors import DiskFull
 
 Usage = namedtuple('Usage', 'total used free')
 
@@ -72,7 +72,7 @@ def test_progress_lines_give_bytes_rate_and_time_left(shards, tmp_path, monkeypa
 KILLER = textwrap.dedent('''
     import os, signal, sys
     sys.path.insert(0, {root!r})
-    import dlojz_stage as G
+    from dlojzlib.data import stage as G
     G.CHUNK = 256 * 1024
     calls = [0]
     def clock():

@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-import dlojz
 from conftest import ROOT, TINY, latest, run_cli, run_main
+import dlojz
 
 
 def losses(records):
@@ -74,7 +74,7 @@ def test_validation_is_the_mean_over_images(tmp_path, cache_dir):
     model computes them on torchvision's own ImageFolder pipeline, not means of batch means."""
     import torchvision
     from torchvision import transforms as T
-    from dlojz_data import IMAGENET_MEAN, IMAGENET_STD
+    from dlojzlib.data.datasets import IMAGENET_MEAN, IMAGENET_STD
     s, _ = run_main(tmp_path, cache_dir, '--test-nsteps', '3', '--chkpt')
     model = torchvision.models.resnet18(num_classes=4)
     model.load_state_dict(torch.load(latest(tmp_path), weights_only=False)['model'])

@@ -1,4 +1,4 @@
-"""The tuner (dlojz_tune): the batch schedule (doubling, then bisection), the sweep over precision and
+"""The tuner (modes.tune): the batch schedule (doubling, then bisection), the sweep over precision and
 channels-last at the largest batch that fits, the time budget, resuming a preempted sweep, the recommended
 command and its learning-rate rule — driven by a fake trial runner whose numbers are written out here — and,
 marked slow, a real --tune sweep on the tiny config whose table is checked against trials run on their own.
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-import dlojz_tune as T
+from dlojzlib.modes import tune as T
 
 MiB = 2 ** 20
 
@@ -161,14 +161,14 @@ def real_sweep(tmp_path_factory, cache_dir):
     saved = os.environ.get('OMP_NUM_THREADS')
     os.environ['OMP_NUM_THREADS'] = '1'
     import dlojz
-    import dlojz_flags
+    from dlojzlib import flags
     from conftest import TINY
     out = tmp_path_factory.mktemp('tune')
     parser = dlojz.get_args_parser()
     args = parser.parse_args(TINY + ['--cache-dir', cache_dir, '--output-dir', str(out), '--tune',
                                      '--tune-max-batch', '8', '--tune-steps', '8'])
     raw = dict(vars(args))
-    dlojz_flags.check_args(args, torch.device('cpu'))
+    flags.check_args(args, torch.device('cpu'))
     lines = []
     try:
         record = T.run_tune(args, raw, parser, torch.device('cpu'), lines.append)
@@ -213,17 +213,17 @@ def test_real_sweep_matches_trials_run_on_their_own(real_sweep, cache_dir):
 
 def test_run_tune_writes_its_record_and_the_report_shows_it(tmp_path):
     """run_tune with the fake runner (no process started): the recommendation, tune.csv, summary.json, the
-    forecast on the a100 profile, then dlojz_report's "Tuning" section over that folder."""
+    forecast on the a100 profile, then tools.report's "Tuning" section over that folder."""
     import torch
     import dlojz
-    import dlojz_flags
-    import dlojz_report
+    from dlojzlib import flags
+    from dlojzlib.tools import report
     parser = dlojz.get_args_parser()
     argv = ['--arch', 'resnet18', '-b', '8', '--output-dir', str(tmp_path), '--tune', '--tune-memory-gib',
             str(40 / 1024), '--tune-machine', 'a100', '-e', '7']
     args = parser.parse_args(argv)
     raw = dict(vars(args))
-    dlojz_flags.check_args(args, torch.device('cpu'))
+    flags.check_args(args, torch.device('cpu'))
     lines = []
     record = T.run_tune(args, raw, parser, torch.device('cpu'), lines.append, runner=FakeRunner())
     # the user's -e stays in the recommendation (the trials run their own); -b and the rest are the winner's
@@ -234,7 +234,7 @@ def test_run_tune_writes_its_record_and_the_report_shows_it(tmp_path):
     assert any(line.startswith('>>> Scaling forecast on a100') for line in lines)
     assert (tmp_path / 'tune.csv').read_text().count('\n') == 10
     assert json.loads((tmp_path / 'summary.json').read_text())['mode'] == 'tune'
-    rep = dlojz_report.build_report(dlojz_report.Report([dlojz_report.load_run(str(tmp_path))],
+    rep = report.build_report(report.Report([report.load_run(str(tmp_path))],
                                                         str(tmp_path / 'report')))
     md = (tmp_path / 'report' / 'report.md').read_text()
     assert '## Tuning' in md and '`python dlojz.py --arch resnet18 --epochs 7 -b 40 --amp bf16' in md and not rep.problems
@@ -243,7 +243,7 @@ def test_run_tune_writes_its_record_and_the_report_shows_it(tmp_path):
 
 
 def test_refusals_are_one_sentence(tmp_path):
-    from dlojz_errors import UsageError
+    from dlojzlib.errors import UsageError
     with pytest.raises(UsageError, match='launch it without torchrun/srun'):
         T.check_tune_args(args_for(tmp_path), world_size=2)
     with pytest.raises(UsageError, match='--tune-max-batch >= -b'):

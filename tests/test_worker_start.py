@@ -20,9 +20,9 @@ import time
 
 import pytest
 
-import dlojz_data as D
 from conftest import ROOT, TINY, run_cli
-from dlojz_checkpoint import list_checkpoints
+from dlojzlib.data import datasets as D
+from dlojzlib.record.checkpoint import list_checkpoints
 
 
 def test_worker_counts_far_above_the_cores_are_refused(cache_dir, tmp_path):

@@ -14,7 +14,7 @@ import math
 import torch
 from torchvision.transforms import v2
 
-from dlojz_flags import parse_randaugment  # noqa: F401 (the flags check it without torch)
+from dlojzlib.flags import parse_randaugment
 
 
 def worker_ops(args):

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from dlojz_decode import indexed, random_resized_crop_params, read_bytes, sample_rng, simplejpeg
-from dlojz_errors import DataError
+from dlojzlib.data.decode import indexed, random_resized_crop_params, read_bytes, sample_rng, simplejpeg
+from dlojzlib.errors import DataError
 
 INSTALL = ('--loader dali needs NVIDIA DALI, which is not installed: pip install nvidia-dali-cuda120 (CUDA 12 '
            'drivers) or nvidia-dali-cuda130 (CUDA 13), or use --loader native.')

@@ -1,5 +1,5 @@
 """Data pipeline for dlojz: where the images come from, the datasets and the loaders (the decode paths are
-dlojz_decode).
+data.decode).
 
 - resolve_data_source(): --data-dir, then $DLOJZ_DATA_DIR, $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet, else the
   built-in synthetic JPEG dataset (generated once into --cache-dir).
@@ -27,17 +27,17 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFile
 
-import dlojz_augment
-import dlojz_decode
-import dlojz_failpoints
-import dlojz_handover
-import dlojz_shards
-import dlojz_stage
-from dlojz_decode import BadImageError, Blob, source_name
-from dlojz_errors import DataError, DlojzError, OutOfMemory, writable
-from dlojz_folder import IMG_EXTENSIONS, find_classes, scan_imagefolder  # noqa: F401 (dlojz_data's API too)
-from dlojz_handover import SharedCollate
-from dlojz_workers import DataLoader, ForkContext, ignore_preemption_signals, loader_kwargs  # noqa: F401 (API)
+from dlojzlib import failpoints
+from dlojzlib.data import augment
+from dlojzlib.data import decode
+from dlojzlib.data import handover
+from dlojzlib.data import shards
+from dlojzlib.data import stage
+from dlojzlib.data.decode import BadImageError, Blob, source_name
+from dlojzlib.data.folder import IMG_EXTENSIONS, find_classes, scan_imagefolder  # noqa: F401 (data.datasets's API too)
+from dlojzlib.data.handover import SharedCollate
+from dlojzlib.data.workers import DataLoader, ForkContext, ignore_preemption_signals, loader_kwargs  # noqa: F401 (API)
+from dlojzlib.errors import DataError, DlojzError, OutOfMemory, writable
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, never silently half-grey
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -50,7 +50,7 @@ SYNTH_VERSION = 1  # bump when the generator changes so old caches are not reuse
 
 @dataclass(frozen=True)
 class DataSource:
-    kind: str    # 'imagefolder', 'shards' (dlojz_shards), 'synthetic' or 'fake'
+    kind: str    # 'imagefolder', 'shards' (data.shards), 'synthetic' or 'fake'
     root: str    # folder holding train/ and val/ ('' for fake)
     reason: str  # one line for the user: why this source
 
@@ -59,10 +59,10 @@ def resolve_data_source(args, environ=os.environ):
     if args.fake_data:
         return DataSource('fake', '', '--fake-data: random uint8 batches held in memory, no decoding')
     if args.data_dir:
-        kind = 'shards' if dlojz_shards.is_shards(args.data_dir) else 'imagefolder'
+        kind = 'shards' if shards.is_shards(args.data_dir) else 'imagefolder'
         return DataSource(kind, args.data_dir, '--data-dir')
     if environ.get('DLOJZ_DATA_DIR'):
-        kind = 'shards' if dlojz_shards.is_shards(environ['DLOJZ_DATA_DIR']) else 'imagefolder'
+        kind = 'shards' if shards.is_shards(environ['DLOJZ_DATA_DIR']) else 'imagefolder'
         return DataSource(kind, environ['DLOJZ_DATA_DIR'], '$DLOJZ_DATA_DIR is set')
     # Jean Zay: a copy on the user's scratch, then the centre's dataset store $DSDIR (read-only, shared)
     for var, sub in (('ALL_CCFRSCRATCH', 'imagenet'), ('DSDIR', 'imagenet'), ('DSDIR', 'imagenet/RawImages')):
@@ -133,7 +133,7 @@ QUIRKS = {0: 'grayscale', 1: 'cmyk', 2: 'png', 3: 'progressive'}
 
 
 def _write_one(job):
-    dlojz_failpoints.generator_image()
+    failpoints.generator_image()
     seed, split, label, index, num_classes, path = job
     img = synthetic_image(seed, split, label, index, num_classes)
     quirk = QUIRKS.get(index) if (split == 'train' and label == 0) else None
@@ -153,7 +153,7 @@ def _write_one(job):
 
 def pool_worker_signals():
     """A generator pool's worker: SIGTERM from the pool ends it; SIGTERM and SIGUSR2 from anyone else (Slurm
-    signals every process of the step) do not, as for the loader's workers (dlojz_workers)."""
+    signals every process of the step) do not, as for the loader's workers (data.workers)."""
     for s in (signal.SIGTERM, signal.SIGUSR2):
         signal.signal(s, signal.SIG_DFL)  # not dlojz.py's early-signal recorder, inherited by the fork
     ignore_preemption_signals()
@@ -180,7 +180,7 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
     if workers > 1:
         # The pool's workers outlive Slurm's SIGTERM to the process group (as the loader's do): one killed by
         # it lost its task and the pool waited for it forever; the main process stops at its first step. They
-        # are forked as the loader's (dlojz_workers.ForkContext), with the signals blocked: a thread that a
+        # are forked as the loader's (data.workers.ForkContext), with the signals blocked: a thread that a
         # library starts in the child at fork (OpenBLAS's) would otherwise take the signal first.
         # ProcessPoolExecutor, not multiprocessing.Pool: a worker that dies all the same (the OOM killer's
         # SIGKILL) breaks the executor, which raises, where Pool.map waited forever for the lost task.
@@ -230,10 +230,10 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     def __getitem__(self, key):
         index, epoch = key if isinstance(key, tuple) else (key, 0)
         if isinstance(key, tuple):
-            dlojz_failpoints.train_sample()
+            failpoints.train_sample()
         if self.resolution is not None:  # progressive resizing: this process's transform, this epoch's size
             self.transform.size = self.resolution(epoch)
-        rng = dlojz_decode.sample_rng(self.seed, epoch, index)
+        rng = decode.sample_rng(self.seed, epoch, index)
         for attempt in range(len(self.samples)):
             src, label = self.source((index + attempt) % len(self.samples))
             try:
@@ -256,14 +256,14 @@ class ImageFolderDataset(torch.utils.data.Dataset):
 
 
 class ShardDataset(ImageFolderDataset):
-    """The same dataset read from tar shards by index (dlojz_shards): samples are rows of (shard, offset,
+    """The same dataset read from tar shards by index (data.shards): samples are rows of (shard, offset,
     size, label); each process keeps one open file per shard it reads."""
 
     def __init__(self, root, names, table, transform, seed=0, skip_bad_images=False):
         super().__init__(table, transform, seed, skip_bad_images)
         self.root, self.names = root, names
         self.open_count = mp.get_context('fork').Value('i', 0)  # every process's opens, for the summary
-        self.reader = dlojz_shards.ShardReader(root, names, self.open_count)
+        self.reader = shards.ShardReader(root, names, self.open_count)
 
     def source(self, i):
         shard, offset, size, label = (int(v) for v in self.samples[i])
@@ -413,12 +413,12 @@ class Data:
     n_val: int = 0
     accum: int = 1  # --accum-steps: micro-batches per optimizer step
     ahead: object = None  # --decode gpu --decode-ahead: the device the batches are decoded on, one batch ahead
-    staging: dict = None  # --stage-dir: what was copied where (dlojz_stage), or why it was not used
+    staging: dict = None  # --stage-dir: what was copied where (data.stage), or why it was not used
 
     @property
     def train_batches(self):
         """The training loader's batches, decoded one batch ahead with --decode gpu --decode-ahead."""
-        return self.train_loader if self.ahead is None else dlojz_decode.DecodeAhead(self.train_loader, self.ahead)
+        return self.train_loader if self.ahead is None else decode.DecodeAhead(self.train_loader, self.ahead)
 
     @property
     def train_steps(self):
@@ -428,16 +428,16 @@ class Data:
     @property
     def bad_images(self):
         """Training images replaced (--skip-bad-images): by the workers, and on the device (--decode gpu)."""
-        return (self.train_dataset.bad_images + dlojz_decode.DEVICE_DECODE.bad) if self.train_dataset is not None else 0
+        return (self.train_dataset.bad_images + decode.DEVICE_DECODE.bad) if self.train_dataset is not None else 0
 
     @property
     def gpu_decode(self):
         """--decode gpu: images decoded on the host instead, in the workers (files nvJPEG does not read:
         CMYK, PNG named .JPEG) and after nvJPEG refused them; None for the other paths."""
         transform = getattr(self.train_dataset, 'transform', None)
-        if not isinstance(transform, dlojz_decode.GpuTrainTransform):
+        if not isinstance(transform, decode.GpuTrainTransform):
             return None
-        return {'cpu_in_workers': transform.in_workers.value, 'cpu_after_nvjpeg': dlojz_decode.DEVICE_DECODE.refused}
+        return {'cpu_in_workers': transform.in_workers.value, 'cpu_after_nvjpeg': decode.DEVICE_DECODE.refused}
 
     @property
     def fast_decode(self):
@@ -448,21 +448,21 @@ class Data:
         transform = getattr(self.train_dataset, 'transform', None)
         transform = getattr(transform, 'transform', transform)  # under worker-side augmentations
         transform = getattr(transform, 'cpu', transform)  # --decode gpu's host path
-        if not isinstance(transform, dlojz_decode.FastTrainTransform):
+        if not isinstance(transform, decode.FastTrainTransform):
             return None
-        r = dlojz_decode.REGION
+        r = decode.REGION
         return {'region_decoder': f'nvimgcodec {r.version}' if r.lib else None, 'why_not': r.why_not,
                 'images_region': r.counts[0], 'images_whole_file': r.counts[1], 'images_pil': r.counts[2]}
 
     @property
     def dali(self):
         """--loader dali: DALI's version, where it decodes and its threads; None for the native loader."""
-        summary = getattr(self.train_loader, 'summary', None)  # a DaliLoader's (dlojz_dali)
+        summary = getattr(self.train_loader, 'summary', None)  # a DaliLoader's (data.dali)
         return summary() if summary else None
 
     @property
     def handover(self):
-        """How the training loader's workers handed their batches over (dlojz_handover); None without
+        """How the training loader's workers handed their batches over (data.handover); None without
         workers or for --decode gpu."""
         collate = getattr(self.train_loader, 'collate_fn', None)
         return collate.stats() if isinstance(collate, SharedCollate) else None
@@ -485,13 +485,13 @@ def train_transform(args):
     """-> (the training transform of --decode with the worker-side augmentations, the loader's collate_fn:
     None for torch's default)."""
     if args.decode == 'gpu':
-        dlojz_decode.DEVICE_DECODE.skip_bad_images = args.skip_bad_images
-        refused = dlojz_decode.host_train_transform(args.image_size)  # files nvJPEG refuses
-        return (dlojz_decode.GpuTrainTransform(args.image_size, refused),
-                dlojz_decode.GpuCollate(args.image_size))
-    transform = {'fast': dlojz_decode.FastTrainTransform, 'pil': dlojz_decode.TrainTransform}[args.decode](args.image_size)
-    ops = dlojz_augment.worker_ops(args)
-    return (dlojz_augment.Augmented(transform, ops) if ops else transform), None
+        decode.DEVICE_DECODE.skip_bad_images = args.skip_bad_images
+        refused = decode.host_train_transform(args.image_size)  # files nvJPEG refuses
+        return (decode.GpuTrainTransform(args.image_size, refused),
+                decode.GpuCollate(args.image_size))
+    transform = {'fast': decode.FastTrainTransform, 'pil': decode.TrainTransform}[args.decode](args.image_size)
+    ops = augment.worker_ops(args)
+    return (augment.Augmented(transform, ops) if ops else transform), None
 
 
 def build_data(args, dist, log=print, on_ranks=None, device=None):
@@ -501,7 +501,7 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
     on_ranks = on_ranks or (lambda fn, when=True: fn() if when else None)
     source, staging = resolve_data_source(args), None
     if args.stage_dir:
-        source, staging = dlojz_stage.staged_source(source, args.stage_dir, dist, on_ranks, log)
+        source, staging = stage.staged_source(source, args.stage_dir, dist, on_ranks, log)
     if source.kind == 'fake':
         classes = [str(i) for i in range(args.fake_classes)]
         # Distinct batches per rank (seed + rank); train shares padded like DistributedSampler, val shares exact.
@@ -517,28 +517,28 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
                  when=dist.local_rank == 0)
     transform, collate = train_transform(args)
     if collate is None and args.num_workers > 0 and os.environ.get('DLOJZ_HANDOVER') != 'default':
-        # the batches handed over in shared slots (dlojz_handover); DLOJZ_HANDOVER=default: torch's way
-        collate, why_not = dlojz_handover.make(args.num_workers, args.prefetch_factor, args.batch_size,
+        # the batches handed over in shared slots (data.handover); DLOJZ_HANDOVER=default: torch's way
+        collate, why_not = handover.make(args.num_workers, args.prefetch_factor, args.batch_size,
                                                max(args.image_size, args.res_start or 0))
         if why_not:
             log(f'Note: {why_not}; the workers hand each batch over in a new shared block (PyTorch\'s way).')
-    dlojz_decode.REGION.reset()
-    if args.decode == 'fast' and args.loader == 'native' and dlojz_decode.REGION.lib is None:
-        log(f'Note: {dlojz_decode.REGION.why_not}: --decode fast decodes whole files, not the crop\'s region alone.')
-    val_transform = dlojz_decode.ValTransform(args.val_resize, args.val_image_size)
+    decode.REGION.reset()
+    if args.decode == 'fast' and args.loader == 'native' and decode.REGION.lib is None:
+        log(f'Note: {decode.REGION.why_not}: --decode fast decodes whole files, not the crop\'s region alone.')
+    val_transform = decode.ValTransform(args.val_resize, args.val_image_size)
     if source.kind == 'shards':
-        classes, splits = dlojz_shards.load_index(source.root)
+        classes, splits = shards.load_index(source.root)
         train_set = ShardDataset(source.root, *splits['train'], transform, args.seed, args.skip_bad_images)
         val_set = ShardDataset(source.root, *splits['val'], val_transform, args.seed, args.skip_bad_images)
     else:
         if os.path.exists(os.path.join(source.root, 'prepare.json')) and \
                 not os.path.isdir(os.path.join(source.root, 'train')):  # prepare writes index.json last
-            raise dlojz_shards.incomplete(source.root, dlojz_shards.INDEX)
+            raise shards.incomplete(source.root, shards.INDEX)
         classes, train_samples, val_samples = scan_imagefolder(source.root)
         train_set = ImageFolderDataset(train_samples, transform, args.seed, args.skip_bad_images)
         val_set = ImageFolderDataset(val_samples, val_transform, args.seed, args.skip_bad_images)
     if args.res_start is not None:
-        train_set.resolution = lambda epoch: dlojz_augment.resolution(epoch, args.res_start, args.image_size,
+        train_set.resolution = lambda epoch: augment.resolution(epoch, args.res_start, args.image_size,
                                                                       args.res_end_epoch)
     batches = StepBatchSampler(train_set, args.seed, args.batch_size, args.drop_last, dist.rank, dist.world_size,
                                args.accum_steps)
@@ -547,15 +547,15 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
             f'{"process" if dist.world_size * args.accum_steps == 1 else "micro-batch stream"}, -b '
             f'{args.batch_size}), which BatchNorm cannot train on: that image is left out of each epoch (as '
             f'--drop-last would; another -b keeps it).')
-    if args.loader == 'dali':  # the same samplers; DALI decodes (dlojz_dali)
-        import dlojz_dali
+    if args.loader == 'dali':  # the same samplers; DALI decodes (data.dali)
+        from dlojzlib.data import dali
         dali_device = device if device is not None and device.type == 'cuda' else torch.device('cpu')
         val_batches = torch.utils.data.BatchSampler(ShardSampler(len(val_set), dist.rank, dist.world_size),
                                                     args.val_batch_size, drop_last=False)
         return Data(source, classes,
-                    dlojz_dali.DaliLoader(train_set, batches, True, args.image_size, args.seed, args.num_workers,
+                    dali.DaliLoader(train_set, batches, True, args.image_size, args.seed, args.num_workers,
                                           dali_device),
-                    dlojz_dali.DaliLoader(val_set, val_batches, False, args.val_image_size, args.seed,
+                    dali.DaliLoader(val_set, val_batches, False, args.val_image_size, args.seed,
                                           args.num_workers, dali_device, val_resize=args.val_resize),
                     train_set, len(train_set), len(val_set), accum=args.accum_steps, staging=staging)
     # a lone process may skip its loader's start on a stop; ranks with peers agree at a step boundary instead
@@ -566,7 +566,3 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
     return Data(source, classes, train_loader, val_loader, train_set, len(train_set), len(val_set),
                 accum=args.accum_steps, ahead=device if args.decode == 'gpu' and args.decode_ahead else None,
                 staging=staging)
-
-
-if __name__ == '__main__':
-    sys.exit(dlojz_shards.main(sys.argv[1:]))

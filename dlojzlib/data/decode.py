@@ -1,6 +1,6 @@
 """How an image becomes a training tensor: the decode paths (--decode pil, fast, gpu) and the evaluation
 transform. Every path draws the same RandomResizedCrop box and flip from the sample's own RNG (seeded by
-dlojz_data from seed, epoch and index), so they differ by decoder and resampler only.
+data.datasets from seed, epoch and index), so they differ by decoder and resampler only.
 
 - pil: PIL decodes the whole image (TrainTransform).
 - fast: libjpeg-turbo decodes the crop's region only (nvImageCodec's CPU backend: rows above and below are
@@ -28,8 +28,8 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
-from dlojz_errors import DataError
-from dlojz_region import REGION
+from dlojzlib.data.region import REGION
+from dlojzlib.errors import DataError
 
 try:
     import simplejpeg  # libjpeg-turbo with DCT-domain scaling, in a wheel (no system package)

@@ -1,11 +1,11 @@
 """The ImageFolder layout (ROOT/train/<class>/<image>, ROOT/val/<class>/<image>): which classes and files a
-tree holds, with the checks users need. Read by the data pipeline (dlojz_data) and by the shard writer
-(dlojz_shards, `dlojz_data.py prepare`), so it imports neither.
+tree holds, with the checks users need. Read by the data pipeline (data.datasets) and by the shard writer
+(data.shards, `dlojz_data.py prepare`), so it imports neither.
 """
 import os
 import sys
 
-from dlojz_errors import DataError
+from dlojzlib.errors import DataError
 
 IMG_EXTENSIONS = ('.jpeg', '.jpg', '.png', '.bmp', '.webp')
 

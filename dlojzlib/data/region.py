@@ -1,5 +1,5 @@
 """--decode fast's region decoder: libjpeg-turbo's partial decompression through NVIDIA's nvImageCodec (CPU
-backend). dlojz_decode.FastTrainTransform decides when to use it; docs/dependencies.md says why this binding.
+backend). data.decode.FastTrainTransform decides when to use it; docs/dependencies.md says why this binding.
 """
 import importlib
 import multiprocessing as mp

@@ -27,8 +27,8 @@ import tarfile
 import numpy as np
 from PIL import Image
 
-from dlojz_errors import DataError, DlojzError, writable
-from dlojz_folder import scan_imagefolder
+from dlojzlib.data.folder import scan_imagefolder
+from dlojzlib.errors import DataError, DlojzError, writable
 
 FORMAT = 'dlojz-shards-v1'
 INDEX = 'index.json'
@@ -245,3 +245,7 @@ def main(argv=None):
         print(f'dlojz_data.py prepare: error: {e}', file=sys.stderr)
         return 2
     return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main(sys.argv[1:]))

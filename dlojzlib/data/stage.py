@@ -4,7 +4,7 @@ A cluster's shared file system serves a whole machine room; a node's local disk 
 Canada) serves one job. Alliance Canada's advice for a large dataset is to copy it there at the start of the
 job as a few large files and read it locally; dlojz's shards (`dlojz_data.py prepare`) are those files.
 
-- One process per node copies (local rank 0); the node's other ranks wait for it (dlojz_dist.on_ranks), and a
+- One process per node copies (local rank 0); the node's other ranks wait for it (dist.launch.on_ranks), and a
   second job on the same node waits on a lock instead of copying the same files beside it.
 - Each file is copied under a temporary name, fsynced, renamed, then entered in a journal with the source's
   size and mtime; the folder is complete once `.dlojz-staged.json` (written last) lists every file. A copy
@@ -23,9 +23,9 @@ import shutil
 import socket
 import time
 
-import dlojz_dist
-import dlojz_shards
-from dlojz_errors import DiskFull, NO_SPACE, UsageError, writable
+from dlojzlib.data import shards
+from dlojzlib.dist import launch
+from dlojzlib.errors import DiskFull, NO_SPACE, UsageError, writable
 
 DONE = '.dlojz-staged.json'      # written last: the copy is complete
 JOURNAL = '.dlojz-staging.jsonl'  # one line per file copied whole
@@ -36,16 +36,16 @@ PROGRESS_S = 5.0                 # seconds between progress lines
 def files_to_copy(src):
     """The shards folder's files a run reads -> [(name, bytes, mtime_ns)]: the index, the split tables and
     every shard (prepare's per-shard sidecars are not read by training)."""
-    with open(os.path.join(src, dlojz_shards.INDEX)) as f:
+    with open(os.path.join(src, shards.INDEX)) as f:
         index = json.load(f)
-    names = [dlojz_shards.INDEX] + [f'index-{split}.npy' for split in index['splits']] + \
+    names = [shards.INDEX] + [f'index-{split}.npy' for split in index['splits']] + \
         [s['name'] for meta in index['splits'].values() for s in meta['shards']]
     out = []
     for name in names:
         try:
             st = os.stat(os.path.join(src, name))
         except FileNotFoundError:
-            raise dlojz_shards.incomplete(src, name) from None
+            raise shards.incomplete(src, name) from None
         out.append((name, st.st_size, st.st_mtime_ns))
     return out
 
@@ -99,7 +99,7 @@ def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usa
                     journal.write(json.dumps([name, size, mtime]) + '\n')
                     journal.flush()
                     os.fsync(journal.fileno())
-            dlojz_shards._fsync_write(os.path.join(dest, DONE), json.dumps(  # atomic, as prepare's files
+            shards._fsync_write(os.path.join(dest, DONE), json.dumps(  # atomic, as prepare's files
                 {'source': os.path.realpath(src), 'files': [list(f) for f in files]}).encode())
         except OSError as e:  # the journal or the marker on a disk that just filled: the same sentence
             if e.errno not in NO_SPACE:
@@ -196,7 +196,7 @@ def staged_source(source, stage_dir, dist, on_ranks, log=print):
                          f'node\'s local disk, such as $SLURM_TMPDIR.')
     say = log if dist.rank == 0 else (lambda m: print(f'[rank {dist.rank}] {m}', flush=True))
     record = on_ranks(lambda: stage(source.root, stage_dir, say), when=dist.local_rank == 0)
-    nodes = [r for r in dlojz_dist.all_gather_object(record) if r]  # one per node, its local rank 0's
+    nodes = [r for r in launch.all_gather_object(record) if r]  # one per node, its local rank 0's
     dest = destination(source.root, stage_dir)
     staged = type(source)('shards', dest, f'{source.reason}, staged to --stage-dir {stage_dir}')
     return staged, {'asked': asked, 'used': True, 'from': source.root, 'dir': dest,

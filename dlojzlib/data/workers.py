@@ -2,7 +2,7 @@
 stop signal (the training loader), and deaf to SIGTERM and SIGUSR2 from anyone but their parent.
 
 Slurm signals every process of a step, DataLoader workers included; the main process owns those signals and
-checkpoints at a step boundary (dlojz_dist.StopSignal).
+checkpoints at a step boundary (dist.launch.StopSignal).
 """
 import multiprocessing as mp
 import os
@@ -11,9 +11,9 @@ import threading
 
 import torch
 
-import dlojz_dist
-import dlojz_failpoints
-from dlojz_handover import Materialized, SharedCollate
+from dlojzlib import failpoints
+from dlojzlib.data.handover import Materialized, SharedCollate
+from dlojzlib.dist import launch
 
 
 def ignore_preemption_signals(worker_id=None):
@@ -57,14 +57,14 @@ class _WorkerProcess(mp.context.ForkProcess):
     abort_on_stop = False
 
     def start(self):
-        if self.abort_on_stop and dlojz_dist.stop_received():
+        if self.abort_on_stop and launch.stop_received():
             raise _StartStopped
         old = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
         try:
             super().start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        dlojz_failpoints.worker_started()
+        failpoints.worker_started()
 
 
 class ForkContext(mp.context.ForkContext):
@@ -95,7 +95,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self.abort_on_stop = abort_on_stop
 
     def __iter__(self):
-        if self.abort_on_stop and dlojz_dist.stop_received():  # with or without workers: no batch to wait for
+        if self.abort_on_stop and launch.stop_received():  # with or without workers: no batch to wait for
             return iter(())
         shared = isinstance(self.collate_fn, SharedCollate)
         if shared and not (self.persistent_workers and self._iterator is not None):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from dlojz_errors import EARLY_SIGNALS, DlojzError, UsageError, first_line
+from dlojzlib.errors import EARLY_SIGNALS, DlojzError, UsageError, first_line
 
 
 @dataclass(frozen=True)
@@ -285,7 +285,7 @@ def _check_distinct_gpus(dist, device, share=False):
 
 def wrap_ddp(model, device, args, comm=None):
     """DistributedDataParallel with dlojz's DDP flags (--find-unused-parameters, --bucket-cap-mb,
-    --static-graph, --gradient-as-bucket-view, --broadcast-buffers); `comm`, a dlojz_comm.CommTimer, times
+    --static-graph, --gradient-as-bucket-view, --broadcast-buffers); `comm`, a measure.comm.CommTimer, times
     its gradient all-reduce (a communication hook doing what DDP's built-in one does)."""
     ddp = torch.nn.parallel.DistributedDataParallel
     # PyTorch >= 2.15 renamed broadcast_buffers (same meaning: rank 0's buffers sent before every forward)
@@ -448,7 +448,7 @@ class StopSignal:
 
     def settle(self):
         """Wait for the all-reduce in flight (every rank started it at the same step); -> its verdict. None in
-        flight in a lone process (no step ran: its loader's start was stopped by the signal, dlojz_workers):
+        flight in a lone process (no step ran: its loader's start was stopped by the signal, data.workers):
         its own signal. With peers, a rank never stops alone."""
         if self._work is None:
             alone = not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1
@@ -458,7 +458,7 @@ class StopSignal:
         return bool(self._flag.item())  # a CPU tensor: no device synchronisation
 
 
-_received = None  # the stop signal of the current run, for the loader's worker start (dlojz_data)
+_received = None  # the stop signal of the current run, for the loader's worker start (data.datasets)
 
 
 def stop_received():

@@ -17,7 +17,7 @@ Per step, from its buckets' stamps (seconds):
   timed around DDP's _sync_buffers (a private method, there from torch 1.11 to 2.14 at least; when it is
   missing the buffers are not timed and summary.json says so).
 All three include waiting for a peer that arrives late. The late rank does not wait for anyone, so across
-ranks, at the end of the run (dlojz_summary.ranks_summary), the smallest time in collectives over the run
+ranks, at the end of the run (record.summary.ranks_summary), the smallest time in collectives over the run
 (exposed + buffers, summed) is the transfer and each rank's excess over it is waiting for a late rank. Only
 durations measured on one rank's own clock are compared, never clock readings of two hosts.
 

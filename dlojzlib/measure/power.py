@@ -50,7 +50,7 @@ class PowerMeter:
     and torch's device properties in tests.
 
     The counter is the board's: ranks sharing a GPU (--share-gpu, MPS, MIG instances of one board)
-    each read all of its energy. gather(x) -> every rank's x (dlojz_dist.all_gather_object, a
+    each read all of its energy. gather(x) -> every rank's x (dist.launch.all_gather_object, a
     collective) tells the meter how many ranks read its board (share()); J/image then divides the
     board's energy by the images of all of them (ranks train the same number of images per step),
     and report() gives each rank its share, so that sums over ranks count every board once.

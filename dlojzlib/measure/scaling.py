@@ -30,7 +30,7 @@ The model (docs/scaling.md says it in prose):
   communication the backward cannot hide is added (at least the last bucket's). img/s = N x batch /
   step(N); efficiency = t_step / step(N); each term's share of step(N) is what it costs in points.
 * Checked against what was measured: given runs at some world sizes (--measured), their exposed
-  communication per step (dlojz_comm, the transfer every rank waited for) is set beside the model's, which
+  communication per step (measure.comm, the transfer every rank waited for) is set beside the model's, which
   tests the overlap the model assumes, and their img/s beside the forecast.
 * Left out, so the forecast is an upper bound: compute slowed by communication kernels or threads sharing
   the device (NCCL uses SMs; gloo uses CPU threads), data-loader limits at scale, DDP's own per-bucket
@@ -85,7 +85,7 @@ def ring_allreduce_s(nbytes, ranks, bandwidth, latency):
 
 
 def layout(gpus, ranks_per_node):
-    """-> (nodes, ranks per node): fill nodes; beyond one node, whole nodes only (as dlojz_slurm.shape)."""
+    """-> (nodes, ranks per node): fill nodes; beyond one node, whole nodes only (as tools.slurm.shape)."""
     if gpus <= ranks_per_node:
         return 1, gpus
     if gpus % ranks_per_node:
@@ -183,7 +183,7 @@ def inputs_from_summary(summary):
 def collective_waits(timing):
     """From a distributed run's summary.json['timing'] -> (seconds per step of the transfer every rank waited
     for, the most any rank waited per step for a late one: the step is shared, so that wait is what the late
-    rank added to it), or (None, None) where the ranks did not measure them (dlojz_comm; docs/chronometer.md)."""
+    rank added to it), or (None, None) where the ranks did not measure them (measure.comm; docs/chronometer.md)."""
     ranks = [r for r in timing.get('ranks') or [] if r.get('steady_steps')]
     if not ranks or timing.get('comm_measured') != 'all-reduce hook':
         return None, None
@@ -200,14 +200,14 @@ def measured_from_summary(summary):
 
 
 def machine_link(machine):
-    """The interconnect of a dlojz_slurm machine profile (vendors' figures), as a Link."""
-    import dlojz_slurm
-    m = dlojz_slurm.MACHINES[machine]
+    """The interconnect of a machine profile (dist/machines.py) (vendors' figures), as a Link."""
+    from dlojzlib.dist.machines import MACHINES
+    m = MACHINES[machine]
     ic = m.get('interconnect')
     if not ic:
         raise ValueError(f'machine {machine!r} has no interconnect figures; measure them with --probe.')
     return Link(ic['intra_bw'], ic['intra_lat'], ic.get('net_bw'), ic.get('net_lat'),
-                m['gpus_per_node'] or 1 << 30, source=f'dlojz_slurm.MACHINES[{machine!r}]')
+                m['gpus_per_node'] or 1 << 30, source=f'dist/machines.py MACHINES[{machine!r}]')
 
 
 # ----------------------------------------------------------------------------------- measured: a probe
@@ -296,7 +296,7 @@ def _probe_main(path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--summary', help='summary.json of a one-rank run (under torchrun or srun)')
-    p.add_argument('--machine', help='interconnect from dlojz_slurm.MACHINES (a100, h100, v100, generic)')
+    p.add_argument('--machine', help='interconnect from dist/machines.py (a100, h100, v100, generic)')
     p.add_argument('--link', help='interconnect from a --probe json (one node: ring bandwidth and latency)')
     p.add_argument('--gpus', default='1,2,4,8', help='GPU (rank) counts, comma separated')
     p.add_argument('--measured', nargs='*', default=[], metavar='SUMMARY',

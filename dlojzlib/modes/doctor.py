@@ -19,12 +19,13 @@ import time
 
 import torch
 
-from dlojz_data import build_data
-from dlojz_errors import UsageError
-from dlojz_flags import get_args_parser
-from dlojz_host import host_memory, provenance, usable_cores
-from dlojz_log import SUMMARY_VERSION, Console, write_json
-from dlojz_trial import run_for_summary
+from dlojzlib import SCRIPT
+from dlojzlib.data.datasets import build_data
+from dlojzlib.errors import UsageError
+from dlojzlib.flags import get_args_parser
+from dlojzlib.host import host_memory, provenance, usable_cores
+from dlojzlib.modes.trial import run_for_summary
+from dlojzlib.record.log import SUMMARY_VERSION, Console, write_json
 
 # ------------------------------------------------------------------------------------------ host memory
 
@@ -285,11 +286,11 @@ def trials_table(trials):
 def tune_loader(args, raw, parser, dist, device, say, python=sys.executable, script=None):
     """--tune-loader: the trials, then the ceiling, each a dlojz process; tune-loader.json/.csv in
     --output-dir; -> the result dict. raw: the flags as parsed, before defaults were resolved."""
-    script = script or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'dlojz.py')
+    script = script or SCRIPT
     base = to_argv(parser, raw) + (['--overwrite'] if args.overwrite else [])  # its trials' folders too
     steps = args.test_nsteps or 30
-    import dlojz_dali
-    trials = sweep(usable_cores(), device.type == 'cuda', decode=args.decode, dali=dlojz_dali.dali() is not None)
+    from dlojzlib.data import dali
+    trials = sweep(usable_cores(), device.type == 'cuda', decode=args.decode, dali=dali.dali() is not None)
     budget = memory_budget()
     say(f'Loader doctor: {len(trials)} loader trials of {steps} batches, then the compute ceiling on --fake-data; '
         f'host memory budget ' + (f'{budget / 2**30:.1f} GiB' if budget else 'unknown'))
@@ -358,9 +359,9 @@ def compare_decode(root, size=224, batch_size=64, steps=20, warmup=2, repeats=5,
     """Images per second of the classic pipeline and of dlojz's training loader (--decode pil and fast; and
     fast from `shards`, a prepared copy of root), `workers` workers each (1: per core), alternated `repeats`
     times -> {name: [img/s per repeat]}."""
-    from dlojz_data import DataLoader, EpochSampler, FastTrainTransform, ImageFolderDataset, ShardDataset, \
+    from dlojzlib.data.datasets import DataLoader, EpochSampler, FastTrainTransform, ImageFolderDataset, ShardDataset, \
         TrainTransform, scan_imagefolder, ignore_preemption_signals
-    from dlojz_shards import load_index
+    from dlojzlib.data.shards import load_index
     _, train, _ = scan_imagefolder(root)
     datasets = {'dlojz-pil': lambda: ImageFolderDataset(train, TrainTransform(size), seed=0),
                 'dlojz-fast': lambda: ImageFolderDataset(train, FastTrainTransform(size), seed=0)}
@@ -382,7 +383,8 @@ def compare_decode(root, size=224, batch_size=64, steps=20, warmup=2, repeats=5,
     return results
 
 
-if __name__ == '__main__':
+def compare_main(argv=None):
+    """`python dlojz_loader.py ROOT`: the classic loader against dlojz's decode paths, per worker."""
     import statistics
     p = argparse.ArgumentParser(description='The classic torchvision loader against dlojz\'s decode paths, '
                                             'per worker (one worker each by default: per core).')
@@ -393,7 +395,7 @@ if __name__ == '__main__':
     p.add_argument('--repeats', type=int, default=5)
     p.add_argument('--workers', type=int, default=1)
     p.add_argument('--shards', default=None, help='a `dlojz_data.py prepare` copy of root, measured too')
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     res = compare_decode(a.root, a.image_size, a.batch_size, a.steps, repeats=a.repeats, workers=a.workers,
                          shards=a.shards)
@@ -401,3 +403,7 @@ if __name__ == '__main__':
     for name, v in res.items():
         m = statistics.median(v)
         print(f'{name:10s} median {m:7.1f} img/s ({" ".join(f"{x:.0f}" for x in v)}): {m / base:.2f}x classic')
+
+
+if __name__ == '__main__':
+    compare_main()

@@ -1,5 +1,5 @@
 """A trial: dlojz run as a process of its own (its own memory peak, its own compile cache) and the summary.json
-it wrote. The loader doctor's trials (dlojz_loader) and the tuner's (dlojz_tune) both run this way."""
+it wrote. The loader doctor's trials (modes.doctor) and the tuner's (modes.tune) both run this way."""
 import json
 import os
 import subprocess

@@ -17,11 +17,11 @@ flags for --tune-steps steady steps after warm-up, in test mode, writing into <o
 
 The winner (most images per second) gives the recommended command line: the user's flags and the winning
 ones, with its expected epoch time and the learning rate the linear scaling rule gives the new batch. The
-scaling forecast (dlojz_scaling) from the winner's trial follows. tune.json (rewritten after every trial:
+scaling forecast (measure.scaling) from the winner's trial follows. tune.json (rewritten after every trial:
 a preempted --tune continues its table) and tune.csv go to --output-dir. --tune-budget MIN bounds the whole
 sweep, resumed parts included: a trial that would not finish in what is left is skipped and listed.
 
-dlojz.py calls tune_mode once it has taken the run folder (its flags are in dlojz_flags.get_args_parser());
+dlojz.py calls tune_mode once it has taken the run folder (its flags are in flags.get_args_parser());
 this module never imports dlojz.py.
 """
 import csv
@@ -30,12 +30,13 @@ import os
 import sys
 import time
 
-import dlojz_scaling
-from dlojz_errors import UsageError
-from dlojz_flags import get_args_parser, native_bf16
-from dlojz_log import SUMMARY_VERSION, Console, write_json
-from dlojz_rundir import run_files, run_record
-from dlojz_trial import run_for_summary
+from dlojzlib import SCRIPT
+from dlojzlib.errors import UsageError
+from dlojzlib.flags import get_args_parser, native_bf16
+from dlojzlib.measure import scaling
+from dlojzlib.modes.trial import run_for_summary
+from dlojzlib.record.log import SUMMARY_VERSION, Console, write_json
+from dlojzlib.record.rundir import run_files, run_record
 
 # flags the tuner sets itself in each trial, left out of the user's flags it passes on
 TRIAL_FLAGS = ('tune', 'tune_budget', 'tune_steps', 'tune_memory_gib', 'tune_max_batch', 'tune_machine',
@@ -223,8 +224,8 @@ def doctor_flags(output_dir):
             best = json.load(f)['verdict']['best']
     except (OSError, ValueError, KeyError):
         return []
-    import dlojz_loader
-    return dlojz_loader.trial_argv(best)
+    from dlojzlib.modes import doctor
+    return doctor.trial_argv(best)
 
 
 def winner(record, memory_budget=None):
@@ -280,14 +281,14 @@ def forecast_lines(args, best, cuda, gpus=(1, 2, 4, 8, 16, 32)):
     if not machine or not best.get('backward_ms'):
         return ['>>> Scaling forecast: give --tune-machine (a100, h100, v100, generic), or probe this machine: '
                 'torchrun --nproc_per_node N dlojz_scaling.py --probe probe.json (docs/scaling.md).'], None
-    link = dlojz_scaling.machine_link(machine)
+    link = scaling.machine_link(machine)
     per_node = link.ranks_per_node
     gpus = [g for g in gpus if g <= per_node or g % per_node == 0]
-    rows = dlojz_scaling.forecast(best['batch'] / best['images_per_s'], best['backward_ms'] / 1e3, best['batch'],
+    rows = scaling.forecast(best['batch'] / best['images_per_s'], best['backward_ms'] / 1e3, best['batch'],
                                   grad_bytes(args.arch, best.get('classes') or 1000), link, gpus,
                                   args.bucket_cap_mb)
     return [f'>>> Scaling forecast on {machine} ({link.source}; model: docs/scaling.md, an upper bound):'] + \
-        dlojz_scaling.table(rows), rows
+        scaling.table(rows), rows
 
 
 def write_csv(path, rows):
@@ -304,7 +305,7 @@ def run_tune(args, raw, parser, device, say, python=sys.executable, script=None,
     """--tune on one device -> the tune record (also in tune.json). raw: the flags as parsed, before defaults
     were resolved (what the user typed is what the trials and the recommendation repeat)."""
     check_tune_args(args, world_size)
-    script = script or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'dlojz.py')
+    script = script or SCRIPT
     cuda = device.type == 'cuda'
     if bf16 is None:  # dlojz refuses --amp bf16 below sm80: its trials would only be refused
         import torch
@@ -364,11 +365,11 @@ def tune_mode(args, raw, dist, device):
 
 
 def _to_argv(parser, raw, drop):
-    """The user's flags, without those in `drop` (dlojz_loader.to_argv with another list)."""
-    import dlojz_loader
-    saved = dlojz_loader._TRIAL_FLAGS
-    dlojz_loader._TRIAL_FLAGS = drop
+    """The user's flags, without those in `drop` (modes.doctor.to_argv with another list)."""
+    from dlojzlib.modes import doctor
+    saved = doctor._TRIAL_FLAGS
+    doctor._TRIAL_FLAGS = drop
     try:
-        return dlojz_loader.to_argv(parser, raw)
+        return doctor.to_argv(parser, raw)
     finally:
-        dlojz_loader._TRIAL_FLAGS = saved
+        doctor._TRIAL_FLAGS = saved

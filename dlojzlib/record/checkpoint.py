@@ -1,6 +1,6 @@
 """Checkpoint files: their names, atomic save (temp file, fsync, rename) and pruning, load, the newest readable
 one, the partial files a kill leaves, and the free space the next one needs. What a checkpoint holds, and
-restoring it, are dlojz_state's."""
+restoring it, are record.state's."""
 import os
 import re
 import signal
@@ -10,9 +10,9 @@ from contextlib import contextmanager
 
 import torch
 
-import dlojz_failpoints as failpoints
-import dlojz_log
-from dlojz_errors import UsageError, disk_full
+from dlojzlib import failpoints
+from dlojzlib.errors import UsageError, disk_full
+from dlojzlib.record import log
 
 
 CHECKPOINT_RE = re.compile(r'checkpoint-(\d+)\.pt$')
@@ -104,16 +104,16 @@ def _save_checkpoint(path, state, keep):
     os.close(fd)
     writes = None
     try:
-        with dlojz_log.open_for_write(tmp, 'wb') as f:
+        with log.open_for_write(tmp, 'wb') as f:
             failpoints.checkpoint_write(f, state)
             writes = _Writes(f)
             torch.save(state, writes)
-        dlojz_log.fsync_replace(tmp, path)
+        log.fsync_replace(tmp, path)
     except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if dlojz_log.no_space(e) or (writes is not None and dlojz_log.no_space(writes.error)):
-            raise disk_full(path, dlojz_log.disk_usage) from None
+        if log.no_space(e) or (writes is not None and log.no_space(writes.error)):
+            raise disk_full(path, log.disk_usage) from None
         raise
     if keep:
         for old in list_checkpoints(os.path.dirname(path) or '.')[:-keep]:
@@ -127,7 +127,7 @@ def space_warning(folder, usage=None):
     if not found:
         return None
     try:
-        size, free = os.path.getsize(found[-1]), (usage or dlojz_log.disk_usage)(folder).free
+        size, free = os.path.getsize(found[-1]), (usage or log.disk_usage)(folder).free
     except OSError:
         return None
     if free >= 2 * size:

@@ -11,7 +11,7 @@ import urllib.parse
 
 import torch
 
-from dlojz_errors import NO_SPACE, disk_full
+from dlojzlib.errors import NO_SPACE, disk_full
 
 
 SUMMARY_VERSION = 1

@@ -13,10 +13,10 @@ without a row). Torch-free: it compares two sets of flags.
 
 Values are compared as check_args resolved them (a default that follows the node, such as --num-workers,
 is compared as resolved). resolve() makes the refusals that need nothing but the flags; the 'checked' rows,
---arch and the global batch are dlojz_state's (check_checkpoint knows the data and the world size, check_fits
+--arch and the global batch are record.state's (check_checkpoint knows the data and the world size, check_fits
 the model and the optimizer), the modes' their own.
 """
-from dlojz_errors import UsageError
+from dlojzlib.errors import UsageError
 
 H, X, R, K, C, M = 'honoured', 'extends', 'refused', 'checked', 'checkpoint', 'mode'
 
@@ -140,7 +140,7 @@ CONTRACT = {
     'tune_machine': (H, 'read by --tune only'),
 }
 
-# the flags whose change rebuilds the LR schedule at the current step (with the global batch, dlojz_state's)
+# the flags whose change rebuilds the LR schedule at the current step (with the global batch, record.state's)
 SCHEDULE = ('lr', 'scheduler', 'warmup_epochs', 'poly_power', 'epochs')
 NOT_SHOWN = ('resume', 'base_lr')  # differ on every resume, or already shown through the value they set
 # Refused elsewhere: --arch and the global batch (world size, --allow-batch-change) by check_checkpoint, which

@@ -12,11 +12,11 @@ import subprocess
 import time
 from contextlib import contextmanager
 
-import dlojz_dist
-import dlojz_failpoints as failpoints
-from dlojz_checkpoint import CHECKPOINT_RE, remove_partial_checkpoints
-from dlojz_errors import Complete, UsageError, writable
-from dlojz_log import fsync_replace, write_json
+from dlojzlib import failpoints
+from dlojzlib.dist import launch
+from dlojzlib.errors import Complete, UsageError, writable
+from dlojzlib.record.checkpoint import CHECKPOINT_RE, remove_partial_checkpoints
+from dlojzlib.record.log import fsync_replace, write_json
 
 
 def default_output_dir(args, dist):
@@ -89,7 +89,7 @@ def complete_sentence(path, summary):
 def asks_nothing_more(summary, args, world_size):
     """Whether `args` asks a completed run (its `summary`) for no step beyond those it ran: the same length flags
     (-e, --test-nsteps), or others that end at the same step (from the summary's steps per epoch, for the same
-    global batch). dlojz_state.check_resume decides the cases this cannot (another global batch)."""
+    global batch). record.state.check_resume decides the cases this cannot (another global batch)."""
     config = summary.get('config') or {}
     length = lambda test, epochs, nsteps: (epochs, bool(test), nsteps if test else None)
     if length(config.get('test'), config.get('epochs'), config.get('test_nsteps')) == \
@@ -372,12 +372,12 @@ def taken(args, dist, lock=None):
         except BaseException:
             lock.release()
             raise
-    args.output_dir = dlojz_dist.broadcast_object(dlojz_dist.on_ranks(take, when=dist.is_main))
+    args.output_dir = launch.broadcast_object(launch.on_ranks(take, when=dist.is_main))
     try:
         # the same command on a completed run (a resubmitted job): one line, exit 0, nothing written in the folder
         training = args.resume and not (args.evaluate or args.tune)  # the other modes have their own records
         done = completed_run(args.output_dir) if dist.is_main and training else None
-        if dlojz_dist.broadcast_object(done is not None and asks_nothing_more(done, args, dist.world_size)):
+        if launch.broadcast_object(done is not None and asks_nothing_more(done, args, dist.world_size)):
             raise Complete(complete_sentence(args.output_dir, done or {}))
         if dist.is_main and args.run_name and os.path.basename(args.output_dir) != args.run_name:
             first = os.path.join('runs', args.run_name)

@@ -1,6 +1,6 @@
 """A run's state and its checkpoints: where the loop is (Progress), what a checkpoint holds, which one
 --resume picks, whether this run can continue it, and putting it back. The files themselves (atomic
-writes, listing, pruning) are dlojz_checkpoint's."""
+writes, listing, pruning) are record.checkpoint's."""
 import os
 import random
 import sys
@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-import dlojz_dist
-from dlojz_checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint, load_latest_checkpoint,
+from dlojzlib.dist import launch
+from dlojzlib.errors import Complete, Interrupted, Preempted, UsageError
+from dlojzlib.record.checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint, load_latest_checkpoint,
                               save_checkpoint, space_warning, strip_prefixes)
-from dlojz_errors import Complete, Interrupted, Preempted, UsageError
-from dlojz_log import SUMMARY_VERSION
-from dlojz_resume import flag, schedule_changes
-from dlojz_rundir import complete_sentence, completed_run
+from dlojzlib.record.log import SUMMARY_VERSION
+from dlojzlib.record.resume import flag, schedule_changes
+from dlojzlib.record.rundir import complete_sentence, completed_run
 
 
 @dataclass
@@ -74,7 +74,7 @@ def save(run, progress, path=None):
     """Every rank calls it: each rank's device RNG state is gathered, then rank 0 writes
     checkpoint-<global step>.pt in the run directory, keeping the newest --keep-checkpoints (or `path`,
     pruning nothing). A failure on rank 0 (a full disk) is raised on every rank. -> the path, on every rank."""
-    device_rng = dlojz_dist.all_gather_object(device_rng_state(run.device))
+    device_rng = launch.all_gather_object(device_rng_state(run.device))
     keep = None if path else run.args.keep_checkpoints
     path = path or checkpoint_path(run.args.output_dir, progress.global_step)
 
@@ -83,7 +83,7 @@ def save(run, progress, path=None):
         if warning:
             print(f'dlojz: warning: {warning}', file=sys.stderr, flush=True)
         save_checkpoint(path, checkpoint_state(run, progress, device_rng), keep=keep)
-    dlojz_dist.on_ranks(write, when=run.dist.is_main)
+    launch.on_ranks(write, when=run.dist.is_main)
     run.log.print(f'Checkpoint {path} written (step {progress.global_step})')
     return path
 
@@ -96,8 +96,8 @@ def find_resume_checkpoint(args, dist, say):
     if args.resume != 'auto':
         return args.resume, load_checkpoint(args.resume)
     warn = lambda m: print(m, file=sys.stderr, flush=True)
-    found = dlojz_dist.on_ranks(lambda: load_latest_checkpoint(args.output_dir, warn), when=dist.is_main)
-    path = dlojz_dist.broadcast_object(found[0] if found else None)
+    found = launch.on_ranks(lambda: load_latest_checkpoint(args.output_dir, warn), when=dist.is_main)
+    path = launch.broadcast_object(found[0] if found else None)
     if path is None:
         say(f'--resume auto: no checkpoint in {args.output_dir}; starting from the beginning')
         return None, None
@@ -106,7 +106,7 @@ def find_resume_checkpoint(args, dist, say):
 
 
 # The optimizer's hyperparameters a changed flag sets again after its state is loaded (the state carries the
-# checkpoint's; --mom is the schedule's under onecycle: dlojz_resume.schedule_changes), the keys of a
+# checkpoint's; --mom is the schedule's under onecycle: record.resume.schedule_changes), the keys of a
 # schedule built for this run's flags (OneCycleLR keeps its bounds in the groups and sets the momentum at each
 # step), and the choice of kernels, which is this device's (fused on a GPU) whatever the checkpoint's was.
 HYPERPARAMETERS = {'wd': ('weight_decay',), 'mom': ('momentum', 'betas')}
@@ -166,7 +166,7 @@ def check_resume(args, dist, path, ckpt, data, model, optimizer, global_batch, s
         check_fits(ckpt, path, args.arch, model, None if args.evaluate else optimizer)
     if args.evaluate or not args.resume:
         return
-    done = dlojz_dist.broadcast_object(completed_run(args.output_dir) if dist.is_main else None)
+    done = launch.broadcast_object(completed_run(args.output_dir) if dist.is_main else None)
     at = ckpt['global_step'] * ckpt['global_batch'] // global_batch if ckpt is not None else \
         (done or {}).get('global_step')
     if at is None:  # nothing to continue: a fresh start
@@ -348,9 +348,9 @@ def preempt(run, progress):
     path = save(run, progress) if progress.global_step else None
     requeued, detail = False, '--no-requeue'
     if args.requeue:
-        requeued, detail = dlojz_dist.on_ranks(lambda: dlojz_dist.requeue(dist, run.stop.received),
+        requeued, detail = launch.on_ranks(lambda: launch.requeue(dist, run.stop.received),
                                                when=dist.is_main) or (False, '')
-    requeued = dlojz_dist.broadcast_object(requeued)
+    requeued = launch.broadcast_object(requeued)
     kept = f'checkpoint {path} written' if path else 'no checkpoint (no step had run)'
     raise Preempted(f'stopped by {why} at step {progress.global_step}; {kept}. ' +
                     ('The SLURM job was requeued and will resume from it (--resume auto).' if requeued else

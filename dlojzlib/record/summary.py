@@ -5,12 +5,12 @@ import math
 import os
 import socket
 
-import dlojz_dist
-import dlojz_recipe
 from dlojz_chrono import verdict
-from dlojz_flags import get_args_parser
-from dlojz_host import provenance
-from dlojz_log import SUMMARY_VERSION, write_json
+from dlojzlib import recipe
+from dlojzlib.dist import launch
+from dlojzlib.flags import get_args_parser
+from dlojzlib.host import provenance
+from dlojzlib.record.log import SUMMARY_VERSION, write_json
 
 
 def print_header(run):
@@ -24,10 +24,10 @@ def print_header(run):
         (f' ({args.accum_steps} micro-batches per step)' if args.accum_steps > 1 else ''))
     if args.findlr:
         say(f'learning rate: sweep from 1e-08 to {args.lr:g} over {run.total_steps} steps')
-        if run.total_steps < dlojz_recipe.FINDLR_MIN_STEPS:
+        if run.total_steps < recipe.FINDLR_MIN_STEPS:
             say(f'Warning: an LR sweep of {run.total_steps} steps multiplies the LR by '
                 f'{(args.lr / 1e-8) ** (1 / max(1, run.total_steps - 1)):.2g} per step: its suggestion is coarse; '
-                f'give it {dlojz_recipe.FINDLR_MIN_STEPS} steps or more (--test-nsteps, and -e so that the epochs '
+                f'give it {recipe.FINDLR_MIN_STEPS} steps or more (--test-nsteps, and -e so that the epochs '
                 f'hold them).')
     else:
         rule = '--lr' if args.lr != args.base_lr * run.global_batch / 256 else \
@@ -76,7 +76,7 @@ def write_summary(run, progress, status, error=None, extra=None):
         summary['communication'] = communication_estimate(args.bucket_cap_mb, run.model_without_ddp,
                                                           dist.world_size)
         if status == 'completed':
-            ranks = dlojz_dist.all_gather_object(rank_report(run))
+            ranks = launch.all_gather_object(rank_report(run))
             timing['bound_rank0'] = timing.get('bound')
             timing.update(ranks_summary(ranks))
             summary['memory']['gpu_max_allocated_bytes_any_rank'] = max(
@@ -118,7 +118,7 @@ def ranks_summary(ranks):
     """Straggler view: slowest and fastest rank by median step time, and the skew between them; the verdict
     from every rank's sums (Chronometer.totals).
 
-    Each rank measured how long its steps waited in collectives (`collective_s`, dlojz_comm): for the gradient
+    Each rank measured how long its steps waited in collectives (`collective_s`, measure.comm): for the gradient
     all-reduce after their backward computation (`exposed_s`) and for DDP's buffer broadcast before their
     forward pass (`buffers_s`). The rank that arrives last at a collective waits only for the transfer; the
     others wait for it as well. So the smallest such time over the ranks is the transfer (`comm_s`,

@@ -5,7 +5,7 @@
 
 The corpus: real ILSVRC-2012 training files are a median 500 x 375 px, about 110 KB, 4 % grayscale, most of them
 500 x 375, 375 x 500 or 500 x 333, with a few far larger. Its pictures are the synthetic dataset's 1/f texture
-(dlojz_data), with more amplitude and a flatter spectrum (beta 1.0) so that at quality 90 a 500 x 375 file
+(data.datasets), with more amplitude and a flatter spectrum (beta 1.0) so that at quality 90 a 500 x 375 file
 weighs about what an ImageNet one does, and so costs libjpeg-turbo about as much entropy decoding.
 
 `compare` runs each pipeline as its own process under `taskset -c CPU` (one core for the loader's worker and
@@ -32,7 +32,8 @@ import time
 import numpy as np
 from PIL import Image
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from dlojzlib import ROOT, SCRIPT
+
 
 # (width, height): weight. Medians: 500 x 375 by area; the small and large tails keep the mean area near
 # ImageNet's (about 400 x 350 px on average, reported for the training set).
@@ -44,12 +45,12 @@ GRAYSCALE = 0.04
 
 def corpus_image(seed, index):
     """-> (PIL image, is_grayscale) for one file of the corpus."""
-    import dlojz_data
+    from dlojzlib.data import datasets
     rng = np.random.default_rng([seed, index])
     sizes, weights = list(SIZES), np.array(list(SIZES.values()), float)
     w, h = sizes[rng.choice(len(sizes), p=weights / weights.sum())]
     base = rng.uniform(60, 190, 3)
-    t = dlojz_data._texture(rng, h, w, 1.0)
+    t = datasets._texture(rng, h, w, 1.0)
     x = base + 50 * t * (0.8 + 0.4 * rng.random(3))
     img = Image.fromarray(np.clip(x, 0, 255).astype(np.uint8))
     gray = rng.random() < GRAYSCALE
@@ -141,7 +142,7 @@ def dlojz(root, size, batch, steps, warmup, extra=(), env=None):
     """dlojz.py --loader-only, one worker -> the img/s it prints."""
     import tempfile
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, os.path.join(HERE, 'dlojz.py'), '--loader-only', '--data-dir', root,
+        cmd = [sys.executable, SCRIPT, '--loader-only', '--data-dir', root,
                '--num-workers', '1', '-b', str(batch), '--image-size', str(size), '--test-nsteps', str(steps),
                '--warmup-steps', str(warmup), '--wandb', 'off', '--output-dir', out, '--overwrite', *extra]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
@@ -171,7 +172,7 @@ def shards_of(root):
     """The --max-side 320 shards of root, prepared once beside it."""
     dst = root.rstrip('/') + '-shards320'
     if not os.path.exists(os.path.join(dst, 'index.json')):
-        subprocess.run([sys.executable, os.path.join(HERE, 'dlojz_data.py'), 'prepare', root, dst, '--max-side', '320'],
+        subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_data.py'), 'prepare', root, dst, '--max-side', '320'],
                        check=True, stdout=subprocess.DEVNULL)
     return dst
 
@@ -183,7 +184,7 @@ def compare(root, pipelines, repeats, cpu, size, batch, steps, warmup):
     results = {p: [] for p in pipelines}
     for r in range(repeats):
         for p in pipelines:
-            cmd = ['taskset', '-c', str(cpu), sys.executable, os.path.abspath(__file__), 'one', p, root,
+            cmd = ['taskset', '-c', str(cpu), sys.executable, os.path.join(ROOT, 'dlojz_bench.py'), 'one', p, root,
                    '--image-size', str(size), '-b', str(batch), '--steps', str(steps), '--warmup', str(warmup)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             results[p].append(float(re.findall(r'RATE ([\d.]+)', out)[-1]))
@@ -212,13 +213,13 @@ def main(argv=None):
             q.add_argument('--cpu', type=int, default=0, help='the core every pipeline is pinned to')
             q.add_argument('--pipelines', default=None, help='comma-separated; default classic,fast,shards[,dali]')
     a = p.parse_args(argv)
-    import dlojz_dali  # is DALI installed (one import of torch, in the parent only)
+    from dlojzlib.data import dali  # is DALI installed (one import of torch, in the parent only)
     if a.cmd == 'corpus':
         make_corpus(a.root, a.images, seed=a.seed)
     elif a.cmd == 'one':
         print(f'RATE {one(a.pipeline, a.root, a.image_size, a.batch_size, a.steps, a.warmup):.3f}')
     else:
-        names = a.pipelines.split(',') if a.pipelines else ['classic', 'fast', 'shards'] + (['dali'] * (dlojz_dali.dali() is not None))
+        names = a.pipelines.split(',') if a.pipelines else ['classic', 'fast', 'shards'] + (['dali'] * (dali.dali() is not None))
         res = compare(a.root, names, a.repeats, a.cpu, a.image_size, a.batch_size, a.steps, a.warmup)
         base = statistics.median(res['classic']) if 'classic' in res else None
         print('| pipeline | ' + ' | '.join(f'run {i + 1}' for i in range(a.repeats)) + ' | median | x classic |')

@@ -27,12 +27,12 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 
-from dlojz_checkpoint import list_checkpoints, load_checkpoint, strip_prefixes
 from dlojz_chrono import PHASES
-from dlojz_errors import UsageError
-from dlojz_log import SUMMARY_VERSION
-from dlojz_recipe import FINDLR_MIN_STEPS, centered_mean, diverged_at, suggest_lr
-from dlojz_scaling import collective_waits
+from dlojzlib.errors import UsageError
+from dlojzlib.measure.scaling import collective_waits
+from dlojzlib.recipe import FINDLR_MIN_STEPS, centered_mean, diverged_at, suggest_lr
+from dlojzlib.record.checkpoint import list_checkpoints, load_checkpoint, strip_prefixes
+from dlojzlib.record.log import SUMMARY_VERSION
 
 # Config keys that name places, not what was measured: they always differ between runs.
 PATH_KEYS = {'output_dir', 'cache_dir', 'resume'}
@@ -138,7 +138,7 @@ def load_run(path):
 
 
 def latest_records(records):
-    """A run resumed by a dlojz older than the trimming of metrics.jsonl (dlojz_rundir.trim_metrics) logged the
+    """A run resumed by a dlojz older than the trimming of metrics.jsonl (record.rundir.trim_metrics) logged the
     steps after its checkpoint twice: keep the last record of each (type, global step), in order.
     -> (records, number dropped)."""
     last = {}
@@ -654,7 +654,7 @@ def sweep_view(rep):
 
 def step_terms(run):
     """A run's mean steady step (s, mean over its ranks) and its ranks' waits per step in collectives
-    (dlojz_scaling.collective_waits: the transfer, the wait for a late rank); None where not measured."""
+    (measure.scaling.collective_waits: the transfer, the wait for a late rank); None where not measured."""
     t = run.get('timing') or {}
     ranks = [r for r in t.get('ranks') or [] if r.get('steady_steps')]
     if ranks:
@@ -1030,7 +1030,7 @@ def metric_sync_view(rep):
 # ------------------------------------------------------------------------------------ view: LR finder
 
 def lr_suggestion(lrs, losses):
-    """-> (smoothed curve, cut, suggested lr or None, why): dlojz's own rule (dlojz_recipe.suggest_lr, the
+    """-> (smoothed curve, cut, suggested lr or None, why): dlojz's own rule (recipe.suggest_lr, the
     steepest descent of the smoothed loss), so the report says what the console and summary.json said. The
     curve is cut where the sweep counts as diverged; `smoothed` is the centered mean the suggestion follows."""
     cut = diverged_at(losses)

@@ -36,8 +36,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-import dlojz_dist  # noqa: E402 - from the repository root
-from dlojz_trial import run_for_summary  # noqa: E402
+from dlojzlib.dist import launch  # noqa: E402 - from the repository root
+from dlojzlib.modes.trial import run_for_summary  # noqa: E402
 CLASSES, VAL_PER_CLASS = 10, 16
 WINDOW = 20  # iterations: the reference's SmoothedValue window
 GOAL_IMG_S = 7000  # MLPerf Training v4.0, ResNet-50, per H100 (MXNet with DALI)
@@ -84,14 +84,14 @@ def make_dataset(args):
     """-> the ImageFolder root (train/, val/): --unique JPEGs per class, hard-linked into as many
     files as an epoch needs, so that the reference's epoch (it has no step limit) holds every
     measured step."""
-    import dlojz_data
+    from dlojzlib.data import datasets
     per_class = math.ceil((args.warmup + args.steps + 1) * args.batch / CLASSES) + 1
     root = os.path.join(args.data, f'c{CLASSES}-u{args.unique}-n{per_class}')
     marker = os.path.join(root, 'COMPLETE')
     if os.path.exists(marker):
         return root
     source = os.path.join(args.data, f'unique-c{CLASSES}-u{args.unique}')
-    dlojz_data.ensure_synthetic_dataset(source, CLASSES, args.unique, VAL_PER_CLASS, seed=0,
+    datasets.ensure_synthetic_dataset(source, CLASSES, args.unique, VAL_PER_CLASS, seed=0,
                                         workers=len(os.sched_getaffinity(0)), log=lambda s: say(s))
     for split, n in (('train', per_class), ('val', VAL_PER_CLASS)):
         for name in sorted(os.listdir(os.path.join(source, split))):
@@ -217,7 +217,7 @@ def main(argv=None):
     out = args.out or os.path.join(ROOT, 'runs', f'side-{stamp}')
     os.makedirs(out, exist_ok=True)
     # each run alone, inside a job too (the reference reads SLURM_PROCID as a distributed launch)
-    for name in dlojz_dist.launch_variables():
+    for name in launch.launch_variables():
         del os.environ[name]
     t0 = time.perf_counter()
     data = make_dataset(args)

@@ -7,7 +7,7 @@
   pinned batches copied without blocking;
 - the Chronometer's CUDA-event phases add up to the kernel time torch.profiler records (within 5 %);
 - NVML energy is positive and within the board's enforced power limit x the elapsed time;
-- the all-reduce hook's done event (dlojz_comm) comes after the all-reduce, on NCCL; on gloo with
+- the all-reduce hook's done event (measure.comm) comes after the all-reduce, on NCCL; on gloo with
   CUDA tensors both events are on this rank's GPU and read;
 - an AdamW checkpoint written on the CPU continues fused on the GPU, and back;
 - torchrun with NCCL at world size 1, and 2 GPUs with --sync-bn where the node has them; 2 ranks
@@ -45,16 +45,16 @@ import torch
 import torchvision
 from torch.autograd import DeviceType
 
-import dlojz
-import dlojz_data
-import dlojz_decode
-import dlojz_dist
-import dlojz_flags
 from conftest import TINY, latest, run_cli, run_main, torchrun
+import dlojz
+from dlojzlib import flags
+from dlojzlib.data import datasets
+from dlojzlib.data import decode
+from dlojzlib.dist import launch
 from .conftest import unavailable
-from dlojz_power import PowerMeter
-from dlojz_log import Console
-from dlojz_metrics import Meters
+from dlojzlib.measure.power import PowerMeter
+from dlojzlib.metrics import Meters
+from dlojzlib.record.log import Console
 
 CUDA = ['--device', 'cuda']
 
@@ -94,8 +94,8 @@ def built(tmp_path, cache_dir, *extra):
     drive train_step themselves. Nothing is logged (a disabled console opens no metrics file)."""
     argv = [str(a) for a in [*TINY, *CUDA, '--cache-dir', cache_dir, '--output-dir', tmp_path, *extra]]
     dist = dlojz.get_dist_info()
-    device = dlojz_dist.pick_device('cuda', dist)
-    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(argv), device, dist.world_size)
+    device = launch.pick_device('cuda', dist)
+    args = flags.check_args(dlojz.get_args_parser().parse_args(argv), device, dist.world_size)
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     torch.use_deterministic_algorithms(args.deterministic)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
@@ -318,12 +318,12 @@ def test_torchrun_one_gpu_runs_nccl_and_ddp(tmp_path, cache_dir):
 
 
 def test_the_all_reduce_done_event_waits_for_the_all_reduce(tmp_path):
-    """dlojz_comm on CUDA events, NCCL at world size 1: the all-reduce is queued behind a 50 ms spin on a side
+    """measure.comm on CUDA events, NCCL at world size 1: the all-reduce is queued behind a 50 ms spin on a side
     stream (a slow link), the backward pass's stream is not. The done event, recorded in the future's callback,
     must come after it: exposed ~50 ms. Recorded on a stream that does not wait, it would read ~0."""
     import torch.distributed as tdist
 
-    import dlojz_comm
+    from dlojzlib.measure import comm
     from dlojz_chrono import CudaTimeline
     timeline = CudaTimeline()
     timeline.delay(0.001)  # calibrates the spin
@@ -338,12 +338,12 @@ def test_the_all_reduce_done_event_waits_for_the_all_reduce(tmp_path):
             with torch.cuda.stream(side):
                 timeline.delay(0.050)
                 return tdist.all_reduce(t, async_op=True).get_future()
-        timer = dlojz_comm.CommTimer(1, timeline, all_reduce=slow_all_reduce)
+        timer = comm.CommTimer(1, timeline, all_reduce=slow_all_reduce)
         ddp.register_comm_hook(None, timer.hook)
         for _ in range(2):
             ddp(torch.randn(32, 64, device='cuda')).square().mean().backward()
             torch.cuda.synchronize()
-            got = dlojz_comm.resolve(*timer.take())
+            got = comm.resolve(*timer.take())
         assert got['exposed'] == pytest.approx(0.050, abs=0.015) and got['bytes'] == 4 * (64 * 64 + 64 + 64 * 2 + 2)
     finally:
         tdist.destroy_process_group()
@@ -356,20 +356,20 @@ def test_the_hooks_events_on_gloo_with_cuda_tensors(tmp_path):
     tests/test_comm.py does, on a fake."""
     import torch.distributed as tdist
 
-    import dlojz_comm
+    from dlojzlib.measure import comm
     from dlojz_chrono import CudaTimeline
     device = torch.device('cuda', torch.cuda.current_device())
     tdist.init_process_group('gloo', init_method=f'file://{tmp_path}/store', rank=0, world_size=1)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2)).to(device)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
-        timer = dlojz_comm.CommTimer(1, CudaTimeline(device))
+        timer = comm.CommTimer(1, CudaTimeline(device))
         ddp.register_comm_hook(None, timer.hook)
         for _ in range(2):
             ddp(torch.randn(32, 64, device=device)).square().mean().backward()
             torch.cuda.synchronize()
             marks, buffers = timer.take()
-            got = dlojz_comm.resolve(marks, buffers)
+            got = comm.resolve(marks, buffers)
         parameters = 64 * 64 + 64 + 64 * 2 + 2
         assert got is not None and got['exposed'] >= 0 and got['bytes'] == 4 * parameters
         assert all(e.index == device.index for mark in marks for e in mark[:2])
@@ -494,13 +494,13 @@ def test_slow_loader_is_loader_bound_by_the_device_clock(tmp_path, cache_dir, gp
     during the next wait."""
     gpu_step = gpu_bound['timing']['stats']['compute']['median']
     wait = max(0.05, 2 * gpu_step)
-    fast = dlojz_data.FakeLoader.__iter__
+    fast = datasets.FakeLoader.__iter__
 
     def slow(self):
         for batch in fast(self):
             time.sleep(wait)
             yield batch
-    monkeypatch.setattr(dlojz_data.FakeLoader, '__iter__', slow)
+    monkeypatch.setattr(datasets.FakeLoader, '__iter__', slow)
     s, _ = run_main(tmp_path, cache_dir, *heavy_flags(), '--test-nsteps', 8, '--warmup-steps', 2)
     t = s['timing']
     w, compute = t['warmup_steps'], t['stats']['compute']['median']
@@ -516,14 +516,14 @@ def test_slow_loader_is_loader_bound_by_the_device_clock(tmp_path, cache_dir, gp
 
 def encoded_batch(n=32, size=64, seed=0):
     """n samples of three real-photo-like synthetic JPEGs (baseline, 4:2:0), as the workers hand them over."""
-    gpu = dlojz_decode.GpuTrainTransform(size, dlojz_decode.host_train_transform(size))
+    gpu = decode.GpuTrainTransform(size, decode.host_train_transform(size))
     blobs = []
     for k in range(3):
         buf = io.BytesIO()
-        dlojz_data.synthetic_image(k, 'train', k, 0, 10).save(buf, 'JPEG', quality=90)
-        blobs.append(dlojz_decode.Blob(buf.getvalue(), f'synthetic-{k}'))
+        datasets.synthetic_image(k, 'train', k, 0, 10).save(buf, 'JPEG', quality=90)
+        blobs.append(decode.Blob(buf.getvalue(), f'synthetic-{k}'))
     samples = [(gpu(blobs[i % 3], random.Random(f'{seed}-0-{i}')), 0) for i in range(n)]
-    return dlojz_decode.GpuCollate(size)(samples)[0]
+    return decode.GpuCollate(size)(samples)[0]
 
 
 def test_nvjpeg_crops_match_the_cpu_seam():
@@ -538,8 +538,8 @@ def overwritten(batch, decoder, trials=20):
     kernel, the tensors are freed (their blocks return to the caching allocator at once), then `decoder()`
     runs. -> how many reductions saw other values than the fill: blocks a decoder wrote before the queued
     kernels read them."""
-    sizes = [tuple(img.shape) for img in dlojz_decode.decode_jpeg(list(torch.split(batch.data, batch.sizes)),
-                                                                   mode=dlojz_decode.ImageReadMode.RGB)]
+    sizes = [tuple(img.shape) for img in decode.decode_jpeg(list(torch.split(batch.data, batch.sizes)),
+                                                                   mode=decode.ImageReadMode.RGB)]
     bad = 0
     for trial in range(trials):
         held = [torch.full(s, 7, dtype=torch.uint8, device='cuda') for s in sizes]
@@ -565,11 +565,11 @@ def test_the_race_check_sees_a_decode_on_the_training_stream():
     """Positive control of the test above: torchvision's decode_jpeg called on the current stream, as
     without dlojz's side stream. From 0.20 its batched decoder writes from a private stream that does not wait
     for the current one; 0.19 decodes on the current stream (no race to show)."""
-    if not dlojz_decode.decodes_lists(torchvision.__version__):
+    if not decode.decodes_lists(torchvision.__version__):
         pytest.skip(f'torchvision {torchvision.__version__} decodes on the current stream: no race to show')
     batch = encoded_batch(16)
     chunks = list(torch.split(batch.data, batch.sizes))
-    bad = overwritten(batch, lambda: dlojz_decode.decode_jpeg(chunks, mode=dlojz_decode.ImageReadMode.RGB,
+    bad = overwritten(batch, lambda: decode.decode_jpeg(chunks, mode=decode.ImageReadMode.RGB,
                                                               device='cuda'))
     # 0 means either the check cannot see the race or this torchvision fixed it: the test above then proves
     # nothing on this version, which is worth a red line
@@ -581,7 +581,7 @@ def test_decode_ahead_gives_what_decoding_in_the_step_gives():
     """Through the decode thread and its streams, the batches equal those decoded at the step, bit for bit."""
     batches = [(encoded_batch(16, seed=k), torch.arange(16) + 100 * k) for k in range(3)]
     want = [(x.to('cuda').cpu(), y) for x, y in batches]
-    got = [(x.to('cuda').cpu(), y) for x, y in dlojz_decode.DecodeAhead(batches, 'cuda')]
+    got = [(x.to('cuda').cpu(), y) for x, y in decode.DecodeAhead(batches, 'cuda')]
     assert len(got) == 3 and all(torch.equal(g, w) and torch.equal(gy, wy) for (g, gy), (w, wy) in zip(got, want))
 
 
@@ -589,7 +589,7 @@ def unfinished_reads(take, trials=10):
     """The geometry stream is held back (~25 ms of spin) before a batch is decoded; the training stream then
     takes the batch with `take` and sums it at once. -> how many sums differ from the batch's own, read after a
     full synchronisation: reads of a batch the decoder had not finished writing."""
-    decoder = dlojz_decode.DeviceDecode()
+    decoder = decode.DeviceDecode()
     device = torch.device('cuda', torch.cuda.current_device())
     geometry = decoder._streams_of(device)['geometry']
     bad = 0
@@ -699,9 +699,9 @@ def test_queued_work_is_clean_and_compute_bound():
 
 def test_pinned_shared_batches_equal_the_default_collates():
     """With pinned memory, torch's pin-memory thread copies each shared slot into a pinned batch
-    (dlojz_handover.SlotBatch.pin_memory) and frees the slot: the batches equal the default collate's."""
-    import dlojz_handover
-    from dlojz_workers import DataLoader, ignore_preemption_signals
+    (data.handover.SlotBatch.pin_memory) and frees the slot: the batches equal the default collate's."""
+    from dlojzlib.data import handover
+    from dlojzlib.data.workers import DataLoader, ignore_preemption_signals
 
     class Pictures(torch.utils.data.Dataset):
         def __len__(self):
@@ -712,7 +712,7 @@ def test_pinned_shared_batches_equal_the_default_collates():
 
     kw = dict(batch_size=6, num_workers=2, prefetch_factor=2, pin_memory=True, worker_init_fn=ignore_preemption_signals)
     want = list(DataLoader(Pictures(), **kw))
-    collate = dlojz_handover.SharedCollate(2, 2, 6, 8)
+    collate = handover.SharedCollate(2, 2, 6, 8)
     got = list(DataLoader(Pictures(), collate_fn=collate, **kw))
     assert len(got) == len(want) == 7 and collate.stats()['batches_in_slots'] == 7
     for (x, y), (wx, wy) in zip(got, want):
@@ -722,15 +722,15 @@ def test_pinned_shared_batches_equal_the_default_collates():
 def test_dali_mixed_decoder_matches_its_cpu_pipeline(tmp_path, cache_dir):
     """--loader dali on a GPU: the 'mixed' decoder (nvJPEG, the hardware engine on A100/H100) gives the CPU
     pipeline's batches on the device, within a few levels (IDCT and upsampling differ), and a run trains."""
-    import dlojz_dali
-    if dlojz_dali.dali() is None:
+    from dlojzlib.data import dali
+    if dali.dali() is None:
         pytest.skip('NVIDIA DALI is not installed')
     s, _ = run_main(tmp_path / 'run', cache_dir, *CUDA, '--loader', 'dali', '--num-workers', 2, '--test-nsteps', 4)
     assert s['status'] == 'completed' and s['data']['dali']['decoder'] == 'mixed'
     argv = [*TINY, '--cache-dir', cache_dir, '--loader', 'dali', '--num-workers', '2']
-    args = dlojz_flags.check_args(dlojz.get_args_parser().parse_args(argv), torch.device('cuda'))
+    args = flags.check_args(dlojz.get_args_parser().parse_args(argv), torch.device('cuda'))
     dist = SimpleNamespace(rank=0, world_size=1, local_rank=0, is_main=True)
-    on = {d: dlojz_data.build_data(args, dist, log=lambda *a: None, device=torch.device(d)) for d in ('cuda', 'cpu')}
+    on = {d: datasets.build_data(args, dist, log=lambda *a: None, device=torch.device(d)) for d in ('cuda', 'cpu')}
     for d in on.values():
         d.set_epoch(0)
     gx, gy = next(iter(on['cuda'].train_loader))

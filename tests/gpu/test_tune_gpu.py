@@ -1,4 +1,4 @@
-"""--tune on a real GPU (dlojz_tune), shrunk to about a minute: the batch doubling reads GPU memory
+"""--tune on a real GPU (modes.tune), shrunk to about a minute: the batch doubling reads GPU memory
 (the peak grows with the batch), the GPU's low precisions run as trials (fp16; bf16 from sm80), and
 a trial chosen before the sweep (the default configuration at the largest batch), rerun as a plain
 dlojz.py process, reproduces the table's img/s within 15 %.
@@ -22,10 +22,10 @@ import json
 import pytest
 import torch
 
-import dlojz
-import dlojz_flags
-import dlojz_tune as T
 from conftest import run_cli
+import dlojz
+from dlojzlib import flags
+from dlojzlib.modes import tune as T
 
 STEPS = 60  # steady steps per trial and in the rerun: ~10 ms each at batch 16 in fp32 (TF32)
 SWEEP = ['--fake-data', '--fake-classes', '10', '--fake-val-size', '32', '--arch', 'resnet50',
@@ -49,7 +49,7 @@ def gpu_sweep(tmp_path_factory, cache_dir):
     args = parser.parse_args(SWEEP + ['--cache-dir', cache_dir, '--output-dir', str(out), *tune])
     raw = dict(vars(args))
     device = torch.device('cuda', torch.cuda.current_device())
-    dlojz_flags.check_args(args, device)
+    flags.check_args(args, device)
     lines = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(T, 'configurations', eager)
@@ -60,7 +60,7 @@ def gpu_sweep(tmp_path_factory, cache_dir):
 def test_tune_on_a_gpu(gpu_sweep, cache_dir):
     record, lines, out = gpu_sweep
     names = [r['name'] for r in record['trials']]
-    bf16 = dlojz_flags.native_bf16(torch.cuda.get_device_capability())
+    bf16 = flags.native_bf16(torch.cuda.get_device_capability())
     assert names == ['b8-off-cl-eager', 'b16-off-cl-eager', 'b16-fp16-cl-eager'] + \
         (['b16-bf16-cl-eager'] if bf16 else []), names
     assert all(r['status'] == 'completed' for r in record['trials']), record['trials']

@@ -31,7 +31,7 @@ import pytest
 
 from conftest import ROOT, TINY
 from cluster import Cluster, why_unavailable
-from dlojz_checkpoint import list_checkpoints
+from dlojzlib.record.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slurm
 LONG = ['-e', '2', '--log-interval', '1']  # 24 steps of 8 images

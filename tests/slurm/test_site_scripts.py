@@ -16,10 +16,10 @@ import os
 
 import pytest
 
-import dlojz_data as D
-import dlojz_shards as Sh
-import dlojz_slurm as S
 from conftest import TINY
+from dlojzlib.data import datasets as D
+from dlojzlib.data import shards as Sh
+from dlojzlib.tools import slurm as S
 from test_real_slurm import job_log, submit, summary, train_losses, wait_for_steps, wait_requeued
 from test_real_slurm import slurm, workdir  # noqa: F401 - the fixtures, shared with that module
 
