@@ -1,11 +1,10 @@
 """Data pipeline: the synthetic dataset (layout, ImageNet-like sizes, determinism, valid JPEGs, the quirk
 files real ImageNet holds), bad-file handling, data-source resolution and data-directory errors, and
-per-sample augmentation that does not depend on the number of workers. The companion modules import one
-another one way only (no cycle, e.g. dlojz_data <-> dlojz_shards), and none imports dlojz.py.
+per-sample augmentation that does not depend on the number of workers (the modules' import directions
+are tests/test_layout.py's).
 
 Run: python -m pytest -q tests/test_data.py
 """
-import ast
 import glob
 import os
 import shutil
@@ -16,9 +15,9 @@ import pytest
 import torch
 from PIL import Image
 
-import dlojz_data as D
-import dlojz_decode as DD
-from dlojz_errors import loader_error_message
+from dlojzlib.data import datasets as D
+from dlojzlib.data import decode as DD
+from dlojzlib.errors import loader_error_message
 
 CLASSES, TRAIN, VAL = 3, 6, 2
 
@@ -78,16 +77,16 @@ def test_a_generator_process_that_dies_is_an_error_not_a_wait(tmp_path, monkeypa
     multiprocessing.Pool waited forever for the killed worker's task."""
     import time
 
-    import dlojz_failpoints
-    from dlojz_errors import OutOfMemory
-    monkeypatch.setattr(dlojz_failpoints, 'ARMED', {'kill-generator': '3'})
-    monkeypatch.setattr(dlojz_failpoints, '_hits', {})
+    from dlojzlib import failpoints
+    from dlojzlib.errors import OutOfMemory
+    monkeypatch.setattr(failpoints, 'ARMED', {'kill-generator': '3'})
+    monkeypatch.setattr(failpoints, '_hits', {})
     root = tmp_path / 'synthetic'
     t = time.time()
     with pytest.raises(OutOfMemory, match=r'was killed \(SIGKILL; most likely by the kernel\'s out-of-memory'):
         D.ensure_synthetic_dataset(str(root), 2, 8, 2, seed=0, workers=2, log=lambda *a: None)
     assert time.time() - t < 60 and os.listdir(tmp_path) == []
-    monkeypatch.setattr(dlojz_failpoints, 'ARMED', {})
+    monkeypatch.setattr(failpoints, 'ARMED', {})
     assert D.ensure_synthetic_dataset(str(root), 2, 8, 2, seed=0, workers=2, log=lambda *a: None)
     assert len(glob.glob(str(root / '*' / '*' / '*.JPEG'))) == 2 * (8 + 2)
 
@@ -223,38 +222,3 @@ def test_data_directory_errors(tmp_path, synth):
     shutil.rmtree(mism / 'val' / 'n00000002')
     with pytest.raises(D.DataError, match='different classes'):
         D.scan_imagefolder(str(mism))
-
-
-def test_companions_import_one_way():
-    """Every import between the repository's modules, at any depth in a file (lazy ones too): no cycle, and no
-    companion imports dlojz.py."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    mods = {os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(root, '*.py'))}
-    graph = {}
-    for name, path in mods.items():
-        deps = set()
-        for node in ast.walk(ast.parse(open(path).read())):
-            if isinstance(node, ast.Import):
-                deps |= {a.name.split('.')[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                deps.add(node.module.split('.')[0])
-        graph[name] = (deps & set(mods)) - {name}
-    assert not any('dlojz' in deps for name, deps in graph.items() if name != 'dlojz')
-
-    def reach(start):
-        seen, todo = set(), list(graph[start])
-        while todo:
-            m = todo.pop()
-            if m not in seen:
-                seen.add(m)
-                todo += graph[m]
-        return seen
-    assert [m for m in graph if m in reach(m)] == []
-
-
-def test_rooms_stay_small():
-    """STYLE.md's shape: dlojz.py at most 600 lines (main and its loops, not the modes around them), and so is
-    every companion but the report tool (one block per view)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sizes = {os.path.basename(p): sum(1 for _ in open(p)) for p in glob.glob(os.path.join(root, '*.py'))}
-    assert {name: n for name, n in sizes.items() if n > 600 and name != 'dlojz_report.py'} == {}
