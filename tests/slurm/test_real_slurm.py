@@ -55,12 +55,14 @@ def slurm(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def workdir(tmp_path_factory):
-    """A copy of the project to submit from (the scripts use relative paths), plus shims: `module` (a no-op
-    here, the Jean Zay scripts call it) and an activate script for the generic/CPU scripts."""
+    """A copy of the project (its Python files and the dlojzlib package) to submit from (the scripts
+    use relative paths), plus shims: `module` (a no-op here, the Jean Zay scripts call it) and an
+    activate script for the generic/CPU scripts."""
     d = tmp_path_factory.mktemp('submit')
     for name in os.listdir(ROOT):
         if name.endswith('.py'):
             shutil.copy(os.path.join(ROOT, name), d)
+    shutil.copytree(os.path.join(ROOT, 'dlojzlib'), d / 'dlojzlib', ignore=shutil.ignore_patterns('__pycache__'))
     shutil.copytree(os.path.join(ROOT, 'slurm'), d / 'slurm', ignore=shutil.ignore_patterns('*.out', '*.err'))
     os.makedirs(d / 'slurm' / 'log', exist_ok=True)
     shims = d / 'shims'
