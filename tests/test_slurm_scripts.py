@@ -223,3 +223,12 @@ def test_site_set_ups(capsys):
         '#SBATCH --cpus-per-task=3 ' in mps and '#SBATCH --gpus-per-node=a100:1 ' in mps
     assert S.main(['--machine', 'trillium', '--gpus', '2', '--dry-run']) == 2
     assert 'the site allows 1 or a multiple of 4 GPUs per job' in capsys.readouterr().err
+
+
+def test_every_gpu_script_but_jean_zays_asks_for_memory():
+    """A script that asks for no memory gets the site's default, 256 MB per core at Alliance Canada, and is
+    killed for memory before its first step. Jean Zay gives memory with the cores (no --mem there)."""
+    for machine, gpus, ranks in S.SHIPPED:
+        if machine != 'cpu' and S.MACHINES[machine]['site'] != 'jz':
+            text = S.render(machine, gpus, ranks_per_gpu=ranks)
+            assert re.search(r'^#SBATCH --mem(-per-gpu)?=\S+', text, re.M), (machine, gpus)

@@ -68,8 +68,10 @@ MACHINES = {
                     threads=True, mem='0', partition='booster', partition_dev='develbooster', account='xyz',
                     modules=['Stages/2025', 'GCC', 'OpenMPI', 'Python', 'PyTorch'], master_suffix='i',
                     sources=['jsc-booster', 'jsc-course', 'jsc-course-2025']),
+    # mem='0': a script that asks for no memory gets the site's default, 256 MB per core at Alliance
+    # Canada (ac-jobs), and is killed for it before its first step
     'generic': dict(site='generic', title='a generic GPU cluster', gpus_per_node=4, cpus_per_task=8,
-                    account='def-xyz'),
+                    account='def-xyz', mem='0', mem_adapt=True),
     'cpu': dict(site='cpu', title='CPU nodes (gloo)', gpus_per_node=0, cpus_per_task=2),
 }
 # Jean Zay's 8-GPU V100 nodes are partitions, not constraints: 8 GPUs and 24 cores (3 per GPU), 32 GB each.
