@@ -53,6 +53,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from dlojzlib import compat
 from dlojzlib.measure import comm
 
 PHASES = ('data', 'h2d', 'forward', 'backward', 'optimizer', 'other')
@@ -154,7 +155,7 @@ class CudaTimeline:
         if not hasattr(self, 'hz'):
             start, end = self.event(), self.event()
             start.record()
-            self.cuda._sleep(10 ** 6)
+            compat.spin(self.cuda, 10 ** 6)
             end.record()
             end.synchronize()
             self.hz = 10 ** 6 / max(start.elapsed_time(end) / 1e3, 1e-6)
@@ -164,7 +165,7 @@ class CudaTimeline:
         start), on the current stream of the calling thread's device: the training thread's, this
         GPU."""
         self.calibrate()
-        self.cuda._sleep(int(seconds * self.hz))
+        compat.spin(self.cuda, int(seconds * self.hz))
 
 
 class Chronometer:

@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn as nn
 
+from dlojzlib import compat
 from dlojzlib.dist import launch
 from dlojzlib.errors import Preempted
 from dlojzlib.flags import ADAPTIVE, BASE_LR  # noqa: F401 (beside the flags, which read them without torch)
@@ -83,7 +84,7 @@ def scaler_sync_warning(optimizer, amp):
     every step: an optimizer that does not declare `_step_supports_amp_scaling` (timm's LARS, LAMB, Lion;
     torch's non-fused ones) gets its gradients unscaled by the scaler, which then reads found_inf with
     .item() to decide whether to step. None when there is no such wait."""
-    if amp != 'fp16' or getattr(optimizer, '_step_supports_amp_scaling', False):
+    if amp != 'fp16' or compat.fuses_amp_scaling(optimizer):
         return None
     return (f'--amp fp16 with {type(optimizer).__name__}: the loss scaler reads the inf/NaN flag on the host at every '
             f'step (a GPU synchronisation; only fused optimizers take it on the device); use --amp bf16 where the '
@@ -151,9 +152,9 @@ class EMA:
         self.updates += 1
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
         averaged, current, int_mine, int_theirs = self.pairs(model)
-        torch._foreach_lerp_(averaged, current, 1 - decay)
+        compat.foreach_lerp_(averaged, current, 1 - decay)
         if int_mine:  # BatchNorm's counters: one multi-tensor copy (torch >= 2.1), not one launch per layer
-            torch._foreach_copy_(int_mine, int_theirs)
+            compat.foreach_copy_(int_mine, int_theirs)
 
     def state_dict(self):
         return {'module': self.module.state_dict(), 'updates': self.updates, 'decay': self.decay}

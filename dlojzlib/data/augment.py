@@ -14,6 +14,7 @@ import math
 import torch
 from torchvision.transforms import v2
 
+from dlojzlib import compat
 from dlojzlib.flags import parse_randaugment
 
 
@@ -77,7 +78,7 @@ class Mix:
     def draw(self, alpha):
         """Beta(alpha, alpha), as a ratio of two Gamma(alpha) draws from our generator (torch's Beta takes
         none)."""
-        a, b = torch._standard_gamma(torch.full((2,), float(alpha)), generator=self.gen).tolist()
+        a, b = compat.standard_gamma(torch.full((2,), float(alpha)), self.gen).tolist()
         return a / (a + b)
 
     def __call__(self, x, y, step=0, rank=0):

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from dlojzlib import compat
 from dlojzlib.data.decode import indexed, random_resized_crop_params, read_bytes, sample_rng, simplejpeg
 from dlojzlib.errors import DataError
 
@@ -52,10 +53,10 @@ def _forget_pipelines_in_child():
     at the next garbage collection) crashed the child (measured: a segfault in a synthetic-dataset generator
     forked after a DALI run, whose pool then waited for it forever). The child keeps the C++ object unused."""
     for pipe in list(_PIPELINES):
-        inner = getattr(pipe, '_pipe', None)  # DALI's handle on the C++ pipeline (Pipeline._shutdown uses it)
+        inner = compat.dali_native_pipeline(pipe)
         if inner is not None:
             _FORKED_AWAY.append(inner)
-            pipe._pipe = None
+            compat.detach_dali_native_pipeline(pipe)
 
 
 os.register_at_fork(after_in_child=_forget_pipelines_in_child)

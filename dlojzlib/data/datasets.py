@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFile
 
+from dlojzlib import compat
 from dlojzlib import failpoints
 from dlojzlib.data import augment
 from dlojzlib.data import decode
@@ -186,7 +187,7 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
         # SIGKILL) breaks the executor, which raises, where Pool.map waited forever for the lost task.
         with ProcessPoolExecutor(workers, mp_context=ForkContext(), initializer=pool_worker_signals) as pool:
             results = pool.map(_write_one, jobs, chunksize=8)  # submits every chunk: the workers are forked
-            procs = list(pool._processes.values())
+            procs = compat.pool_processes(pool)
             try:
                 sizes = list(results)
             except BrokenProcessPool:

@@ -29,6 +29,8 @@ import weakref
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
+from dlojzlib import compat
+
 WAIT_S = 0.05  # longest wait for a free slot before stacking the batch the default way
 
 
@@ -122,7 +124,7 @@ class SharedCollate:
         # one block for every slot, allocated here so that the workers inherit its mapping at their fork; made
         # shared directly (as default_collate's blocks are), not copied into shared memory by share_memory_()
         shape = (workers, self.per_worker, self.slot_bytes)
-        storage = torch.UntypedStorage._new_shared(workers * self.per_worker * self.slot_bytes)
+        storage = compat.shared_storage(workers * self.per_worker * self.slot_bytes)
         self.blocks = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
         ctx = mp.get_context('fork')
         self.counts = ctx.Array('q', 2)  # batches handed over in slots, batches stacked the default way

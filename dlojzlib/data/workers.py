@@ -11,6 +11,7 @@ import threading
 
 import torch
 
+from dlojzlib import compat
 from dlojzlib import failpoints
 from dlojzlib.data.handover import Materialized, SharedCollate
 from dlojzlib.dist import launch
@@ -98,7 +99,7 @@ class DataLoader(torch.utils.data.DataLoader):
         if self.abort_on_stop and launch.stop_received():  # with or without workers: no batch to wait for
             return iter(())
         shared = isinstance(self.collate_fn, SharedCollate)
-        if shared and not (self.persistent_workers and self._iterator is not None):
+        if shared and not (self.persistent_workers and compat.loader_iterator(self) is not None):
             self.collate_fn.new_generation()  # workers are forked now: they get fresh permits
         try:
             it = super().__iter__()
@@ -114,12 +115,8 @@ def _abandon(tb):
     finished building."""
     while tb is not None:
         it = tb.tb_frame.f_locals.get('self')
-        if isinstance(it, torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
-            for w in getattr(it, '_workers', []):
-                w.terminate()  # SIGTERM from the parent: the worker exits (ignore_preemption_signals)
-            for w in getattr(it, '_workers', []):
-                w.join(timeout=10)
-            it._shutdown = True
+        if compat.is_multiprocessing_iterator(it):
+            compat.abandon_iterator(it)
             return
         tb = tb.tb_next
 

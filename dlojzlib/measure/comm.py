@@ -31,6 +31,8 @@ import time
 
 import torch.distributed as tdist
 
+from dlojzlib import compat
+
 
 class CommTimer:
     def __init__(self, world_size, timeline=None, group=None, clock=time.perf_counter, all_reduce=None):
@@ -44,8 +46,8 @@ class CommTimer:
 
     def time_buffers(self, ddp):
         """Time DDP's buffer broadcast before each forward pass (an instance attribute over the method)."""
-        sync = getattr(ddp, '_sync_buffers', None)
-        if not callable(sync):
+        sync = compat.ddp_buffer_sync(ddp)
+        if sync is None:
             return
 
         def timed():
@@ -53,7 +55,7 @@ class CommTimer:
             sync()
             mark[1] = self._stamp()
             self.buffer_marks.append(mark)
-        ddp._sync_buffers = timed
+        compat.replace_ddp_buffer_sync(ddp, timed)
         self.buffers_timed = True
 
     def _stamp(self):

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from dlojzlib import compat
 from dlojzlib import SCRIPT
 from dlojzlib.data.datasets import build_data
 from dlojzlib.errors import UsageError
@@ -185,7 +186,7 @@ def to_argv(parser, values):
     """The command-line flags that give `values` (a dict of raw, unresolved flag values) with `parser`:
     those that differ from their defaults, leaving out `_TRIAL_FLAGS`."""
     argv = []
-    for action in parser._actions:
+    for action in compat.parser_actions(parser):
         if not action.option_strings or action.dest in _TRIAL_FLAGS or action.dest not in values:
             continue
         value = values[action.dest]

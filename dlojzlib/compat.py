@@ -1,0 +1,126 @@
+"""The private names of torch, DALI and the standard library that dlojz reaches, each in one place.
+
+For each: what it does, why the public API does not do it, and the versions it was read on.
+tests/test_compat.py names each one and fails when an upgrade removes it; CI runs it at the newest
+torch and at requirements.txt's floors (torch 2.4), and checks that no other module reaches them.
+
+Importing this module imports nothing: torch is imported inside the functions that use it, so that the
+flags (which answer --help before torch) may import it.
+"""
+
+
+# ---------------------------------------------------------------- torch: device work
+
+def spin(cuda, cycles):
+    """Queue a kernel that keeps the current stream busy for `cycles` GPU clock cycles: the probe
+    step's head start (dlojz_chrono.py). torch.cuda._sleep is torch's own test helper; no public call
+    queues device time of a chosen length without reading it back. torch 2.4 to 2.14. `cuda`: the
+    torch.cuda module, or a test's fake."""
+    cuda._sleep(cycles)
+
+
+def foreach_lerp_(tensors, targets, weight):
+    """tensors[i] += weight * (targets[i] - tensors[i]) in a few launches for the whole list (the
+    EMA's update). torch._foreach_lerp_ is what torch's own optimizers call; the public
+    torch.lerp is one launch per tensor (about 300 for ResNet-50). torch 2.4 to 2.14."""
+    import torch
+    torch._foreach_lerp_(tensors, targets, weight)
+
+
+def foreach_copy_(tensors, sources):
+    """tensors[i].copy_(sources[i]) in a few launches (the EMA's BatchNorm counters). torch 2.1 on."""
+    import torch
+    torch._foreach_copy_(tensors, sources)
+
+
+def standard_gamma(concentration, generator):
+    """Gamma(concentration, 1) draws from `generator`. torch.distributions.Gamma takes no generator,
+    and mixup's lambda must come from the run's own (a per-step seed, whatever the workers draw).
+    torch._standard_gamma is the kernel Gamma.rsample calls. torch 2.4 to 2.14."""
+    import torch
+    return torch._standard_gamma(concentration, generator=generator)
+
+
+def shared_storage(nbytes):
+    """An UntypedStorage of `nbytes` made in shared memory directly (forked workers inherit its
+    mapping); share_memory_() on a fresh storage would copy it there. UntypedStorage._new_shared is
+    what the DataLoader's default collate uses for its own batches. torch 2.4 to 2.14."""
+    import torch
+    return torch.UntypedStorage._new_shared(nbytes)
+
+
+def fuses_amp_scaling(optimizer):
+    """Whether `optimizer.step` takes fp16's loss scale and inf flag as device tensors (torch's fused
+    optimizers): GradScaler then skips its per-step host read. _step_supports_amp_scaling is the flag
+    GradScaler itself reads; nothing public says it. torch 2.0 to 2.14."""
+    return bool(getattr(optimizer, '_step_supports_amp_scaling', False))
+
+
+# ---------------------------------------------------------------- torch: DataLoader and DDP internals
+
+def loader_iterator(loader):
+    """The persistent workers' iterator a DataLoader keeps between epochs (None before the first
+    epoch, or without persistent workers): whether the next epoch forks new workers. DataLoader
+    keeps it in _iterator and says nothing public. torch 2.4 to 2.14."""
+    return loader._iterator
+
+
+def is_multiprocessing_iterator(obj):
+    """Whether `obj` is a DataLoader iterator with worker processes (torch's private class: the
+    iterator a stopped start leaves half-built, found in the traceback). torch 2.4 to 2.14."""
+    import torch.utils.data.dataloader as dataloader
+    return isinstance(obj, dataloader._MultiProcessingDataLoaderIter)
+
+
+def abandon_iterator(it):
+    """Terminate and join the workers of a half-built multiprocessing iterator and mark it shut
+    down, so that its __del__ does not tear down what it never finished building: torch has no
+    call for an iterator whose __init__ raised. _workers and _shutdown are its own. torch 2.4 to
+    2.14."""
+    workers = getattr(it, '_workers', [])
+    for w in workers:
+        w.terminate()  # SIGTERM from the parent: the worker exits (ignore_preemption_signals)
+    for w in workers:
+        w.join(timeout=10)
+    it._shutdown = True
+
+
+def ddp_buffer_sync(ddp):
+    """DDP's broadcast of rank 0's buffers before each forward pass, as a bound method, or None where
+    this torch has no _sync_buffers (then the broadcast is not timed, and summary.json says so). No
+    public hook runs around it. torch 1.11 to 2.14."""
+    sync = getattr(ddp, '_sync_buffers', None)
+    return sync if callable(sync) else None
+
+
+def replace_ddp_buffer_sync(ddp, fn):
+    """Make DDP call `fn` in place of its buffer broadcast (an instance attribute over the method)."""
+    ddp._sync_buffers = fn
+
+
+# ---------------------------------------------------------------- DALI
+
+def dali_native_pipeline(pipe):
+    """A DALI Pipeline's handle on its C++ pipeline (what Pipeline._shutdown tears down), or None.
+    A forked child must keep it and never shut it down (the parent owns its threads); DALI offers
+    no call for that. DALI 2.4.0 (the version CI installs; its stage runs tests/test_compat.py)."""
+    return getattr(pipe, '_pipe', None)
+
+
+def detach_dali_native_pipeline(pipe):
+    """Take the C++ pipeline away from `pipe`, so that its __del__ finds nothing to shut down."""
+    pipe._pipe = None
+
+
+# ---------------------------------------------------------------- the standard library
+
+def pool_processes(pool):
+    """The worker processes of a ProcessPoolExecutor, to kill them when it breaks: the executor
+    lists them only in _processes. Python 3.11 and 3.12."""
+    return list(pool._processes.values())
+
+
+def parser_actions(parser):
+    """The actions of an argparse parser, to rebuild a command line from parsed values: argparse keeps
+    them in _actions and has no public accessor. Python 3.11 and 3.12."""
+    return parser._actions
