@@ -95,16 +95,20 @@ EARLY_SIGNALS = []
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # no space left, disk quota exceeded
 
 
-def disk_full(path, usage=None):
-    """The DiskFull for a failed write to `path`: where, and how much room is left there (MiB)."""
+RESUME_AFTER_FULL = ('earlier checkpoints are kept: free some space (or choose another --output-dir) and continue '
+                     'with --resume auto.')
+
+
+def disk_full(path, usage=None, then=RESUME_AFTER_FULL):
+    """The DiskFull for a failed write to `path`: where, how much room is left there (MiB), and what to do
+    (`then`: a training run's by default)."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
         free = f'{(usage or shutil.disk_usage)(folder).free / 2**20:.0f} MiB free'
     except OSError:
         free = 'free space unknown'
-    return DiskFull(f'no space left on {folder} ({free}) while writing {os.path.basename(path)}; earlier '
-                    f'checkpoints are kept: free some space (or choose another --output-dir) and continue '
-                    f'with --resume auto.', disk_full_path=path)
+    return DiskFull(f'no space left on {folder} ({free}) while writing {os.path.basename(path)}; {then}',
+                    disk_full_path=path)
 
 
 class Complete(DlojzError):

@@ -114,6 +114,26 @@ def test_an_interrupted_prepare_continues_to_the_same_bytes(folder, shards, tmp_
     assert r.returncode == 2 and r.stderr.count('\n') == 1 and 'other arguments' in r.stderr, r.stderr
 
 
+def test_a_full_disk_during_prepare_is_one_sentence_and_leaves_no_temporary_file(folder, tmp_path, capsys,
+                                                                                monkeypatch):
+    """ENOSPC at the third file's flush (prepare.json, then a shard, then its sidecar): exit 2, one line
+    naming the file and what to do, the files before it kept, no .tmp left (the shards' writer left its
+    temporary file and raised a bare OSError before it shared the run's atomic writer)."""
+    dst = tmp_path / 'ds'
+    flushed = []
+
+    def fsync(fd):
+        flushed.append(fd)
+        if len(flushed) == 3:
+            raise OSError(28, 'No space left on device')
+    monkeypatch.setattr(os, 'fsync', fsync)
+    assert S.main(['prepare', folder, str(dst), '--shard-size', str(SHARD_MB)]) == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and err.startswith('dlojz_data.py prepare: error: no space left on '), err
+    assert 'while writing train-00000.tar.json' in err and 'run `python dlojz_data.py prepare` again' in err
+    assert sorted(os.listdir(dst)) == ['prepare.json', 'train-00000.tar']
+
+
 def prepare_cli(*argv):
     return subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_data.py'), 'prepare', *map(str, argv)],
                           capture_output=True, text=True)

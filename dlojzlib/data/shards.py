@@ -27,20 +27,19 @@ import tarfile
 import numpy as np
 from PIL import Image
 
+from dlojzlib import files
 from dlojzlib.data.folder import scan_imagefolder
-from dlojzlib.errors import DataError, DlojzError, writable
+from dlojzlib.errors import DataError, DlojzError, disk_full, writable
 
 FORMAT = 'dlojz-shards-v1'
 INDEX = 'index.json'
 
 
-def _fsync_write(path, data):
-    tmp = path + '.tmp'
-    with open(tmp, 'wb') as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic: a reader sees no file or the whole file
+def _write(path, data):
+    """Atomic (files.write_atomic): a reader sees no file or the whole file; a full disk is one sentence."""
+    files.write_atomic(path, data, full=lambda p: disk_full(p, then=(
+        'the finished shards are kept: free some space (or choose another DST) and run `python '
+        'dlojz_data.py prepare` again with the same SRC and options.')))
 
 
 def check_decodes(data, path):
@@ -101,7 +100,7 @@ def _write_shard(path, samples, first, max_side):
             data, ext = encode(src, max_side)
             rows.append((key, _member(tar, f'{key}.{ext}', data), len(data), label, ext))
             _member(tar, f'{key}.cls', str(label).encode())
-    _fsync_write(path, buf.getvalue())
+    _write(path, buf.getvalue())
     return rows
 
 
@@ -137,7 +136,7 @@ def prepare(src, dst, max_side=None, shard_size_mb=256, log=print, stop_after=No
             raise DataError(f'{dst} holds a prepare with other arguments or another source ({changed}); choose '
                             f'another DST or delete it.')
     else:
-        _fsync_write(spec_path, json.dumps(spec, indent=1).encode())
+        _write(spec_path, json.dumps(spec, indent=1).encode())
     written, index = 0, {'format': FORMAT, 'classes': classes, 'max_side': max_side, 'splits': {}}
     for split, samples in (('train', train), ('val', val)):
         table, shards = [], []
@@ -154,7 +153,7 @@ def prepare(src, dst, max_side=None, shard_size_mb=256, log=print, stop_after=No
                 if stop_after is not None and written >= stop_after:
                     raise KeyboardInterrupt(f'stopped after {written} shards')
                 rows = _write_shard(path, samples[first:end], first, max_side)
-                _fsync_write(side, json.dumps(rows).encode())
+                _write(side, json.dumps(rows).encode())
                 written += 1
                 log(f'{name}: {len(rows)} samples, {os.path.getsize(path) / 2**20:.1f} MiB')
             table += [(k, off, size, label) for _, off, size, label, _ in rows]
@@ -162,9 +161,9 @@ def prepare(src, dst, max_side=None, shard_size_mb=256, log=print, stop_after=No
         arr = np.array(table, dtype=np.int64).reshape(-1, 4)
         buf = io.BytesIO()
         np.save(buf, arr)
-        _fsync_write(os.path.join(dst, f'index-{split}.npy'), buf.getvalue())
+        _write(os.path.join(dst, f'index-{split}.npy'), buf.getvalue())
         index['splits'][split] = {'shards': shards, 'samples': len(arr)}
-    _fsync_write(os.path.join(dst, INDEX), json.dumps(index, indent=1).encode())  # last: the shards are whole
+    _write(os.path.join(dst, INDEX), json.dumps(index, indent=1).encode())  # last: the shards are whole
     log(f'{dst}: {len(train)} train and {len(val)} val samples in '
         f'{sum(len(s["shards"]) for s in index["splits"].values())} shards, {len(classes)} classes')
     return index

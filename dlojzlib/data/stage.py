@@ -26,6 +26,7 @@ import time
 from dlojzlib.data import shards
 from dlojzlib.dist import launch
 from dlojzlib.errors import DiskFull, NO_SPACE, UsageError, writable
+from dlojzlib.files import write_atomic
 
 DONE = '.dlojz-staged.json'      # written last: the copy is complete
 JOURNAL = '.dlojz-staging.jsonl'  # one line per file copied whole
@@ -99,7 +100,7 @@ def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usa
                     journal.write(json.dumps([name, size, mtime]) + '\n')
                     journal.flush()
                     os.fsync(journal.fileno())
-            shards._fsync_write(os.path.join(dest, DONE), json.dumps(  # atomic, as prepare's files
+            write_atomic(os.path.join(dest, DONE), json.dumps(  # atomic, as prepare's files
                 {'source': os.path.realpath(src), 'files': [list(f) for f in files]}).encode())
         except OSError as e:  # the journal or the marker on a disk that just filled: the same sentence
             if e.errno not in NO_SPACE:

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from dlojzlib import failpoints
+from dlojzlib import failpoints, files
 from dlojzlib.errors import UsageError, disk_full
 from dlojzlib.record import log
 
@@ -108,7 +108,7 @@ def _save_checkpoint(path, state, keep):
             failpoints.checkpoint_write(f, state)
             writes = _Writes(f)
             torch.save(state, writes)
-        log.fsync_replace(tmp, path)
+        files.fsync_replace(tmp, path)
     except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)

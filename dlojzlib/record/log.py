@@ -11,6 +11,7 @@ import urllib.parse
 
 import torch
 
+from dlojzlib import files
 from dlojzlib.errors import NO_SPACE, disk_full
 
 
@@ -27,27 +28,11 @@ def no_space(e):
     return isinstance(e, OSError) and e.errno in NO_SPACE
 
 
-def fsync_replace(tmp, path):
-    with open(tmp, 'rb+') as f:
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half of one
-
-
 def write_json(path, obj):
-    """Atomic: a failed write (a full disk) leaves the previous file and no temp file."""
-    tmp = f'{path}.tmp'
-    try:
-        with open_for_write(tmp, 'w') as f:
-            json.dump(obj, f, indent=2, default=_json_default)
-            f.write('\n')
-        fsync_replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if no_space(e):
-            raise disk_full(path, disk_usage) from None
-        raise
+    """Atomic (files.write_atomic): a failed write leaves the previous file and no temporary one; a full
+    disk is DiskFull's sentence."""
+    text = json.dumps(obj, indent=2, default=_json_default) + '\n'
+    files.write_atomic(path, text, opener=open_for_write, full=lambda p: disk_full(p, disk_usage))
 
 
 def _json_default(o):

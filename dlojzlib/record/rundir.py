@@ -12,11 +12,11 @@ import subprocess
 import time
 from contextlib import contextmanager
 
-from dlojzlib import failpoints
+from dlojzlib import failpoints, files
 from dlojzlib.dist import launch
-from dlojzlib.errors import Complete, UsageError, writable
+from dlojzlib.errors import Complete, UsageError, disk_full, writable
 from dlojzlib.record.checkpoint import CHECKPOINT_RE, remove_partial_checkpoints
-from dlojzlib.record.log import fsync_replace, write_json
+from dlojzlib.record.log import write_json
 
 
 def default_output_dir(args, dist):
@@ -297,10 +297,7 @@ def trim_metrics(path, size, global_step):
         return 0
     dropped = data[len(kept):].count(b'\n') if data.startswith(kept) else \
         len(data.splitlines()) - len(kept.splitlines())
-    tmp = f'{path}.tmp'
-    with open(tmp, 'wb') as f:
-        f.write(kept)
-    fsync_replace(tmp, path)
+    files.write_atomic(path, kept, full=disk_full)
     return dropped
 
 
