@@ -9,7 +9,6 @@ memory, and the host-to-device copy on a GPU) and nothing else. --tune-loader me
 memory, each trial in its own process (its own memory peak), and says which one bounds the run.
 """
 import argparse
-import csv
 import glob
 import math
 import os
@@ -19,8 +18,7 @@ import time
 
 import torch
 
-from dlojzlib import compat
-from dlojzlib import SCRIPT
+from dlojzlib import SCRIPT, compat, tables
 from dlojzlib.data.datasets import build_data
 from dlojzlib.errors import UsageError
 from dlojzlib.flags import get_args_parser
@@ -273,15 +271,13 @@ def verdict_lines(v):
 
 def trials_table(trials):
     """The course's DataLoader-trials table, one row per trial."""
-    head = '| workers | pin | prefetch | decode | img/s | img/s per worker | load s | first s | host mem GiB |'
-    rows = [head, '|' + '---|' * 9]
-    for t in trials:
-        pin = '-' if t['pin_memory'] is None else 'T' if t['pin_memory'] else 'F'  # '-': not a flag on CPU
-        rows.append(f"| {t['num_workers']} | {pin} | {t['prefetch_factor'] or '-'} | "
-                    f"{t['decode']} | {t['images_per_second']:.1f} | "
-                    f"{t['images_per_second_per_worker']:.1f} | {t['wait_mean_s']:.4f} | "
-                    f"{t['first_batch_s']:.3f} | {t['host_peak_bytes'] / 2**30:.2f} |")
-    return rows
+    headers = ['workers', 'pin', 'prefetch', 'decode', 'img/s', 'img/s per worker', 'load s', 'first s',
+               'host mem GiB']
+    cells = [[t['num_workers'], '-' if t['pin_memory'] is None else 'T' if t['pin_memory'] else 'F',  # '-': CPU
+              t['prefetch_factor'] or '-', t['decode'], f"{t['images_per_second']:.1f}",
+              f"{t['images_per_second_per_worker']:.1f}", f"{t['wait_mean_s']:.4f}", f"{t['first_batch_s']:.3f}",
+              f"{t['host_peak_bytes'] / 2**30:.2f}"] for t in trials]
+    return tables.markdown(headers, cells)
 
 
 def tune_loader(args, raw, parser, dist, device, say, python=sys.executable, script=None):
@@ -322,10 +318,8 @@ def tune_loader(args, raw, parser, dist, device, say, python=sys.executable, scr
     write_json(os.path.join(args.output_dir, 'summary.json'), {
         'version': SUMMARY_VERSION, 'status': 'completed', 'error': None, 'mode': 'tune-loader',
         'config': vars(args), 'provenance': provenance(device, dist), 'tune_loader': result})
-    with open(os.path.join(args.output_dir, 'tune-loader.csv'), 'w', newline='') as f:
-        w = csv.DictWriter(f, fieldnames=[k for k in results[0] if k != 'dir'], extrasaction='ignore')
-        w.writeheader()
-        w.writerows(results)
+    tables.write_csv(os.path.join(args.output_dir, 'tune-loader.csv'), [k for k in results[0] if k != 'dir'],
+                     results)
     for line in trials_table(results) + verdict_lines(v):
         say(line)
     return result

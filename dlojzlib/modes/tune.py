@@ -24,13 +24,12 @@ sweep, resumed parts included: a trial that would not finish in what is left is 
 dlojz.py calls tune_mode once it has taken the run folder (its flags are in flags.get_args_parser());
 this module never imports dlojz.py.
 """
-import csv
 import json
 import os
 import sys
 import time
 
-from dlojzlib import SCRIPT
+from dlojzlib import SCRIPT, tables
 from dlojzlib.errors import UsageError
 from dlojzlib.flags import get_args_parser, native_bf16
 from dlojzlib.measure import scaling
@@ -255,16 +254,14 @@ def recommendation(args, raw_argv, best, user_lr=None, world_size=1):
 
 
 def trials_table(rows):
-    head = '| batch | amp | channels-last | compile | img/s | step ms | memory GiB | bound | status |'
-    lines = [head, '|' + '---|' * 9]
+    headers = ['batch', 'amp', 'channels-last', 'compile', 'img/s', 'step ms', 'memory GiB', 'bound', 'status']
+    cells = []
     for r in rows:
-        ok = r['status'] == 'completed'
-        lines.append(f"| {r['batch']} | {r['amp']} | {'on' if r['channels_last'] else 'off'} | "
-                     f"{'on' if r['compile'] else 'off'} | {r['images_per_s']:.1f} | {r['step_ms']:.1f} | "
-                     f"{(r['memory_bytes'] or 0) / 2**30:.2f} | {r['bound']} | {r['status']} |" if ok else
-                     f"| {r['batch']} | {r['amp']} | {'on' if r['channels_last'] else 'off'} | "
-                     f"{'on' if r['compile'] else 'off'} | - | - | - | - | {r['status']} |")
-    return lines
+        measured = [f"{r['images_per_s']:.1f}", f"{r['step_ms']:.1f}", f"{(r['memory_bytes'] or 0) / 2**30:.2f}",
+                    r['bound']] if r['status'] == 'completed' else ['-'] * 4
+        cells.append([r['batch'], r['amp'], 'on' if r['channels_last'] else 'off', 'on' if r['compile'] else 'off',
+                      *measured, r['status']])
+    return tables.markdown(headers, cells)
 
 
 def grad_bytes(arch, classes):
@@ -292,12 +289,8 @@ def forecast_lines(args, best, cuda, gpus=(1, 2, 4, 8, 16, 32)):
 
 
 def write_csv(path, rows):
-    keys = ['name', 'batch', 'amp', 'channels_last', 'compile', 'status', 'images_per_s', 'step_ms', 'backward_ms',
-            'memory_bytes', 'bound', 'wall_s']
-    with open(path, 'w', newline='') as f:
-        w = csv.DictWriter(f, fieldnames=keys, extrasaction='ignore')
-        w.writeheader()
-        w.writerows(rows)
+    tables.write_csv(path, ['name', 'batch', 'amp', 'channels_last', 'compile', 'status', 'images_per_s', 'step_ms',
+                            'backward_ms', 'memory_bytes', 'bound', 'wall_s'], rows)
 
 
 def run_tune(args, raw, parser, device, say, python=sys.executable, script=None, runner=None, bf16=None,

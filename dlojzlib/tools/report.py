@@ -17,7 +17,6 @@ report is built from: each view is a function of the Report (runs, output folder
 Markdown lines.
 """
 import argparse
-import csv
 import datetime
 import json
 import math
@@ -28,6 +27,7 @@ import sys
 from dataclasses import dataclass, field
 
 from dlojz_chrono import PHASES
+from dlojzlib import tables
 from dlojzlib.errors import UsageError
 from dlojzlib.measure.scaling import collective_waits
 from dlojzlib.recipe import FINDLR_MIN_STEPS, centered_mean, diverged_at, suggest_lr
@@ -264,10 +264,7 @@ def fmt(v, col=''):
 
 
 def md_table(columns, rows, headers=None):
-    headers = headers or columns
-    lines = ['| ' + ' | '.join(headers) + ' |', '|' + '|'.join('---' for _ in columns) + '|']
-    lines += ['| ' + ' | '.join(fmt(row.get(c), c).replace('|', '/') for c in columns) + ' |' for row in rows]
-    return lines
+    return tables.markdown(headers or columns, [[fmt(row.get(c), c) for c in columns] for row in rows])
 
 
 def text_table(columns, rows):
@@ -289,13 +286,6 @@ def hms(seconds):
 
 def gib(b):
     return f'{b / GiB:.2f} GiB' if b is not None else '—'
-
-
-def write_csv(path, columns, rows):
-    with open(path, 'w', newline='') as f:
-        w = csv.DictWriter(f, columns)
-        w.writeheader()
-        w.writerows(rows)
 
 
 def plt():
@@ -425,7 +415,7 @@ def comparison_view(rep):
     """The DataLoader-trials table: one row per run, medians per configuration when runs repeat one."""
     columns, rows = comparison(rep.runs, rep.sort)
     rep.table = columns, rows
-    write_csv(os.path.join(rep.out, 'comparison.csv'), columns, rows)
+    tables.write_csv(os.path.join(rep.out, 'comparison.csv'), columns, rows)
     md = ['## Comparison', '', f'Sorted by `{rep.sort}`, best first; also in [comparison.csv](comparison.csv). '
           f'Flags shown are those that differ between the runs. {HELP_COLUMNS}', '']
     md += md_table(shown(columns, rows), rows) + ['']
@@ -433,7 +423,7 @@ def comparison_view(rep):
     if rep.per_config:
         md += ['Per configuration, median of the completed runs (the machine is noisy: compare these):', '']
         md += md_table(shown(*rep.per_config), rep.per_config[1]) + ['']
-        write_csv(os.path.join(rep.out, 'comparison-by-config.csv'), *rep.per_config)
+        tables.write_csv(os.path.join(rep.out, 'comparison-by-config.csv'), *rep.per_config)
     png = guarded('comparison figure', lambda: plot_comparison(*(rep.per_config or (columns, rows)), rep.out),
                   rep.problems)
     return md + ([f'![comparison]({png})', ''] if isinstance(png, str) else [])
@@ -983,12 +973,9 @@ def batchnorm_view(rep):
             rows_bn.append({'stat': stat, 'max_diff': d, 'layer': layer})
         lines += md_table(['stat', 'max_diff', 'layer'], rows_bn, ['statistic', 'largest difference between '
                           'runs', 'at layer']) + ['']
-    with open(os.path.join(out, 'batchnorm.csv'), 'w', newline='') as f:
-        w = csv.writer(f)
-        w.writerow(['run', 'layer'] + list(BN_STATS))
-        for name, layers in bn['runs'].items():
-            for l, v in layers.items():
-                w.writerow([name, l] + [v.get(s) for s in BN_STATS])
+    tables.write_csv(os.path.join(out, 'batchnorm.csv'), ['run', 'layer'] + list(BN_STATS),
+                     [[name, l] + [v.get(s) for s in BN_STATS] for name, layers in bn['runs'].items()
+                      for l, v in layers.items()])
     return lines + ['Per layer values: [batchnorm.csv](batchnorm.csv).', '', f'![BatchNorm]({plot_bn(bn, out)})',
                     '']
 
@@ -1238,7 +1225,7 @@ def race_view(rep):
             row[f'{kind}_wall_s'], row[f'{kind}_epoch'], row[f'{kind}_images'] = (
                 hit.get('wall_s'), hit.get('epoch'), hit.get('train_images'))
         rows.append(row)
-    write_csv(os.path.join(rep.out, 'time-to-accuracy.csv'), list(rows[0]), rows)
+    tables.write_csv(os.path.join(rep.out, 'time-to-accuracy.csv'), list(rows[0]), rows)
     return ['## Time to accuracy', '', 'When validation top-1 first reached `--target-top1` (raw weights and EMA; '
             'empty: not reached or no target).', ''] + md_table(list(rows[0]), rows) + [
         '', f'![time to accuracy]({plot_race(runs, sorted(targets), rep.out)})', '']
