@@ -33,6 +33,7 @@ import numpy as np
 from PIL import Image
 
 from dlojzlib import ROOT, SCRIPT
+from dlojzlib.record.rundir import run_record
 
 
 # (width, height): weight. Medians: 500 x 375 by area; the small and large tails keep the mean area near
@@ -146,8 +147,7 @@ def dlojz(root, size, batch, steps, warmup, extra=(), env=None):
                '--num-workers', '1', '-b', str(batch), '--image-size', str(size), '--test-nsteps', str(steps),
                '--warmup-steps', str(warmup), '--wandb', 'off', '--output-dir', out, '--overwrite', *extra]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
-        with open(os.path.join(out, 'summary.json')) as f:
-            return json.load(f)['loader']['images_per_second']
+        return run_record(out)['loader']['images_per_second']
 
 
 def one(name, root, size, batch, steps, warmup):
