@@ -18,126 +18,140 @@ the model and the optimizer), the modes' their own.
 """
 from dlojzlib.errors import UsageError
 
-H, X, R, K, C, M = 'honoured', 'extends', 'refused', 'checked', 'checkpoint', 'mode'
+HONOURED, EXTENDS, REFUSED, CHECKED = 'honoured', 'extends', 'refused', 'checked'
+CHECKPOINT, MODE = 'checkpoint', 'mode'
 
 # dest -> (rule, what it means on resume); the docs page shows these words
 CONTRACT = {
     # data: the data may move (another --data-dir, cache, decode path); its classes and training set may not
-    'data_dir': (K, 'the same classes and number of training images'),
-    'cache_dir': (K, 'the same classes and number of training images'),
-    'stage_dir': (H, ''),
-    'synthetic_classes': (K, 'other classes (with the synthetic data): the checkpoint\'s labels are others'),
-    'synthetic_train_per_class': (K, 'another training set (with the synthetic data): the position counts its steps'),
-    'synthetic_val_per_class': (H, ''),
-    'synthetic_seed': (K, 'the same classes and number of training images'),
-    'fake_data': (K, 'other data: other classes or another training set'),
-    'fake_train_size': (K, 'another training set (with --fake-data): the position counts its steps'),
-    'fake_val_size': (H, ''),
-    'fake_classes': (K, 'other classes (with --fake-data)'),
-    'image_size': (H, 'the model takes any resolution'),
-    'val_resize': (H, ''),
-    'val_image_size': (H, ''),
-    'decode': (H, 'the same crops and flips, decoded another way'),
-    'decode_ahead': (H, ''),
-    'loader': (H, 'the same batches, crops and flips, decoded by DALI or by the native workers'),
-    'skip_bad_images': (H, ''),
+    'data_dir': (CHECKED, 'the same classes and number of training images'),
+    'cache_dir': (CHECKED, 'the same classes and number of training images'),
+    'stage_dir': (HONOURED, ''),
+    'synthetic_classes': (CHECKED, 'other classes (with the synthetic data): the checkpoint\'s '
+                                   'labels are others'),
+    'synthetic_train_per_class': (CHECKED, 'another training set (with the synthetic data): the '
+                                           'position counts its steps'),
+    'synthetic_val_per_class': (HONOURED, ''),
+    'synthetic_seed': (CHECKED, 'the same classes and number of training images'),
+    'fake_data': (CHECKED, 'other data: other classes or another training set'),
+    'fake_train_size': (CHECKED, 'another training set (with --fake-data): the position counts its'
+                                 ' steps'),
+    'fake_val_size': (HONOURED, ''),
+    'fake_classes': (CHECKED, 'other classes (with --fake-data)'),
+    'image_size': (HONOURED, 'the model takes any resolution'),
+    'val_resize': (HONOURED, ''),
+    'val_image_size': (HONOURED, ''),
+    'decode': (HONOURED, 'the same crops and flips, decoded another way'),
+    'decode_ahead': (HONOURED, ''),
+    'loader': (HONOURED, 'the same batches, crops and flips, decoded by DALI or by the native '
+                         'workers'),
+    'skip_bad_images': (HONOURED, ''),
     # loader
-    'batch_size': (R, 'unless --allow-batch-change: the position and the schedule are then converted in images'),
-    'val_batch_size': (H, ''),
-    'num_workers': (H, ''),
-    'persistent_workers': (H, ''),
-    'pin_memory': (H, ''),
-    'non_blocking': (H, ''),
-    'prefetch_factor': (H, ''),
-    'drop_last': (R, 'it changes the steps of an epoch, hence the position and the schedule'),
-    'loader_only': (M, 'measures the loader of a new run (--resume is dropped)'),
-    'tune_loader': (M, 'measures the loader of a new run (--resume is dropped)'),
+    'batch_size': (REFUSED, 'unless --allow-batch-change: the position and the schedule are then '
+                            'converted in images'),
+    'val_batch_size': (HONOURED, ''),
+    'num_workers': (HONOURED, ''),
+    'persistent_workers': (HONOURED, ''),
+    'pin_memory': (HONOURED, ''),
+    'non_blocking': (HONOURED, ''),
+    'prefetch_factor': (HONOURED, ''),
+    'drop_last': (REFUSED, 'it changes the steps of an epoch, hence the position and the schedule'),
+    'loader_only': (MODE, 'measures the loader of a new run (--resume is dropped)'),
+    'tune_loader': (MODE, 'measures the loader of a new run (--resume is dropped)'),
     # model
-    'arch': (R, 'the weights do not fit another model'),
-    'sd_prob': (H, 'stochastic depth has no weights'),
-    'n_heads': (K, 'the weights of a -heads arch do not fit another number of heads'),
-    'grad_checkpointing': (H, ''),
+    'arch': (REFUSED, 'the weights do not fit another model'),
+    'sd_prob': (HONOURED, 'stochastic depth has no weights'),
+    'n_heads': (CHECKED, 'the weights of a -heads arch do not fit another number of heads'),
+    'grad_checkpointing': (HONOURED, ''),
     # precision and compilation
-    'amp': (H, 'the fp16 loss scale is kept only between two fp16 runs; a new one starts otherwise'),
-    'channels_last': (H, ''),
-    'tf32': (H, ''),
-    'cudnn_benchmark': (H, ''),
-    'deterministic': (H, ''),
-    'compile': (H, ''),
-    'compile_mode': (H, ''),
+    'amp': (HONOURED, 'the fp16 loss scale is kept only between two fp16 runs; a new one starts '
+                      'otherwise'),
+    'channels_last': (HONOURED, ''),
+    'tf32': (HONOURED, ''),
+    'cudnn_benchmark': (HONOURED, ''),
+    'deterministic': (HONOURED, ''),
+    'compile': (HONOURED, ''),
+    'compile_mode': (HONOURED, ''),
     # optimization
-    'optimizer': (R, 'the optimizer state (momenta, moments) belongs to the checkpoint\'s optimizer'),
-    'lr': (H, 'the LR schedule is rebuilt for it and continues at the current step (one line says the LR there)'),
-    'base_lr': (H, 'through --lr, which it sets: the schedule is rebuilt as for --lr'),
-    'wd': (H, 'set in the optimizer\'s groups after its state is loaded'),
-    'wd_norm_bias': (K, 'the optimizer\'s parameter groups where it changes them'),
-    'mom': (H, 'set in the optimizer\'s groups after its state is loaded (onecycle cycles the momentum itself)'),
-    'accum_steps': (R, 'unless --allow-batch-change: it changes the global batch'),
-    'label_smoothing': (H, ''),
-    'scheduler': (H, 'the schedule is rebuilt and continues at the current step (one line says the LR there)'),
-    'warmup_epochs': (H, 'the schedule is rebuilt and continues at the current step'),
-    'poly_power': (H, 'the schedule is rebuilt and continues at the current step'),
-    'ema_decay': (H, 'a new EMA starts from the current weights; without it the EMA is dropped'),
-    'ema_warmup': (H, ''),
-    'findlr': (R, 'an LR sweep starts from a fresh model'),
+    'optimizer': (REFUSED, 'the optimizer state (momenta, moments) belongs to the checkpoint\'s '
+                           'optimizer'),
+    'lr': (HONOURED, 'the LR schedule is rebuilt for it and continues at the current step (one '
+                     'line says the LR there)'),
+    'base_lr': (HONOURED, 'through --lr, which it sets: the schedule is rebuilt as for --lr'),
+    'wd': (HONOURED, 'set in the optimizer\'s groups after its state is loaded'),
+    'wd_norm_bias': (CHECKED, 'the optimizer\'s parameter groups where it changes them'),
+    'mom': (HONOURED, 'set in the optimizer\'s groups after its state is loaded (onecycle cycles '
+                      'the momentum itself)'),
+    'accum_steps': (REFUSED, 'unless --allow-batch-change: it changes the global batch'),
+    'label_smoothing': (HONOURED, ''),
+    'scheduler': (HONOURED, 'the schedule is rebuilt and continues at the current step (one line '
+                            'says the LR there)'),
+    'warmup_epochs': (HONOURED, 'the schedule is rebuilt and continues at the current step'),
+    'poly_power': (HONOURED, 'the schedule is rebuilt and continues at the current step'),
+    'ema_decay': (HONOURED, 'a new EMA starts from the current weights; without it the EMA is '
+                            'dropped'),
+    'ema_warmup': (HONOURED, ''),
+    'findlr': (REFUSED, 'an LR sweep starts from a fresh model'),
     # augmentation
-    'randaugment': (H, ''),
-    'trivialaugment': (H, ''),
-    'random_erasing': (H, ''),
-    'mixup': (H, ''),
-    'cutmix': (H, ''),
-    'res_start': (H, 'the resolution follows the new schedule from the current epoch'),
-    'res_end_epoch': (H, 'the resolution follows the new schedule from the current epoch'),
+    'randaugment': (HONOURED, ''),
+    'trivialaugment': (HONOURED, ''),
+    'random_erasing': (HONOURED, ''),
+    'mixup': (HONOURED, ''),
+    'cutmix': (HONOURED, ''),
+    'res_start': (HONOURED, 'the resolution follows the new schedule from the current epoch'),
+    'res_end_epoch': (HONOURED, 'the resolution follows the new schedule from the current epoch'),
     # run
-    'epochs': (X, 'more epochs continue the run (the LR schedule is rebuilt for the new length); fewer than the '
+    'epochs': (EXTENDS, 'more epochs continue the run (the LR schedule is rebuilt for the new length); fewer than the '
                   'checkpoint has done are refused'),
-    'test': (X, 'as --test-nsteps'),
-    'test_nsteps': (X, 'counts the whole run: more steps continue it; fewer than the checkpoint\'s are refused'),
-    'seed': (C, 'the data order and the random streams continue from the checkpoint'),
-    'device': (H, 'a GPU checkpoint continues on CPU and back; the GPU random stream is kept per rank'),
-    'output_dir': (H, 'names the folder resumed (a copied run continues where it is)'),
-    'run_name': (H, 'names the folder resumed'),
-    'overwrite': (R, 'with --resume: one starts the folder afresh, the other continues it'),
-    'val_every': (H, ''),
-    'target_top1': (H, 'a target already reached stays reached'),
-    'chkpt': (H, ''),
-    'chkpt_every': (H, ''),
-    'keep_checkpoints': (H, ''),
-    'resume': (H, 'which checkpoint: auto, or a path'),
-    'requeue': (H, ''),
-    'allow_batch_change': (H, 'allows another global batch'),
-    'evaluate': (M, 'validates the checkpoint and trains nothing'),
+    'test': (EXTENDS, 'as --test-nsteps'),
+    'test_nsteps': (EXTENDS, 'counts the whole run: more steps continue it; fewer than the '
+                             'checkpoint\'s are refused'),
+    'seed': (CHECKPOINT, 'the data order and the random streams continue from the checkpoint'),
+    'device': (HONOURED, 'a GPU checkpoint continues on CPU and back; the GPU random stream is '
+                         'kept per rank'),
+    'output_dir': (HONOURED, 'names the folder resumed (a copied run continues where it is)'),
+    'run_name': (HONOURED, 'names the folder resumed'),
+    'overwrite': (REFUSED, 'with --resume: one starts the folder afresh, the other continues it'),
+    'val_every': (HONOURED, ''),
+    'target_top1': (HONOURED, 'a target already reached stays reached'),
+    'chkpt': (HONOURED, ''),
+    'chkpt_every': (HONOURED, ''),
+    'keep_checkpoints': (HONOURED, ''),
+    'resume': (HONOURED, 'which checkpoint: auto, or a path'),
+    'requeue': (HONOURED, ''),
+    'allow_batch_change': (HONOURED, 'allows another global batch'),
+    'evaluate': (MODE, 'validates the checkpoint and trains nothing'),
     # distributed
-    'sync_bn': (H, ''),
-    'find_unused_parameters': (H, ''),
-    'bucket_cap_mb': (H, ''),
-    'static_graph': (H, ''),
-    'gradient_as_bucket_view': (H, ''),
-    'broadcast_buffers': (H, ''),
-    'dist_timeout': (H, ''),
-    'nccl_debug': (H, ''),
-    'dist_debug': (H, ''),
-    'share_gpu': (H, ''),
+    'sync_bn': (HONOURED, ''),
+    'find_unused_parameters': (HONOURED, ''),
+    'bucket_cap_mb': (HONOURED, ''),
+    'static_graph': (HONOURED, ''),
+    'gradient_as_bucket_view': (HONOURED, ''),
+    'broadcast_buffers': (HONOURED, ''),
+    'dist_timeout': (HONOURED, ''),
+    'nccl_debug': (HONOURED, ''),
+    'dist_debug': (HONOURED, ''),
+    'share_gpu': (HONOURED, ''),
     # logging and profiling
-    'log_interval': (H, ''),
-    'metric_step': (H, ''),
-    'metric_sync_log': (H, ''),
-    'wandb': (H, ''),
-    'prof': (H, ''),
-    'prof_wait': (H, ''),
-    'prof_warmup': (H, ''),
-    'prof_active': (H, ''),
+    'log_interval': (HONOURED, ''),
+    'metric_step': (HONOURED, ''),
+    'metric_sync_log': (HONOURED, ''),
+    'wandb': (HONOURED, ''),
+    'prof': (HONOURED, ''),
+    'prof_wait': (HONOURED, ''),
+    'prof_warmup': (HONOURED, ''),
+    'prof_active': (HONOURED, ''),
     # benchmark
-    'timing': (H, ''),
-    'sync_timing': (H, ''),
-    'warmup_steps': (H, 'counted from the resumed attempt\'s first step'),
+    'timing': (HONOURED, ''),
+    'sync_timing': (HONOURED, ''),
+    'warmup_steps': (HONOURED, 'counted from the resumed attempt\'s first step'),
     # tuning
-    'tune': (M, 'trials of their own, in a folder of their own'),
-    'tune_budget': (H, 'read by --tune only'),
-    'tune_steps': (H, 'read by --tune only'),
-    'tune_memory_gib': (H, 'read by --tune only'),
-    'tune_max_batch': (H, 'read by --tune only'),
-    'tune_machine': (H, 'read by --tune only'),
+    'tune': (MODE, 'trials of their own, in a folder of their own'),
+    'tune_budget': (HONOURED, 'read by --tune only'),
+    'tune_steps': (HONOURED, 'read by --tune only'),
+    'tune_memory_gib': (HONOURED, 'read by --tune only'),
+    'tune_max_batch': (HONOURED, 'read by --tune only'),
+    'tune_machine': (HONOURED, 'read by --tune only'),
 }
 
 # the flags whose change rebuilds the LR schedule at the current step (with the global batch, record.state's)
@@ -172,15 +186,15 @@ def resolve(args, old, say):
     diff = changed(args, old)
     for dest, (was, now) in diff.items():
         rule, why = CONTRACT[dest]
-        if rule == R and dest not in ELSEWHERE:
+        if rule == REFUSED and dest not in ELSEWHERE:
             raise UsageError(f'{flag(dest)} {now} differs from the checkpoint\'s {was} and a resumed run cannot '
                              f'change it ({why}); pass {flag(dest)} {was}, or start a new run in another folder.')
-        if rule == C:
+        if rule == CHECKPOINT:
             setattr(args, dest, was)
             say(f'Warning: {flag(dest)} {now} differs from the checkpoint\'s {was}: the run keeps {was} ({why}); '
                 f'start a new run to change it.')
     used = [f'{flag(d)} {now} (was {was})' for d, (was, now) in diff.items()
-            if CONTRACT[d][0] in (H, X, K) and d not in NOT_SHOWN]
+            if CONTRACT[d][0] in (HONOURED, EXTENDS, CHECKED) and d not in NOT_SHOWN]
     if used:
         say('Resumed with changed flags, used from here on: ' + ', '.join(used))
     return args
