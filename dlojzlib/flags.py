@@ -70,7 +70,7 @@ NON_NEGATIVE = _number(float, lambda v: v >= 0 and math.isfinite(v), '0 or more'
 FRACTION = _number(float, lambda v: 0 <= v < 1, 'in [0, 1)')
 
 
-B, I, N = argparse.BooleanOptionalAction, POSITIVE_INT, COUNT  # short names for the flag tables below
+ON_OFF = argparse.BooleanOptionalAction  # --x / --no-x
 
 
 def get_args_parser(add_help=True):
@@ -93,19 +93,19 @@ def data_flags(p):
     g.add_argument('--stage-dir', help='copy the shards (dlojz_data.py prepare) to this folder on the node\'s local '
                    'disk, once per node, and read them there, e.g. $SLURM_TMPDIR; other data are read in place')
     g.add_argument('--cache-dir', default='~/.cache/dlojz', help='where the synthetic dataset is generated, once')
-    g.add_argument('--synthetic-classes', type=I, default=10, help='synthetic dataset: number of classes')
-    g.add_argument('--synthetic-train-per-class', type=I, default=64, help='synthetic: train images per class')
-    g.add_argument('--synthetic-val-per-class', type=I, default=16, help='synthetic: val images per class')
+    g.add_argument('--synthetic-classes', type=POSITIVE_INT, default=10, help='synthetic dataset: number of classes')
+    g.add_argument('--synthetic-train-per-class', type=POSITIVE_INT, default=64, help='synthetic: train images per class')
+    g.add_argument('--synthetic-val-per-class', type=POSITIVE_INT, default=16, help='synthetic: val images per class')
     g.add_argument('--synthetic-seed', type=int, default=0, help='synthetic dataset content seed')
     g.add_argument('--fake-data', action='store_true', help='random uint8 batches in memory, no decoding: '
                    'the compute ceiling')
-    g.add_argument('--fake-train-size', type=I, default=1281167, help='--fake-data: images per epoch')
-    g.add_argument('--fake-val-size', type=I, default=50000, help='--fake-data: validation images')
-    g.add_argument('--fake-classes', type=I, default=1000, help='--fake-data: number of classes')
-    g.add_argument('--image-size', type=I, default=224, help='train RandomResizedCrop size, pixels')
-    g.add_argument('--val-resize', type=I, default=None, help='validation: shorter side resized to, pixels '
+    g.add_argument('--fake-train-size', type=POSITIVE_INT, default=1281167, help='--fake-data: images per epoch')
+    g.add_argument('--fake-val-size', type=POSITIVE_INT, default=50000, help='--fake-data: validation images')
+    g.add_argument('--fake-classes', type=POSITIVE_INT, default=1000, help='--fake-data: number of classes')
+    g.add_argument('--image-size', type=POSITIVE_INT, default=224, help='train RandomResizedCrop size, pixels')
+    g.add_argument('--val-resize', type=POSITIVE_INT, default=None, help='validation: shorter side resized to, pixels '
                    '(default 256, i.e. val-image-size x 256/224)')
-    g.add_argument('--val-image-size', type=I, default=None, help='validation: center crop, pixels (default '
+    g.add_argument('--val-image-size', type=POSITIVE_INT, default=None, help='validation: center crop, pixels (default '
                    '224 when --image-size is 224, else --image-size)')
     g.add_argument('--decode', choices=['auto', 'fast', 'pil', 'gpu'], default='auto', help='training decode '
                    'path (auto: fast when simplejpeg is installed, else pil): "fast" '
@@ -118,7 +118,7 @@ def data_flags(p):
                    'DataLoader and its workers, decoding with --decode; "dali": NVIDIA DALI decodes, crops, resizes '
                    'and flips (its CPU pipeline with --num-workers threads, or its GPU decoder on a GPU), the same '
                    'crops, order and shares (pip install nvidia-dali-cuda120 or -cuda130)')
-    g.add_argument('--decode-ahead', action=B, default=True, help='--decode gpu: decode the next batch on a '
+    g.add_argument('--decode-ahead', action=ON_OFF, default=True, help='--decode gpu: decode the next batch on a '
                    'thread and side streams while the step before it trains (--no-decode-ahead: decode each '
                    'batch at the start of its step, to compare)')
     g.add_argument('--skip-bad-images', action='store_true', help='replace undecodable files and count them '
@@ -127,17 +127,17 @@ def data_flags(p):
 
 def loader_flags(p):
     g = p.add_argument_group('loader')
-    g.add_argument('-b', '--batch-size', type=I, default=128, help='images per device; global batch = this x '
+    g.add_argument('-b', '--batch-size', type=POSITIVE_INT, default=128, help='images per device; global batch = this x '
                    'world size')
-    g.add_argument('--val-batch-size', type=I, default=250, help='validation images per device')
-    g.add_argument('--num-workers', type=N, default=None, help='DataLoader worker processes (train and val; '
+    g.add_argument('--val-batch-size', type=POSITIVE_INT, default=250, help='validation images per device')
+    g.add_argument('--num-workers', type=COUNT, default=None, help='DataLoader worker processes (train and val; '
                    'default $SLURM_CPUS_PER_TASK under SLURM, else 8 or the usable cores if fewer)')
-    g.add_argument('--persistent-workers', action=B, default=None, help='keep workers between epochs '
+    g.add_argument('--persistent-workers', action=ON_OFF, default=None, help='keep workers between epochs '
                    '(default: on when --num-workers > 0)')
-    g.add_argument('--pin-memory', action=B, default=None, help='page-locked batches (default: on with CUDA)')
-    g.add_argument('--non-blocking', action=B, default=True, help='asynchronous host-to-device copies')
-    g.add_argument('--prefetch-factor', type=I, default=None, help='batches loaded ahead per worker (default 2)')
-    g.add_argument('--drop-last', action=B, default=False, help='drop the last incomplete batch')
+    g.add_argument('--pin-memory', action=ON_OFF, default=None, help='page-locked batches (default: on with CUDA)')
+    g.add_argument('--non-blocking', action=ON_OFF, default=True, help='asynchronous host-to-device copies')
+    g.add_argument('--prefetch-factor', type=POSITIVE_INT, default=None, help='batches loaded ahead per worker (default 2)')
+    g.add_argument('--drop-last', action=ON_OFF, default=False, help='drop the last incomplete batch')
     g.add_argument('--loader-only', action='store_true', help='run the training loader alone (sampler, decode, '
                    'augmentation, collation, pinned memory, copy to the GPU), no model, for --test-nsteps batches '
                    '(default 50): its images/second')
@@ -161,12 +161,12 @@ def precision_flags(p):
     g = p.add_argument_group('precision and compilation')
     g.add_argument('--amp', choices=['auto', 'off', 'fp16', 'bf16'], default='auto', help='autocast dtype; auto '
                    '= bf16 where the GPU supports it, fp16 on older GPUs, off on CPU')
-    g.add_argument('--channels-last', action=B, default=None, help='NHWC memory format (default: on with CUDA)')
-    g.add_argument('--tf32', action=B, default=True, help='TF32 matmuls/convolutions on Ampere and newer')
-    g.add_argument('--cudnn-benchmark', action=B, default=True, help='cudnn autotuning (first steps slower)')
+    g.add_argument('--channels-last', action=ON_OFF, default=None, help='NHWC memory format (default: on with CUDA)')
+    g.add_argument('--tf32', action=ON_OFF, default=True, help='TF32 matmuls/convolutions on Ampere and newer')
+    g.add_argument('--cudnn-benchmark', action=ON_OFF, default=True, help='cudnn autotuning (first steps slower)')
     g.add_argument('--deterministic', action='store_true', help='deterministic algorithms only (bit-exact reruns '
                    'and resumes on a GPU; slower; turns --cudnn-benchmark off)')
-    g.add_argument('--compile', action=B, default=False, help='torch.compile the model')
+    g.add_argument('--compile', action=ON_OFF, default=False, help='torch.compile the model')
     g.add_argument('--compile-mode', default='default', choices=['default', 'reduce-overhead', 'max-autotune',
                    'max-autotune-no-cudagraphs'], help='torch.compile mode')
 
@@ -182,11 +182,11 @@ def optimization_flags(p):
                    'the global batch (linear scaling rule); default ' + ', '.join(
                        f'{v:g} for {k}' for k, v in BASE_LR.items()))
     g.add_argument('--wd', type=NON_NEGATIVE, default=0.0, help='weight decay (adamw, lion: decoupled)')
-    g.add_argument('--wd-norm-bias', action=B, default=None, help='weight decay on BatchNorm weights and biases '
+    g.add_argument('--wd-norm-bias', action=ON_OFF, default=None, help='weight decay on BatchNorm weights and biases '
                    'too (default: yes, except for lars and lamb, which also leave them out of their adaptation)')
     g.add_argument('--mom', type=FRACTION, default=0.9, help='momentum of SGD and LARS (beta1 of AdamW, LAMB, '
                    'Lion); not used by onecycle, which cycles it from 0.95 to 0.85 and back')
-    g.add_argument('--accum-steps', type=I, default=1, help='micro-batches of -b images per optimizer step, their '
+    g.add_argument('--accum-steps', type=POSITIVE_INT, default=1, help='micro-batches of -b images per optimizer step, their '
                    'gradients added up (DDP all-reduces once, during the last): global batch = -b x processes x N, '
                    'and one GPU sees the batches N GPUs would')
     g.add_argument('--label-smoothing', type=FRACTION, default=0.1, help='cross-entropy label smoothing')
@@ -199,7 +199,7 @@ def optimization_flags(p):
     g.add_argument('--ema-decay', type=FRACTION, default=None, help='keep an exponential moving average of the '
                    'weights with this decay per optimizer step (e.g. 0.9998), validated beside the raw model, saved '
                    'and resumed (default: none)')
-    g.add_argument('--ema-warmup', action=B, default=True, help='EMA decay min(decay, (1 + n) / (10 + n)) after n '
+    g.add_argument('--ema-warmup', action=ON_OFF, default=True, help='EMA decay min(decay, (1 + n) / (10 + n)) after n '
                    'steps, so that the average forgets the initial weights')
     g.add_argument('--findlr', action='store_true', help='LR range test: geometric from 1e-8 to --lr over the '
                    'run, stopped when the loss diverges')
@@ -216,7 +216,7 @@ def augmentation_flags(p):
                    'weight alpha (e.g. 0.2; 0: off); soft targets, label smoothing applies on top')
     g.add_argument('--cutmix', type=NON_NEGATIVE, default=0.0, help='cutmix on the device: Beta(alpha, alpha) '
                    'alpha (e.g. 1.0; 0: off); with --mixup, one of the two per batch')
-    g.add_argument('--res-start', type=I, default=None, help='progressive resizing: training resolution at epoch '
+    g.add_argument('--res-start', type=POSITIVE_INT, default=None, help='progressive resizing: training resolution at epoch '
                    '0, pixels, growing linearly to --image-size at --res-end-epoch (multiples of 8)')
     g.add_argument('--res-end-epoch', type=NON_NEGATIVE, default=None, help='progressive resizing: epoch where '
                    '--image-size is reached (default: the last epoch)')
@@ -224,9 +224,9 @@ def augmentation_flags(p):
 
 def run_flags(p):
     g = p.add_argument_group('run')
-    g.add_argument('-e', '--epochs', type=I, default=1, help='number of epochs')
+    g.add_argument('-e', '--epochs', type=POSITIVE_INT, default=1, help='number of epochs')
     g.add_argument('--test', action='store_true', help='benchmark mode: --test-nsteps train steps, 20 val batches')
-    g.add_argument('--test-nsteps', type=I, default=None, help='train steps in test mode (default 50; implies '
+    g.add_argument('--test-nsteps', type=POSITIVE_INT, default=None, help='train steps in test mode (default 50; implies '
                    '--test)')
     g.add_argument('--seed', type=int, default=123, help='weights, data order and augmentation (same on every rank)')
     g.add_argument('--device', choices=['auto', 'cuda', 'cpu'], default='auto', help='where the model runs (auto: '
@@ -240,17 +240,17 @@ def run_flags(p):
                    '$DLOJZ_RUN, or the job name and a checksum of the flags)')
     g.add_argument('--overwrite', action='store_true', help='delete the run files (config, metrics, summary, '
                    'checkpoints) of a non-empty --output-dir first')
-    g.add_argument('--val-every', type=I, default=1, help='validate every N epochs (and after the last)')
+    g.add_argument('--val-every', type=POSITIVE_INT, default=1, help='validate every N epochs (and after the last)')
     g.add_argument('--target-top1', type=FRACTION, default=None, help='time to accuracy: record the wall time, '
                    'epoch and images seen when validation top-1 (a fraction, e.g. 0.759) first reaches this, for '
                    'the raw weights and the EMA')
     g.add_argument('--chkpt', action='store_true', help='write checkpoint-<step>.pt at the end of each epoch and run, '
                    'and best.pt when validation top-1 improves')
-    g.add_argument('--chkpt-every', type=N, default=0, help='also every N steps (implies --chkpt)')
-    g.add_argument('--keep-checkpoints', type=I, default=2, help='newest checkpoints kept in the run directory')
+    g.add_argument('--chkpt-every', type=COUNT, default=0, help='also every N steps (implies --chkpt)')
+    g.add_argument('--keep-checkpoints', type=POSITIVE_INT, default=2, help='newest checkpoints kept in the run directory')
     g.add_argument('--resume', default=None, help='checkpoint to continue from, or "auto": the newest readable '
                    'checkpoint of --output-dir if there is one (what a requeued job uses)')
-    g.add_argument('--requeue', action=B, default=True, help='under SLURM, on SIGUSR2/SIGTERM: checkpoint, then '
+    g.add_argument('--requeue', action=ON_OFF, default=True, help='under SLURM, on SIGUSR2/SIGTERM: checkpoint, then '
                    '`scontrol requeue` the job')
     g.add_argument('--allow-batch-change', action='store_true', help='--resume with another global batch size '
                    '(the position in the epoch and the LR schedule are converted in images)')
@@ -267,7 +267,7 @@ def distributed_flags(p):
     g.add_argument('--static-graph', action='store_true', help='DDP static_graph (same graph every step)')
     g.add_argument('--gradient-as-bucket-view', action='store_true', help='DDP: gradients are views into the '
                    'buckets (saves one gradient copy of memory)')
-    g.add_argument('--broadcast-buffers', action=B, default=True, help='DDP: rank 0\'s BatchNorm buffers are '
+    g.add_argument('--broadcast-buffers', action=ON_OFF, default=True, help='DDP: rank 0\'s BatchNorm buffers are '
                    'broadcast before every training forward')
     g.add_argument('--dist-timeout', type=POSITIVE, default=None, help='minutes a collective may wait before the '
                    'job ends with an error (default: PyTorch\'s, 10 min NCCL / 30 min gloo)')
@@ -280,25 +280,25 @@ def distributed_flags(p):
 
 def logging_flags(p):
     g = p.add_argument_group('logging and profiling')
-    g.add_argument('--log-interval', type=I, default=10, help='steps between log lines')
-    g.add_argument('--metric-step', type=I, default=100, help='steps between train accuracy computations (one '
+    g.add_argument('--log-interval', type=POSITIVE_INT, default=10, help='steps between log lines')
+    g.add_argument('--metric-step', type=POSITIVE_INT, default=100, help='steps between train accuracy computations (one '
                    'all-reduce of every rank\'s sums)')
     g.add_argument('--metric-sync-log', action='store_true', help='print and record each rank\'s train metrics '
                    'before and after the sync at every --metric-step')
     g.add_argument('--wandb', choices=['off', 'offline', 'online'], default=None, help='default: offline for full '
                    'runs, off in test mode')
     g.add_argument('--prof', action='store_true', help='torch.profiler traces into <output-dir>/profiler')
-    g.add_argument('--prof-wait', type=N, default=1, help='--prof: steps before the profiler starts')
-    g.add_argument('--prof-warmup', type=N, default=1, help='--prof: profiled steps thrown away (its own warm-up)')
-    g.add_argument('--prof-active', type=I, default=5, help='--prof: steps recorded in the trace')
+    g.add_argument('--prof-wait', type=COUNT, default=1, help='--prof: steps before the profiler starts')
+    g.add_argument('--prof-warmup', type=COUNT, default=1, help='--prof: profiled steps thrown away (its own warm-up)')
+    g.add_argument('--prof-active', type=POSITIVE_INT, default=5, help='--prof: steps recorded in the trace')
 
 
 def benchmark_flags(p):
     g = p.add_argument_group('benchmark')
-    g.add_argument('--timing', action=B, default=True, help='per-phase timing (CUDA events on GPU)')
+    g.add_argument('--timing', action=ON_OFF, default=True, help='per-phase timing (CUDA events on GPU)')
     g.add_argument('--sync-timing', action='store_true', help='synchronise at phase boundaries (wall-clock '
                    'splits, slower)')
-    g.add_argument('--warmup-steps', type=N, default=1, help='first steps left out of the statistics')
+    g.add_argument('--warmup-steps', type=COUNT, default=1, help='first steps left out of the statistics')
 
 
 def tuning_flags(p):
