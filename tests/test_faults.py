@@ -191,12 +191,12 @@ def test_a_nan_validation_loss_is_not_completed(tmp_path, cache_dir, capsys):
 
 def test_the_report_counts_a_repeated_step_once(tmp_path):
     """metrics.jsonl of a run resumed by an older dlojz: steps 3-4 logged by the killed attempt, then again."""
-    from dlojzlib.tools import report
+    from dlojzlib.tools.report.runs import load_run
     lines = [{'type': 'train', 'global_step': s, 'loss': 1.0 / s} for s in (1, 2, 3, 4)] + \
         [{'type': 'train', 'global_step': s, 'loss': 2.0 / s} for s in (3, 4, 5)] + \
         [{'type': 'val', 'global_step': 5, 'epoch': 1, 'top1': 0.5, 'wall_s': 1.0, 'train_images': 40}]
     (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in lines))
-    run = report.load_run(str(tmp_path))
+    run = load_run(str(tmp_path))
     train = [(r['global_step'], r['loss']) for r in run.records if r['type'] == 'train']
     assert train == [(1, 1.0), (2, 0.5), (3, 2.0 / 3), (4, 0.5), (5, 0.4)]  # the resumed attempt's
     assert any('2 record(s)' in n for n in run.notes)

@@ -22,8 +22,12 @@ import torchvision
 
 from conftest import run_cli, run_main, torchrun, TINY
 from dlojzlib.tools import report
-from dlojzlib.tools.report import (bn_view, collect_runs, comm_view, fit_line, lr_plot_ylim, lr_suggestion, parse_nccl,
-                          sweeps)
+from dlojzlib.tools.report import common, metric_sync, race, scaling
+from dlojzlib.tools.report.batchnorm import bn_view
+from dlojzlib.tools.report.communication import comm_view, parse_nccl
+from dlojzlib.tools.report.lr_finder import lr_plot_ylim, lr_suggestion
+from dlojzlib.tools.report.runs import collect_runs
+from dlojzlib.tools.report.sweep import fit_line, sweeps
 
 STEPS = ['--test-nsteps', '6', '--log-interval', '2']
 
@@ -106,7 +110,7 @@ def test_dataloader_trial_table_matches_summaries(runs, tmp_path, capsys):
     code, out = make_report(tmp_path, *trial)
     assert code == 0
     rows = read_csv(out / 'comparison.csv')
-    flags = [c for c in rows[0] if c not in report.METRICS and c not in ('run', 'status')]
+    flags = [c for c in rows[0] if c not in common.METRICS and c not in ('run', 'status')]
     # only what differs, as resolved by dlojz (prefetch 2 with workers, none without); paths never
     assert flags == ['num_workers', 'persistent_workers', 'prefetch_factor']
     by_run = {r['run']: r for r in rows}
@@ -216,7 +220,7 @@ def test_scaling_splits_the_lost_efficiency_as_measured(runs, tmp_path):
         r.update(wall_s=1.25, steady_steps=10, comm_s=0.1, late_s=0.05 if r['rank'] == 0 else 0.0)
     (one / 'summary.json').write_text(json.dumps(s1))
     (two / 'summary.json').write_text(json.dumps(s2))
-    [sc] = report.scalings(collect_runs([one, two])[0])
+    [sc] = scaling.scalings(collect_runs([one, two])[0])
     row = sc['rows'][1]
     assert row['efficiency'] == pytest.approx(0.8) and row['step_ms'] == pytest.approx(125.0)
     assert (row['comm_pts'], row['straggler_pts'], row['rest_pts']) == pytest.approx((8.0, 4.0, 8.0))
@@ -230,7 +234,7 @@ def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
     code, out = make_report(tmp_path, runs['ws1'], runs['ws2'])
     t1 = summary(runs['ws1'])['timing']['train_throughput']
     t2 = summary(runs['ws2'])['timing']['train_throughput']
-    [s] = report.scalings(collect_runs([runs['ws1'], runs['ws2']])[0])
+    [s] = scaling.scalings(collect_runs([runs['ws1'], runs['ws2']])[0])
     assert [r['world_size'] for r in s['rows']] == [1, 2] and [r['global_batch'] for r in s['rows']] == [8, 16]
     assert s['rows'][1]['efficiency'] == pytest.approx(t2 / t1 / 2)
     two = s['rows'][1]  # the ranks measured their waits: the split adds up to the lost points
@@ -282,7 +286,7 @@ def test_batchnorm_view_covers_every_batchnorm(runs):
 
 @pytest.mark.slow
 def test_metric_sync_log_from_two_ranks(runs, tmp_path):
-    rows = report.metric_sync_rows(collect_runs([runs['ws2']])[0][0])
+    rows = metric_sync.metric_sync_rows(collect_runs([runs['ws2']])[0][0])
     logged = {r['global_step']: r for r in map(json.loads, (runs['ws2'] / 'metrics.jsonl').read_text().splitlines())
               if r['type'] == 'train_metrics'}
     assert sorted({r['step'] for r in rows}) == [2, 4, 6] and sorted({r['rank'] for r in rows}) == [0, 1]
@@ -505,10 +509,10 @@ def test_time_to_accuracy_shows_runs_with_one_validation(tmp_path, monkeypatch):
     (it was a dot of 3 points in an otherwise empty corner)."""
     from types import SimpleNamespace
     figs = []
-    monkeypatch.setattr(report, 'save_fig', lambda fig, out, name: figs.append(fig) or name)
+    monkeypatch.setattr(race, 'save_fig', lambda fig, out, name: figs.append(fig) or name)
     runs = [SimpleNamespace(name=f'run{i}', records=[{'type': 'val', 'wall_s': 30.0 + i, 'train_images': 800,
                                                       'top1': 0.25 + 0.5 * i}]) for i in range(2)]
-    report.plot_race(runs, [0.7], str(tmp_path))
+    race.plot_race(runs, [0.7], str(tmp_path))
     [fig] = figs
     for ax in fig.axes:
         assert ax.get_xlim()[0] == 0 and ax.get_ylim()[0] == 0

@@ -218,6 +218,7 @@ def test_run_tune_writes_its_record_and_the_report_shows_it(tmp_path):
     import dlojz
     from dlojzlib import flags
     from dlojzlib.tools import report
+    from dlojzlib.tools.report.runs import load_run
     parser = dlojz.get_args_parser()
     argv = ['--arch', 'resnet18', '-b', '8', '--output-dir', str(tmp_path), '--tune', '--tune-memory-gib',
             str(40 / 1024), '--tune-machine', 'a100', '-e', '7']
@@ -234,7 +235,7 @@ def test_run_tune_writes_its_record_and_the_report_shows_it(tmp_path):
     assert any(line.startswith('>>> Scaling forecast on a100') for line in lines)
     assert (tmp_path / 'tune.csv').read_text().count('\n') == 10
     assert json.loads((tmp_path / 'summary.json').read_text())['mode'] == 'tune'
-    rep = report.build_report(report.Report([report.load_run(str(tmp_path))],
+    rep = report.build_report(report.Report([load_run(str(tmp_path))],
                                                         str(tmp_path / 'report')))
     md = (tmp_path / 'report' / 'report.md').read_text()
     assert '## Tuning' in md and '`python dlojz.py --arch resnet18 --epochs 7 -b 40 --amp bf16' in md and not rep.problems
