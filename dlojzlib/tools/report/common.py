@@ -176,3 +176,14 @@ def guarded(title, build, problems):
     except Exception as e:  # noqa: BLE001 - a report of many runs must survive one bad run
         problems.append(f'{title}: {type(e).__name__}: {e}')
         return [f'*{title} could not be built: {type(e).__name__}: {e}*', '']
+
+
+def trials_sections(rep, title, key, section):
+    """The view of the runs whose summary holds `key` with trials (the loader doctor's, the tuner's):
+    '## title', then for each such run its '### name' and section(run, record)'s lines; none without."""
+    lines = []
+    for r in rep.runs:
+        record = r.get(key)
+        if record and record.get('trials'):
+            lines += [f'### {r.name}', ''] + section(r, record)
+    return ['## ' + title, ''] + lines if lines else []

@@ -1,5 +1,5 @@
 """The loader doctor view (--tune-loader): its trials against the compute ceiling."""
-from dlojzlib.tools.report.common import COLORS, md_table, plt, save_fig, slug
+from dlojzlib.tools.report.common import COLORS, md_table, plt, save_fig, slug, trials_sections
 
 
 def plot_doctor(run, tune, out):
@@ -24,18 +24,14 @@ def plot_doctor(run, tune, out):
 
 def doctor_view(rep):
     """The loader doctor's trials (--tune-loader): the course's DataLoader-trials table and a figure."""
-    lines = []
-    for r in rep.runs:
-        tune = r.get('tune_loader')
-        if not tune or not tune.get('trials'):
-            continue
+    def section(r, tune):
         v = tune['verdict']
         rows = [{'workers': t['num_workers'], 'pin': t['pin_memory'], 'prefetch': t['prefetch_factor'],
                  'decode': t['decode'], 'img_s': t['images_per_second'],
                  'img_s_per_worker': t['images_per_second_per_worker'], 'load_s': t['wait_mean_s'],
                  'first_s': t['first_batch_s'], 'host_mem_gib': t['host_peak_bytes'] / 2**30}
                 for t in tune['trials']]
-        lines += [f'### {r.name}', '', f"Compute ceiling {v['ceiling_images_per_second']:.1f} img/s; best loader "
-                  f"setting {v['best']['images_per_second']:.1f} img/s: **{v['bound']}-bound**.", '']
-        lines += md_table(list(rows[0]), rows) + ['', f'![loader doctor]({plot_doctor(r, tune, rep.out)})', '']
-    return ['## Loader doctor', ''] + lines if lines else []
+        return [f"Compute ceiling {v['ceiling_images_per_second']:.1f} img/s; best loader setting "
+                f"{v['best']['images_per_second']:.1f} img/s: **{v['bound']}-bound**.", ''] + \
+            md_table(list(rows[0]), rows) + ['', f'![loader doctor]({plot_doctor(r, tune, rep.out)})', '']
+    return trials_sections(rep, 'Loader doctor', 'tune_loader', section)

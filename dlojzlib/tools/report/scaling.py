@@ -96,13 +96,12 @@ def plot_scaling(s, i, out):
 
 def scaling_view(rep):
     """img/s and efficiency vs world size."""
-    runs, out = rep.runs, rep.out
     lines = []
-    for i, s in enumerate(scalings(runs), 1):
+    for i, s in enumerate(scalings(rep.runs), 1):
         lines += [f'### {s["label"]}', '']
         lines += md_table(['world_size', 'runs', 'global_batch', 'train_img_s', 'speedup', 'efficiency', 'step_ms',
                            'comm_pts', 'straggler_pts', 'rest_pts'],
-                          s['rows']) + ['', f'![scaling]({plot_scaling(s, i, out)})', '']
+                          s['rows']) + ['', f'![scaling]({plot_scaling(s, i, rep.out)})', '']
     return ['## Scaling', '', 'Median train img/s of the runs at each world size; efficiency = speedup / '
             '(processes / smallest processes). The lost points (100 - efficiency %) split as measured by the '
             'ranks: exposed communication (comm_pts), waiting for a late rank (straggler_pts) and the rest '

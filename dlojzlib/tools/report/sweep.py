@@ -73,9 +73,8 @@ def plot_sweep(s, i, out):
 
 def sweep_view(rep):
     """GPU_underthehood: memory and throughput vs batch size."""
-    runs, out = rep.runs, rep.out
     lines = []
-    for i, s in enumerate(sweeps(runs), 1):
+    for i, s in enumerate(sweeps(rep.runs), 1):
         lines += [f'### {s["label"]}, {s["world_size"]} process(es)', '', f'Memory: {s["memory"]}.', '']
         lines += md_table(['run', 'batch', 'status', 'mem_gib', 'gpu_img_s', 'train_img_s', 'mean_w'],
                           [{**row, 'mem_gib': scaled(row['mem_bytes'], 1 / GiB)}
@@ -85,5 +84,5 @@ def sweep_view(rep):
             lines += [f'Least-squares line over the {sum(r["status"] == "completed" for r in s["rows"])} '
                       f'completed runs: memory = {a / GiB:.3f} GiB (fixed: model, gradients, optimizer state, '
                       f'workspace) + {b / 2**20:.2f} MiB per image.', '']
-        lines += [f'![batch-size sweep]({plot_sweep(s, i, out)})', '']
+        lines += [f'![batch-size sweep]({plot_sweep(s, i, rep.out)})', '']
     return ['## Batch-size sweep', ''] + lines if lines else []

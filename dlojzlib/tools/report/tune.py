@@ -1,5 +1,5 @@
 """The tuning view (--tune): its trials, throughput against memory."""
-from dlojzlib.tools.report.common import GiB, md_table, plt, save_fig, slug
+from dlojzlib.tools.report.common import GiB, md_table, plt, save_fig, slug, trials_sections
 
 
 def plot_tune(run, trials, out):
@@ -28,16 +28,12 @@ def plot_tune(run, trials, out):
 
 def tune_view(rep):
     """The tuner's trials (--tune): its table, the recommended command, the scaling forecast, a figure."""
-    lines = []
-    for r in rep.runs:
-        tune = r.get('tune')
-        if not tune or not tune.get('trials'):
-            continue
+    def section(r, tune):
         rows = [{'batch': t['batch'], 'amp': t['amp'], 'channels_last': t['channels_last'], 'compile': t['compile'],
                  'img_s': t['images_per_s'], 'step_ms': t['step_ms'],
                  'memory_gib': (t['memory_bytes'] or 0) / GiB if t['memory_bytes'] is not None else None,
                  'bound': t['bound'], 'status': t['status']} for t in tune['trials']]
-        lines += [f'### {r.name}', ''] + md_table(list(rows[0]), rows) + ['']
+        lines = md_table(list(rows[0]), rows) + ['']
         rec = tune.get('recommended')
         if rec:
             lines += [f"Recommended ({rec['images_per_s']:.1f} img/s): `{rec['command']}`; {rec['lr_rule']}.", '']
@@ -46,5 +42,5 @@ def tune_view(rep):
         if tune.get('forecast'):
             lines += ['Scaling forecast (docs/scaling.md: an upper bound):', '']
             lines += md_table(['gpus', 'nodes', 'images_per_s', 'efficiency'], tune['forecast']) + ['']
-        lines += [f"![tuning]({plot_tune(r, tune['trials'], rep.out)})", '']
-    return ['## Tuning', ''] + lines if lines else []
+        return lines + [f"![tuning]({plot_tune(r, tune['trials'], rep.out)})", '']
+    return trials_sections(rep, 'Tuning', 'tune', section)
