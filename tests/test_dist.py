@@ -121,6 +121,7 @@ def _side_group_rank(rank, port, result):
         result.put(('timed out', time.time() - t))
 
 
+@pytest.mark.slow  # 6 s: waits for the timeout
 def test_side_group_has_the_dist_timeout():
     """Host-side collectives (output folder, timings, the stop flag) use a gloo side group, on CPU runs as on
     GPU ones; it gets --dist-timeout too (new_group's own default would make a hung peer a 30 min wait)."""
@@ -181,7 +182,7 @@ def _ending_rank(rank, port, result, drop):
 
 
 @pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='threads are listed from /proc')
-@pytest.mark.parametrize('drop', [True, False])
+@pytest.mark.parametrize('drop', [True, pytest.param(False, marks=pytest.mark.slow)])  # 4 s each
 def test_a_normal_end_joins_the_groups_threads(drop):
     """gloo's threads still running at the interpreter's finalisation could abort a rank after a normal end
     (`terminate called without an active exception`): cleanup() leaves none of the threads the process group

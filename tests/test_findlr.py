@@ -82,6 +82,7 @@ def test_diverging_sweep_ends_completed_with_its_curve(tmp_path, cache_dir, caps
     assert c['lr'] == pytest.approx([1e-8 * mult ** k for k in range(c['steps'])], rel=1e-6)
 
 
+@pytest.mark.slow  # 4 s; the fast tier stops runs by signal in test_preempt.py
 def test_usr2_stops_a_sweep_within_a_step(tmp_path, cache_dir):
     out = tmp_path / 'run'
     run_main(tmp_path / 'warm', cache_dir, '--test-nsteps', '1')  # the dataset exists before the timed part

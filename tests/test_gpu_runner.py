@@ -24,8 +24,9 @@ CU13_ARCHS = ['sm_75', 'sm_80', 'sm_86', 'sm_90', 'sm_100', 'sm_120']
 
 
 @no_gpu
-@pytest.mark.parametrize('options', [[], ['--quick'],
-                                     ['--quick', '--no-compile', '--results', 'R']])
+@pytest.mark.parametrize('options', [  # 2 s each: the last, with every option, in the fast tier
+    pytest.param([], marks=pytest.mark.slow), pytest.param(['--quick'], marks=pytest.mark.slow),
+    ['--quick', '--no-compile', '--results', 'R']])
 def test_run_sh_without_cuda_stops_before_any_test(tmp_path, options):
     log = tmp_path / 'invocations'
     wrapper = tmp_path / 'python'
@@ -44,6 +45,7 @@ def test_run_sh_without_cuda_stops_before_any_test(tmp_path, options):
     assert not results.exists()  # nothing written
 
 
+@pytest.mark.slow  # 4 s: pytest collects tests/gpu in a process of its own
 def test_the_quick_list_names_tests_that_exist():
     """run.sh --quick passes tests/gpu/quick.txt's node ids to pytest, which stops the whole session
     on one that does not exist (a renamed test): collected here, where they are skipped, each must

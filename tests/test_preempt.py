@@ -108,6 +108,7 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, cache_
     assert [(x['global_step'], x['dropped_records']) for x in resume] == [(5, 5)]
 
 
+@pytest.mark.slow  # 6 s; a resume from a checkpoint stays in the fast tier (the truncated-checkpoint test)
 def test_test_nsteps_counts_the_steps_before_a_resume(tmp_path, cache_dir):
     """--test-nsteps N is the run's length: stopped at step 5 of 9, the resumed run runs the 4 steps left, with
     the losses of an uninterrupted 9-step run (it went on for 9 more)."""
@@ -222,6 +223,7 @@ def catches(pid, sig):
     return bool(mask >> (sig - 1) & 1)
 
 
+@pytest.mark.slow  # 6 s: a stop in one regime of its own (before the first step)
 def test_a_stop_signal_during_start_up_stops_at_the_first_step(tmp_path, cache_dir):
     """Slurm's warning or a scancel can come while torch is imported and the data scanned (seconds on a loaded
     node): the default action used to end the job with no checkpoint (exit 140 under a real Slurm's 1-minute

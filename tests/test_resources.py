@@ -35,7 +35,7 @@ def run(*flags, env=None, limit_bytes=None):
                           preexec_fn=limited)
 
 
-@pytest.mark.parametrize('workers', [0, 1])
+@pytest.mark.parametrize('workers', [pytest.param(0, marks=pytest.mark.slow), 1])  # 4 s each
 def test_host_memory_exhausted_is_oom_in_one_sentence(tmp_path, cache_dir, workers):
     out = tmp_path / 'run'
     r = run('--cache-dir', cache_dir, '--output-dir', out, '--test-nsteps', 2, '--image-size', 22400,
@@ -104,6 +104,7 @@ def test_wandb_online_without_a_key_or_network_logs_offline():
     assert reached == [('wandb.lab', 8080)]
 
 
+@pytest.mark.slow  # 5 s: a whole run with wandb imported
 def test_a_run_with_wandb_online_and_no_key_trains_and_records_offline(tmp_path, cache_dir):
     out = tmp_path / 'run'
     env = {'HOME': str(tmp_path), 'WANDB_API_KEY': '', 'NETRC': str(tmp_path / 'netrc')}

@@ -168,6 +168,7 @@ def test_a_run_reads_the_copy_and_trains_as_in_place(shards, cache_dir, tmp_path
         assert json.load(f)['data']['staging']['copied_bytes'] == 0
 
 
+@pytest.mark.slow  # 4 s; the fast tier stages shards (test_a_run_reads_the_copy_and_trains_as_in_place)
 def test_folder_data_are_read_in_place_and_recorded_as_not_staged(cache_dir, tmp_path):
     r = run_cli(*TINY, '--cache-dir', cache_dir, '--test-nsteps', '1', '--output-dir', tmp_path / 'run',
                 '--stage-dir', tmp_path / 'local')
@@ -200,6 +201,7 @@ def test_two_ranks_on_a_node_copy_once(shards, cache_dir, tmp_path):
     assert (p.stdout + p.stderr).count('Staging: copying ') == 1
 
 
+@pytest.mark.slow  # 8 s: two nodes' copies
 def test_a_variable_in_stage_dir_is_each_nodes_own(shards, cache_dir, tmp_path):
     """The Alliance scripts pass '$SLURM_TMPDIR' unexpanded: each task reads its own node's value; unset, one
     sentence."""
