@@ -4,18 +4,17 @@ For each: what it does, why the public API does not do it, and the versions it w
 tests/test_compat.py names each one and fails when an upgrade removes it; CI runs it at the newest
 torch and at requirements.txt's floors (torch 2.4), and checks that no other module reaches them.
 
-Importing this module imports nothing: torch is imported inside the functions that use it, so that the
-flags (which answer --help before torch) may import it.
-"""
+Importing this module imports nothing: torch is imported inside the functions that use it, so that
+the flags (which answer --help before torch) may import it."""
 
 
 # ---------------------------------------------------------------- torch: device work
 
 def spin(cuda, cycles):
     """Queue a kernel that keeps the current stream busy for `cycles` GPU clock cycles: the probe
-    step's head start (dlojz_chrono.py). torch.cuda._sleep is torch's own test helper; no public call
-    queues device time of a chosen length without reading it back. torch 2.4 to 2.14. `cuda`: the
-    torch.cuda module, or a test's fake."""
+    step's head start (dlojz_chrono.py). torch.cuda._sleep is torch's own test helper; no public
+    call queues device time of a chosen length without reading it back. torch 2.4 to 2.14. `cuda`:
+    the torch.cuda module, or a test's fake."""
     cuda._sleep(cycles)
 
 
@@ -28,7 +27,8 @@ def foreach_lerp_(tensors, targets, weight):
 
 
 def foreach_copy_(tensors, sources):
-    """tensors[i].copy_(sources[i]) in a few launches (the EMA's BatchNorm counters). torch 2.1 on."""
+    """tensors[i].copy_(sources[i]) in a few launches (the EMA's BatchNorm counters). torch 2.1
+    on."""
     import torch
     torch._foreach_copy_(tensors, sources)
 
@@ -50,13 +50,13 @@ def shared_storage(nbytes):
 
 
 def fuses_amp_scaling(optimizer):
-    """Whether `optimizer.step` takes fp16's loss scale and inf flag as device tensors (torch's fused
-    optimizers): GradScaler then skips its per-step host read. _step_supports_amp_scaling is the flag
-    GradScaler itself reads; nothing public says it. torch 2.0 to 2.14."""
+    """Whether `optimizer.step` takes fp16's loss scale and inf flag as device tensors (torch's
+    fused optimizers): GradScaler then skips its per-step host read. _step_supports_amp_scaling is
+    the flag GradScaler itself reads; nothing public says it. torch 2.0 to 2.14."""
     return bool(getattr(optimizer, '_step_supports_amp_scaling', False))
 
 
-# ---------------------------------------------------------------- torch: DataLoader and DDP internals
+# ------------------------------------------------------- torch: DataLoader and DDP internals
 
 def loader_iterator(loader):
     """The persistent workers' iterator a DataLoader keeps between epochs (None before the first
@@ -86,15 +86,16 @@ def abandon_iterator(it):
 
 
 def ddp_buffer_sync(ddp):
-    """DDP's broadcast of rank 0's buffers before each forward pass, as a bound method, or None where
-    this torch has no _sync_buffers (then the broadcast is not timed, and summary.json says so). No
-    public hook runs around it. torch 1.11 to 2.14."""
+    """DDP's broadcast of rank 0's buffers before each forward pass, as a bound method, or None
+    where this torch has no _sync_buffers (then the broadcast is not timed, and summary.json says
+    so). No public hook runs around it. torch 1.11 to 2.14."""
     sync = getattr(ddp, '_sync_buffers', None)
     return sync if callable(sync) else None
 
 
 def replace_ddp_buffer_sync(ddp, fn):
-    """Make DDP call `fn` in place of its buffer broadcast (an instance attribute over the method)."""
+    """Make DDP call `fn` in place of its buffer broadcast (an instance attribute over the
+    method)."""
     ddp._sync_buffers = fn
 
 
@@ -121,6 +122,6 @@ def pool_processes(pool):
 
 
 def parser_actions(parser):
-    """The actions of an argparse parser, to rebuild a command line from parsed values: argparse keeps
-    them in _actions and has no public accessor. Python 3.11 and 3.12."""
+    """The actions of an argparse parser, to rebuild a command line from parsed values: argparse
+    keeps them in _actions and has no public accessor. Python 3.11 and 3.12."""
     return parser._actions

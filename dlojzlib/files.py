@@ -1,7 +1,8 @@
-"""Files written whole or not at all, by one writer: a temporary name in the same folder, fsynced, then
-renamed over the file (os.replace is atomic on POSIX: a reader sees the old file or the new one, never half
-of one). The run's JSON records, checkpoints (torch.save into the temporary file, then fsync_replace), the
-run folder's marker, shards and their index, the stage's completion marker."""
+"""Files written whole or not at all, by one writer: a temporary name in the same folder, fsynced,
+then renamed over the file (os.replace is atomic on POSIX: a reader sees the old file or the new
+one, never half of one). The run's JSON records, checkpoints (torch.save into the temporary file,
+then fsync_replace), the run folder's marker, shards and their index, the stage's completion marker.
+"""
 import os
 
 from dlojzlib.errors import NO_SPACE
@@ -16,10 +17,10 @@ def fsync_replace(tmp, path):
 
 
 def write_atomic(path, data, opener=None, full=None):
-    """Write `data` (bytes or str) to `path` atomically. A failed write (a full disk, an interrupt) leaves
-    the previous file, if any, and no temporary file. On a full disk (ENOSPC, EDQUOT) raise full(path),
-    the caller's one sentence, when given. opener: what opens the temporary file (the full-disk tests'
-    seam, record.log.open_for_write); the built-in open by default."""
+    """Write `data` (bytes or str) to `path` atomically. A failed write (a full disk, an interrupt)
+    leaves the previous file, if any, and no temporary file. On a full disk (ENOSPC, EDQUOT) raise
+    full(path), the caller's one sentence, when given. opener: what opens the temporary file (the
+    full-disk tests' seam, record.log.open_for_write); the built-in open by default."""
     tmp = f'{path}.tmp'
     try:
         with (opener or open)(tmp, 'wb' if isinstance(data, bytes) else 'w') as f:

@@ -1,12 +1,11 @@
-"""dlojzlib/compat.py: each private name of torch, DALI and the standard library that dlojz reaches is there
-in this environment (CI runs this file at the newest torch, at requirements.txt's floors and with DALI),
-and no other module of dlojz reaches one.
+"""dlojzlib/compat.py: each private name of torch, DALI and the standard library that dlojz reaches
+is there in this environment (CI runs this file at the newest torch, at requirements.txt's floors
+and with DALI), and no other module of dlojz reaches one.
 
-A failure names the private attribute an upgrade removed or renamed: compat.py's function for it is the
-one place to change.
+A failure names the private attribute an upgrade removed or renamed: compat.py's function for it is
+the one place to change.
 
-    python -m pytest -q tests/test_compat.py
-"""
+python -m pytest -q tests/test_compat.py"""
 import argparse
 import glob
 import os
@@ -57,7 +56,8 @@ def test_a_dataloader_keeps_its_persistent_iterator_where_compat_reads_it():
     assert compat.loader_iterator(loader) is None
     it = iter(loader)
     assert compat.loader_iterator(loader) is it and compat.is_multiprocessing_iterator(it)
-    assert hasattr(it, '_workers') and hasattr(it, '_shutdown'), 'what abandon_iterator stops and marks'
+    # what abandon_iterator stops and marks
+    assert hasattr(it, '_workers') and hasattr(it, '_shutdown')
     assert [b[0].tolist() for b in it] == [[0.0, 1.0], [2.0, 3.0]]
     compat.abandon_iterator(it)
     assert it._shutdown and all(not w.is_alive() for w in it._workers)
@@ -89,7 +89,8 @@ def test_the_standard_library_keeps_what_compat_reads():
     assert [a.dest for a in compat.parser_actions(p)] == ['help', 'x']
 
 
-@pytest.mark.skipif(dali.dali() is None, reason='NVIDIA DALI is not installed (.ci/run installs it in a stage)')
+@pytest.mark.skipif(dali.dali() is None,
+                    reason='NVIDIA DALI is not installed (.ci/run installs it in a stage)')
 def test_a_dali_pipeline_keeps_its_native_half_where_compat_reads_it():
     from nvidia.dali import fn, pipeline_def
 
@@ -105,14 +106,15 @@ def test_a_dali_pipeline_keeps_its_native_half_where_compat_reads_it():
     pipe._pipe = inner  # shut down as usual
 
 
-PRIVATE = re.compile(r'(?<!self)\.(_sleep|_foreach_lerp_|_foreach_copy_|_standard_gamma|_new_shared|_iterator|'
-                     r'_MultiProcessingDataLoaderIter|_sync_buffers|_processes|_actions|_pipe)\b|'
+PRIVATE = re.compile(r'(?<!self)\.(_sleep|_foreach_lerp_|_foreach_copy_|_standard_gamma|'
+                     r'_new_shared|_iterator|_MultiProcessingDataLoaderIter|_sync_buffers|'
+                     r'_processes|_actions|_pipe)\b|'
                      r"'_(workers|shutdown|sync_buffers|step_supports_amp_scaling|pipe)'")
 
 
 def test_no_other_module_reaches_a_private_name():
-    files = glob.glob(os.path.join(ROOT, '*.py')) + glob.glob(os.path.join(ROOT, 'dlojzlib', '**', '*.py'),
-                                                             recursive=True)
+    files = glob.glob(os.path.join(ROOT, '*.py'))
+    files += glob.glob(os.path.join(ROOT, 'dlojzlib', '**', '*.py'), recursive=True)
     hits = []
     for path in files:
         if path.endswith(os.path.join('dlojzlib', 'compat.py')):

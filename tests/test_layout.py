@@ -1,11 +1,10 @@
-"""The shape of the house (docs/development.md draws it): which part of dlojzlib may import which, no
-module importing itself back through others, files of at most 600 lines, and a repository root that
-holds the design card's files and the launchers.
+"""The shape of the house (docs/development.md draws it): which part of dlojzlib may import which,
+no module importing itself back through others, files of at most 600 lines, and a repository root
+that holds the design card's files and the launchers.
 
 Imports are read from the sources (ast, lazy ones inside functions too), not by importing them.
 
-    python -m pytest -q tests/test_layout.py
-"""
+python -m pytest -q tests/test_layout.py"""
 import ast
 import glob
 import os
@@ -15,12 +14,13 @@ import pytest
 from conftest import ROOT
 
 # Each part and the parts it may import. A module's part is its folder under dlojzlib/, or its row
-# below; flags reads the data path and the launch to resolve machine-dependent defaults (check_args),
-# and the data path reads the flags it is given (RandAugment's N,M).
-BASE = {'dlojzlib', 'dlojzlib.errors', 'dlojzlib.failpoints', 'dlojzlib.host', 'dlojzlib.compat', 'dlojzlib.files',
-        'dlojzlib.tables'}
+# below; flags reads the data path and the launch to resolve machine-dependent defaults
+# (check_args), and the data path reads the flags it is given (RandAugment's N,M).
+BASE = {'dlojzlib', 'dlojzlib.errors', 'dlojzlib.failpoints', 'dlojzlib.host', 'dlojzlib.compat',
+        'dlojzlib.files', 'dlojzlib.tables'}
 CORE = {'dlojzlib.recipe', 'dlojzlib.metrics'}
-LAUNCHERS = {'dlojz_report', 'dlojz_data', 'dlojz_slurm', 'dlojz_scaling', 'dlojz_bench', 'dlojz_loader'}
+LAUNCHERS = {'dlojz_report', 'dlojz_data', 'dlojz_slurm', 'dlojz_scaling', 'dlojz_bench',
+             'dlojz_loader'}
 LIBRARY = {'base', 'flags', 'core', 'data', 'dist', 'measure', 'chrono', 'record', 'models'}
 ALLOWED = {
     'base': set(),
@@ -135,8 +135,8 @@ def test_a_circle_is_caught():
 
 
 def test_rooms_stay_small():
-    """STYLE.md's shape: every file at most 600 lines (dlojz.py: main and its loops, not the modes around
-    them; the report: a file per view)."""
+    """STYLE.md's shape: every file at most 600 lines (dlojz.py: main and its loops, not the modes
+    around them; the report: a file per view)."""
     sizes = {os.path.relpath(p, ROOT): sum(1 for _ in open(p)) for p in modules().values()}
     assert {name: n for name, n in sizes.items() if n > 600} == {}
 
@@ -144,7 +144,8 @@ def test_rooms_stay_small():
 def test_the_root_holds_the_card_and_thin_launchers():
     """The design card's files, and a launcher of a few lines for each command users type."""
     root = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, '*.py'))}
-    assert root == {'dlojz.py', 'dlojz_chrono.py', 'custom_models.py'} | {f'{m}.py' for m in LAUNCHERS}
+    card = {'dlojz.py', 'dlojz_chrono.py', 'custom_models.py'}
+    assert root == card | {f'{m}.py' for m in LAUNCHERS}
     for m in LAUNCHERS:
         with open(os.path.join(ROOT, f'{m}.py')) as f:
             assert sum(1 for _ in f) <= 10, m
