@@ -52,8 +52,9 @@ class ClassifierMixture(nn.Module):
             return 0
         return int(torch.randint(1, len(self.heads), (1,), generator=self.generator).item())
 
-    # Left out of torch.compile: the draw reads a CPU generator and a Python counter, which dynamo would guard
-    # as constants and recompile for at every step until its limit. The trunk compiles once; one eager Linear.
+    # Left out of torch.compile: the draw reads a CPU generator and a Python counter, which dynamo
+    # would guard as constants and recompile for at every step until its limit. The trunk compiles
+    # once; one eager Linear.
     @torch.compiler.disable
     def forward(self, feat):
         return self.heads[self.choose_head()](feat)
@@ -136,10 +137,11 @@ def apply_grad_checkpointing(model):
     """Activation checkpointing of the four ResNet stages: their activations are recomputed in the
     backward pass instead of being stored. State-dict keys are unchanged.
 
-    Eager mode replays the stage in backward, BatchNorm updates included, so the replay runs with frozen
-    statistics. Under torch.compile a context_fn must return two TorchDispatchModes (a plain context manager
-    fails to compile), and none is needed: AOTAutograd applies the buffer updates once, in the forward graph
-    (tested against an uncheckpointed model with the aot_eager backend)."""
+    Eager mode replays the stage in backward, BatchNorm updates included, so the replay runs with
+    frozen statistics. Under torch.compile a context_fn must return two TorchDispatchModes (a plain
+    context manager fails to compile), and none is needed: AOTAutograd applies the buffer updates
+    once, in the forward graph (tested against an uncheckpointed model with the aot_eager backend).
+    """
     for name in ('layer1', 'layer2', 'layer3', 'layer4'):
         stage = getattr(model, name)
         plain = stage.forward

@@ -67,10 +67,11 @@ PROBE_MAX_S = 0.5  # the longest spin a probe queues (seconds)
 
 
 def verdict(wall, busy, data, comm=0.0, late=0.0, data_excess=0.0):
-    """What bounds a run, from sums over its steady steps (seconds, one rank or all ranks added up). Inside
-    the device's busy time, the gradient all-reduce's exposed transfer (`comm`) and the wait for a late peer
-    (`late`) are not useful work. `data_excess` is the part of the data wait by which some ranks' loaders
-    were slower than the fastest rank's: it made the others wait, so it counts with the straggler."""
+    """What bounds a run, from sums over its steady steps (seconds, one rank or all ranks added up).
+    Inside the device's busy time, the gradient all-reduce's exposed transfer (`comm`) and the wait
+    for a late peer (`late`) are not useful work. `data_excess` is the part of the data wait by
+    which some ranks' loaders were slower than the fastest rank's: it made the others wait, so it
+    counts with the straggler."""
     work = busy - comm - late
     if work >= BUSY * wall:
         return 'compute'
@@ -97,8 +98,8 @@ def _both(first, second):
 
 
 def _images(batch):
-    """Images in an (images, labels) batch, from the labels (a list of them: --accum-steps micro-batches);
-    None for anything else."""
+    """Images in an (images, labels) batch, from the labels (a list of them: --accum-steps
+    micro-batches); None for anything else."""
     try:
         labels = batch[-1]
         if isinstance(labels, list) and labels and isinstance(labels[0], torch.Tensor):  # micro-batches
@@ -150,8 +151,8 @@ class CudaTimeline:
         self.cuda.synchronize(self.index)
 
     def calibrate(self):
-        """Clock cycles per second of the spin kernel: measured once (one synchronisation), where the
-        Chronometer synchronises anyway (the start of the steady window)."""
+        """Clock cycles per second of the spin kernel: measured once (one synchronisation), where
+        the Chronometer synchronises anyway (the start of the steady window)."""
         if not hasattr(self, 'hz'):
             start, end = self.event(), self.event()
             start.record()
@@ -202,7 +203,8 @@ class Chronometer:
             self.stop_time = datetime.datetime.now()
 
     def _event(self, rec):
-        """Record an event; `rec`'s step (None outside a step) chains it (see the docstring on clean steps)."""
+        """Record an event; `rec`'s step (None outside a step) chains it (see the docstring on clean
+        steps)."""
         e = self.timeline.event()
         e.record()
         if rec is not None:
@@ -293,8 +295,9 @@ class Chronometer:
         if block and self.events and self._pending:
             t = self.clock()
             self.timeline.synchronize()
-            # the device finishing the queued work belongs to the last step: the steps tile the wall time
-            # until the device is done (a host ahead by a full launch queue would otherwise overstate rates)
+            # the device finishing the queued work belongs to the last step: the steps tile the wall
+            # time until the device is done (a host ahead by a full launch queue would otherwise
+            # overstate rates)
             self._pending[-1]['step'] += self.clock() - t
         while self._pending:
             rec = self._pending[0]
@@ -357,7 +360,8 @@ class Chronometer:
 
     @property
     def images_after_warmup(self):
-        """Images of every step after the warm-up (partial batches included): what energy is divided by."""
+        """Images of every step after the warm-up (partial batches included): what energy is divided
+        by."""
         return sum(r['images'] or 0 for r in self.steps[self.warmup:])
 
     def stats(self):
@@ -365,10 +369,10 @@ class Chronometer:
         return {k: describe([r.get(k, 0.0) for r in self.steady]) for k in keys}
 
     def totals(self):
-        """Sums over the steady steps (seconds): what throughputs, busy time and the verdict are made of;
-        every rank's are gathered at the end of a run. gpu_step_s: the device work of one step, from the
-        clean spans ('clean'), else from every span ('spans': an upper bound, the device may have
-        waited inside them)."""
+        """Sums over the steady steps (seconds): what throughputs, busy time and the verdict are
+        made of; every rank's are gathered at the end of a run. gpu_step_s: the device work of one
+        step, from the clean spans ('clean'), else from every span ('spans': an upper bound, the
+        device may have waited inside them)."""
         steady = self.steady
         res = {'steady_steps': len(steady), 'images': sum(r['images'] or 0 for r in steady),
                'wall_s': sum(r['step'] for r in steady), 'data_s': sum(r['data'] for r in steady),
@@ -406,7 +410,8 @@ class Chronometer:
                             if any(k in r for r in self.steps)}}
         total, busy = tot['wall_s'], tot['busy_s']
         if steady and total > 0:
-            # rates are sums: a median step lands on the short steps of a loader that delivers in bursts
+            # rates are sums: a median step lands on the short steps of a loader that delivers in
+            # bursts
             res['train_throughput'] = res['steady_images_per_s'] = global_batch * len(steady) / total
             res['gpu_throughput'] = global_batch / tot['gpu_step_s'] if tot['gpu_step_s'] else None
             res['gpu_step_source'] = tot['gpu_step_source']
@@ -420,8 +425,8 @@ class Chronometer:
             spans = sum(r['compute'] for r in steady)
             if self.phases_on and spans > 0:
                 named = sum(r.get(p, 0.0) for r in steady for p in GPU_PHASES)
-                # the named phases lie inside their step span; measured apart, their sum can exceed it
-                # only through a timing bug (overlapping phases, events on another stream)
+                # the named phases lie inside their step span; measured apart, their sum can exceed
+                # it only through a timing bug (overlapping phases, events on another stream)
                 res['phase_sum_error'] = max(0.0, named - spans) / spans
                 res['phase_share'] = {p: sum(r.get(p, 0.0) for r in steady) / total for p in PHASES}
             if batches_per_epoch:
@@ -436,8 +441,9 @@ class Chronometer:
         return res
 
     def display_lines(self, batches_per_epoch=None):
-        """The course's '>>>' summary lines (reference/course.md §2.1), seconds to 0.1 ms; "avg" is the median
-        for training and the mean for loading, as the course defined them (its tools read these positions)."""
+        """The course's '>>>' summary lines (reference/course.md §2.1), seconds to 0.1 ms; "avg" is
+        the median for training and the mean for loading, as the course defined them (its tools read
+        these positions)."""
         st, lines = self.stats(), []
         if self.start_time and self.stop_time:
             lines.append(f'>>> Training complete in: {self.stop_time - self.start_time}')

@@ -1,7 +1,8 @@
-"""How a dlojz run ends when it does not complete: one family of exceptions, each carrying the status
-that summary.json records and the exit code, and one function (`translate`) that turns the outside
-world's exceptions (out of memory, torch.compile, DDP's reducer, a dead peer, a DataLoader worker's
-error, Ctrl-C) into them. Anything it does not recognise is a bug: status 'crashed', traceback kept.
+"""How a dlojz run ends when it does not complete: one family of exceptions, each carrying the
+status that summary.json records and the exit code, and one function (`translate`) that turns the
+outside world's exceptions (out of memory, torch.compile, DDP's reducer, a dead peer, a DataLoader
+worker's error, Ctrl-C) into them. Anything it does not recognise is a bug: status 'crashed',
+traceback kept.
 
     status        exit  when
     failed          2   a user error: bad flags, data, checkpoint, compile, unused parameters
@@ -24,8 +25,8 @@ import tempfile
 
 
 class DlojzError(Exception):
-    """An end of run that is not a crash. The message is one sentence for the user; `extra` goes into
-    summary.json (failed_step, checkpoint, ...)."""
+    """An end of run that is not a crash. The message is one sentence for the user; `extra` goes
+    into summary.json (failed_step, checkpoint, ...)."""
     status = 'failed'
     exit_code = 2
     label = 'error'  # stderr line: 'dlojz: error: <message>'; None: 'dlojz: <message>'
@@ -57,8 +58,9 @@ class NonFiniteLoss(DlojzError):
 
 
 class NonFiniteValidation(NonFiniteLoss):
-    """The validation loss is NaN or infinite while training's was finite (weights or BatchNorm statistics gone
-    non-finite): the same status and exit code as a training NaN, never 'completed'."""
+    """The validation loss is NaN or infinite while training's was finite (weights or BatchNorm
+    statistics gone non-finite): the same status and exit code as a training NaN, never 'completed'.
+    """
 
     def __init__(self, epoch, step):
         DlojzError.__init__(self, f'the validation loss of epoch {epoch} (after step {step}) is NaN or infinite '
@@ -73,8 +75,8 @@ class CommFailure(DlojzError):
 
 
 class Preempted(DlojzError):
-    """Stopped by SIGUSR2/SIGTERM at a step boundary, after writing a checkpoint (training) or keeping the
-    curve so far (--findlr). Exit 0 when SLURM requeued the job: the job is not over."""
+    """Stopped by SIGUSR2/SIGTERM at a step boundary, after writing a checkpoint (training) or
+    keeping the curve so far (--findlr). Exit 0 when SLURM requeued the job: the job is not over."""
     status, label = 'preempted', None
 
     def __init__(self, msg, requeued=False, **extra):
@@ -83,13 +85,14 @@ class Preempted(DlojzError):
 
 
 class DiskFull(DlojzError):
-    """A write failed for want of space (ENOSPC) or quota (EDQUOT). Its own status and exit code: not the
-    user's flags (2) nor a bug (1), and a job script may free space and resubmit."""
+    """A write failed for want of space (ENOSPC) or quota (EDQUOT). Its own status and exit code:
+    not the user's flags (2) nor a bug (1), and a job script may free space and resubmit."""
     status, exit_code = 'disk_full', 6
 
 
-# Stop signals received before the run's own handler exists (dlojz.py records them; the run's handler takes
-# them over): a stop during start-up, the synthetic dataset's generation included, is honoured.
+# Stop signals received before the run's own handler exists (dlojz.py records them; the run's
+# handler takes them over): a stop during start-up, the synthetic dataset's generation included, is
+# honoured.
 EARLY_SIGNALS = []
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # no space left, disk quota exceeded
@@ -100,8 +103,8 @@ RESUME_AFTER_FULL = ('earlier checkpoints are kept: free some space (or choose a
 
 
 def disk_full(path, usage=None, then=RESUME_AFTER_FULL):
-    """The DiskFull for a failed write to `path`: where, how much room is left there (MiB), and what to do
-    (`then`: a training run's by default)."""
+    """The DiskFull for a failed write to `path`: where, how much room is left there (MiB), and what
+    to do (`then`: a training run's by default)."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
         free = f'{(usage or shutil.disk_usage)(folder).free / 2**20:.0f} MiB free'
@@ -112,8 +115,8 @@ def disk_full(path, usage=None, then=RESUME_AFTER_FULL):
 
 
 class Complete(DlojzError):
-    """The run in the folder is complete and the command asks nothing more of it (a resubmitted job): one line,
-    exit 0, nothing written."""
+    """The run in the folder is complete and the command asks nothing more of it (a resubmitted
+    job): one line, exit 0, nothing written."""
     status, exit_code, label = 'completed', 0, None
 
 
@@ -122,8 +125,8 @@ class Interrupted(DlojzError):
 
 
 def writable(folder, name, fix):
-    """Create `folder` if needed and check that a file can be written in it, before any work starts: one
-    sentence otherwise ('cannot write to <name> <folder> (<why>); <fix>.')."""
+    """Create `folder` if needed and check that a file can be written in it, before any work starts:
+    one sentence otherwise ('cannot write to <name> <folder> (<why>); <fix>.')."""
     try:
         os.makedirs(folder, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=folder, prefix='.write-test-')
@@ -134,8 +137,9 @@ def writable(folder, name, fix):
     return folder
 
 
-# A host allocation that failed: Python's, torch's CPU allocator (also as re-raised from a loader worker), or a
-# worker ended by SIGKILL, which on a node without other killers is the kernel's OOM killer.
+# A host allocation that failed: Python's, torch's CPU allocator (also as re-raised from a loader
+# worker), or a worker ended by SIGKILL, which on a node without other killers is the kernel's OOM
+# killer.
 HOST_OOM_PATTERNS = ("defaultcpuallocator: can't allocate memory", 'cannot allocate memory',
                      'is killed by signal: killed')
 
@@ -150,9 +154,10 @@ def first_line(e):
     return (text[0] if text else type(e).__name__)[:300]
 
 
-# Messages of a collective that lost its peer, lower case (gloo's strings are read from libtorch_cpu.so's
-# gloo/transport/tcp; a hung peer in the middle of DDP's backward gives "Application timeout caused pair
-# closure", not "Timed out waiting"). Gloo raises them as plain RuntimeErrors, some through autograd's engine.
+# Messages of a collective that lost its peer, lower case (gloo's strings are read from
+# libtorch_cpu.so's gloo/transport/tcp; a hung peer in the middle of DDP's backward gives
+# "Application timeout caused pair closure", not "Timed out waiting"). Gloo raises them as plain
+# RuntimeErrors, some through autograd's engine.
 COMM_FAILURE_PATTERNS = ('connection reset by peer', 'connection closed by peer', 'timed out waiting',
                          'application timeout caused pair closure', 'socket timeout', 'connect timeout',
                          'broken pipe', 'nccl communicator was aborted', 'watchdog caught collective',
@@ -160,7 +165,8 @@ COMM_FAILURE_PATTERNS = ('connection reset by peer', 'connection closed by peer'
 
 
 def is_comm_failure(exc):
-    """A collective that failed because another rank died or hung (gloo raises a plain RuntimeError)."""
+    """A collective that failed because another rank died or hung (gloo raises a plain
+    RuntimeError)."""
     import torch.distributed as tdist
     if isinstance(exc, getattr(tdist, 'DistError', ())):
         return True
@@ -169,8 +175,8 @@ def is_comm_failure(exc):
 
 
 def loader_error_message(exc):
-    """The user sentence from an exception that may have crossed a DataLoader worker boundary (the worker's
-    traceback is in the message; its last line is the original exception)."""
+    """The user sentence from an exception that may have crossed a DataLoader worker boundary (the
+    worker's traceback is in the message; its last line is the original exception)."""
     text = str(exc).strip().splitlines()
     last = text[-1] if text else ''
     for prefix in ('dlojzlib.data.decode.BadImageError: ', 'dlojzlib.data.datasets.BadImageError: ',
@@ -181,8 +187,9 @@ def loader_error_message(exc):
 
 
 def translate(e, args, rank=0, distributed=False, step=0):
-    """The DlojzError that `e`, raised while running step `step` (1-based), stands for; None for a crash.
-    Facts come in as arguments so that every row of the table above is tested without a GPU or a peer."""
+    """The DlojzError that `e`, raised while running step `step` (1-based), stands for; None for a
+    crash. Facts come in as arguments so that every row of the table above is tested without a GPU
+    or a peer."""
     import torch
     failed = {'failed_step': step}
     if isinstance(e, DlojzError):

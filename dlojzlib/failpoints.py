@@ -1,7 +1,9 @@
-"""Failpoints: the faults the crash tests inject into a real dlojz process, named, read once from DLOJZ_FAULT
-when this module is imported, and no-ops when it is unset (as etcd's gofail and FoundationDB's BUGGIFY).
+"""Failpoints: the faults the crash tests inject into a real dlojz process, named, read once from
+DLOJZ_FAULT when this module is imported, and no-ops when it is unset (as etcd's gofail and
+FoundationDB's BUGGIFY).
 
-    DLOJZ_FAULT=kill-in-checkpoint:2 python dlojz.py ...     # comma-separated <name>[:<argument>] entries
+DLOJZ_FAULT=kill-in-checkpoint:2 python dlojz.py ...     # comma-separated <name>[:<argument>]
+entries
 
   kill-in-checkpoint:<n>    SIGKILL this process halfway through writing its n-th checkpoint (a node failure)
   no-flock                  flock raises ENOLCK, as on a file system without it: the O_EXCL claim is used
@@ -18,10 +20,10 @@ when this module is imported, and no-ops when it is unset (as etcd's gofail and 
   kill-generator:<n>        SIGKILL a process generating the synthetic dataset at its n-th image (the OOM
                             killer)
 
-docs/development.md lists them beside the tests that use them. The code under test says one word (after_step,
-after_val_batch, train_sample, worker_started, checkpoint_write, before_flock, generator_image); with DLOJZ_FAULT
-unset each is one test of a constant and reads no environment, so the training loop pays nothing for them.
-"""
+docs/development.md lists them beside the tests that use them. The code under test says one word
+(after_step, after_val_batch, train_sample, worker_started, checkpoint_write, before_flock,
+generator_image); with DLOJZ_FAULT unset each is one test of a constant and reads no environment, so
+the training loop pays nothing for them."""
 import errno
 import os
 import re
@@ -35,8 +37,8 @@ KNOWN = {'kill-in-checkpoint': r'\d+', 'no-flock': r'', 'slow-steps': r'\d+(\.\d
 
 
 def parse(text, restart_count=0):
-    """DLOJZ_FAULT's text -> {name: argument ('' for a bare name)}. An unknown name is refused: a misspelt
-    failpoint would inject nothing and let a crash test pass without its crash."""
+    """DLOJZ_FAULT's text -> {name: argument ('' for a bare name)}. An unknown name is refused: a
+    misspelt failpoint would inject nothing and let a crash test pass without its crash."""
     armed = {}
     for entry in filter(None, (e.strip() for e in (text or '').split(','))):
         name, _, arg = entry.partition(':')

@@ -1,9 +1,8 @@
-"""The command line of dlojz.py: its flags (get_args_parser) and the checks that need nothing but the flags
-(check_flags), then those that need the device, the world size or the torch version (check_args). Torch-free on
-import, on purpose: `python dlojz.py` reads and checks its flags with this module before it imports torch
-(seconds on a loaded node), so --help and every usage error answer at once; check_args imports torch when
-called.
-"""
+"""The command line of dlojz.py: its flags (get_args_parser) and the checks that need nothing but
+the flags (check_flags), then those that need the device, the world size or the torch version
+(check_args). Torch-free on import, on purpose: `python dlojz.py` reads and checks its flags with
+this module before it imports torch (seconds on a loaded node), so --help and every usage error
+answer at once; check_args imports torch when called."""
 import argparse
 import math
 import re
@@ -12,20 +11,22 @@ import sys
 
 from dlojzlib.errors import UsageError
 
-# custom_models builds these (resnets from torchvision's blocks); the names live here so that the parser can
-# list and check them without importing torch
+# custom_models builds these (resnets from torchvision's blocks); the names live here so that the
+# parser can list and check them without importing torch
 RESNETS = ('resnet18', 'resnet34', 'resnet50', 'resnet101', 'resnet152')
 ARCHS = sorted(RESNETS) + sorted(f'{r}-{v}' for r in RESNETS for v in ('heads', 'sd'))
-# peak learning rate per 256 images (the linear scaling rule multiplies it by global batch / 256): SGD's from
-# Goyal et al. 2017; AdamW's dlojz's earlier default; Lion's timm's default. LARS's and LAMB's from a 6-epoch
-# sweep on the synthetic data (BENCHMARKS.md): values that reached 0.9+ top-1 there; top-1 still rose at the
-# largest values tried, so a short run cannot pick them: tune them on real data (--findlr).
+# peak learning rate per 256 images (the linear scaling rule multiplies it by global batch / 256):
+# SGD's from Goyal et al. 2017; AdamW's dlojz's earlier default; Lion's timm's default. LARS's and
+# LAMB's from a 6-epoch sweep on the synthetic data (BENCHMARKS.md): values that reached 0.9+ top-1
+# there; top-1 still rose at the largest values tried, so a short run cannot pick them: tune them on
+# real data (--findlr).
 BASE_LR = {'sgd': 0.1, 'adamw': 0.001, 'lars': 2.0, 'lamb': 0.005, 'lion': 0.0001}
 ADAPTIVE = ('lars', 'lamb')  # layer-wise trust ratios: the norm/bias group is left out of them
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help shows every default (unless the help text already says it) and keeps the examples' layout."""
+    """--help shows every default (unless the help text already says it) and keeps the examples'
+    layout."""
 
     def _get_help_string(self, action):
         text = action.help or ''
@@ -319,7 +320,8 @@ def tuning_flags(p):
 
 
 def parse_randaugment(text):
-    """'N,M' -> (N operations per image, magnitude M of 0-30), as torchvision's RandAugment takes them."""
+    """'N,M' -> (N operations per image, magnitude M of 0-30), as torchvision's RandAugment takes
+    them."""
     try:
         n, m = (int(v) for v in text.split(','))
     except ValueError:
@@ -330,8 +332,9 @@ def parse_randaugment(text):
 
 
 def check_flags(args):
-    """Refuse flag combinations that mean nothing whatever the machine, and resolve the defaults that depend
-    only on other flags (idempotent: check_args calls it again). -> args; raises UsageError."""
+    """Refuse flag combinations that mean nothing whatever the machine, and resolve the defaults
+    that depend only on other flags (idempotent: check_args calls it again). -> args; raises
+    UsageError."""
     if args.test_nsteps is not None:
         args.test = True
     elif args.test:
@@ -413,12 +416,12 @@ def native_bf16(capability):
 
 
 def check_args(args, device, world_size=1, capability=None, job_id=None, backend=None):
-    """Refuse flag combinations that mean nothing and resolve the defaults that depend on other flags, on
-    the device or on the world size. The parser has already checked each value's type and range.
-    capability: the GPU's (major, minor) compute capability (default: asked from CUDA). job_id: SLURM's, which
-    names the default run folder (a requeued job keeps it). backend: the process group's
-    (dist.launch.process_group_backend). Imports torch and the data modules when called, not when this module
-    is imported."""
+    """Refuse flag combinations that mean nothing and resolve the defaults that depend on other
+    flags, on the device or on the world size. The parser has already checked each value's type and
+    range. capability: the GPU's (major, minor) compute capability (default: asked from CUDA).
+    job_id: SLURM's, which names the default run folder (a requeued job keeps it). backend: the
+    process group's (dist.launch.process_group_backend). Imports torch and the data modules when
+    called, not when this module is imported."""
     import torch
 
     from dlojzlib.data import decode
@@ -436,7 +439,8 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
         if dali.dali() is None:
             raise UsageError(dali.INSTALL)
     refusals = [
-        # measured: 1000 workers on 2 cores took minutes to start, and a stop signal then waited for them
+        # measured: 1000 workers on 2 cores took minutes to start, and a stop signal then waited for
+        # them
         (args.num_workers > MAX_WORKERS_PER_CORE * cores, f'--num-workers {args.num_workers} is more than '
          f'{MAX_WORKERS_PER_CORE} workers per usable core ({cores} here); so many processes take minutes to start '
          f'and slow the node down: use at most {MAX_WORKERS_PER_CORE * cores} (a few per core is usually best; '
@@ -446,8 +450,8 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
          'run would start afresh in a new folder; name the run folder with --output-dir or --run-name.'),
         ((args.loader_only or args.tune_loader) and world_size > 1, f'{mode} measures one process\'s loader; run '
          f'it as a single process (no torchrun, one task).'),
-        # measured on CPU: torch 2.5-2.8 (inductor and aot_eager) and 2.4 (aot_eager) update BatchNorm's running
-        # statistics again in the compiled recompute; 2.9 and later once
+        # measured on CPU: torch 2.5-2.8 (inductor and aot_eager) and 2.4 (aot_eager) update
+        # BatchNorm's running statistics again in the compiled recompute; 2.9 and later once
         (args.compile and args.grad_checkpointing and torch.__version__ < '2.9', f'--compile with '
          f'--grad-checkpointing needs torch 2.9 or later (torch {torch.__version__} updates the BatchNorm '
          f'statistics of recomputed stages twice); drop one of the two or upgrade torch.'),
@@ -470,7 +474,8 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
         refusals.append((args.amp == 'bf16' and not bf16, f'--amp bf16 needs a GPU of compute capability 8.0 or '
                          f'more (A100, H100); this one is {major}.{minor} (V100: 7.0) and would emulate it slowly; '
                          f'use --amp fp16.'))
-        # gloo (ranks sharing a GPU) all-reduces and broadcasts CUDA tensors, but SyncBatchNorm all-gathers them
+        # gloo (ranks sharing a GPU) all-reduces and broadcasts CUDA tensors, but SyncBatchNorm
+        # all-gathers them
         refusals.append((args.sync_bn and backend == 'gloo' and world_size > 1, '--sync-bn all-gathers BatchNorm '
                          'statistics on the GPU, which the gloo group of ranks sharing a GPU cannot do; drop '
                          '--sync-bn, or give each task a GPU of its own.'))
@@ -497,8 +502,9 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
 
 
 def parse_or_exit(argv=None):
-    """`python dlojz.py`'s first step, before torch is imported: --help (exit 0), a bad flag (exit 2, the
-    parser's sentence) or a refused combination (exit 2, errors.UsageError's line) end here. -> args."""
+    """`python dlojz.py`'s first step, before torch is imported: --help (exit 0), a bad flag (exit
+    2, the parser's sentence) or a refused combination (exit 2, errors.UsageError's line) end here.
+    -> args."""
     args = get_args_parser().parse_args(argv)
     try:
         return check_flags(args)

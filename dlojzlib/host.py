@@ -1,5 +1,5 @@
-"""The host a run measures on: usable cores, torch's intra-op threads, the node's load and the process's memory,
-and provenance (versions, device, driver, git sha) for every result."""
+"""The host a run measures on: usable cores, torch's intra-op threads, the node's load and the
+process's memory, and provenance (versions, device, driver, git sha) for every result."""
 import datetime
 import hashlib
 import os
@@ -17,9 +17,9 @@ PROCESS_T0 = time.time()  # process_start_time()'s fallback: when this module wa
 
 
 def process_start_time(stat='/proc/self/stat', proc_stat='/proc/stat'):
-    """When this process started (seconds since the epoch, time.time()'s clock): the kernel's start time of
-    the process (clock ticks after boot) plus the boot time; where /proc does not say (not Linux), when this
-    module was imported."""
+    """When this process started (seconds since the epoch, time.time()'s clock): the kernel's start
+    time of the process (clock ticks after boot) plus the boot time; where /proc does not say (not
+    Linux), when this module was imported."""
     try:
         with open(stat) as f:
             ticks = int(f.read().rsplit(')', 1)[1].split()[19])  # field 22, counted after the command name
@@ -31,8 +31,8 @@ def process_start_time(stat='/proc/self/stat', proc_stat='/proc/stat'):
 
 
 def host_memory(pid='self'):
-    """Peak and current resident set size of a process (this one by default), bytes (Linux /proc; None
-    elsewhere or when the process is gone)."""
+    """Peak and current resident set size of a process (this one by default), bytes (Linux /proc;
+    None elsewhere or when the process is gone)."""
     out = {'host_peak_rss_bytes': None, 'host_rss_bytes': None}
     try:
         with open(f'/proc/{pid}/status') as f:
@@ -71,11 +71,12 @@ def usable_cores():
 
 
 def intra_op_threads(num_workers, cpu_device, local_ranks=1, usable=None, node=None, environ=os.environ):
-    """torch's intra-op threads for this process, or None to leave them to OMP_NUM_THREADS when it is set.
-    torch's default is every core of the affinity mask; ranks that share one mask (torchrun or mpirun without
-    binding) would each take all of them, and on a GPU the main process, which mostly launches kernels,
-    would compete with its own loader workers. On CPU the model is the work (the workers sleep once their
-    prefetch queue is full), so it gets the process's share of the cores."""
+    """torch's intra-op threads for this process, or None to leave them to OMP_NUM_THREADS when it
+    is set. torch's default is every core of the affinity mask; ranks that share one mask (torchrun
+    or mpirun without binding) would each take all of them, and on a GPU the main process, which
+    mostly launches kernels, would compete with its own loader workers. On CPU the model is the work
+    (the workers sleep once their prefetch queue is full), so it gets the process's share of the
+    cores."""
     if environ.get('OMP_NUM_THREADS'):
         return None
     usable = usable or usable_cores()
@@ -86,8 +87,9 @@ def intra_op_threads(num_workers, cpu_device, local_ranks=1, usable=None, node=N
 
 def host_check(num_workers, cpu_device, cores=usable_cores, load=os.getloadavg, threads=torch.get_num_threads,
                node_cores=os.cpu_count):
-    """What a benchmark's figures depend on besides the flags: usable cores, the node's load before the run,
-    torch's intra-op threads, the workers; with a sentence for each way they can spoil the timings."""
+    """What a benchmark's figures depend on besides the flags: usable cores, the node's load before
+    the run, torch's intra-op threads, the workers; with a sentence for each way they can spoil the
+    timings."""
     usable, load1, t = cores(), load()[0], threads()
     main = t if cpu_device else 1  # on a GPU the main process needs about a core to launch kernels
     warnings = []

@@ -1,6 +1,6 @@
 """What the training loop measures about learning, on the device and without a host sync per step:
-loss and accuracy meters (shared by training and validation), the non-finite-loss guard, and the peak
-memory a steady step needs."""
+loss and accuracy meters (shared by training and validation), the non-finite-loss guard, and the
+peak memory a steady step needs."""
 from contextlib import contextmanager
 
 import torch
@@ -11,10 +11,10 @@ from dlojzlib.host import host_memory
 
 
 class NonFiniteGuard:
-    """Remembers on the device the first step whose loss was not finite; read every `every` steps (0: only
-    when check() is called: on a GPU, by each log line, in the same read as its loss). Distributed, the
-    read is a MIN all-reduce so that every rank stops at the same
-    step (a rank stopping alone would leave the others waiting in the gradient all-reduce)."""
+    """Remembers on the device the first step whose loss was not finite; read every `every` steps
+    (0: only when check() is called: on a GPU, by each log line, in the same read as its loss).
+    Distributed, the read is a MIN all-reduce so that every rank stops at the same step (a rank
+    stopping alone would leave the others waiting in the gradient all-reduce)."""
     GOOD = 2 ** 62  # "no bad step yet"
 
     def __init__(self, device, every, distributed=False):
@@ -35,9 +35,9 @@ class NonFiniteGuard:
         self.n += 1
 
     def check(self, *also):
-        """Read the first bad step (a MIN all-reduce first when distributed) and raise if there is one,
-        together with `also` (0-d tensors on the device) in the same read: the log line's loss comes with it,
-        so the guard and the log line share one sync. -> the values of `also`."""
+        """Read the first bad step (a MIN all-reduce first when distributed) and raise if there is
+        one, together with `also` (0-d tensors on the device) in the same read: the log line's loss
+        comes with it, so the guard and the log line share one sync. -> the values of `also`."""
         bad = launch.all_reduce_(self.first_bad.clone(), 'min') if self.distributed else self.first_bad
         # float64 holds every step count exactly, and GOOD = 2**62 too
         values = torch.stack([bad.double(), *(t.detach().double() for t in also)]).tolist()
@@ -47,15 +47,17 @@ class NonFiniteGuard:
 
 
 class Meters:
-    """Per-image mean loss, top-1 and top-5 for training and validation, kept as four sums on the device
-    (loss x images, top-1 hits, top-5 hits, images): an update is a few kernels with no host sync and no
-    host-to-device copy. compute() reads the sums once; with sync (the default) the sums of every rank are
-    added first, in one all-reduce, so every image counts once whatever the world size and whatever the size
-    of each batch (a last batch of 10 weighs 10 images, not one batch). The contract is torchmetrics':
-    update() is local, compute() is global; compute(sync=False) gives the rank's own values."""
+    """Per-image mean loss, top-1 and top-5 for training and validation, kept as four sums on the
+    device (loss x images, top-1 hits, top-5 hits, images): an update is a few kernels with no host
+    sync and no host-to-device copy. compute() reads the sums once; with sync (the default) the sums
+    of every rank are added first, in one all-reduce, so every image counts once whatever the world
+    size and whatever the size of each batch (a last batch of 10 weighs 10 images, not one batch).
+    The contract is torchmetrics': update() is local, compute() is global; compute(sync=False) gives
+    the rank's own values."""
 
     def __init__(self, num_classes, device, criterion=False):
-        """criterion: also keep a second loss, update()'s criterion_loss (validation: the training criterion's)."""
+        """criterion: also keep a second loss, update()'s criterion_loss (validation: the training
+        criterion's)."""
         self.k, self.criterion = min(5, num_classes), criterion
         self.sums = torch.zeros(5 if criterion else 4, dtype=torch.float64, device=device)
 
@@ -71,7 +73,8 @@ class Meters:
         self.sums[3] += n
 
     def compute(self, sync=True):
-        """-> {'loss', 'top1', 'top5', 'images'}, or {} before any update (on every rank when synced)."""
+        """-> {'loss', 'top1', 'top5', 'images'}, or {} before any update (on every rank when
+        synced)."""
         sums = launch.all_reduce_(self.sums.clone()) if sync else self.sums
         loss, top1, top5, n, *criterion = sums.tolist()
         if n == 0:
@@ -81,12 +84,12 @@ class Meters:
 
 
 class PeakMemory:
-    """Peak memory of this process: the CUDA caching allocator's on a GPU, the resident set (VmHWM) on CPU.
-    reset() once the warm-up steps are over, so that cudnn's benchmark trials, compilation and start-up do
-    not count: the batch-size sweep reads what a steady step needs. On a GPU, training's and validation's
-    peaks are kept apart (validation has other shapes and cudnn tunes its own algorithms): end_training()
-    at the end of an epoch's steps (their work completed), validation() around an evaluation. `cuda`
-    replaces torch.cuda in tests."""
+    """Peak memory of this process: the CUDA caching allocator's on a GPU, the resident set (VmHWM)
+    on CPU. reset() once the warm-up steps are over, so that cudnn's benchmark trials, compilation
+    and start-up do not count: the batch-size sweep reads what a steady step needs. On a GPU,
+    training's and validation's peaks are kept apart (validation has other shapes and cudnn tunes
+    its own algorithms): end_training() at the end of an epoch's steps (their work completed),
+    validation() around an evaluation. `cuda` replaces torch.cuda in tests."""
 
     def __init__(self, device, cuda=torch.cuda, clear_refs='/proc/self/clear_refs'):
         self.device, self.gpu, self.cuda, self.clear_refs = device, device.type == 'cuda', cuda, clear_refs
@@ -119,8 +122,9 @@ class PeakMemory:
 
     @contextmanager
     def validation(self):
-        """Around an evaluation whose work has completed at the end (the Chronometer synchronises): its own
-        peak, then the counters reset so that the next epoch's training peak is training's alone."""
+        """Around an evaluation whose work has completed at the end (the Chronometer synchronises):
+        its own peak, then the counters reset so that the next epoch's training peak is training's
+        alone."""
         if not self.gpu:
             yield
             return
@@ -135,9 +139,9 @@ class PeakMemory:
             self.cuda.reset_peak_memory_stats(self.device)
 
     def summary(self):
-        """Bytes: {'host_peak_rss_bytes', 'host_rss_bytes', 'gpu_max_allocated_bytes', 'gpu_max_reserved_bytes'
-        (training's steps; an --evaluate run: its validation's), 'val_gpu_max_allocated_bytes',
-        'val_gpu_max_reserved_bytes', 'peak_after_warmup'}."""
+        """Bytes: {'host_peak_rss_bytes', 'host_rss_bytes', 'gpu_max_allocated_bytes',
+        'gpu_max_reserved_bytes' (training's steps; an --evaluate run: its validation's),
+        'val_gpu_max_allocated_bytes', 'val_gpu_max_reserved_bytes', 'peak_after_warmup'}."""
         train = val = (None, None)
         if self.gpu:
             val = self.val or (None, None)

@@ -25,9 +25,9 @@ from dlojzlib.flags import ADAPTIVE, BASE_LR  # noqa: F401 (beside the flags, wh
 
 
 def param_groups(model, wd, wd_norm_bias=True, adaptive=False):
-    """-> optimizer parameter groups: one with every parameter, or (without wd_norm_bias) the weights of
-    convolutions and linear layers with `wd`, then the 1-D parameters (norm weights, biases) without.
-    adaptive: the groups carry timm's always_adapt (LARS, LAMB)."""
+    """-> optimizer parameter groups: one with every parameter, or (without wd_norm_bias) the
+    weights of convolutions and linear layers with `wd`, then the 1-D parameters (norm weights,
+    biases) without. adaptive: the groups carry timm's always_adapt (LARS, LAMB)."""
     group = lambda params, decay, adapt: {'params': params, 'weight_decay': decay,
                                           **({'always_adapt': adapt} if adaptive else {})}
     params = [p for p in model.parameters() if p.requires_grad]
@@ -39,8 +39,9 @@ def param_groups(model, wd, wd_norm_bias=True, adaptive=False):
 
 def build_optimizer(args, model, lr, device):
     groups = param_groups(model, args.wd, args.wd_norm_bias, args.optimizer in ADAPTIVE)
-    # On a GPU the fused kernels update every parameter in a few launches, and take fp16's loss scale and
-    # inf flag as device tensors: GradScaler.step then skips its per-step found_inf.item() synchronisation.
+    # On a GPU the fused kernels update every parameter in a few launches, and take fp16's loss
+    # scale and inf flag as device tensors: GradScaler.step then skips its per-step found_inf.item()
+    # synchronisation.
     fused = {'fused': True} if device.type == 'cuda' else {}
     if args.optimizer == 'sgd':
         return zero_momentum(torch.optim.SGD(groups, lr=lr, momentum=args.mom, **fused))
@@ -57,8 +58,8 @@ def zero_momentum(optimizer):
     """SGD with its momentum buffers set to zero before the first step -> optimizer.
 
     torch's fused SGD allocates them uninitialised (empty_like) at its first step and tells the
-    kernel to fill them with the gradient; when fp16's GradScaler finds an inf in that step (usual at
-    the initial scale of 65536), the kernel skips, and every later step reads the uninitialised
+    kernel to fill them with the gradient; when fp16's GradScaler finds an inf in that step (usual
+    at the initial scale of 65536), the kernel skips, and every later step reads the uninitialised
     memory: NaN within a few steps (ResNet-18, H100, torch 2.11). A zero buffer gives the first
     step's own rule, momentum x 0 + gradient = gradient (dampening is 0), bit for bit, on every
     implementation, and a skipped step leaves it zero."""
@@ -71,19 +72,20 @@ def zero_momentum(optimizer):
 
 
 def timm_foreach(cls, device):
-    """{'foreach': True} on a GPU where this timm optimizer has a multi-tensor path: a few launches per
-    parameter group per step instead of several per parameter (~2 000 for ResNet-50 with LARS's Python loop).
-    Lion has one from timm 0.9 (off unless asked for until timm made it the CUDA default); LARS and LAMB from
-    timm 1.0.31 (1.0.29 and 1.0.30 have none). Asked for explicitly, since older timm defaults it off."""
+    """{'foreach': True} on a GPU where this timm optimizer has a multi-tensor path: a few launches
+    per parameter group per step instead of several per parameter (~2 000 for ResNet-50 with LARS's
+    Python loop). Lion has one from timm 0.9 (off unless asked for until timm made it the CUDA
+    default); LARS and LAMB from timm 1.0.31 (1.0.29 and 1.0.30 have none). Asked for explicitly,
+    since older timm defaults it off."""
     has = 'foreach' in inspect.signature(cls.__init__).parameters
     return {'foreach': True} if has and device.type == 'cuda' else {}
 
 
 def scaler_sync_warning(optimizer, amp):
-    """The sentence for summary.json's warnings when fp16's GradScaler makes the host wait for the GPU at
-    every step: an optimizer that does not declare `_step_supports_amp_scaling` (timm's LARS, LAMB, Lion;
-    torch's non-fused ones) gets its gradients unscaled by the scaler, which then reads found_inf with
-    .item() to decide whether to step. None when there is no such wait."""
+    """The sentence for summary.json's warnings when fp16's GradScaler makes the host wait for the
+    GPU at every step: an optimizer that does not declare `_step_supports_amp_scaling` (timm's LARS,
+    LAMB, Lion; torch's non-fused ones) gets its gradients unscaled by the scaler, which then reads
+    found_inf with .item() to decide whether to step. None when there is no such wait."""
     if amp != 'fp16' or compat.fuses_amp_scaling(optimizer):
         return None
     return (f'--amp fp16 with {type(optimizer).__name__}: the loss scaler reads the inf/NaN flag on the host at every '
@@ -92,8 +94,8 @@ def scaler_sync_warning(optimizer, amp):
 
 
 def lr_factor(schedule, step, warmup, total, power=2.0):
-    """The multiplier of the peak LR at optimizer step `step` (0-based) of `total`, after `warmup` steps of
-    linear warm-up: cosine to 0, poly (1 - t)^power to 0, or constant."""
+    """The multiplier of the peak LR at optimizer step `step` (0-based) of `total`, after `warmup`
+    steps of linear warm-up: cosine to 0, poly (1 - t)^power to 0, or constant."""
     if step < warmup:
         return (step + 1) / warmup
     t = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -124,11 +126,11 @@ def build_optimization(args, model, steps_per_epoch, total_steps, device):
 
 
 class EMA:
-    """Exponential moving average of a model's parameters and floating-point buffers (BatchNorm running
-    statistics), updated on the device after each optimizer step: ema = decay * ema + (1 - decay) * model.
-    With warm-up the decay starts low, min(decay, (1 + n) / (10 + n)) after n updates (TensorFlow's and
-    timm's rule), so that the average does not drag the random initial weights along. Integer buffers
-    (BatchNorm's batch counter) are copied."""
+    """Exponential moving average of a model's parameters and floating-point buffers (BatchNorm
+    running statistics), updated on the device after each optimizer step: ema = decay * ema + (1 -
+    decay) * model. With warm-up the decay starts low, min(decay, (1 + n) / (10 + n)) after n
+    updates (TensorFlow's and timm's rule), so that the average does not drag the random initial
+    weights along. Integer buffers (BatchNorm's batch counter) are copied."""
 
     def __init__(self, model, decay, warmup=True):
         self.module = copy.deepcopy(model).eval()
@@ -165,15 +167,17 @@ class EMA:
 
 
 # ------------------------------------------------------------------------------------------- LR range test
-# Fewer steps than this and the suggestion is coarse: over 1e-8..10 (9 decades) 100 steps multiply the LR by
-# 1.23 per step, so the steepest point is placed within about a quarter of its value, and the divergence test's
-# EMA (beta 0.98: a memory of ~50 steps) has had time to warm up; fastai's LR finder also runs 100 by default.
+# Fewer steps than this and the suggestion is coarse: over 1e-8..10 (9 decades) 100 steps multiply
+# the LR by 1.23 per step, so the steepest point is placed within about a quarter of its value, and
+# the divergence test's EMA (beta 0.98: a memory of ~50 steps) has had time to warm up; fastai's LR
+# finder also runs 100 by default.
 FINDLR_MIN_STEPS = 100
 
 
 def diverged_at(losses, beta=0.98, explode=4.0):
-    """Index of the first loss where the sweep counts as diverged (dlojz's stopping rule: not finite, or the
-    bias-corrected EMA of the losses above `explode` x its minimum so far); len(losses) if none."""
+    """Index of the first loss where the sweep counts as diverged (dlojz's stopping rule: not
+    finite, or the bias-corrected EMA of the losses above `explode` x its minimum so far);
+    len(losses) if none."""
     avg, best = 0.0, math.inf
     for i, loss in enumerate(losses):
         if not math.isfinite(loss):
@@ -187,8 +191,8 @@ def diverged_at(losses, beta=0.98, explode=4.0):
 
 
 def centered_mean(values, half):
-    """Moving average over i-h..i+h, the window shrunk symmetrically at the ends: no lag, unlike an EMA,
-    which shifts the curve towards larger LRs by its memory (~50 steps at 0.98)."""
+    """Moving average over i-h..i+h, the window shrunk symmetrically at the ends: no lag, unlike an
+    EMA, which shifts the curve towards larger LRs by its memory (~50 steps at 0.98)."""
     out = []
     for i in range(len(values)):
         h = min(half, i, len(values) - 1 - i)
@@ -220,11 +224,11 @@ def suggest_lr(lrs, losses):
 
 
 def find_lr(run, progress, train_step, beta=0.98, explode=4.0):
-    """LR range test (Smith 2017): the LR grows geometrically from 1e-8 to --lr over the run's steps. The
-    sweep ends at the first non-finite loss or once the smoothed loss (EMA `beta`, bias-corrected) passes
-    `explode` x its minimum, as LR finders do. -> the curve up to there: {'lr', 'loss', 'steps', 'stopped'}.
-    It reads the rank-mean loss every step (a sync per step: this is a measurement, not training).
-    train_step: dlojz.train_step, the step every mode runs."""
+    """LR range test (Smith 2017): the LR grows geometrically from 1e-8 to --lr over the run's
+    steps. The sweep ends at the first non-finite loss or once the smoothed loss (EMA `beta`,
+    bias-corrected) passes `explode` x its minimum, as LR finders do. -> the curve up to there:
+    {'lr', 'loss', 'steps', 'stopped'}. It reads the rank-mean loss every step (a sync per step:
+    this is a measurement, not training). train_step: dlojz.train_step, the step every mode runs."""
     run.model.train()
     lrs, losses, why, avg, best = [], [], 'end of the sweep', 0.0, math.inf
 

@@ -1,14 +1,13 @@
-"""Augmentations beyond RandomResizedCrop + flip: in the workers, RandAugment / TrivialAugmentWide / random
-erasing (torchvision's v2 transforms on uint8 tensors); on the device, mixup and cutmix with soft targets;
-and progressive resizing (the training resolution grows over the epochs, FFCV style).
+"""Augmentations beyond RandomResizedCrop + flip: in the workers, RandAugment / TrivialAugmentWide /
+random erasing (torchvision's v2 transforms on uint8 tensors); on the device, mixup and cutmix with
+soft targets; and progressive resizing (the training resolution grows over the epochs, FFCV style).
 
 Determinism: the worker-side transforms draw from torch's generator, seeded for each sample from the
-sample's own RNG (seed, epoch, index) after the crop and flip draws, so a batch is the same whatever the
-number of workers and a resumed run sees the same images. Mixup and cutmix draw their mixing weight and box
-on the host from a generator seeded by (seed, optimizer step, virtual rank): no host-device
-synchronisation, the same draws after a resume, and one process accumulating N micro-batches draws what N
-ranks would.
-"""
+sample's own RNG (seed, epoch, index) after the crop and flip draws, so a batch is the same whatever
+the number of workers and a resumed run sees the same images. Mixup and cutmix draw their mixing
+weight and box on the host from a generator seeded by (seed, optimizer step, virtual rank): no
+host-device synchronisation, the same draws after a resume, and one process accumulating N
+micro-batches draws what N ranks would."""
 import math
 
 import torch
@@ -19,7 +18,8 @@ from dlojzlib.flags import parse_randaugment
 
 
 def worker_ops(args):
-    """The worker-side augmentations the flags ask for, as one v2 transform on uint8 CHW tensors, or None."""
+    """The worker-side augmentations the flags ask for, as one v2 transform on uint8 CHW tensors, or
+    None."""
     ops = []
     if args.randaugment:
         n, m = parse_randaugment(args.randaugment)
@@ -32,8 +32,8 @@ def worker_ops(args):
 
 
 class Augmented:
-    """A training transform followed by worker-side augmentations, seeded per sample: the draws come after
-    the crop's and flip's, so those stay the same with or without augmentation."""
+    """A training transform followed by worker-side augmentations, seeded per sample: the draws come
+    after the crop's and flip's, so those stay the same with or without augmentation."""
 
     def __init__(self, transform, ops):
         self.transform, self.ops = transform, ops
@@ -56,8 +56,9 @@ class Augmented:
 
 
 def resolution(epoch, start, end, ramp_end, multiple=8):
-    """Progressive resizing: `start` pixels at epoch 0, growing linearly to `end` at epoch `ramp_end` and
-    `end` after, rounded down to a multiple of `multiple` (FFCV rounds to 32 at ImageNet sizes)."""
+    """Progressive resizing: `start` pixels at epoch 0, growing linearly to `end` at epoch
+    `ramp_end` and `end` after, rounded down to a multiple of `multiple` (FFCV rounds to 32 at
+    ImageNet sizes)."""
     if ramp_end <= 0 or epoch >= ramp_end:
         return end
     res = start + (end - start) * epoch / ramp_end
@@ -65,19 +66,20 @@ def resolution(epoch, start, end, ramp_end, multiple=8):
 
 
 class Mix:
-    """Mixup (Zhang et al. 2018) and cutmix (Yun et al. 2019) on the device, one of the two per batch (an
-    even draw when both are on, as timm does). -> (mixed images, soft targets). The weight lambda and the
-    box are drawn on the host from a generator seeded by (seed, step, rank): no sync, no state to save; each
-    image's partner is the next one of the batch (a roll by one, as torchvision's v2 MixUp; the batch is
-    already shuffled); cutmix's lambda is corrected to the box's true area after clipping."""
+    """Mixup (Zhang et al. 2018) and cutmix (Yun et al. 2019) on the device, one of the two per
+    batch (an even draw when both are on, as timm does). -> (mixed images, soft targets). The weight
+    lambda and the box are drawn on the host from a generator seeded by (seed, step, rank): no sync,
+    no state to save; each image's partner is the next one of the batch (a roll by one, as
+    torchvision's v2 MixUp; the batch is already shuffled); cutmix's lambda is corrected to the
+    box's true area after clipping."""
 
     def __init__(self, mixup, cutmix, num_classes, seed=0):
         self.mixup, self.cutmix, self.num_classes, self.seed = mixup, cutmix, num_classes, seed
         self.gen = torch.Generator()
 
     def draw(self, alpha):
-        """Beta(alpha, alpha), as a ratio of two Gamma(alpha) draws from our generator (torch's Beta takes
-        none)."""
+        """Beta(alpha, alpha), as a ratio of two Gamma(alpha) draws from our generator (torch's Beta
+        takes none)."""
         a, b = compat.standard_gamma(torch.full((2,), float(alpha)), self.gen).tolist()
         return a / (a + b)
 

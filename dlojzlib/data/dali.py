@@ -1,22 +1,23 @@
-"""--loader dali: NVIDIA DALI decodes, crops, resizes and flips; dlojz says which images, in which order, and
-where each crop is.
+"""--loader dali: NVIDIA DALI decodes, crops, resizes and flips; dlojz says which images, in which
+order, and where each crop is.
 
 Only the pixels go through DALI. The batches come from the same samplers as the native loader's
-(StepBatchSampler for training: the per-rank shares, the epoch's shuffle, a resumed epoch's remaining steps;
-ShardSampler for validation: each image once at any world size). Each training sample's RandomResizedCrop
-box and flip are drawn from the same per-sample RNG as --decode fast's (seed, epoch, index), from the file
-header's size. The native loader and DALI therefore crop the same boxes and differ only by decoder and
-resampler. fn.decoders.image_slice decodes the box alone (libjpeg-turbo's region decoding on CPU; on a GPU the
-'mixed' decoder, nvJPEG with the A100/H100 hardware JPEG engine). fn.resize (bilinear, antialiased, as
-torchvision's) and the flip then give uint8 CHW batches. The training loop normalises them on the device,
-as it does the native loader's.
+(StepBatchSampler for training: the per-rank shares, the epoch's shuffle, a resumed epoch's
+remaining steps; ShardSampler for validation: each image once at any world size). Each training
+sample's RandomResizedCrop box and flip are drawn from the same per-sample RNG as --decode fast's
+(seed, epoch, index), from the file header's size. The native loader and DALI therefore crop the
+same boxes and differ only by decoder and resampler. fn.decoders.image_slice decodes the box alone
+(libjpeg-turbo's region decoding on CPU; on a GPU the 'mixed' decoder, nvJPEG with the A100/H100
+hardware JPEG engine). fn.resize (bilinear, antialiased, as torchvision's) and the flip then give
+uint8 CHW batches. The training loop normalises them on the device, as it does the native loader's.
 
-On CPU, DALI's thread pool has --num-workers threads (at least one). On a GPU the pipeline runs on this rank's
-device. One batch is prepared ahead, on a thread of the main process, while the step before it trains.
+On CPU, DALI's thread pool has --num-workers threads (at least one). On a GPU the pipeline runs on
+this rank's device. One batch is prepared ahead, on a thread of the main process, while the step
+before it trains.
 
-Not with it: --decode gpu (DALI is the decoder), worker-side augmentations and --res-start (the native
-workers' transforms), --skip-bad-images (DALI fails a whole batch; the native loader names the file).
-"""
+Not with it: --decode gpu (DALI is the decoder), worker-side augmentations and --res-start (the
+native workers' transforms), --skip-bad-images (DALI fails a whole batch; the native loader names
+the file)."""
 import collections
 import io
 import os
@@ -49,9 +50,10 @@ _FORKED_AWAY = []  # their C++ halves, in a forked child: kept, never shut down 
 
 
 def _forget_pipelines_in_child():
-    """After a fork: a pipeline's threads stayed in the parent, and shutting it down in the child (its __del__,
-    at the next garbage collection) crashed the child (measured: a segfault in a synthetic-dataset generator
-    forked after a DALI run, whose pool then waited for it forever). The child keeps the C++ object unused."""
+    """After a fork: a pipeline's threads stayed in the parent, and shutting it down in the child
+    (its __del__, at the next garbage collection) crashed the child (measured: a segfault in a
+    synthetic-dataset generator forked after a DALI run, whose pool then waited for it forever). The
+    child keeps the C++ object unused."""
     for pipe in list(_PIPELINES):
         inner = compat.dali_native_pipeline(pipe)
         if inner is not None:
@@ -63,7 +65,8 @@ os.register_at_fork(after_in_child=_forget_pipelines_in_child)
 
 
 def image_size(data):
-    """(width, height) from the header: libjpeg-turbo's for JPEGs, PIL's for the rest (PNG named .JPEG)."""
+    """(width, height) from the header: libjpeg-turbo's for JPEGs, PIL's for the rest (PNG named
+    .JPEG)."""
     if simplejpeg is not None:
         try:
             h, w = simplejpeg.decode_jpeg_header(data)[:2]
@@ -164,9 +167,10 @@ class DaliLoader:
         return x, torch.tensor(labels, dtype=torch.int64)
 
     def __iter__(self):
-        """One batch ahead: a thread reads, draws, feeds and runs batch k+1 (DALI's own threads decode it, the
-        GIL released) while the caller trains on batch k. Every call into the pipeline is made from that one
-        thread; a stop mid-epoch waits for the batch under way and starts no other."""
+        """One batch ahead: a thread reads, draws, feeds and runs batch k+1 (DALI's own threads
+        decode it, the GIL released) while the caller trains on batch k. Every call into the
+        pipeline is made from that one thread; a stop mid-epoch waits for the batch under way and
+        starts no other."""
         if self._pipe is None:
             self._pipe = self._build()
         cuda = self.device.type == 'cuda'

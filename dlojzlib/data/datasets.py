@@ -1,5 +1,5 @@
-"""Data pipeline for dlojz: where the images come from, the datasets and the loaders (the decode paths are
-data.decode).
+"""Data pipeline for dlojz: where the images come from, the datasets and the loaders (the decode
+paths are data.decode).
 
 - resolve_data_source(): --data-dir, then $DLOJZ_DATA_DIR, $ALL_CCFRSCRATCH/imagenet, $DSDIR/imagenet, else the
   built-in synthetic JPEG dataset (generated once into --cache-dir).
@@ -65,7 +65,8 @@ def resolve_data_source(args, environ=os.environ):
     if environ.get('DLOJZ_DATA_DIR'):
         kind = 'shards' if shards.is_shards(environ['DLOJZ_DATA_DIR']) else 'imagefolder'
         return DataSource(kind, environ['DLOJZ_DATA_DIR'], '$DLOJZ_DATA_DIR is set')
-    # Jean Zay: a copy on the user's scratch, then the centre's dataset store $DSDIR (read-only, shared)
+    # Jean Zay: a copy on the user's scratch, then the centre's dataset store $DSDIR (read-only,
+    # shared)
     for var, sub in (('ALL_CCFRSCRATCH', 'imagenet'), ('DSDIR', 'imagenet'), ('DSDIR', 'imagenet/RawImages')):
         root = os.path.join(environ[var], sub) if environ.get(var) else None
         if root and os.path.isdir(os.path.join(root, 'train')):
@@ -84,10 +85,10 @@ def synthetic_root(args):
 # --------------------------------------------------------------------------------------------------
 # Built-in synthetic dataset: ImageNet-like JPEGs
 #
-# ImageNet train images are mostly 500x375/375x500/500x333 JPEGs of ~110 KB at quality ~90. We draw a
-# 1/f^beta luminance texture (the spectrum of natural scenes) tinted by a class hue, and paste a
-# class-shaped polygon (3..7 sides) in the complementary hue: colour and shape are learnable, texture
-# keeps the JPEG entropy, and so the decode cost, close to real photos.
+# ImageNet train images are mostly 500x375/375x500/500x333 JPEGs of ~110 KB at quality ~90. We draw
+# a 1/f^beta luminance texture (the spectrum of natural scenes) tinted by a class hue, and paste a
+# class-shaped polygon (3..7 sides) in the complementary hue: colour and shape are learnable,
+# texture keeps the JPEG entropy, and so the decode cost, close to real photos.
 
 SHAPES = [(500, 375), (375, 500), (500, 333), (333, 500), (500, 500), (640, 480), (400, 400),
           (600, 450), (450, 600), (700, 467)]
@@ -128,8 +129,9 @@ def synthetic_image(seed, split, label, index, num_classes):
     return Image.fromarray(np.clip(x, 0, 255).astype(np.uint8))
 
 
-# Real ImageNet holds a few odd files; the synthetic train split reproduces them (class 0, first files)
-# so the decoder is exercised on every run: grayscale, CMYK, a PNG named .JPEG, a progressive JPEG.
+# Real ImageNet holds a few odd files; the synthetic train split reproduces them (class 0, first
+# files) so the decoder is exercised on every run: grayscale, CMYK, a PNG named .JPEG, a progressive
+# JPEG.
 QUIRKS = {0: 'grayscale', 1: 'cmyk', 2: 'png', 3: 'progressive'}
 
 
@@ -153,8 +155,9 @@ def _write_one(job):
 
 
 def pool_worker_signals():
-    """A generator pool's worker: SIGTERM from the pool ends it; SIGTERM and SIGUSR2 from anyone else (Slurm
-    signals every process of the step) do not, as for the loader's workers (data.workers)."""
+    """A generator pool's worker: SIGTERM from the pool ends it; SIGTERM and SIGUSR2 from anyone
+    else (Slurm signals every process of the step) do not, as for the loader's workers
+    (data.workers)."""
     for s in (signal.SIGTERM, signal.SIGUSR2):
         signal.signal(s, signal.SIG_DFL)  # not dlojz.py's early-signal recorder, inherited by the fork
     ignore_preemption_signals()
@@ -179,12 +182,13 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
     workers = workers or min(len(os.sched_getaffinity(0)), 8)
     log(f'Generating the synthetic dataset: {len(jobs)} JPEGs into {root} ({workers} processes)')
     if workers > 1:
-        # The pool's workers outlive Slurm's SIGTERM to the process group (as the loader's do): one killed by
-        # it lost its task and the pool waited for it forever; the main process stops at its first step. They
-        # are forked as the loader's (data.workers.ForkContext), with the signals blocked: a thread that a
-        # library starts in the child at fork (OpenBLAS's) would otherwise take the signal first.
-        # ProcessPoolExecutor, not multiprocessing.Pool: a worker that dies all the same (the OOM killer's
-        # SIGKILL) breaks the executor, which raises, where Pool.map waited forever for the lost task.
+        # The pool's workers outlive Slurm's SIGTERM to the process group (as the loader's do): one
+        # killed by it lost its task and the pool waited for it forever; the main process stops at
+        # its first step. They are forked as the loader's (data.workers.ForkContext), with the
+        # signals blocked: a thread that a library starts in the child at fork (OpenBLAS's) would
+        # otherwise take the signal first. ProcessPoolExecutor, not multiprocessing.Pool: a worker
+        # that dies all the same (the OOM killer's SIGKILL) breaks the executor, which raises, where
+        # Pool.map waited forever for the lost task.
         with ProcessPoolExecutor(workers, mp_context=ForkContext(), initializer=pool_worker_signals) as pool:
             results = pool.map(_write_one, jobs, chunksize=8)  # submits every chunk: the workers are forked
             procs = compat.pool_processes(pool)
@@ -257,8 +261,8 @@ class ImageFolderDataset(torch.utils.data.Dataset):
 
 
 class ShardDataset(ImageFolderDataset):
-    """The same dataset read from tar shards by index (data.shards): samples are rows of (shard, offset,
-    size, label); each process keeps one open file per shard it reads."""
+    """The same dataset read from tar shards by index (data.shards): samples are rows of (shard,
+    offset, size, label); each process keeps one open file per shard it reads."""
 
     def __init__(self, root, names, table, transform, seed=0, skip_bad_images=False):
         super().__init__(table, transform, seed, skip_bad_images)
@@ -286,9 +290,10 @@ class ShardDataset(ImageFolderDataset):
 
 
 class EpochSampler(torch.utils.data.distributed.DistributedSampler):
-    """torch's DistributedSampler (same shuffle from seed + epoch, same padding, same shard per rank), plus a
-    start offset for mid-epoch resume; yields (index, epoch) so that the dataset seeds its augmentations
-    per sample. Every rank gets ceil(n / world) samples, so every rank runs the same number of steps."""
+    """torch's DistributedSampler (same shuffle from seed + epoch, same padding, same shard per
+    rank), plus a start offset for mid-epoch resume; yields (index, epoch) so that the dataset seeds
+    its augmentations per sample. Every rank gets ceil(n / world) samples, so every rank runs the
+    same number of steps."""
 
     def __init__(self, dataset, seed, shuffle=True, rank=0, world_size=1):
         super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
@@ -306,17 +311,19 @@ class EpochSampler(torch.utils.data.distributed.DistributedSampler):
 
 
 class StepBatchSampler(torch.utils.data.Sampler):
-    """The training batches, in order. With --accum-steps N this process stands for N ranks of a world N
-    times larger (ranks rank x N ... rank x N + N - 1 of world x N): optimizer step s takes micro-batch s of
-    each, so one GPU accumulating N micro-batches sees the very batches N GPUs would, BatchNorm groups
-    included. With N = 1 it batches EpochSampler's order as a DataLoader would."""
+    """The training batches, in order. With --accum-steps N this process stands for N ranks of a
+    world N times larger (ranks rank x N ... rank x N + N - 1 of world x N): optimizer step s takes
+    micro-batch s of each, so one GPU accumulating N micro-batches sees the very batches N GPUs
+    would, BatchNorm groups included. With N = 1 it batches EpochSampler's order as a DataLoader
+    would."""
 
     def __init__(self, dataset, seed, batch_size, drop_last=False, rank=0, world_size=1, accum=1):
         self.parts = [EpochSampler(dataset, seed, True, rank * accum + k, world_size * accum) for k in range(accum)]
         self.batch_size, self.drop_last = batch_size, drop_last
 
     def set_epoch(self, epoch, start_sample=0):
-        """start_sample: samples already taken by each of the N virtual ranks (optimizer steps x batch)."""
+        """start_sample: samples already taken by each of the N virtual ranks (optimizer steps x
+        batch)."""
         for part in self.parts:
             part.set_epoch(epoch, start_sample)
 
@@ -326,10 +333,11 @@ class StepBatchSampler(torch.utils.data.Sampler):
 
     @property
     def single_last(self):
-        """Whether the epoch's last batch would hold one image (on every rank: the shares are padded to one
-        length). BatchNorm cannot normalise a batch of one in training ("Expected more than 1 value per
-        channel"), so that image is left out of the epoch, as --drop-last would do, and only it: the batch
-        size the user chose is kept. The next epoch's shuffle gives it its turn again."""
+        """Whether the epoch's last batch would hold one image (on every rank: the shares are padded
+        to one length). BatchNorm cannot normalise a batch of one in training ("Expected more than 1
+        value per channel"), so that image is left out of the epoch, as --drop-last would do, and
+        only it: the batch size the user chose is kept. The next epoch's shuffle gives it its turn
+        again."""
         return self.batch_size > 1 and len(self.parts[0]) % self.batch_size == 1
 
     def __len__(self):
@@ -343,8 +351,8 @@ class StepBatchSampler(torch.utils.data.Sampler):
 
 
 class Accumulate:
-    """The training loop's iterable with --accum-steps N: each item is one optimizer step's N micro-batches,
-    as ([images], [labels])."""
+    """The training loop's iterable with --accum-steps N: each item is one optimizer step's N
+    micro-batches, as ([images], [labels])."""
 
     def __init__(self, loader, n):
         self.loader, self.n = loader, n
@@ -360,8 +368,8 @@ class Accumulate:
 
 
 class ShardSampler(torch.utils.data.Sampler):
-    """Validation: rank r takes samples r, r + world, r + 2 world... with no padding, so that every image is
-    evaluated exactly once whatever the world size (ranks may differ by one sample)."""
+    """Validation: rank r takes samples r, r + world, r + 2 world... with no padding, so that every
+    image is evaluated exactly once whatever the world size (ranks may differ by one sample)."""
 
     def __init__(self, n, rank=0, world_size=1):
         self.indices = range(rank, n, world_size)
@@ -428,13 +436,14 @@ class Data:
 
     @property
     def bad_images(self):
-        """Training images replaced (--skip-bad-images): by the workers, and on the device (--decode gpu)."""
+        """Training images replaced (--skip-bad-images): by the workers, and on the device (--decode
+        gpu)."""
         return (self.train_dataset.bad_images + decode.DEVICE_DECODE.bad) if self.train_dataset is not None else 0
 
     @property
     def gpu_decode(self):
-        """--decode gpu: images decoded on the host instead, in the workers (files nvJPEG does not read:
-        CMYK, PNG named .JPEG) and after nvJPEG refused them; None for the other paths."""
+        """--decode gpu: images decoded on the host instead, in the workers (files nvJPEG does not
+        read: CMYK, PNG named .JPEG) and after nvJPEG refused them; None for the other paths."""
         transform = getattr(self.train_dataset, 'transform', None)
         if not isinstance(transform, decode.GpuTrainTransform):
             return None
@@ -442,8 +451,8 @@ class Data:
 
     @property
     def fast_decode(self):
-        """--decode fast (and the host path of --decode gpu): which decoder took how many training images, and
-        why the region decoder was not used when it was not; None for --decode pil."""
+        """--decode fast (and the host path of --decode gpu): which decoder took how many training
+        images, and why the region decoder was not used when it was not; None for --decode pil."""
         if self.dali is not None:
             return None
         transform = getattr(self.train_dataset, 'transform', None)
@@ -457,7 +466,8 @@ class Data:
 
     @property
     def dali(self):
-        """--loader dali: DALI's version, where it decodes and its threads; None for the native loader."""
+        """--loader dali: DALI's version, where it decodes and its threads; None for the native
+        loader."""
         summary = getattr(self.train_loader, 'summary', None)  # a DaliLoader's (data.dali)
         return summary() if summary else None
 
@@ -470,8 +480,8 @@ class Data:
 
     @property
     def file_opens(self):
-        """Shard files opened by the training set's processes so far; None for other sources (ImageFolder
-        opens one file per sample read)."""
+        """Shard files opened by the training set's processes so far; None for other sources
+        (ImageFolder opens one file per sample read)."""
         return getattr(self.train_dataset, 'file_opens', None)
 
     def set_epoch(self, epoch, start_sample=0):
@@ -483,8 +493,8 @@ class Data:
 
 
 def train_transform(args):
-    """-> (the training transform of --decode with the worker-side augmentations, the loader's collate_fn:
-    None for torch's default)."""
+    """-> (the training transform of --decode with the worker-side augmentations, the loader's
+    collate_fn: None for torch's default)."""
     if args.decode == 'gpu':
         decode.DEVICE_DECODE.skip_bad_images = args.skip_bad_images
         refused = decode.host_train_transform(args.image_size)  # files nvJPEG refuses
@@ -496,16 +506,17 @@ def train_transform(args):
 
 
 def build_data(args, dist, log=print, on_ranks=None, device=None):
-    """on_ranks(fn, when): run fn where `when` holds, then let every rank learn of any failure (distributed).
-    device: where the training batches go; with --decode gpu --decode-ahead the files' batches are decoded
-    there one batch ahead (--fake-data has nothing to decode)."""
+    """on_ranks(fn, when): run fn where `when` holds, then let every rank learn of any failure
+    (distributed). device: where the training batches go; with --decode gpu --decode-ahead the
+    files' batches are decoded there one batch ahead (--fake-data has nothing to decode)."""
     on_ranks = on_ranks or (lambda fn, when=True: fn() if when else None)
     source, staging = resolve_data_source(args), None
     if args.stage_dir:
         source, staging = stage.staged_source(source, args.stage_dir, dist, on_ranks, log)
     if source.kind == 'fake':
         classes = [str(i) for i in range(args.fake_classes)]
-        # Distinct batches per rank (seed + rank); train shares padded like DistributedSampler, val shares exact.
+        # Distinct batches per rank (seed + rank); train shares padded like DistributedSampler, val
+        # shares exact.
         mk = lambda n, b, size, d: FakeLoader(n, b, size, len(classes), args.pin_memory, d, args.seed + dist.rank)
         train_share = math.ceil(args.fake_train_size / dist.world_size)
         val_share = len(range(dist.rank, args.fake_val_size, dist.world_size))
@@ -518,7 +529,8 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
                  when=dist.local_rank == 0)
     transform, collate = train_transform(args)
     if collate is None and args.num_workers > 0 and os.environ.get('DLOJZ_HANDOVER') != 'default':
-        # the batches handed over in shared slots (data.handover); DLOJZ_HANDOVER=default: torch's way
+        # the batches handed over in shared slots (data.handover); DLOJZ_HANDOVER=default: torch's
+        # way
         collate, why_not = handover.make(args.num_workers, args.prefetch_factor, args.batch_size,
                                                max(args.image_size, args.res_start or 0))
         if why_not:
@@ -559,7 +571,8 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
                     dali.DaliLoader(val_set, val_batches, False, args.val_image_size, args.seed,
                                           args.num_workers, dali_device, val_resize=args.val_resize),
                     train_set, len(train_set), len(val_set), accum=args.accum_steps, staging=staging)
-    # a lone process may skip its loader's start on a stop; ranks with peers agree at a step boundary instead
+    # a lone process may skip its loader's start on a stop; ranks with peers agree at a step
+    # boundary instead
     train_loader = DataLoader(train_set, batch_sampler=batches, collate_fn=collate,
                               abort_on_stop=dist.world_size == 1, **loader_kwargs(args))
     val_loader = DataLoader(val_set, batch_size=args.val_batch_size, drop_last=False, **loader_kwargs(args),

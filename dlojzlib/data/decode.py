@@ -1,6 +1,7 @@
-"""How an image becomes a training tensor: the decode paths (--decode pil, fast, gpu) and the evaluation
-transform. Every path draws the same RandomResizedCrop box and flip from the sample's own RNG (seeded by
-data.datasets from seed, epoch and index), so they differ by decoder and resampler only.
+"""How an image becomes a training tensor: the decode paths (--decode pil, fast, gpu) and the
+evaluation transform. Every path draws the same RandomResizedCrop box and flip from the sample's own
+RNG (seeded by data.datasets from seed, epoch and index), so they differ by decoder and resampler
+only.
 
 - pil: PIL decodes the whole image (TrainTransform).
 - fast: libjpeg-turbo decodes the crop's region only (nvImageCodec's CPU backend: rows above and below are
@@ -66,8 +67,8 @@ def read_bytes(src):
 
 
 def load_rgb(src):
-    """Decode any image real ImageNet holds (a path or a Blob) into RGB; raise BadImageError naming the file
-    otherwise."""
+    """Decode any image real ImageNet holds (a path or a Blob) into RGB; raise BadImageError naming
+    the file otherwise."""
     name = source_name(src)
     try:
         with (io.BytesIO(src.data) if isinstance(src, Blob) else open(src, 'rb')) as f:
@@ -80,13 +81,15 @@ def load_rgb(src):
 
 
 def sample_rng(seed, epoch, index):
-    """The RNG a training sample's augmentation draws from: (seed, epoch, index) alone, so that a batch is the
-    same whatever the workers, the loader (native or DALI) or a resume. str seeds hash deterministically (sha512)."""
+    """The RNG a training sample's augmentation draws from: (seed, epoch, index) alone, so that a
+    batch is the same whatever the workers, the loader (native or DALI) or a resume. str seeds hash
+    deterministically (sha512)."""
     return random.Random(f'{seed}-{epoch}-{index}')
 
 
 def random_resized_crop_params(rng, width, height, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
-    """torchvision's RandomResizedCrop.get_params algorithm, drawing from a local RNG (random.Random)."""
+    """torchvision's RandomResizedCrop.get_params algorithm, drawing from a local RNG
+    (random.Random)."""
     area = width * height
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
@@ -113,8 +116,8 @@ def host_train_transform(size):
 
 
 class TrainTransform:
-    """--decode pil: decode the whole image with PIL, then RandomResizedCrop + horizontal flip -> uint8 CHW
-    tensor (normalised later, on the device)."""
+    """--decode pil: decode the whole image with PIL, then RandomResizedCrop + horizontal flip ->
+    uint8 CHW tensor (normalised later, on the device)."""
     decode = 'pil'
 
     def __init__(self, size):
@@ -131,9 +134,9 @@ class TrainTransform:
 
 
 def dct_reduction(h, w, size, most=8):
-    """The largest r in 1, 2, 4, 8 such that an h x w crop decoded at 1/r scale still has `size` pixels on
-    each side: libjpeg-turbo then scales in the DCT domain (SIMD IDCTs at these factors), decoding r^2
-    times fewer pixels and losing no detail the output keeps."""
+    """The largest r in 1, 2, 4, 8 such that an h x w crop decoded at 1/r scale still has `size`
+    pixels on each side: libjpeg-turbo then scales in the DCT domain (SIMD IDCTs at these factors),
+    decoding r^2 times fewer pixels and losing no detail the output keeps."""
     r = 1
     while r < most and h // (2 * r) >= size and w // (2 * r) >= size:
         r *= 2
@@ -141,12 +144,13 @@ def dct_reduction(h, w, size, most=8):
 
 
 class FastTrainTransform:
-    """--decode fast: the same RandomResizedCrop + flip, same draws from the same per-sample RNG, decoding
-    no more pixels than the crop needs: the crop is drawn from the JPEG header's size; libjpeg-turbo decodes
-    the crop's region alone (RegionDecoder), or, when that is more pixels, the whole file at the smallest
-    power-of-two DCT scale that keeps the crop at least `size` pixels wide (simplejpeg); torch resizes the crop
-    in uint8 (bilinear, antialiased, as torchvision's). Files libjpeg-turbo will not decode to RGB (CMYK, a PNG
-    named .JPEG, ...) go through PIL, same draws."""
+    """--decode fast: the same RandomResizedCrop + flip, same draws from the same per-sample RNG,
+    decoding no more pixels than the crop needs: the crop is drawn from the JPEG header's size;
+    libjpeg-turbo decodes the crop's region alone (RegionDecoder), or, when that is more pixels, the
+    whole file at the smallest power-of-two DCT scale that keeps the crop at least `size` pixels
+    wide (simplejpeg); torch resizes the crop in uint8 (bilinear, antialiased, as torchvision's).
+    Files libjpeg-turbo will not decode to RGB (CMYK, a PNG named .JPEG, ...) go through PIL, same
+    draws."""
     decode = 'fast'
 
     def __init__(self, size):
@@ -163,8 +167,9 @@ class FastTrainTransform:
             return self._with_pil(path, rng)
         top, left, h, w = random_resized_crop_params(rng, width, height)
         r = dct_reduction(h, w, self.size)
-        # A file that does not end with its EOI marker (FF D9) is decoded whole: a truncated file must fail
-        # whatever its crop (a region above the cut would decode), as the other paths make it fail.
+        # A file that does not end with its EOI marker (FF D9) is decoded whole: a truncated file
+        # must fail whatever its crop (a region above the cut would decode), as the other paths make
+        # it fail.
         if REGION.lib is not None and colorspace in ('YCbCr', 'Gray') and h * w * r * r <= height * width \
                 and data.endswith(b'\xff\xd9'):
             crop = REGION(data, top, left, h, w)  # the region's pixels, fewer than the scaled whole file's
@@ -213,16 +218,17 @@ class ValTransform:
 
 @dataclass
 class Encoded:
-    """A training sample on its way to the device: its JPEG bytes and its draws (crop box in the source's
-    pixels, flip)."""
+    """A training sample on its way to the device: its JPEG bytes and its draws (crop box in the
+    source's pixels, flip)."""
     data: torch.Tensor  # uint8, 1-D
     box: tuple          # (top, left, height, width, flip)
     name: str
 
 
 def nvjpeg_size(data):
-    """(width, height) of a JPEG that nvJPEG decodes to RGB (YCbCr or grayscale), else None: CMYK/YCCK, PNG
-    named .JPEG, unreadable headers. PIL reads the header only (the pixels stay encoded)."""
+    """(width, height) of a JPEG that nvJPEG decodes to RGB (YCbCr or grayscale), else None:
+    CMYK/YCCK, PNG named .JPEG, unreadable headers. PIL reads the header only (the pixels stay
+    encoded)."""
     try:
         with Image.open(io.BytesIO(data)) as img:
             return img.size if img.format == 'JPEG' and img.mode in ('RGB', 'L') else None
@@ -231,8 +237,9 @@ def nvjpeg_size(data):
 
 
 class GpuTrainTransform:
-    """--decode gpu, worker side: read the file, draw the crop box from the JPEG header's size and the flip,
-    hand the bytes on. Files nvJPEG would refuse are decoded here by the CPU path (same draws) and counted."""
+    """--decode gpu, worker side: read the file, draw the crop box from the JPEG header's size and
+    the flip, hand the bytes on. Files nvJPEG would refuse are decoded here by the CPU path (same
+    draws) and counted."""
     decode = 'gpu'
 
     def __init__(self, size, cpu):
@@ -252,9 +259,10 @@ class GpuTrainTransform:
 
 
 class EncodedBatch:
-    """A --decode gpu batch as it leaves the workers: the encoded samples' bytes in one tensor (one shared
-    memory block per batch, not one per image), their boxes, and the few samples already decoded on CPU.
-    .to(device) decodes it there -> uint8 (N, 3, size, size), like the other paths' batches."""
+    """A --decode gpu batch as it leaves the workers: the encoded samples' bytes in one tensor (one
+    shared memory block per batch, not one per image), their boxes, and the few samples already
+    decoded on CPU. .to(device) decodes it there -> uint8 (N, 3, size, size), like the other paths'
+    batches."""
 
     def __init__(self, samples, size):
         self.size, self.n = size, len(samples)
@@ -291,10 +299,11 @@ class GpuCollate:
 
 
 def crop_resize(images, boxes, size):
-    """Decoded uint8 (3, H_i, W_i) images on the device -> uint8 (N, 3, size, size): crop, bilinear antialiased
-    resize (torchvision's RandomResizedCrop on tensors; CUDA has no uint8 antialiased kernel), flip. Each image
-    has its own crop size and scale and torch has no batched resize over ragged inputs, so two kernels per image
-    remain (the crop's float copy, the resize); the flip, the rounding and the cast run once for the batch."""
+    """Decoded uint8 (3, H_i, W_i) images on the device -> uint8 (N, 3, size, size): crop, bilinear
+    antialiased resize (torchvision's RandomResizedCrop on tensors; CUDA has no uint8 antialiased
+    kernel), flip. Each image has its own crop size and scale and torch has no batched resize over
+    ragged inputs, so two kernels per image remain (the crop's float copy, the resize); the flip,
+    the rounding and the cast run once for the batch."""
     resized = [torch.nn.functional.interpolate(img[:, t:t + h, l:l + w].unsqueeze(0).float(), size=(size, size),
                                                mode='bilinear', antialias=True, align_corners=False)
                for img, (t, l, h, w, _) in zip(images, boxes)]
@@ -307,19 +316,20 @@ def crop_resize(images, boxes, size):
 
 
 def decodes_lists(torchvision_version):
-    """Whether this torchvision's decode_jpeg takes a list of images (one batched nvJPEG call). 0.19 takes
-    one tensor only: its decode_jpeg hands `input` straight to torch.ops.image.decode_jpeg_cuda, whose
-    schema refuses a list (RuntimeError); the list form and its op decode_jpegs_cuda ship in 0.20
-    (pytorch/vision#8496), on CPU too (one libjpeg-turbo call per element)."""
+    """Whether this torchvision's decode_jpeg takes a list of images (one batched nvJPEG call). 0.19
+    takes one tensor only: its decode_jpeg hands `input` straight to
+    torch.ops.image.decode_jpeg_cuda, whose schema refuses a list (RuntimeError); the list form and
+    its op decode_jpegs_cuda ship in 0.20 (pytorch/vision#8496), on CPU too (one libjpeg-turbo call
+    per element)."""
     major, minor = (int(x) for x in re.match(r'(\d+)\.(\d+)', torchvision_version).groups())
     return (major, minor) >= (0, 20)
 
 
 def lacks_jpeg_engine(capability):
-    """Whether a GPU of this compute capability surely has no hardware JPEG decoder, so that nvJPEG decodes on
-    its hybrid CPU/CUDA path, one image at a time with a stream synchronisation each: below sm80 (V100, T4).
-    A100/A30 (sm80) and H100 (sm90) have the engine; capability is only a proxy above that (some sm86 cards,
-    A10 or RTX 30, lack it and are not warned about)."""
+    """Whether a GPU of this compute capability surely has no hardware JPEG decoder, so that nvJPEG
+    decodes on its hybrid CPU/CUDA path, one image at a time with a stream synchronisation each:
+    below sm80 (V100, T4). A100/A30 (sm80) and H100 (sm90) have the engine; capability is only a
+    proxy above that (some sm86 cards, A10 or RTX 30, lack it and are not warned about)."""
     return tuple(capability) < (8, 0)
 
 
@@ -329,10 +339,10 @@ SM70_WARNING = ('--decode gpu on a GPU without a hardware JPEG decoder (compute 
 
 
 class DecodedBatch:
-    """A --decode gpu batch decoded by DeviceDecode.decoded(): uint8 (N, 3, size, size) on the device, ready
-    once `event` has passed on the decoder's stream. .to() makes the caller's stream wait for that event (a
-    device-side wait, no host sync) and marks the images as used by it, so that their memory is not reused
-    before the step that reads them has run."""
+    """A --decode gpu batch decoded by DeviceDecode.decoded(): uint8 (N, 3, size, size) on the
+    device, ready once `event` has passed on the decoder's stream. .to() makes the caller's stream
+    wait for that event (a device-side wait, no host sync) and marks the images as used by it, so
+    that their memory is not reused before the step that reads them has run."""
 
     def __init__(self, images, replaced, event):
         self.images, self.replaced, self.event = images, replaced, event
@@ -365,15 +375,16 @@ class DeviceDecode:
     --skip-bad-images is replaced by the batch's previous sample and counted. The first refusal is printed
     with nvJPEG's own message, once: a decoder that refuses everything must not pass for a slow run.
 
-    Streams, on CUDA: two of our own per device, for the whole run. torchvision's CUDA decode_jpeg allocates
-    its outputs on the current stream but writes them from a private stream that does not wait for it, so a
-    block just freed by queued kernels can be overwritten while they still read it (pytorch/vision#9606).
-    Decoding with the `decode` stream current keeps its outputs in that stream's pool, which only ever holds
-    earlier decode outputs, released once the `geometry` stream, which crops and resizes them, is done
-    (record_stream). decode_jpeg waits on the host for its own stream (its cudaStreamSynchronize), not for
-    the training stream. The batch is ready at an event on the geometry stream, which the training stream
-    waits for when it takes the batch (DecodedBatch.to), so that decoding can run ahead, on another thread
-    (DecodeAhead), while the training stream holds queued work."""
+    Streams, on CUDA: two of our own per device, for the whole run. torchvision's CUDA decode_jpeg
+    allocates its outputs on the current stream but writes them from a private stream that does not
+    wait for it, so a block just freed by queued kernels can be overwritten while they still read it
+    (pytorch/vision#9606). Decoding with the `decode` stream current keeps its outputs in that
+    stream's pool, which only ever holds earlier decode outputs, released once the `geometry`
+    stream, which crops and resizes them, is done (record_stream). decode_jpeg waits on the host for
+    its own stream (its cudaStreamSynchronize), not for the training stream. The batch is ready at
+    an event on the geometry stream, which the training stream waits for when it takes the batch
+    (DecodedBatch.to), so that decoding can run ahead, on another thread (DecodeAhead), while the
+    training stream holds queued work."""
 
     def __init__(self, torchvision_version=torchvision.__version__):
         self.decode_jpeg = decode_jpeg  # seam: tests make it refuse
@@ -388,7 +399,8 @@ class DeviceDecode:
         return self.decoded(batch, device, non_blocking).to(device)
 
     def decoded(self, batch, device, non_blocking=False):
-        """-> DecodedBatch: `batch` decoded, cropped, resized and flipped, queued on this decoder's streams."""
+        """-> DecodedBatch: `batch` decoded, cropped, resized and flipped, queued on this decoder's
+        streams."""
         streams = self._streams_of(device)
         if streams is None:
             return DecodedBatch(self._assemble(batch, device, non_blocking, None), batch.replaced, None)
@@ -410,8 +422,8 @@ class DeviceDecode:
         return self._streams[device]
 
     def _assemble(self, batch, device, non_blocking, streams):
-        """-> uint8 (N, 3, size, size) in the batch's order: the samples decoded on the device and those the
-        workers decoded on the host; sets batch.replaced (--skip-bad-images)."""
+        """-> uint8 (N, 3, size, size) in the batch's order: the samples decoded on the device and
+        those the workers decoded on the host; sets batch.replaced (--skip-bad-images)."""
         out = [None] * batch.n
         if batch.at:
             chunks = list(torch.split(batch.data, batch.sizes))
@@ -429,8 +441,8 @@ class DeviceDecode:
         if not good:
             raise BadImageError(f'no image of a batch could be decoded ({", ".join(batch.names)}); check the data '
                                 f'directory.')
-        # a bad image's place goes to the nearest earlier good sample, image and label (to_device reads
-        # batch.replaced for the label)
+        # a bad image's place goes to the nearest earlier good sample, image and label (to_device
+        # reads batch.replaced for the label)
         batch.replaced = [(i, max((g for g in good if g < i), default=good[0])) for i, x in enumerate(out) if x is None]
         for i, j in batch.replaced:
             out[i] = out[j]
@@ -473,12 +485,12 @@ class DeviceDecode:
         return torch.from_numpy(np.array(img)).permute(2, 0, 1).to(device)
 
     def _decode(self, data, device):
-        """self.decode_jpeg, with torchvision's deprecation of its decoders (0.29 and later, in favour of
-        TorchCodec, which dlojz does not depend on and which has no nvJPEG batch decode into the caller's stream)
-        said once per process instead of at every batch; any other warning passes through. The first call looks
-        (catch_warnings, which changes the process's warning state and is not thread-safe: the decode thread
-        must not hold it at every batch); from then on a filter silences that one message, or nothing if this
-        torchvision does not warn."""
+        """self.decode_jpeg, with torchvision's deprecation of its decoders (0.29 and later, in
+        favour of TorchCodec, which dlojz does not depend on and which has no nvJPEG batch decode
+        into the caller's stream) said once per process instead of at every batch; any other warning
+        passes through. The first call looks (catch_warnings, which changes the process's warning
+        state and is not thread-safe: the decode thread must not hold it at every batch); from then
+        on a filter silences that one message, or nothing if this torchvision does not warn."""
         if self.warnings_checked:
             return self.decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
         with warnings.catch_warnings(record=True) as caught:
@@ -496,15 +508,16 @@ class DeviceDecode:
         return images
 
     def _call(self, chunks, device):
-        """decode_jpeg as this torchvision takes it: the list in one call (>= 0.20), else one tensor per call
-        (0.19). The CPU seam the tests drive goes through the same choice, with libjpeg-turbo."""
+        """decode_jpeg as this torchvision takes it: the list in one call (>= 0.20), else one tensor
+        per call (0.19). The CPU seam the tests drive goes through the same choice, with
+        libjpeg-turbo."""
         if self.lists:
             return self._decode(chunks, device)
         return [self._decode(c, device) for c in chunks]
 
     def _on_device(self, chunks, device, streams):
-        """decode_jpeg on the decode stream; the current (geometry) stream waits for it and is recorded on the
-        outputs, which it reads."""
+        """decode_jpeg on the decode stream; the current (geometry) stream waits for it and is
+        recorded on the outputs, which it reads."""
         if streams is None:
             return self._call(chunks, device)
         reader = torch.cuda.current_stream(device)
@@ -517,12 +530,13 @@ class DeviceDecode:
 
 
 class DecodeAhead:
-    """The training loader of --decode gpu, each batch decoded while the step before it trains: a thread
-    decodes batch k+1 (nvJPEG's host work and its kernel launches, the GIL released inside torch's ops) while
-    the training thread queues step k, and the training stream waits for the decode on the device only
-    (DecodedBatch.to). The batches and their order are the loader's; the DataLoader is only touched from the
-    calling thread. At most `depth` batches are decoded and not yet taken (~N*3*size^2 bytes each on the
-    device: 38 MB at 256 x 224 px). An error in the decode (a bad image) is raised when its batch is taken."""
+    """The training loader of --decode gpu, each batch decoded while the step before it trains: a
+    thread decodes batch k+1 (nvJPEG's host work and its kernel launches, the GIL released inside
+    torch's ops) while the training thread queues step k, and the training stream waits for the
+    decode on the device only (DecodedBatch.to). The batches and their order are the loader's; the
+    DataLoader is only touched from the calling thread. At most `depth` batches are decoded and not
+    yet taken (~N*3*size^2 bytes each on the device: 38 MB at 256 x 224 px). An error in the decode
+    (a bad image) is raised when its batch is taken."""
 
     def __init__(self, loader, device, decoder=None, depth=1):
         self.loader, self.device, self.depth = loader, indexed(device), depth
@@ -539,10 +553,11 @@ class DecodeAhead:
     def __iter__(self):
         it = iter(self.loader)  # the workers start (fork) before the thread does
         pending = collections.deque()
-        # a new thread's current CUDA device is 0 whatever this rank's is: set it, so that what torch allocates
-        # or launches without naming a device lands on this rank's GPU, and so that torchvision's decoder (made
-        # in this thread, and keeping the device current then) orders its output on this device's current
-        # stream, our decode stream, and not on device 0's (decode_jpegs_cuda.cpp: original_device)
+        # a new thread's current CUDA device is 0 whatever this rank's is: set it, so that what
+        # torch allocates or launches without naming a device lands on this rank's GPU, and so that
+        # torchvision's decoder (made in this thread, and keeping the device current then) orders
+        # its output on this device's current stream, our decode stream, and not on device 0's
+        # (decode_jpegs_cuda.cpp: original_device)
         on_device = (lambda: torch.cuda.set_device(self.device)) if self.device.type == 'cuda' else None
         pool = ThreadPoolExecutor(1, thread_name_prefix='dlojz-decode', initializer=on_device)
         try:

@@ -1,7 +1,6 @@
-"""The ImageFolder layout (ROOT/train/<class>/<image>, ROOT/val/<class>/<image>): which classes and files a
-tree holds, with the checks users need. Read by the data pipeline (data.datasets) and by the shard writer
-(data.shards, `dlojz_data.py prepare`), so it imports neither.
-"""
+"""The ImageFolder layout (ROOT/train/<class>/<image>, ROOT/val/<class>/<image>): which classes and
+files a tree holds, with the checks users need. Read by the data pipeline (data.datasets) and by the
+shard writer (data.shards, `dlojz_data.py prepare`), so it imports neither."""
 import os
 import sys
 
@@ -19,9 +18,10 @@ def _shown(names, n=5):
 
 
 def find_classes(split_dir, warn=warn_stderr):
-    """Class folders of one split, sorted, each holding at least one image file; -> (classes, samples, the
-    class folders without an image). Only regular files (or links to them) are samples: opening a FIFO
-    named x.JPEG blocks forever, a socket or a dangling link fails; those are named in a warning."""
+    """Class folders of one split, sorted, each holding at least one image file; -> (classes,
+    samples, the class folders without an image). Only regular files (or links to them) are samples:
+    opening a FIFO named x.JPEG blocks forever, a socket or a dangling link fails; those are named
+    in a warning."""
     if not os.path.isdir(split_dir):
         root = os.path.dirname(split_dir)
         raise DataError(f'{split_dir} does not exist; expected the ImageFolder layout '
@@ -58,8 +58,8 @@ def find_classes(split_dir, warn=warn_stderr):
 
 
 def scan_imagefolder(root, given='--data-dir', warn=warn_stderr):
-    """(classes, train samples, val samples) with the train/val checks users need. given: how the user named
-    root (--data-dir for training, SRC for `dlojz_data.py prepare`), for the messages."""
+    """(classes, train samples, val samples) with the train/val checks users need. given: how the
+    user named root (--data-dir for training, SRC for `dlojz_data.py prepare`), for the messages."""
     if not os.path.isdir(root):
         what = 'is a file, not a folder' if os.path.exists(root) else 'does not exist'
         fallback = ' (or omit it to use the built-in synthetic dataset)' if given == '--data-dir' else ''

@@ -1,25 +1,27 @@
-"""How the training loader's workers hand their batches to the main process: into shared memory made once.
+"""How the training loader's workers hand their batches to the main process: into shared memory made
+once.
 
-torch's default collate stacks each batch into a new shared-memory block, which the main process then maps
-through a file descriptor sent over a socket, once per tensor (the labels too). The block's pages are new
-each time: measured on this project's 2-core machine, allocating and filling a fresh 4.8 MB block (32 images
-of 224 px) costs 3.1 ms against 0.07 ms for ordinary memory, and one worker on the same core as the main
-process hands a batch over in 4.3 ms (0.13 ms per image, as much as the resize).
+torch's default collate stacks each batch into a new shared-memory block, which the main process
+then maps through a file descriptor sent over a socket, once per tensor (the labels too). The
+block's pages are new each time: measured on this project's 2-core machine, allocating and filling a
+fresh 4.8 MB block (32 images of 224 px) costs 3.1 ms against 0.07 ms for ordinary memory, and one
+worker on the same core as the main process hands a batch over in 4.3 ms (0.13 ms per image, as much
+as the resize).
 
-SharedCollate stacks the batch into one of the worker's own slots instead: blocks allocated by the main process
-before the workers fork, so that both sides map them once and their pages stay. Only a small SlotBatch (the
-slot's number, the shape, the labels as a list) goes through the queue. The main process copies the images out
-(into pinned memory in the pin-memory thread, which copied them anyway, or into ordinary memory) and releases
-the slot at once; the worker reuses it after that.
+SharedCollate stacks the batch into one of the worker's own slots instead: blocks allocated by the
+main process before the workers fork, so that both sides map them once and their pages stay. Only a
+small SlotBatch (the slot's number, the shape, the labels as a list) goes through the queue. The
+main process copies the images out (into pinned memory in the pin-memory thread, which copied them
+anyway, or into ordinary memory) and releases the slot at once; the worker reuses it after that.
 
-Safety: a worker writes a slot only after taking one of its semaphore's K permits (K = prefetch_factor + 1
-slots per worker); a permit comes back only when the main process has copied the batch out, or dropped it
-unread (a stopped epoch, the persistent workers' reset). A worker's batches are taken in the order it made
-them, and its slots are used in a ring, so the slot it takes next is always one already copied out. A worker
-that finds no permit within 50 ms stacks the batch the default way, and the summary counts those batches:
-nothing ever waits for the main process. Each iterator of a loader without persistent workers forks new
-workers and starts a new generation: a batch of an older one never releases a newer one's permit.
-"""
+Safety: a worker writes a slot only after taking one of its semaphore's K permits (K =
+prefetch_factor + 1 slots per worker); a permit comes back only when the main process has copied the
+batch out, or dropped it unread (a stopped epoch, the persistent workers' reset). A worker's batches
+are taken in the order it made them, and its slots are used in a ring, so the slot it takes next is
+always one already copied out. A worker that finds no permit within 50 ms stacks the batch the
+default way, and the summary counts those batches: nothing ever waits for the main process. Each
+iterator of a loader without persistent workers forks new workers and starts a new generation: a
+batch of an older one never releases a newer one's permit."""
 import itertools
 import math
 import multiprocessing as mp
@@ -39,8 +41,8 @@ SHM_SHARE = 0.25  # the most of its free space the slots may take
 
 
 def make(workers, prefetch_factor, batch_size, max_image_size, shm=SHM):
-    """-> (SharedCollate, None), or (None, why not): the slots must fit in a quarter of the free shared memory
-    (a container's /dev/shm is often 64 MB), and their allocation must succeed."""
+    """-> (SharedCollate, None), or (None, why not): the slots must fit in a quarter of the free
+    shared memory (a container's /dev/shm is often 64 MB), and their allocation must succeed."""
     need = SharedCollate.bytes_needed(workers, prefetch_factor, batch_size, max_image_size)
     try:
         st = os.statvfs(shm)
@@ -57,8 +59,8 @@ def make(workers, prefetch_factor, batch_size, max_image_size, shm=SHM):
 
 
 class SlotBatch:
-    """A training batch in a shared slot: materialize() (or pin_memory(), from the pin-memory thread) ->
-    (uint8 images, int64 labels), copied out of the slot, which is then released."""
+    """A training batch in a shared slot: materialize() (or pin_memory(), from the pin-memory
+    thread) -> (uint8 images, int64 labels), copied out of the slot, which is then released."""
 
     def __init__(self, owner, generation, worker, slot, shape, labels):
         self.owner, self.generation, self.worker, self.slot = owner, generation, worker, slot
@@ -102,9 +104,11 @@ class SlotBatch:
 
 
 class SharedCollate:
-    """collate_fn of the training loader with workers, for batches of uint8 (3, s, s) images and int labels
-    (--decode fast and pil); anything else, or a batch larger than a slot, is collated the default way."""
-    # id -> SharedCollate, inherited by the forked workers; weak, so that a loader's slots go with it
+    """collate_fn of the training loader with workers, for batches of uint8 (3, s, s) images and int
+    labels (--decode fast and pil); anything else, or a batch larger than a slot, is collated the
+    default way."""
+    # id -> SharedCollate, inherited by the forked workers; weak, so that a loader's slots go with
+    # it
     registry = weakref.WeakValueDictionary()
     ids = itertools.count()
 
@@ -121,8 +125,9 @@ class SharedCollate:
         SharedCollate.registry[self.id] = self
         self.workers, self.per_worker = workers, self.slots_per_worker(prefetch_factor)
         self.slot_bytes = batch_size * 3 * max_image_size ** 2
-        # one block for every slot, allocated here so that the workers inherit its mapping at their fork; made
-        # shared directly (as default_collate's blocks are), not copied into shared memory by share_memory_()
+        # one block for every slot, allocated here so that the workers inherit its mapping at their
+        # fork; made shared directly (as default_collate's blocks are), not copied into shared
+        # memory by share_memory_()
         shape = (workers, self.per_worker, self.slot_bytes)
         storage = compat.shared_storage(workers * self.per_worker * self.slot_bytes)
         self.blocks = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
@@ -173,8 +178,8 @@ class SharedCollate:
 
 
 class Materialized:
-    """The loader's iterator, with SlotBatches copied out (the pin-memory thread has already done it for a
-    pinned loader). Other attributes are the wrapped iterator's."""
+    """The loader's iterator, with SlotBatches copied out (the pin-memory thread has already done it
+    for a pinned loader). Other attributes are the wrapped iterator's."""
 
     def __init__(self, it):
         self._it = it

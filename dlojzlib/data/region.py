@@ -1,6 +1,6 @@
-"""--decode fast's region decoder: libjpeg-turbo's partial decompression through NVIDIA's nvImageCodec (CPU
-backend). data.decode.FastTrainTransform decides when to use it; docs/dependencies.md says why this binding.
-"""
+"""--decode fast's region decoder: libjpeg-turbo's partial decompression through NVIDIA's
+nvImageCodec (CPU backend). data.decode.FastTrainTransform decides when to use it;
+docs/dependencies.md says why this binding."""
 import importlib
 import multiprocessing as mp
 import os
@@ -11,15 +11,16 @@ import tempfile
 import numpy as np
 
 
-# What nvImageCodec prints on stderr when imported (and at its first decode) without the CUDA libraries of
-# its GPU extensions (nvJPEG, nvJPEG2000, nvTIFF), which its CPU backend does not use: several lines each.
+# What nvImageCodec prints on stderr when imported (and at its first decode) without the CUDA
+# libraries of its GPU extensions (nvJPEG, nvJPEG2000, nvTIFF), which its CPU backend does not use:
+# several lines each.
 _ABSENT_EXTENSION = re.compile(r"Failed to load nv\w+ library|If using nvImageCodec's Python distribution|"
                                r"Decoders and encoders will not be registered")
 
 
 def _made_quietly(make):
-    """make(), with fd 2 captured meanwhile: the absent-extension lines are dropped, any other line is passed
-    on to stderr (another thread's too)."""
+    """make(), with fd 2 captured meanwhile: the absent-extension lines are dropped, any other line
+    is passed on to stderr (another thread's too)."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as captured:
@@ -38,8 +39,9 @@ def _made_quietly(make):
 
 
 def _import_nvimgcodec():
-    """NVIDIA's nvImageCodec, whose CPU backend is libjpeg-turbo with partial decompression, or None with the
-    reason. DLOJZ_REGION_DECODE=0 turns it off (the benchmark's comparison, a suspected decoder bug)."""
+    """NVIDIA's nvImageCodec, whose CPU backend is libjpeg-turbo with partial decompression, or None
+    with the reason. DLOJZ_REGION_DECODE=0 turns it off (the benchmark's comparison, a suspected
+    decoder bug)."""
     if os.environ.get('DLOJZ_REGION_DECODE', '1') == '0':
         return None, 'turned off by DLOJZ_REGION_DECODE=0'
     try:
@@ -51,11 +53,12 @@ def _import_nvimgcodec():
 
 
 class RegionDecoder:
-    """Decode only a region of a JPEG: libjpeg-turbo's jpeg_skip_scanlines() and jpeg_crop_scanline() through
-    nvImageCodec's CPU backend (PyPI nvidia-nvimgcodec-cu12; no GPU or CUDA needed). The pixels are those of a
-    full decode's crop, bit for bit (libjpeg-turbo's same IDCT and upsampling; tests/test_handover checks it), so
-    the path taken changes no sample. One decoder per process, made on first use: a forked worker makes its own.
-    `counts` (shared with the workers) says how many images each path decoded."""
+    """Decode only a region of a JPEG: libjpeg-turbo's jpeg_skip_scanlines() and
+    jpeg_crop_scanline() through nvImageCodec's CPU backend (PyPI nvidia-nvimgcodec-cu12; no GPU or
+    CUDA needed). The pixels are those of a full decode's crop, bit for bit (libjpeg-turbo's same
+    IDCT and upsampling; tests/test_handover checks it), so the path taken changes no sample. One
+    decoder per process, made on first use: a forked worker makes its own. `counts` (shared with the
+    workers) says how many images each path decoded."""
 
     def __init__(self):
         self.lib, self.why_not = _import_nvimgcodec()
@@ -75,7 +78,8 @@ class RegionDecoder:
             self.counts[k] += 1
 
     def __call__(self, data, top, left, h, w):
-        """-> uint8 (h, w, 3) RGB, or None when nvImageCodec refuses the file (the caller decodes it whole)."""
+        """-> uint8 (h, w, 3) RGB, or None when nvImageCodec refuses the file (the caller decodes it
+        whole)."""
         if self._pid != os.getpid():  # the first decode of this process loads the extensions: quietly
             n = self.lib
             self._decoder = n.Decoder(device_id=n.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,

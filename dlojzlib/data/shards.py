@@ -3,19 +3,19 @@
     python dlojz_data.py prepare SRC DST [--max-side 320] [--shard-size 256]
     python dlojz.py --data-dir DST ...
 
-A parallel file system pays for every file opened: 1.28 M JPEG opens per epoch (and as many inodes in the
-quota) for ImageFolder, against a few per worker and shard here. The shards are plain tar files in
-WebDataset's layout (`<key>.jpg` and `<key>.cls` side by side, in order), readable by `webdataset` and by
-`tar`. dlojz reads them by index instead of streaming them: `index-<split>.npy` holds each sample's shard,
-byte offset, size and label, so that training keeps everything it has on folders: the same sampler and
-per-sample augmentation seeds (determinism, mid-epoch resume), exact distributed validation, and bad
-samples skipped by name.
+A parallel file system pays for every file opened: 1.28 M JPEG opens per epoch (and as many inodes
+in the quota) for ImageFolder, against a few per worker and shard here. The shards are plain tar
+files in WebDataset's layout (`<key>.jpg` and `<key>.cls` side by side, in order), readable by
+`webdataset` and by `tar`. dlojz reads them by index instead of streaming them: `index-<split>.npy`
+holds each sample's shard, byte offset, size and label, so that training keeps everything it has on
+folders: the same sampler and per-sample augmentation seeds (determinism, mid-epoch resume), exact
+distributed validation, and bad samples skipped by name.
 
-prepare writes each shard under a temporary name, fsyncs and renames it, then its sidecar (the offsets of
-its samples); an interrupted prepare restarted with the same arguments keeps the finished shards and
-continues. `--max-side N` re-encodes images whose longer side exceeds N pixels (JPEG quality 90): fewer
-pixels to decode (FFCV's lesson), at the cost of the detail a 224 px crop of a large image had.
-"""
+prepare writes each shard under a temporary name, fsyncs and renames it, then its sidecar (the
+offsets of its samples); an interrupted prepare restarted with the same arguments keeps the finished
+shards and continues. `--max-side N` re-encodes images whose longer side exceeds N pixels (JPEG
+quality 90): fewer pixels to decode (FFCV's lesson), at the cost of the detail a 224 px crop of a
+large image had."""
 import argparse
 import hashlib
 import io
@@ -36,17 +36,18 @@ INDEX = 'index.json'
 
 
 def _write(path, data):
-    """Atomic (files.write_atomic): a reader sees no file or the whole file; a full disk is one sentence."""
+    """Atomic (files.write_atomic): a reader sees no file or the whole file; a full disk is one
+    sentence."""
     files.write_atomic(path, data, full=lambda p: disk_full(p, then=(
         'the finished shards are kept: free some space (or choose another DST) and run `python '
         'dlojz_data.py prepare` again with the same SRC and options.')))
 
 
 def check_decodes(data, path):
-    """Refuse a file that does not decode, by its source path: packed, it would stop training much later under
-    a shard:key name (or be skipped unseen with --skip-bad-images). A JPEG is decoded at 1/8 scale (PIL's
-    draft: libjpeg's DCT scaling), which reads every byte of its compressed data, truncation and corruption
-    included, for a fraction of a full decode's time."""
+    """Refuse a file that does not decode, by its source path: packed, it would stop training much
+    later under a shard:key name (or be skipped unseen with --skip-bad-images). A JPEG is decoded at
+    1/8 scale (PIL's draft: libjpeg's DCT scaling), which reads every byte of its compressed data,
+    truncation and corruption included, for a fraction of a full decode's time."""
     try:
         with Image.open(io.BytesIO(data)) as img:
             img.draft('RGB', (1, 1))
@@ -58,9 +59,9 @@ def check_decodes(data, path):
 
 
 def encode(path, max_side, quality=90):
-    """The bytes stored for one image and their extension: the file itself, or with --max-side a JPEG of
-    the image resized so that its longer side is max_side (only when it is longer). A file that does not
-    decode is refused (check_decodes)."""
+    """The bytes stored for one image and their extension: the file itself, or with --max-side a
+    JPEG of the image resized so that its longer side is max_side (only when it is longer). A file
+    that does not decode is refused (check_decodes)."""
     with open(path, 'rb') as f:
         data = f.read()
     ext = os.path.splitext(path)[1].lower().lstrip('.') or 'jpg'
@@ -80,7 +81,8 @@ def encode(path, max_side, quality=90):
 
 
 def _member(tar, name, data):
-    """Append one file; -> the byte offset of its data in the tar (after its one 512-byte USTAR header)."""
+    """Append one file; -> the byte offset of its data in the tar (after its one 512-byte USTAR
+    header)."""
     info = tarfile.TarInfo(name)
     info.size, info.mtime, info.mode = len(data), 0, 0o644  # mtime 0: the same input gives the same bytes
     header = info.tobuf(tarfile.USTAR_FORMAT, tarfile.ENCODING, 'surrogateescape')
@@ -105,8 +107,9 @@ def _write_shard(path, samples, first, max_side):
 
 
 def plan(samples, shard_bytes):
-    """Shard boundaries from the source files' sizes (known before any encoding, so a restart draws the same
-    boundaries): consecutive samples until their size passes shard_bytes. -> [(first, end)]."""
+    """Shard boundaries from the source files' sizes (known before any encoding, so a restart draws
+    the same boundaries): consecutive samples until their size passes shard_bytes. -> [(first,
+    end)]."""
     bounds, first, total = [], 0, 0
     for i, (path, _) in enumerate(samples):
         total += os.path.getsize(path)
@@ -119,8 +122,8 @@ def plan(samples, shard_bytes):
 
 
 def prepare(src, dst, max_side=None, shard_size_mb=256, log=print, stop_after=None):
-    """ImageFolder tree src -> shards + index in dst. stop_after: for the tests, stop after that many new
-    shards (as an interruption would)."""
+    """ImageFolder tree src -> shards + index in dst. stop_after: for the tests, stop after that
+    many new shards (as an interruption would)."""
     classes, train, val = scan_imagefolder(src, given='SRC')
     spec = {'format': FORMAT, 'classes': classes, 'max_side': max_side, 'shard_size_mb': shard_size_mb,
             # relative paths: the same tree named another way (relative, absolute, a link) resumes
@@ -178,7 +181,8 @@ def is_shards(root):
 
 
 def incomplete(root, missing):
-    """The DataError for a shards folder that a prepare has not finished (it writes index.json last)."""
+    """The DataError for a shards folder that a prepare has not finished (it writes index.json
+    last)."""
     return DataError(f'{root} looks like an incomplete `dlojz_data.py prepare` ({missing} is missing); finish it '
                      f'by running `python dlojz_data.py prepare SRC {root}` again with the same SRC and options '
                      f'(it resumes, keeping the shards already written).')
@@ -201,8 +205,9 @@ def load_index(root):
 
 
 class ShardReader:
-    """Reads samples by (shard, offset, size), one open file per shard and process (a loader worker opens
-    the shards it reads once and keeps them); counts its opens in `count` (a shared multiprocessing Value)."""
+    """Reads samples by (shard, offset, size), one open file per shard and process (a loader worker
+    opens the shards it reads once and keeps them); counts its opens in `count` (a shared
+    multiprocessing Value)."""
 
     def __init__(self, root, names, count=None, max_open=128):
         self.root, self.names, self.files, self.count = root, names, {}, count

@@ -1,8 +1,9 @@
 """--stage-dir DIR: copy the shards to the node's local disk once per node, then read them there.
 
-A cluster's shared file system serves a whole machine room; a node's local disk ($SLURM_TMPDIR on Alliance
-Canada) serves one job. Alliance Canada's advice for a large dataset is to copy it there at the start of the
-job as a few large files and read it locally; dlojz's shards (`dlojz_data.py prepare`) are those files.
+A cluster's shared file system serves a whole machine room; a node's local disk ($SLURM_TMPDIR on
+Alliance Canada) serves one job. Alliance Canada's advice for a large dataset is to copy it there at
+the start of the job as a few large files and read it locally; dlojz's shards (`dlojz_data.py
+prepare`) are those files.
 
 - One process per node copies (local rank 0); the node's other ranks wait for it (dist.launch.on_ranks), and a
   second job on the same node waits on a lock instead of copying the same files beside it.
@@ -35,8 +36,8 @@ PROGRESS_S = 5.0                 # seconds between progress lines
 
 
 def files_to_copy(src):
-    """The shards folder's files a run reads -> [(name, bytes, mtime_ns)]: the index, the split tables and
-    every shard (prepare's per-shard sidecars are not read by training)."""
+    """The shards folder's files a run reads -> [(name, bytes, mtime_ns)]: the index, the split
+    tables and every shard (prepare's per-shard sidecars are not read by training)."""
     with open(os.path.join(src, shards.INDEX)) as f:
         index = json.load(f)
     names = [shards.INDEX] + [f'index-{split}.npy' for split in index['splits']] + \
@@ -52,7 +53,8 @@ def files_to_copy(src):
 
 
 def destination(src, stage_dir):
-    """The copy's folder under stage_dir: named after the source, so that two datasets never share one."""
+    """The copy's folder under stage_dir: named after the source, so that two datasets never share
+    one."""
     src = os.path.realpath(src)
     return os.path.join(stage_dir, f'dlojz-{os.path.basename(src)}-{hashlib.sha1(src.encode()).hexdigest()[:8]}')
 
@@ -62,8 +64,9 @@ def _mb(n):
 
 
 def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usage):
-    """Copy the shards of src into stage_dir (see the module's docstring) -> the record for summary.json:
-    {'dir', 'host', 'bytes' (of the dataset), 'copied_bytes', 'seconds', 'mb_per_s', 'skipped'}."""
+    """Copy the shards of src into stage_dir (see the module's docstring) -> the record for
+    summary.json: {'dir', 'host', 'bytes' (of the dataset), 'copied_bytes', 'seconds', 'mb_per_s',
+    'skipped'}."""
     writable(stage_dir, '--stage-dir', 'pass a folder on the node\'s local disk that you can write, such as '
              '$SLURM_TMPDIR')
     dest = destination(src, stage_dir)
@@ -115,7 +118,8 @@ def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usa
 
 
 def _copy(src, dst, stage_dir, copied, need, t0, clock, log, last, usage):
-    """One file, under a temporary name, fsynced then renamed -> (bytes copied so far, last progress time)."""
+    """One file, under a temporary name, fsynced then renamed -> (bytes copied so far, last progress
+    time)."""
     tmp = dst + '.part'
     try:
         with open(src, 'rb') as fin, open(tmp, 'wb') as fout:
@@ -152,8 +156,8 @@ def _filled(stage_dir, copied, need, usage):
 
 
 def _journaled(dest, files):
-    """The files an earlier copy finished: journaled with the source's size and mtime, and present at that
-    size (a source prepared again, or a file removed since, is copied again)."""
+    """The files an earlier copy finished: journaled with the source's size and mtime, and present
+    at that size (a source prepared again, or a file removed since, is copied again)."""
     wanted = {tuple(f) for f in files}
     kept = set()
     try:
@@ -180,8 +184,9 @@ def _read_json(path):
 
 
 def staged_source(source, stage_dir, dist, on_ranks, log=print):
-    """-> (the DataSource to read, the staging record or the reason it was not used). Every rank of a node
-    reads the copy its local rank 0 made; that rank reports its node's progress (log: rank 0's console)."""
+    """-> (the DataSource to read, the staging record or the reason it was not used). Every rank of
+    a node reads the copy its local rank 0 made; that rank reports its node's progress (log: rank
+    0's console)."""
     asked, stage_dir = stage_dir, os.path.expandvars(stage_dir)  # '$SLURM_TMPDIR': each node's own, read here
     if '$' in stage_dir:
         raise UsageError(f'--stage-dir {asked}: {stage_dir[stage_dir.index("$"):].split("/")[0]} is not set on '

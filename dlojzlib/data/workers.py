@@ -1,9 +1,9 @@
-"""The loader's worker processes: forked with the stop signals blocked, stopped half-way through their start by a
-stop signal (the training loader), and deaf to SIGTERM and SIGUSR2 from anyone but their parent.
+"""The loader's worker processes: forked with the stop signals blocked, stopped half-way through
+their start by a stop signal (the training loader), and deaf to SIGTERM and SIGUSR2 from anyone but
+their parent.
 
-Slurm signals every process of a step, DataLoader workers included; the main process owns those signals and
-checkpoints at a step boundary (dist.launch.StopSignal).
-"""
+Slurm signals every process of a step, DataLoader workers included; the main process owns those
+signals and checkpoints at a step boundary (dist.launch.StopSignal)."""
 import multiprocessing as mp
 import os
 import signal
@@ -18,14 +18,15 @@ from dlojzlib.dist import launch
 
 
 def ignore_preemption_signals(worker_id=None):
-    """DataLoader workers survive SIGTERM and SIGUSR2 sent by anyone but their parent. Slurm signals every
-    process of a step (scancel, the time limit, --signal=USR2@120), workers included; the main process owns
-    these signals and checkpoints at a step boundary, while a worker killed by one made PyTorch raise in the
-    middle of a step (measured: `timeout -s TERM` to the process group crashed 4 runs in 4, twice inside
-    torch.save). A signal that came before this runs is pending (DataLoader above) and is read here.
-    SIGTERM from the parent (the loader's or multiprocessing's shutdown) still ends the worker:
-    ignoring it too would leave the main process waiting for its workers at exit. A thread reads the
-    sender of each SIGTERM (sigwaitinfo), blocked for the worker's other threads."""
+    """DataLoader workers survive SIGTERM and SIGUSR2 sent by anyone but their parent. Slurm signals
+    every process of a step (scancel, the time limit, --signal=USR2@120), workers included; the main
+    process owns these signals and checkpoints at a step boundary, while a worker killed by one made
+    PyTorch raise in the middle of a step (measured: `timeout -s TERM` to the process group crashed
+    4 runs in 4, twice inside torch.save). A signal that came before this runs is pending
+    (DataLoader above) and is read here. SIGTERM from the parent (the loader's or multiprocessing's
+    shutdown) still ends the worker: ignoring it too would leave the main process waiting for its
+    workers at exit. A thread reads the sender of each SIGTERM (sigwaitinfo), blocked for the
+    worker's other threads."""
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     if not hasattr(signal, 'sigwaitinfo'):  # not Linux: PyTorch's own handler stays
         return
@@ -47,14 +48,15 @@ class _StartStopped(Exception):
 
 
 class _WorkerProcess(mp.context.ForkProcess):
-    """A DataLoader worker forked with SIGTERM and SIGUSR2 blocked. A worker inherits the mask of the thread
-    that forks it, so a signal sent to the process group while workers start (each validation without
-    persistent workers, each epoch without them) waits for ignore_preemption_signals instead of reaching
-    PyTorch's worker handler, which kills the worker (measured: 1 run in a test's 3 crashed this way, a
-    validation's workers starting as the group got SIGTERM). The mask is restored after each fork, so the
-    main process's own handler takes the signal between two forks, not after the last one (16 workers with
-    a slow start once kept a SIGTERM waiting for the whole start-up); the training loader then starts no
-    more workers (abort_on_stop)."""
+    """A DataLoader worker forked with SIGTERM and SIGUSR2 blocked. A worker inherits the mask of
+    the thread that forks it, so a signal sent to the process group while workers start (each
+    validation without persistent workers, each epoch without them) waits for
+    ignore_preemption_signals instead of reaching PyTorch's worker handler, which kills the worker
+    (measured: 1 run in a test's 3 crashed this way, a validation's workers starting as the group
+    got SIGTERM). The mask is restored after each fork, so the main process's own handler takes the
+    signal between two forks, not after the last one (16 workers with a slow start once kept a
+    SIGTERM waiting for the whole start-up); the training loader then starts no more workers
+    (abort_on_stop)."""
     abort_on_stop = False
 
     def start(self):
@@ -83,11 +85,12 @@ class ForkContext(mp.context.ForkContext):
 
 
 class DataLoader(torch.utils.data.DataLoader):
-    """torch's DataLoader with _WorkerProcess workers. With abort_on_stop (the training loader of a process
-    without peers: with peers, every rank must stop at the same step, which StopSignal agrees on), a stop signal
-    during the workers' start ends it within one fork: the workers started so far are stopped and the
-    iteration is empty, so the training loop reaches its stop check at once (a checkpoint at the current
-    step, or none before the first step) instead of waiting for every worker and the first batch."""
+    """torch's DataLoader with _WorkerProcess workers. With abort_on_stop (the training loader of a
+    process without peers: with peers, every rank must stop at the same step, which StopSignal
+    agrees on), a stop signal during the workers' start ends it within one fork: the workers started
+    so far are stopped and the iteration is empty, so the training loop reaches its stop check at
+    once (a checkpoint at the current step, or none before the first step) instead of waiting for
+    every worker and the first batch."""
 
     def __init__(self, *args, abort_on_stop=False, **kwargs):
         if kwargs.get('num_workers'):
@@ -110,9 +113,9 @@ class DataLoader(torch.utils.data.DataLoader):
 
 
 def _abandon(tb):
-    """Stop the workers of the loader iterator whose start was stopped (found in the traceback: PyTorch's
-    __init__ raised half-way), and mark it shut down so that its __del__ does not tear down what it never
-    finished building."""
+    """Stop the workers of the loader iterator whose start was stopped (found in the traceback:
+    PyTorch's __init__ raised half-way), and mark it shut down so that its __del__ does not tear
+    down what it never finished building."""
     while tb is not None:
         it = tb.tb_frame.f_locals.get('self')
         if compat.is_multiprocessing_iterator(it):
@@ -124,7 +127,8 @@ def _abandon(tb):
 def loader_kwargs(args):
     kw = dict(num_workers=args.num_workers, pin_memory=args.pin_memory)
     if args.num_workers > 0:
-        # the 'fork' context of DataLoader: the workers inherit the blocked signal mask and the shared counters
+        # the 'fork' context of DataLoader: the workers inherit the blocked signal mask and the
+        # shared counters
         kw.update(persistent_workers=args.persistent_workers, prefetch_factor=args.prefetch_factor,
                   worker_init_fn=ignore_preemption_signals)
     return kw

@@ -1,9 +1,8 @@
-"""The one place that knows how dlojz was launched (torchrun, srun, or a plain single process) and that
-talks to torch.distributed.
+"""The one place that knows how dlojz was launched (torchrun, srun, or a plain single process) and
+that talks to torch.distributed.
 
-No other module reads RANK/WORLD_SIZE/SLURM_* variables; everything else receives a DistInfo and uses
-the helpers below, which are no-ops in a single process.
-"""
+No other module reads RANK/WORLD_SIZE/SLURM_* variables; everything else receives a DistInfo and
+uses the helpers below, which are no-ops in a single process."""
 import ctypes
 import datetime
 import gc
@@ -43,8 +42,8 @@ class DistInfo:
 
     @property
     def distributed(self):
-        """True when dlojz runs under a launcher: a process group and DDP are set up, even at world size 1,
-        so that one GPU under srun/torchrun runs the same code (and NCCL) as 32."""
+        """True when dlojz runs under a launcher: a process group and DDP are set up, even at world
+        size 1, so that one GPU under srun/torchrun runs the same code (and NCCL) as 32."""
         return self.launcher != 'single'
 
     @property
@@ -108,8 +107,8 @@ def get_dist_info(environ=os.environ):
         return DistInfo(rank=rank, local_rank=local_rank, world_size=world, local_world_size=lws,
                         master_addr=environ.get('MASTER_ADDR', '127.0.0.1'), master_port=port,
                         launcher='torchrun', job_id=job_id)
-    # Under srun every task has SLURM_STEP_ID; the batch script itself (python run without srun) is a
-    # single process even when the allocation has several tasks.
+    # Under srun every task has SLURM_STEP_ID; the batch script itself (python run without srun) is
+    # a single process even when the allocation has several tasks.
     if 'SLURM_PROCID' in environ and 'SLURM_STEP_ID' in environ:
         ntasks = 'SLURM_STEP_NUM_TASKS' if 'SLURM_STEP_NUM_TASKS' in environ else 'SLURM_NTASKS'
         if ntasks not in environ:
@@ -136,7 +135,8 @@ def get_dist_info(environ=os.environ):
         # A port from the job id keeps two jobs sharing a node from colliding (range 20000-39999).
         port = 20000 + int(job_id) % 20000 if job_id.isdigit() else 29500
         return DistInfo(rank=rank, local_rank=local_rank, world_size=world, local_world_size=lws,
-                        # a site's suffix picks the node's fast interface (JSC: <node>i, the InfiniBand name)
+                        # a site's suffix picks the node's fast interface (JSC: <node>i, the
+                        # InfiniBand name)
                         master_addr=nodes[0] + environ.get('DLOJZ_MASTER_SUFFIX', '') if nodes else '127.0.0.1',
                         master_port=port, nodes=nodes,
                         launcher='slurm', job_id=job_id)
@@ -149,16 +149,16 @@ _CPU_GROUP = None  # gloo group for host-side objects and flags (output dir, tim
 
 
 def mps_active(environ=os.environ):
-    """Whether an NVIDIA MPS daemon serves this job (its control pipe exists): then several processes may
-    share a GPU concurrently, as the Alliance Canada guide does for small models."""
+    """Whether an NVIDIA MPS daemon serves this job (its control pipe exists): then several
+    processes may share a GPU concurrently, as the Alliance Canada guide does for small models."""
     pipes = environ.get('CUDA_MPS_PIPE_DIRECTORY', '/tmp/nvidia-mps')
     return os.path.exists(os.path.join(pipes, 'control'))
 
 
 def cuda_device_for(dist, share=False):
-    """The GPU this process drives: its local rank, or the only visible GPU when the launcher binds one
-    GPU per task (srun --gpus-per-task / --gpu-bind sets CUDA_VISIBLE_DEVICES per task). More tasks than
-    GPUs only with `share` (--share-gpu, or MPS running): local rank modulo the GPUs."""
+    """The GPU this process drives: its local rank, or the only visible GPU when the launcher binds
+    one GPU per task (srun --gpus-per-task / --gpu-bind sets CUDA_VISIBLE_DEVICES per task). More
+    tasks than GPUs only with `share` (--share-gpu, or MPS running): local rank modulo the GPUs."""
     n = torch.cuda.device_count()
     if not dist.distributed or n == 1:
         return 0
@@ -181,8 +181,8 @@ def pick_device(choice, dist, share=False):
 
 
 def process_group_backend(device_type, device_count, local_world_size, share):
-    """The backend of the data-parallel process group: NCCL on CUDA GPUs, gloo on CPU, and gloo on CUDA when
-    this node's tasks must share GPUs (`share` and more tasks than visible GPUs).
+    """The backend of the data-parallel process group: NCCL on CUDA GPUs, gloo on CPU, and gloo on
+    CUDA when this node's tasks must share GPUs (`share` and more tasks than visible GPUs).
 
     NCCL refuses two ranks on one GPU ("Duplicate GPU detected", ncclInvalidUsage), MPS or not
     (NVIDIA/nccl#418), and does so inside DDP's constructor. gloo rather than a refusal: sharing a GPU is
@@ -222,26 +222,29 @@ def setup(dist, device, timeout_min=None, share_gpu=False):
         raise UsageError(f'could not join the process group at {dist.master_addr}:{dist.master_port} '
                          f'({first_line(e)}); check that every task started, that this address reaches rank 0\'s '
                          f'node and that the port is free (--dist-timeout bounds this wait).') from None
-    # NCCL collectives need GPU tensors; host-side objects go through a gloo group so that they never
-    # touch the GPU (and never initialise NCCL before --nccl-debug's log is in place). Made on CPU runs too,
-    # so that CPU tests exercise the structure GPU runs use; it gets --dist-timeout as well (new_group's own
-    # default is 30 min, and every host-side collective of a GPU run waits in it).
+    # NCCL collectives need GPU tensors; host-side objects go through a gloo group so that they
+    # never touch the GPU (and never initialise NCCL before --nccl-debug's log is in place). Made on
+    # CPU runs too, so that CPU tests exercise the structure GPU runs use; it gets --dist-timeout as
+    # well (new_group's own default is 30 min, and every host-side collective of a GPU run waits in
+    # it).
     _CPU_GROUP = tdist.new_group(backend='gloo', **kw)
     if device.type == 'cuda':
         _check_distinct_gpus(dist, device, share_gpu)
 
 
-# torch's C++ log lines (c10's '[E1125 01:40:35.694 TCPStore.cpp:328] ...') and the frame dumps under them
+# torch's C++ log lines (c10's '[E1125 01:40:35.694 TCPStore.cpp:328] ...') and the frame dumps
+# under them
 CPP_LOG = re.compile(rb'^(\[[EWIF]\d{4} \d\d:\d\d:\d\d\.\d+ |Exception raised from |frame #\d+: '
                      rb'|<omitting python frames>|$)')
 
 
 @contextmanager
 def cpp_errors_held(hold=True):
-    """Hold back what is written to stderr (fd 2) during the block: the TCPStore client logs each failed
-    connection attempt with a C++ frame dump before the Python exception that says the same in one line. Given
-    back as it was when the block succeeds; when it raises (its one line reaches the user in ours), given back
-    without torch's C++ log lines, so that the rest (a warning, another thread's line) is not lost."""
+    """Hold back what is written to stderr (fd 2) during the block: the TCPStore client logs each
+    failed connection attempt with a C++ frame dump before the Python exception that says the same
+    in one line. Given back as it was when the block succeeds; when it raises (its one line reaches
+    the user in ours), given back without torch's C++ log lines, so that the rest (a warning,
+    another thread's line) is not lost."""
     try:
         held = tempfile.TemporaryFile() if hold else None
     except OSError:  # nowhere to hold it (a full /tmp): the frames are shown
@@ -288,7 +291,8 @@ def wrap_ddp(model, device, args, comm=None):
     --static-graph, --gradient-as-bucket-view, --broadcast-buffers); `comm`, a measure.comm.CommTimer, times
     its gradient all-reduce (a communication hook doing what DDP's built-in one does)."""
     ddp = torch.nn.parallel.DistributedDataParallel
-    # PyTorch >= 2.15 renamed broadcast_buffers (same meaning: rank 0's buffers sent before every forward)
+    # PyTorch >= 2.15 renamed broadcast_buffers (same meaning: rank 0's buffers sent before every
+    # forward)
     buffers = 'forward_sync_buffers' if 'forward_sync_buffers' in inspect.signature(ddp).parameters else \
         'broadcast_buffers'
     wrapped = ddp(model, device_ids=[device.index] if device.type == 'cuda' else None,
@@ -306,12 +310,13 @@ abandoned = False  # set by cleanup(): the process must exit without tearing the
 
 
 def cleanup(peer_failed=False, synchronize=False):
-    """Leave the process group. After a peer died, NCCL's teardown (ncclCommAbort in destroy_process_group
-    or in the group's destructor) can wait forever for it (pytorch#119250, #132696): the group is abandoned
-    and the entry point exits at once with os._exit. gloo's teardown returns (tested with a killed rank).
-    synchronize (a run that ended normally on every rank): meet at a barrier first, so that no rank tears its
-    group down while a peer still talks to it. Then the groups are freed, their threads joined, before the
-    interpreter's finalisation (below)."""
+    """Leave the process group. After a peer died, NCCL's teardown (ncclCommAbort in
+    destroy_process_group or in the group's destructor) can wait forever for it (pytorch#119250,
+    #132696): the group is abandoned and the entry point exits at once with os._exit. gloo's
+    teardown returns (tested with a killed rank). synchronize (a run that ended normally on every
+    rank): meet at a barrier first, so that no rank tears its group down while a peer still talks to
+    it. Then the groups are freed, their threads joined, before the interpreter's finalisation
+    (below)."""
     global abandoned, _CPU_GROUP
     if not (tdist.is_available() and tdist.is_initialized()):
         return
@@ -327,13 +332,14 @@ def cleanup(peer_failed=False, synchronize=False):
         tdist.destroy_process_group()
     except Exception:  # a failed group may refuse to close; the process is exiting anyway
         pass
-    # destroy_process_group() leaves a group's threads running while Python still holds the group (_CPU_GROUP
-    # here, the default group in DDP's reducer, a reference cycle): a rank of a 3-rank CPU run had all 7 of
-    # gloo's threads (pt_gloo_runloop, gloo_tcp_loop) alive after it. They then ended during the interpreter's
-    # finalisation, where a C++ thread that needs the GIL is stopped by pthread_exit and libstdc++ aborts:
-    # `terminate called without an active exception`, SIGABRT after a normal end (one gloo rank of 8 under
-    # tests/slurm, one of 3 in the long tier, on 2 busy cores). Freed here, each group's destructor joins its
-    # threads while the interpreter is whole (tests/test_dist checks that none is left).
+    # destroy_process_group() leaves a group's threads running while Python still holds the group
+    # (_CPU_GROUP here, the default group in DDP's reducer, a reference cycle): a rank of a 3-rank
+    # CPU run had all 7 of gloo's threads (pt_gloo_runloop, gloo_tcp_loop) alive after it. They then
+    # ended during the interpreter's finalisation, where a C++ thread that needs the GIL is stopped
+    # by pthread_exit and libstdc++ aborts: `terminate called without an active exception`, SIGABRT
+    # after a normal end (one gloo rank of 8 under tests/slurm, one of 3 in the long tier, on 2 busy
+    # cores). Freed here, each group's destructor joins its threads while the interpreter is whole
+    # (tests/test_dist checks that none is left).
     _CPU_GROUP = None
     gc.collect()
 
@@ -355,9 +361,10 @@ def broadcast_object(obj, src=0):
 
 
 def on_ranks(fn, when=True):
-    """Run fn on the ranks where `when` holds; every rank then learns whether it failed anywhere, so that a
-    failure on one rank (an unwritable folder, a full disk) stops all of them instead of leaving the others
-    waiting at the next collective. Returns fn's result where it ran, else None."""
+    """Run fn on the ranks where `when` holds; every rank then learns whether it failed anywhere, so
+    that a failure on one rank (an unwritable folder, a full disk) stops all of them instead of
+    leaving the others waiting at the next collective. Returns fn's result where it ran, else None.
+    """
     result, error = None, None
     try:
         if when:
@@ -386,8 +393,9 @@ def all_reduce_(tensor, op='sum'):
 
 
 def broadcast_buffers_(module, src=0):
-    """Give every rank rank `src`'s BatchNorm running statistics (they drift apart: each rank updates them
-    with its own batches, DDP only re-broadcasts at the start of the next training forward)."""
+    """Give every rank rank `src`'s BatchNorm running statistics (they drift apart: each rank
+    updates them with its own batches, DDP only re-broadcasts at the start of the next training
+    forward)."""
     if tdist.is_available() and tdist.is_initialized():
         for b in module.buffers():
             tdist.broadcast(b, src=src)
@@ -402,11 +410,12 @@ def slurm_cpus_per_task(environ=os.environ):
 
 
 class StopSignal:
-    """Preemption and time limits. SLURM sends SIGUSR2 ahead of the end (#SBATCH --signal=USR2@120) and
-    SIGTERM at the limit; the handler only sets a flag, because checkpointing inside a signal handler can
-    deadlock (Lightning #21406). The training loop asks agreed() at every step boundary.
+    """Preemption and time limits. SLURM sends SIGUSR2 ahead of the end (#SBATCH --signal=USR2@120)
+    and SIGTERM at the limit; the handler only sets a flag, because checkpointing inside a signal
+    handler can deadlock (Lightning #21406). The training loop asks agreed() at every step boundary.
 
-    SIGUSR2 rather than SIGUSR1: submitit moved off USR1 after it clashed with NCCL (submitit #1697)."""
+    SIGUSR2 rather than SIGUSR1: submitit moved off USR1 after it clashed with NCCL (submitit
+    #1697)."""
     SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
     def __init__(self):
@@ -414,8 +423,8 @@ class StopSignal:
         self._work = self._flag = None  # the all-reduce started at the previous step
 
     def install(self, pending=()):
-        """pending: names of the stop signals received before (dlojz.EARLY_SIGNALS), read after the handlers
-        are in place so that none falls between the two."""
+        """pending: names of the stop signals received before (dlojz.EARLY_SIGNALS), read after the
+        handlers are in place so that none falls between the two."""
         if threading.current_thread() is threading.main_thread():  # Python only allows it there
             for s in self.SIGNALS:
                 self._old[s] = signal.signal(s, self._handler)
@@ -436,9 +445,9 @@ class StopSignal:
 
     def agreed(self):
         """True on every rank at the same step once one rank got a signal, so that no rank stops or
-        checkpoints alone. A MAX all-reduce on the host (gloo, no GPU work waited for), started in the
-        background at each step and read at the next: the ranks agree one step later instead of meeting
-        at a barrier every step. Call settle() when the loop ends."""
+        checkpoints alone. A MAX all-reduce on the host (gloo, no GPU work waited for), started in
+        the background at each step and read at the next: the ranks agree one step later instead of
+        meeting at a barrier every step. Call settle() when the loop ends."""
         if not (tdist.is_available() and tdist.is_initialized()):
             return self.received is not None
         stop = self.settle()
@@ -447,9 +456,9 @@ class StopSignal:
         return stop
 
     def settle(self):
-        """Wait for the all-reduce in flight (every rank started it at the same step); -> its verdict. None in
-        flight in a lone process (no step ran: its loader's start was stopped by the signal, data.workers):
-        its own signal. With peers, a rank never stops alone."""
+        """Wait for the all-reduce in flight (every rank started it at the same step); -> its
+        verdict. None in flight in a lone process (no step ran: its loader's start was stopped by
+        the signal, data.workers): its own signal. With peers, a rank never stops alone."""
         if self._work is None:
             alone = not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1
             return alone and self.received is not None
@@ -462,16 +471,18 @@ _received = None  # the stop signal of the current run, for the loader's worker 
 
 
 def stop_received():
-    """The stop signal of this run so far: its handler's, or one recorded before the handler existed."""
+    """The stop signal of this run so far: its handler's, or one recorded before the handler
+    existed."""
     return _received or (EARLY_SIGNALS[-1] if EARLY_SIGNALS else None)
 
 
 def requeue(dist, signal_name=None):
     """Put this SLURM job back in the queue (`scontrol requeue`); -> (done, why not).
 
-    Only on SIGUSR2, the warning the scripts ask for (--signal=USR2@120). SIGTERM comes both from the time
-    limit and from scancel, and the job state does not tell them apart while the signal is delivered
-    (measured: a cancelled job got requeued); after SIGTERM dlojz checkpoints and the user resubmits."""
+    Only on SIGUSR2, the warning the scripts ask for (--signal=USR2@120). SIGTERM comes both from
+    the time limit and from scancel, and the job state does not tell them apart while the signal is
+    delivered (measured: a cancelled job got requeued); after SIGTERM dlojz checkpoints and the user
+    resubmits."""
     if signal_name != 'SIGUSR2':
         return False, f'{signal_name} may be a cancellation'
     if dist.launcher != 'slurm' or not dist.job_id:
@@ -492,9 +503,9 @@ def nccl_debug_env(environ=os.environ):
 
 
 class StdoutTee:
-    """Copy everything written to file descriptor 1 into a file as well, including C libraries' output
-    (NCCL prints its INFO lines on stdout), in the order it was written, so that dlojz's step markers
-    land between the collectives they delimit."""
+    """Copy everything written to file descriptor 1 into a file as well, including C libraries'
+    output (NCCL prints its INFO lines on stdout), in the order it was written, so that dlojz's step
+    markers land between the collectives they delimit."""
 
     def __init__(self, path):
         sys.stdout.flush()

@@ -1,9 +1,10 @@
-"""The compute nodes dlojz knows, per site: their shapes (GPUs, cores, memory per GPU, modules), Jean Zay's
-partitions and each machine's interconnect, with where each value comes from. The SLURM scripts
-(tools/slurm.py) and the scaling forecast (measure/scaling.py) read the same tables."""
-# Where each value below comes from (the table in docs/slurm.md repeats them, and tests/test_slurm_scripts.py
-# checks the two against each other). Alliance Canada's wiki pages were read in their source as of 2026-05;
-# JSC's node facts from its system page, its job conventions from its courses.
+"""The compute nodes dlojz knows, per site: their shapes (GPUs, cores, memory per GPU, modules),
+Jean Zay's partitions and each machine's interconnect, with where each value comes from. The SLURM
+scripts (tools/slurm.py) and the scaling forecast (measure/scaling.py) read the same tables."""
+# Where each value below comes from (the table in docs/slurm.md repeats them, and
+# tests/test_slurm_scripts.py checks the two against each other). Alliance Canada's wiki pages were
+# read in their source as of 2026-05; JSC's node facts from its system page, its job conventions
+# from its courses.
 SOURCES = {
     'idris-gpu': 'http://www.idris.fr/en/docs/jean-zay/slurm/slurm_partitions_gpu (partitions, -C, gpu_p2s/p2l)',
     'idris-templates': "IDRIS's batch templates (module purge, arch/*, conda deactivate, --cpus-per-task as 1/4 "
@@ -32,17 +33,18 @@ SOURCES = {
                        'Python PyTorch)',
 }
 
-# Node shapes, one entry per kind of GPU node. gpu_type: Alliance Canada asks for --gpus-per-node=<model>:<n>
-# (a job without a model "may be rejected"); elsewhere --gres=gpu:<n>. mem_per_gpu: GB per GPU, the site's
-# ratio (--mem is the sum per node); mem='0': the whole node's memory; neither: memory comes with the cores
-# (Jean Zay). threads: Slurm counts hardware threads there (2 per core). stage: the node
-# has a local disk in $SLURM_TMPDIR, so the script passes --stage-dir there (dlojz copies shards only).
+# Node shapes, one entry per kind of GPU node. gpu_type: Alliance Canada asks for
+# --gpus-per-node=<model>:<n> (a job without a model "may be rejected"); elsewhere --gres=gpu:<n>.
+# mem_per_gpu: GB per GPU, the site's ratio (--mem is the sum per node); mem='0': the whole node's
+# memory; neither: memory comes with the cores (Jean Zay). threads: Slurm counts hardware threads
+# there (2 per core). stage: the node has a local disk in $SLURM_TMPDIR, so the script passes
+# --stage-dir there (dlojz copies shards only).
 _AC = dict(site='ac', account='def-xyz', modules=['StdEnv/2023', 'python/3.11'], stage=True)
 MACHINES = {
-# Development QoS: each Jean Zay GPU partition has its own (IDRIS: qos_gpu-dev on V100, qos_gpu_a100-dev on
-# A100, qos_gpu_h100-dev on H100). The PyTorch module: 2.4.0 (requirements.txt's floor) exists in each tree
-# (the course loads it on A100; user scripts load it under arch/h100); `module avail pytorch-gpu` lists the
-# versions, IDRIS's H100 examples load 2.5.0 and later.
+# Development QoS: each Jean Zay GPU partition has its own (IDRIS: qos_gpu-dev on V100,
+# qos_gpu_a100-dev on A100, qos_gpu_h100-dev on H100). The PyTorch module: 2.4.0 (requirements.txt's
+# floor) exists in each tree (the course loads it on A100; user scripts load it under arch/h100);
+# `module avail pytorch-gpu` lists the versions, IDRIS's H100 examples load 2.5.0 and later.
     'v100': dict(site='jz', title='Jean Zay V100 (32 GB, gpu_p13)', gpus_per_node=4, cpus_per_task=10,
                  constraint='v100-32g', modules=['pytorch-gpu/py3/2.4.0'], account='xyz@v100', qos_dev='qos_gpu-dev',
                  sources=['idris-gpu', 'idris-templates']),
@@ -74,7 +76,8 @@ MACHINES = {
                     account='def-xyz', mem='0', mem_adapt=True),
     'cpu': dict(site='cpu', title='CPU nodes (gloo)', gpus_per_node=0, cpus_per_task=2),
 }
-# Jean Zay's 8-GPU V100 nodes are partitions, not constraints: 8 GPUs and 24 cores (3 per GPU), 32 GB each.
+# Jean Zay's 8-GPU V100 nodes are partitions, not constraints: 8 GPUs and 24 cores (3 per GPU), 32
+# GB each.
 PARTITIONS = {('v100', p): dict(title=f'Jean Zay V100 (32 GB, 8 per node, {p})', gpus_per_node=8, cpus_per_task=3,
                                 constraint=None) for p in ('gpu_p2', 'gpu_p2s', 'gpu_p2l')}
 

@@ -1,6 +1,6 @@
-"""How long each step waits for the gradient all-reduce, measured where it happens: a DDP communication hook
-around the default all-reduce stamps each bucket when its gradients are ready (the hook is called) and when
-its all-reduce is done (the future's callback).
+"""How long each step waits for the gradient all-reduce, measured where it happens: a DDP
+communication hook around the default all-reduce stamps each bucket when its gradients are ready
+(the hook is called) and when its all-reduce is done (the future's callback).
 
     comm = CommTimer(world_size, timeline)      # timeline: CUDA events on a GPU, None for the host clock
     ddp.register_comm_hook(None, comm.hook)
@@ -22,11 +22,11 @@ ranks, at the end of the run (record.summary.ranks_summary), the smallest time i
 durations measured on one rank's own clock are compared, never clock readings of two hosts.
 
 On the host clock the stamps are time.perf_counter() (gloo's callback runs in gloo's thread when the
-all-reduce is done). On a GPU they are CUDA events: the ready event is recorded on the stream that ran the
-backward pass, the done event in the callback, whose current stream waits for the all-reduce (torch.futures
-semantics for CUDA), so the two events bracket the device's wait. Events are read once they have completed,
-by the Chronometer, never by synchronising. Nothing here reads a device value on the host.
-"""
+all-reduce is done). On a GPU they are CUDA events: the ready event is recorded on the stream that
+ran the backward pass, the done event in the callback, whose current stream waits for the all-reduce
+(torch.futures semantics for CUDA), so the two events bracket the device's wait. Events are read
+once they have completed, by the Chronometer, never by synchronising. Nothing here reads a device
+value on the host."""
 import time
 
 import torch.distributed as tdist
@@ -45,7 +45,8 @@ class CommTimer:
         self.buffers_timed = False
 
     def time_buffers(self, ddp):
-        """Time DDP's buffer broadcast before each forward pass (an instance attribute over the method)."""
+        """Time DDP's buffer broadcast before each forward pass (an instance attribute over the
+        method)."""
         sync = compat.ddp_buffer_sync(ddp)
         if sync is None:
             return
@@ -78,7 +79,8 @@ class CommTimer:
         return self.all_reduce(tensor).then(done)
 
     def take(self):
-        """The stamps of the step that ends: (all-reduce buckets, buffer broadcasts) since the last call."""
+        """The stamps of the step that ends: (all-reduce buckets, buffer broadcasts) since the last
+        call."""
         marks, buffers, self.marks, self.buffer_marks = self.marks, self.buffer_marks, [], []
         return marks, buffers
 
@@ -96,8 +98,8 @@ def _seconds(marks):
 
 
 def resolve(marks, buffers=()):
-    """A step's stamps -> {'exposed': s, 'link': s, 'bytes': n, 'buffers': s}, or None for a step with no
-    all-reduce (a no_sync() micro-batch) or one whose callback never ran."""
+    """A step's stamps -> {'exposed': s, 'link': s, 'bytes': n, 'buffers': s}, or None for a step
+    with no all-reduce (a no_sync() micro-batch) or one whose callback never ran."""
     if not marks or not completed(marks, buffers):
         return None
     times = _seconds(marks)

@@ -102,7 +102,8 @@ def allreduce_s(nbytes, gpus, link):
         return inside
     if link.net_bw is None:
         raise ValueError(f'{gpus} ranks span {nodes} nodes but the interconnect has no network figures.')
-    # the ring across nodes reduces each rank's 1/per_node share; the node's links carry all per_node shares
+    # the ring across nodes reduces each rank's 1/per_node share; the node's links carry all
+    # per_node shares
     return inside + ring_allreduce_s(nbytes, nodes, link.net_bw, link.net_lat)
 
 

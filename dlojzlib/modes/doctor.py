@@ -3,11 +3,11 @@
     python dlojz.py --loader-only --num-workers 8 --test-nsteps 100   # the loader's throughput, no model
     python dlojz.py --tune-loader --arch resnet50 -b 256              # is the run loader-bound? what to set
 
---loader-only runs what feeds a training step (the same sampler, decode, augmentation, collation, pinned
-memory, and the host-to-device copy on a GPU) and nothing else. --tune-loader measures the compute ceiling
-(the same run on --fake-data: no decode) and the loader alone over a sweep of workers x prefetch x pinned
-memory, each trial in its own process (its own memory peak), and says which one bounds the run.
-"""
+--loader-only runs what feeds a training step (the same sampler, decode, augmentation, collation,
+pinned memory, and the host-to-device copy on a GPU) and nothing else. --tune-loader measures the
+compute ceiling (the same run on --fake-data: no decode) and the loader alone over a sweep of
+workers x prefetch x pinned memory, each trial in its own process (its own memory peak), and says
+which one bounds the run."""
 import argparse
 import glob
 import math
@@ -40,15 +40,16 @@ def _children(pid='self'):
 
 
 def main_and_workers_memory():
-    """-> (this process's VmHWM, the sum of its children's: the loader workers). Forked workers share the
-    parent's pages until they write them, and each VmHWM counts those shared pages again: the sum is an
-    upper bound, which is what a memory budget needs."""
+    """-> (this process's VmHWM, the sum of its children's: the loader workers). Forked workers
+    share the parent's pages until they write them, and each VmHWM counts those shared pages again:
+    the sum is an upper bound, which is what a memory budget needs."""
     peak = lambda pid: host_memory(pid)['host_peak_rss_bytes'] or 0
     return host_memory()['host_peak_rss_bytes'], sum(map(peak, _children()))
 
 
 def _cgroup_limit(proc='/proc/self/cgroup', fs='/sys/fs/cgroup'):
-    """This process's cgroup memory limit in bytes (v2 memory.max, v1 memory.limit_in_bytes), or None."""
+    """This process's cgroup memory limit in bytes (v2 memory.max, v1 memory.limit_in_bytes), or
+    None."""
     try:
         with open(proc) as f:
             lines = f.read().splitlines()
@@ -70,8 +71,8 @@ def _cgroup_limit(proc='/proc/self/cgroup', fs='/sys/fs/cgroup'):
 
 def memory_budget(environ=os.environ, cgroup=_cgroup_limit, meminfo='/proc/meminfo'):
     """Host memory one task may use, bytes: the smallest of the job's cgroup limit, Slurm's --mem
-    (SLURM_MEM_PER_NODE, MiB) or --mem-per-cpu x the node's CPUs, and the available memory, divided by the
-    tasks on the node (each runs its own loader)."""
+    (SLURM_MEM_PER_NODE, MiB) or --mem-per-cpu x the node's CPUs, and the available memory, divided
+    by the tasks on the node (each runs its own loader)."""
     limits = [cgroup()]
     if environ.get('SLURM_MEM_PER_NODE', '').isdigit():
         limits.append(int(environ['SLURM_MEM_PER_NODE']) * 2**20)
@@ -94,10 +95,11 @@ def memory_budget(environ=os.environ, cgroup=_cgroup_limit, meminfo='/proc/memin
 
 def measure(loader, steps, warmup, device, non_blocking=True, set_epoch=lambda epoch: None,
             clock=time.perf_counter):
-    """Draw `steps` batches (across epochs when one is too short), as a training loop would with a model
-    that takes no time. -> dict: images per second over the batches after `warmup`, the wait for each batch,
-    the first batch's (worker start-up included), host memory. On a GPU each batch is copied to the device,
-    and the device is synchronised once, at the end, so that the copies count."""
+    """Draw `steps` batches (across epochs when one is too short), as a training loop would with a
+    model that takes no time. -> dict: images per second over the batches after `warmup`, the wait
+    for each batch, the first batch's (worker start-up included), host memory. On a GPU each batch
+    is copied to the device, and the device is synchronised once, at the end, so that the copies
+    count."""
     cuda = device.type == 'cuda'
     waits, images = [], []
     epoch = 0
@@ -135,13 +137,15 @@ def measure(loader, steps, warmup, device, non_blocking=True, set_epoch=lambda e
 
 
 def loader_only(args, dist, device, say):
-    """--loader-only: measure the training loader, print its line, write summary.json (mode 'loader')."""
+    """--loader-only: measure the training loader, print its line, write summary.json (mode
+    'loader')."""
     data = build_data(args, dist, log=say, device=device)  # its batches as the training loop takes them
     say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train images, '
         f'{len(data.classes)} classes')
     steps = args.test_nsteps or 50
-    # All workers start together and fill their queues: the first workers x prefetch batches arrive nearly at
-    # once and would inflate the rate (measured by review: 16 workers read 2.7x their true throughput).
+    # All workers start together and fill their queues: the first workers x prefetch batches arrive
+    # nearly at once and would inflate the rate (measured by review: 16 workers read 2.7x their true
+    # throughput).
     warmup = max(args.warmup_steps, args.num_workers * (args.prefetch_factor or 0))
     say(f'>>> Loader only: {steps} batches of {args.batch_size} after {warmup} warm-up batches, {args.num_workers} '
         f'workers, prefetch {args.prefetch_factor}, pin memory {args.pin_memory}, '
@@ -181,8 +185,8 @@ _TRIAL_FLAGS = ('tune_loader', 'loader_only', 'output_dir', 'run_name', 'num_wor
 
 
 def to_argv(parser, values):
-    """The command-line flags that give `values` (a dict of raw, unresolved flag values) with `parser`:
-    those that differ from their defaults, leaving out `_TRIAL_FLAGS`."""
+    """The command-line flags that give `values` (a dict of raw, unresolved flag values) with
+    `parser`: those that differ from their defaults, leaving out `_TRIAL_FLAGS`."""
     argv = []
     for action in compat.parser_actions(parser):
         if not action.option_strings or action.dest in _TRIAL_FLAGS or action.dest not in values:
@@ -201,10 +205,10 @@ def to_argv(parser, values):
 
 
 def sweep(usable, cuda, max_workers=16, decode='fast', dali=False):
-    """The trials: workers 0, 1, 2, 4, ... up to the usable cores (and the usable cores), prefetch 2 and 4
-    with workers, pinned memory on and off on a GPU (it only matters for the copy to one); with the most
-    workers, the other host decode path too, and nvJPEG on a GPU; with `dali` (installed), --loader dali
-    with as many threads (its 'decode' is 'dali' in the table)."""
+    """The trials: workers 0, 1, 2, 4, ... up to the usable cores (and the usable cores), prefetch 2
+    and 4 with workers, pinned memory on and off on a GPU (it only matters for the copy to one);
+    with the most workers, the other host decode path too, and nvJPEG on a GPU; with `dali`
+    (installed), --loader dali with as many threads (its 'decode' is 'dali' in the table)."""
     top = min(usable, max_workers)
     workers = sorted({0, top} | {2 ** k for k in range(0, 8) if 2 ** k <= top})
     others = [d for d in ('fast', 'pil', 'gpu') if d != decode and (d != 'gpu' or cuda)]
@@ -326,7 +330,8 @@ def tune_loader(args, raw, parser, dist, device, say, python=sys.executable, scr
 
 
 def loader_mode(args, raw, dist, device):
-    """--loader-only and --tune-loader as dlojz.py runs them, in the run folder it has taken: no model is built."""
+    """--loader-only and --tune-loader as dlojz.py runs them, in the run folder it has taken: no
+    model is built."""
     say = Console(dist.is_main)
     write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
     if args.loader_only:
@@ -340,7 +345,8 @@ def loader_mode(args, raw, dist, device):
 # ------------------------------------------------------------------------------- decode benchmark
 
 def classic_loader(root, size, batch_size, workers):
-    """The classic torchvision pipeline: ImageFolder + PIL + RandomResizedCrop + flip + ToTensor + Normalize."""
+    """The classic torchvision pipeline: ImageFolder + PIL + RandomResizedCrop + flip + ToTensor +
+    Normalize."""
     import torchvision
     from torchvision import transforms as T
     tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
@@ -351,9 +357,9 @@ def classic_loader(root, size, batch_size, workers):
 
 
 def compare_decode(root, size=224, batch_size=64, steps=20, warmup=2, repeats=5, workers=1, shards=None):
-    """Images per second of the classic pipeline and of dlojz's training loader (--decode pil and fast; and
-    fast from `shards`, a prepared copy of root), `workers` workers each (1: per core), alternated `repeats`
-    times -> {name: [img/s per repeat]}."""
+    """Images per second of the classic pipeline and of dlojz's training loader (--decode pil and
+    fast; and fast from `shards`, a prepared copy of root), `workers` workers each (1: per core),
+    alternated `repeats` times -> {name: [img/s per repeat]}."""
     from dlojzlib.data.datasets import DataLoader, EpochSampler, FastTrainTransform, ImageFolderDataset, ShardDataset, \
         TrainTransform, scan_imagefolder, ignore_preemption_signals
     from dlojzlib.data.shards import load_index

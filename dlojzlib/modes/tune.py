@@ -1,29 +1,32 @@
-"""The tuner: measured trials over the whole training step, a recommended command line, a scaling forecast.
+"""The tuner: measured trials over the whole training step, a recommended command line, a scaling
+forecast.
 
-    python dlojz.py --tune --arch resnet50 -b 64 --tune-budget 20      # on one device, before asking for hours
+python dlojz.py --tune --arch resnet50 -b 64 --tune-budget 20      # on one device, before asking
+for hours
 
-Each trial is a dlojz process of its own (its own memory peak, its own compile cache), running the user's
-flags for --tune-steps steady steps after warm-up, in test mode, writing into <output-dir>/tune/<trial>:
+Each trial is a dlojz process of its own (its own memory peak, its own compile cache), running the
+user's flags for --tune-steps steady steps after warm-up, in test mode, writing into
+<output-dir>/tune/<trial>:
 
-1. batch size per device: doubling from -b until out of memory, over --tune-memory-gib (GPU memory on a
-   GPU, the process's host peak on CPU) or over --tune-max-batch, then bisection between the last batch
-   that fitted and the first that did not (to a multiple of 8);
-2. at the largest batch that fitted: precision x channels-last x compile, where valid on the device (CPU:
-   fp32 and bf16 autocast, channels-last on and off, compile off: inductor's CPU compile of a ResNet takes
-   minutes on a small machine; GPU: fp32, bf16 where supported, fp16, channels-last on and off, compile off
-   and default);
+1. batch size per device: doubling from -b until out of memory, over --tune-memory-gib (GPU memory
+on a GPU, the process's host peak on CPU) or over --tune-max-batch, then bisection between the last
+batch that fitted and the first that did not (to a multiple of 8); 2. at the largest batch that
+fitted: precision x channels-last x compile, where valid on the device (CPU: fp32 and bf16 autocast,
+channels-last on and off, compile off: inductor's CPU compile of a ResNet takes minutes on a small
+machine; GPU: fp32, bf16 where supported, fp16, channels-last on and off, compile off and default);
 3. the loader: a trial that comes out loader-bound says so, and if the loader doctor has run
-   (<output-dir>/tune-loader.json, from --tune-loader) its best setting is used for the trials after it.
+(<output-dir>/tune-loader.json, from --tune-loader) its best setting is used for the trials after
+it.
 
-The winner (most images per second) gives the recommended command line: the user's flags and the winning
-ones, with its expected epoch time and the learning rate the linear scaling rule gives the new batch. The
-scaling forecast (measure.scaling) from the winner's trial follows. tune.json (rewritten after every trial:
-a preempted --tune continues its table) and tune.csv go to --output-dir. --tune-budget MIN bounds the whole
-sweep, resumed parts included: a trial that would not finish in what is left is skipped and listed.
+The winner (most images per second) gives the recommended command line: the user's flags and the
+winning ones, with its expected epoch time and the learning rate the linear scaling rule gives the
+new batch. The scaling forecast (measure.scaling) from the winner's trial follows. tune.json
+(rewritten after every trial: a preempted --tune continues its table) and tune.csv go to
+--output-dir. --tune-budget MIN bounds the whole sweep, resumed parts included: a trial that would
+not finish in what is left is skipped and listed.
 
-dlojz.py calls tune_mode once it has taken the run folder (its flags are in flags.get_args_parser());
-this module never imports dlojz.py.
-"""
+dlojz.py calls tune_mode once it has taken the run folder (its flags are in
+flags.get_args_parser()); this module never imports dlojz.py."""
 import json
 import os
 import sys
@@ -85,9 +88,9 @@ def run_trial(python, script, base, argv, out, steps, warmup=3):
 
 
 def row_from(summary, code, last_line, batch, amp, channels_last, compile_, cuda):
-    """A table row from a trial's summary.json. Reads: status, timing.steady_images_per_s (images / steady
-    time), timing.stats.step.mean, timing.stats.backward.mean, timing.bound, memory.gpu_max_allocated_bytes
-    (GPU) or memory.host_peak_rss_bytes (CPU), data.train_images."""
+    """A table row from a trial's summary.json. Reads: status, timing.steady_images_per_s (images /
+    steady time), timing.stats.step.mean, timing.stats.backward.mean, timing.bound,
+    memory.gpu_max_allocated_bytes (GPU) or memory.host_peak_rss_bytes (CPU), data.train_images."""
     row = {'batch': batch, 'amp': amp, 'channels_last': channels_last, 'compile': compile_, 'status': None,
            'images_per_s': None, 'step_ms': None, 'backward_ms': None, 'memory_bytes': None, 'bound': None,
            'train_images': None}
@@ -143,7 +146,8 @@ class Tuner:
         self.loader_flags = []
 
     def _load(self):
-        """A previous tune.json with the same user flags: its trials are kept (a preempted --tune continues)."""
+        """A previous tune.json with the same user flags: its trials are kept (a preempted --tune
+        continues)."""
         try:
             with open(self.path) as f:
                 old = json.load(f)
@@ -163,8 +167,8 @@ class Tuner:
         write_json(self.path, rec)
 
     def trial(self, batch, amp, channels_last, compile_):
-        """The row of this configuration: from the record when it already ran, else measured now (None if
-        the budget has no room for it: the trial is listed as skipped)."""
+        """The row of this configuration: from the record when it already ran, else measured now
+        (None if the budget has no room for it: the trial is listed as skipped)."""
         name = trial_name(batch, amp, channels_last, compile_)
         for row in self.record['trials']:
             if row['name'] == name:
@@ -217,7 +221,8 @@ class Tuner:
 
 
 def doctor_flags(output_dir):
-    """The loader doctor's best setting (tune-loader.json of --tune-loader in the same folder), as flags."""
+    """The loader doctor's best setting (tune-loader.json of --tune-loader in the same folder), as
+    flags."""
     try:
         with open(os.path.join(output_dir, 'tune-loader.json')) as f:
             best = json.load(f)['verdict']['best']
@@ -295,8 +300,9 @@ def write_csv(path, rows):
 
 def run_tune(args, raw, parser, device, say, python=sys.executable, script=None, runner=None, bf16=None,
              world_size=1):
-    """--tune on one device -> the tune record (also in tune.json). raw: the flags as parsed, before defaults
-    were resolved (what the user typed is what the trials and the recommendation repeat)."""
+    """--tune on one device -> the tune record (also in tune.json). raw: the flags as parsed, before
+    defaults were resolved (what the user typed is what the trials and the recommendation repeat).
+    """
     check_tune_args(args, world_size)
     script = script or SCRIPT
     cuda = device.type == 'cuda'
@@ -338,15 +344,17 @@ def run_tune(args, raw, parser, device, say, python=sys.executable, script=None,
 
 
 def holds_another_record(folder):
-    """Whether `folder` holds something else than a --tune or the loader doctor it reuses (a training run's
-    checkpoints, log or summary): a preempted --tune continues in its own folder, never in another run's."""
+    """Whether `folder` holds something else than a --tune or the loader doctor it reuses (a
+    training run's checkpoints, log or summary): a preempted --tune continues in its own folder,
+    never in another run's."""
     summary = run_record(folder)
     return bool(set(run_files(folder)) - {'config.json', 'summary.json'}) or \
         (summary is not None and summary.get('mode') not in ('tune', 'tune-loader'))
 
 
 def tune_mode(args, raw, dist, device):
-    """--tune as dlojz.py runs it, in the run folder it has taken: config.json, the sweep, where it went."""
+    """--tune as dlojz.py runs it, in the run folder it has taken: config.json, the sweep, where it
+    went."""
     if holds_another_record(args.output_dir):  # --resume auto (the slurm/ scripts') into a training run's folder
         raise UsageError(f'--output-dir {args.output_dir} holds a training run; --tune writes its trials and record '
                          f'into a folder of their own: pass another --output-dir or --run-name.')

@@ -1,6 +1,6 @@
-"""Checkpoint files: their names, atomic save (temp file, fsync, rename) and pruning, load, the newest readable
-one, the partial files a kill leaves, and the free space the next one needs. What a checkpoint holds, and
-restoring it, are record.state's."""
+"""Checkpoint files: their names, atomic save (temp file, fsync, rename) and pruning, load, the
+newest readable one, the partial files a kill leaves, and the free space the next one needs. What a
+checkpoint holds, and restoring it, are record.state's."""
 import os
 import re
 import signal
@@ -36,8 +36,8 @@ PARTIAL_RE = re.compile(r'\.checkpoint-\w+\.tmp$')  # save_checkpoint's temporar
 
 
 def remove_partial_checkpoints(path, say=print):
-    """Delete the temporary files of checkpoint writes that a kill interrupted (up to a checkpoint's size each).
-    Called by the folder's owner only (FolderLock): no other process is writing one."""
+    """Delete the temporary files of checkpoint writes that a kill interrupted (up to a checkpoint's
+    size each). Called by the folder's owner only (FolderLock): no other process is writing one."""
     try:
         names = [n for n in os.listdir(path) if PARTIAL_RE.fullmatch(n)]
     except OSError:
@@ -57,8 +57,8 @@ def remove_partial_checkpoints(path, say=print):
 @contextmanager
 def deferred_sigchld():
     """PyTorch's DataLoader raises from its SIGCHLD handler when a worker dies: in the middle of a
-    checkpoint write that would lose the checkpoint a stopping job exists to write. The handler's call is
-    held back until the block ends (main thread only: Python runs signal handlers there)."""
+    checkpoint write that would lose the checkpoint a stopping job exists to write. The handler's
+    call is held back until the block ends (main thread only: Python runs signal handlers there)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -73,17 +73,17 @@ def deferred_sigchld():
 
 
 def save_checkpoint(path, state, keep=None):
-    """Write a checkpoint atomically (temp file in the same folder, fsync, rename), then keep only the
-    newest `keep` checkpoints of the folder. A crash at any point leaves the previous ones intact; a
-    loader worker dying meanwhile is reported once the file is in place."""
+    """Write a checkpoint atomically (temp file in the same folder, fsync, rename), then keep only
+    the newest `keep` checkpoints of the folder. A crash at any point leaves the previous ones
+    intact; a loader worker dying meanwhile is reported once the file is in place."""
     with deferred_sigchld():
         _save_checkpoint(path, state, keep)
 
 
 class _Writes:
-    """A file for torch.save that remembers the OSError a write raised: torch's zip writer replaces it with
-    'RuntimeError: [enforce fail at inline_container.cc] unexpected pos', which names neither the disk nor
-    the file."""
+    """A file for torch.save that remembers the OSError a write raised: torch's zip writer replaces
+    it with 'RuntimeError: [enforce fail at inline_container.cc] unexpected pos', which names
+    neither the disk nor the file."""
 
     def __init__(self, f):
         self.f, self.error = f, None
@@ -121,8 +121,9 @@ def _save_checkpoint(path, state, keep):
 
 
 def space_warning(folder, usage=None):
-    """A sentence when the folder may not hold the next checkpoint: less free space than twice the size of
-    its newest one (this write and the next); None otherwise or when there is no checkpoint yet."""
+    """A sentence when the folder may not hold the next checkpoint: less free space than twice the
+    size of its newest one (this write and the next); None otherwise or when there is no checkpoint
+    yet."""
     found = list_checkpoints(folder)
     if not found:
         return None
@@ -145,7 +146,8 @@ def load_checkpoint(path):
         raise UsageError(f'checkpoint {path} does not exist; pass --resume with the path of a checkpoint-*.pt '
                          f'written by --chkpt, or --resume auto.')
     try:
-        # weights_only=False: the checkpoint holds our own args namespace and RNG states, written by us.
+        # weights_only=False: the checkpoint holds our own args namespace and RNG states, written by
+        # us.
         return torch.load(path, map_location='cpu', weights_only=False)
     except Exception as e:
         raise UsageError(f'checkpoint {path} cannot be read ({type(e).__name__}); it may be truncated, '
@@ -153,8 +155,8 @@ def load_checkpoint(path):
 
 
 def load_latest_checkpoint(run_dir, warn=print):
-    """--resume auto: the newest checkpoint of run_dir that loads; an unreadable one (truncated by a crash)
-    is skipped with a warning. -> (path, state), or (None, None) when there is none."""
+    """--resume auto: the newest checkpoint of run_dir that loads; an unreadable one (truncated by a
+    crash) is skipped with a warning. -> (path, state), or (None, None) when there is none."""
     for path in reversed(list_checkpoints(run_dir)):
         try:
             return path, load_checkpoint(path)

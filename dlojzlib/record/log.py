@@ -1,6 +1,6 @@
-"""The run's records: the console (rank 0; tqdm on a terminal), the Logger (console lines, metrics.jsonl, wandb)
-and JSON files written atomically; every file a run writes is opened through open_for_write, and free space is
-read through disk_usage (the full-disk tests' seams)."""
+"""The run's records: the console (rank 0; tqdm on a terminal), the Logger (console lines,
+metrics.jsonl, wandb) and JSON files written atomically; every file a run writes is opened through
+open_for_write, and free space is read through disk_usage (the full-disk tests' seams)."""
 import json
 import netrc
 import os
@@ -18,8 +18,8 @@ from dlojzlib.errors import NO_SPACE, disk_full
 SUMMARY_VERSION = 1
 
 
-# The seams the full-disk tests drive: every file a run writes is opened by open_for_write, and the free space
-# is read by disk_usage (bytes, shutil's named tuple).
+# The seams the full-disk tests drive: every file a run writes is opened by open_for_write, and the
+# free space is read by disk_usage (bytes, shutil's named tuple).
 open_for_write = open
 disk_usage = shutil.disk_usage
 
@@ -29,8 +29,8 @@ def no_space(e):
 
 
 def write_json(path, obj):
-    """Atomic (files.write_atomic): a failed write leaves the previous file and no temporary one; a full
-    disk is DiskFull's sentence."""
+    """Atomic (files.write_atomic): a failed write leaves the previous file and no temporary one; a
+    full disk is DiskFull's sentence."""
     text = json.dumps(obj, indent=2, default=_json_default) + '\n'
     files.write_atomic(path, text, opener=open_for_write, full=lambda p: disk_full(p, disk_usage))
 
@@ -44,10 +44,11 @@ def _json_default(o):
 
 
 def wandb_mode(requested, environ=os.environ, connect=socket.create_connection, timeout_s=3.0):
-    """--wandb online needs an API key and the network, which compute nodes often lack (Jean Zay's have no
-    internet): without them wandb.init waits or fails after the run is built. Then the run logs offline, which
-    `wandb sync` uploads later, rather than stop: logging must not cost the training. -> (mode used, None or
-    the warning sentence). Facts are arguments, so that each case is tested without a network."""
+    """--wandb online needs an API key and the network, which compute nodes often lack (Jean Zay's
+    have no internet): without them wandb.init waits or fails after the run is built. Then the run
+    logs offline, which `wandb sync` uploads later, rather than stop: logging must not cost the
+    training. -> (mode used, None or the warning sentence). Facts are arguments, so that each case
+    is tested without a network."""
     if requested != 'online':
         return requested, None
     url = urllib.parse.urlparse(environ.get('WANDB_BASE_URL') or 'https://api.wandb.ai')
@@ -71,8 +72,8 @@ def wandb_mode(requested, environ=os.environ, connect=socket.create_connection, 
 
 
 class Console:
-    """print() on rank 0 only. On a terminal it goes through tqdm, so that a progress bar is not torn, and
-    bar() draws one; elsewhere (batch jobs, pipes, tests) tqdm is not even imported."""
+    """print() on rank 0 only. On a terminal it goes through tqdm, so that a progress bar is not
+    torn, and bar() draws one; elsewhere (batch jobs, pipes, tests) tqdm is not even imported."""
 
     def __init__(self, enabled=True, tty=None):
         self.enabled = enabled
@@ -104,11 +105,12 @@ class _NoBar:
 
 
 class Logger:
-    """One record, emitted once, to three places on rank 0: a console line, metrics.jsonl (one JSON object
-    per line, flushed per line so that a crashed run keeps what it logged) and wandb.
+    """One record, emitted once, to three places on rank 0: a console line, metrics.jsonl (one JSON
+    object per line, flushed per line so that a crashed run keeps what it logged) and wandb.
 
     lines: record type -> function(record) -> console text (types without one are not printed);
-    wandb: a wandb run or None; it gets the record's numbers as '<type>/<key>' at step global_step."""
+    wandb: a wandb run or None; it gets the record's numbers as '<type>/<key>' at step global_step.
+    """
     NOT_METRICS = {'type', 'epoch', 'step', 'global_step'}
 
     def __init__(self, path, console, append=False, lines=None, wandb=None):
@@ -116,7 +118,8 @@ class Logger:
         self.console = console
         self.path = path
         try:
-            # unbuffered bytes: a record a full disk refuses is cut off whole (log), never left half-written
+            # unbuffered bytes: a record a full disk refuses is cut off whole (log), never left
+            # half-written
             self.f = open_for_write(path, 'ab' if append else 'wb', buffering=0) if console.enabled else None
         except OSError as e:
             if no_space(e):
@@ -157,8 +160,9 @@ class Logger:
                 self.wandb.log(numbers, step=record.get('global_step'))
 
     def size(self):
-        """Bytes of metrics.jsonl written so far (each record is flushed), None off rank 0: a checkpoint keeps it,
-        so that a run resumed from it drops the records of the steps after it (trim_metrics)."""
+        """Bytes of metrics.jsonl written so far (each record is flushed), None off rank 0: a
+        checkpoint keeps it, so that a run resumed from it drops the records of the steps after it
+        (trim_metrics)."""
         return os.fstat(self.f.fileno()).st_size if self.f is not None else None
 
     def close(self, exit_code=0):

@@ -1,6 +1,6 @@
-"""The resume contract: what a resumed run does with each flag whose value differs from its checkpoint's, one
-row per flag of --help (docs/resume.md is this table in words; a test keeps the two equal and fails on a flag
-without a row). Torch-free: it compares two sets of flags.
+"""The resume contract: what a resumed run does with each flag whose value differs from its
+checkpoint's, one row per flag of --help (docs/resume.md is this table in words; a test keeps the
+two equal and fails on a flag without a row). Torch-free: it compares two sets of flags.
 
     honoured    the new value is used from the resume on, and recorded
     extends     the run's length: above the checkpoint's position it continues, below it is refused
@@ -23,7 +23,8 @@ CHECKPOINT, MODE = 'checkpoint', 'mode'
 
 # dest -> (rule, what it means on resume); the docs page shows these words
 CONTRACT = {
-    # data: the data may move (another --data-dir, cache, decode path); its classes and training set may not
+    # data: the data may move (another --data-dir, cache, decode path); its classes and training set
+    # may not
     'data_dir': (CHECKED, 'the same classes and number of training images'),
     'cache_dir': (CHECKED, 'the same classes and number of training images'),
     'stage_dir': (HONOURED, ''),
@@ -154,12 +155,13 @@ CONTRACT = {
     'tune_machine': (HONOURED, 'read by --tune only'),
 }
 
-# the flags whose change rebuilds the LR schedule at the current step (with the global batch, record.state's)
+# the flags whose change rebuilds the LR schedule at the current step (with the global batch,
+# record.state's)
 SCHEDULE = ('lr', 'scheduler', 'warmup_epochs', 'poly_power', 'epochs')
 NOT_SHOWN = ('resume', 'base_lr')  # differ on every resume, or already shown through the value they set
-# Refused elsewhere: --arch and the global batch (world size, --allow-batch-change) by check_checkpoint, which
-# knows the data and the world size; --overwrite and --findlr beside --resume by check_flags, whatever the
-# checkpoint's flags.
+# Refused elsewhere: --arch and the global batch (world size, --allow-batch-change) by
+# check_checkpoint, which knows the data and the world size; --overwrite and --findlr beside
+# --resume by check_flags, whatever the checkpoint's flags.
 ELSEWHERE = ('batch_size', 'accum_steps', 'arch', 'overwrite', 'findlr')
 
 
@@ -168,21 +170,23 @@ def flag(dest):
 
 
 def changed(args, old):
-    """The flags whose value differs from the checkpoint's args (`old`, a dict): {dest: (old, new)}. Flags the
-    checkpoint does not know (written by an older dlojz) are left out."""
+    """The flags whose value differs from the checkpoint's args (`old`, a dict): {dest: (old, new)}.
+    Flags the checkpoint does not know (written by an older dlojz) are left out."""
     return {d: (old[d], getattr(args, d)) for d in CONTRACT if d in old and old[d] != getattr(args, d)}
 
 
 def schedule_changes(args, old):
-    """The changed flags that rebuild the LR schedule at the current step: those of SCHEDULE, and --mom under
-    onecycle, whose momentum is the cycle's (rebuilt, it is where the cycle says; copied, it would be --mom's)."""
+    """The changed flags that rebuild the LR schedule at the current step: those of SCHEDULE, and
+    --mom under onecycle, whose momentum is the cycle's (rebuilt, it is where the cycle says;
+    copied, it would be --mom's)."""
     rebuilt = [d for d in SCHEDULE if d in old and old[d] != getattr(args, d)]
     return rebuilt + ['mom'] if args.scheduler == 'onecycle' and old.get('mom', args.mom) != args.mom else rebuilt
 
 
 def resolve(args, old, say):
-    """Apply the contract to `args` before the run is built: refuse what cannot continue, put back what the
-    checkpoint keeps (with a warning line), and say in one line what is used anew. -> args."""
+    """Apply the contract to `args` before the run is built: refuse what cannot continue, put back
+    what the checkpoint keeps (with a warning line), and say in one line what is used anew. -> args.
+    """
     diff = changed(args, old)
     for dest, (was, now) in diff.items():
         rule, why = CONTRACT[dest]

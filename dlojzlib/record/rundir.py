@@ -1,6 +1,6 @@
-"""The run folder: its name (--output-dir, --run-name, the default), one owner at a time (FolderLock: flock, or
-an O_EXCL claim where the file system has none), what a fresh, continued or replaced run finds in it, and
-metrics.jsonl cut back to a resumed checkpoint."""
+"""The run folder: its name (--output-dir, --run-name, the default), one owner at a time
+(FolderLock: flock, or an O_EXCL claim where the file system has none), what a fresh, continued or
+replaced run finds in it, and metrics.jsonl cut back to a resumed checkpoint."""
 import datetime
 import errno
 import fcntl
@@ -23,15 +23,16 @@ def default_output_dir(args, dist):
     if args.run_name:
         return named_run_dir(args.run_name, continues=bool(args.resume), job_id=dist.job_id)
     tag = dist.job_id or datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
-    # the loader modes build no model: their folders are named after what they measure, not after --arch
+    # the loader modes build no model: their folders are named after what they measure, not after
+    # --arch
     what = 'loader' if args.loader_only else 'tune-loader' if args.tune_loader else args.arch
     return os.path.join('runs', f'{tag}_{what}_bs{args.batch_size}')
 
 
-# A run that ended this way is over: continuing it would only repeat its end (an OOM, a NaN). 'failed' is not
-# among them: a dead peer (exit 4) is worth continuing, and a refused flag is refused again with its sentence;
-# nor is 'completed': a completed run is resubmitted into its own folder, which says it is complete (Complete) or
-# trains it further (a larger -e).
+# A run that ended this way is over: continuing it would only repeat its end (an OOM, a NaN).
+# 'failed' is not among them: a dead peer (exit 4) is worth continuing, and a refused flag is
+# refused again with its sentence; nor is 'completed': a completed run is resubmitted into its own
+# folder, which says it is complete (Complete) or trains it further (a larger -e).
 FINISHED = ('nan', 'oom')
 
 
@@ -46,7 +47,8 @@ def run_record(path):
 
 
 def run_status(path):
-    """The status in a run folder's summary.json; None when there is none (fresh, running or killed)."""
+    """The status in a run folder's summary.json; None when there is none (fresh, running or
+    killed)."""
     return (run_record(path) or {}).get('status')
 
 
@@ -87,9 +89,10 @@ def complete_sentence(path, summary):
 
 
 def asks_nothing_more(summary, args, world_size):
-    """Whether `args` asks a completed run (its `summary`) for no step beyond those it ran: the same length flags
-    (-e, --test-nsteps), or others that end at the same step (from the summary's steps per epoch, for the same
-    global batch). record.state.check_resume decides the cases this cannot (another global batch)."""
+    """Whether `args` asks a completed run (its `summary`) for no step beyond those it ran: the same
+    length flags (-e, --test-nsteps), or others that end at the same step (from the summary's steps
+    per epoch, for the same global batch). record.state.check_resume decides the cases this cannot
+    (another global batch)."""
     config = summary.get('config') or {}
     length = lambda test, epochs, nsteps: (epochs, bool(test), nsteps if test else None)
     if length(config.get('test'), config.get('epochs'), config.get('test_nsteps')) == \
@@ -103,11 +106,12 @@ def asks_nothing_more(summary, args, world_size):
 
 
 def named_run_dir(name, continues, root='runs', job_id=None, alive=job_alive):
-    """runs/<name> for a run named independently of the job id, so that a resubmitted job (a new job id)
-    continues the run of the job it follows. Continuing (--resume auto), a folder whose run is over (NaN, OOM),
-    or that another live SLURM job is writing (the same script and flags submitted twice), is kept and the run
-    goes to the first of <name>.2, <name>.3, ... that is neither: a preempted or crashed run is continued, a
-    completed one says so (or is trained further), a requeued one (same job id) finds its own."""
+    """runs/<name> for a run named independently of the job id, so that a resubmitted job (a new job
+    id) continues the run of the job it follows. Continuing (--resume auto), a folder whose run is
+    over (NaN, OOM), or that another live SLURM job is writing (the same script and flags submitted
+    twice), is kept and the run goes to the first of <name>.2, <name>.3, ... that is neither: a
+    preempted or crashed run is continued, a completed one says so (or is trained further), a
+    requeued one (same job id) finds its own."""
     path, k = os.path.join(root, name), 1
     while continues and (run_status(path) in FINISHED or held_by_another_job(path, job_id, alive)):
         k += 1
@@ -136,16 +140,18 @@ def pid_alive(pid):
 
 
 class FolderLock:
-    """One owner per run folder at a time, taken atomically before anything in the folder is read, deleted
-    or written: two runs in one folder would interleave metrics.jsonl and prune each other's checkpoints.
+    """One owner per run folder at a time, taken atomically before anything in the folder is read,
+    deleted or written: two runs in one folder would interleave metrics.jsonl and prune each other's
+    checkpoints.
 
-    fcntl.flock on <folder>/.dlojz.lock, which the OS releases when the process dies (Lustre and GPFS mounted
-    with flock support it across nodes). A file system without flock raises ENOLCK/EOPNOTSUPP: then the claim
-    is the creation of <folder>/.dlojz.owner with O_EXCL, removed at the end; one left by a killed run is stale
-    when its pid is dead on this host, when it is an earlier attempt of this Slurm job (requeued), or when
-    squeue no longer knows its job. Both files hold the owner's pid, host, Slurm job id and start time, for
-    the sentence a second run gets (exit 2, nothing written). Rank 0 alone holds it under DDP.
-    flock, host, pid, alive: injected by tests (a flock that raises ENOLCK, another host)."""
+    fcntl.flock on <folder>/.dlojz.lock, which the OS releases when the process dies (Lustre and
+    GPFS mounted with flock support it across nodes). A file system without flock raises
+    ENOLCK/EOPNOTSUPP: then the claim is the creation of <folder>/.dlojz.owner with O_EXCL, removed
+    at the end; one left by a killed run is stale when its pid is dead on this host, when it is an
+    earlier attempt of this Slurm job (requeued), or when squeue no longer knows its job. Both files
+    hold the owner's pid, host, Slurm job id and start time, for the sentence a second run gets
+    (exit 2, nothing written). Rank 0 alone holds it under DDP. flock, host, pid, alive: injected by
+    tests (a flock that raises ENOLCK, another host)."""
 
     def __init__(self, flock=_flock, host=None, pid=None, alive=job_alive, say=print, wait_s=10.0):
         self.flock, self.alive, self.say, self.wait_s = flock, alive, say, wait_s
@@ -174,7 +180,8 @@ class FolderLock:
                 if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                     raise
                 owner = _read_owner(path)
-                # A killed run's DataLoader workers keep its lock until they notice (about 5 s): wait for them.
+                # A killed run's DataLoader workers keep its lock until they notice (about 5 s):
+                # wait for them.
                 if owner and owner.get('host') == self.host and not pid_alive(owner.get('pid')) \
                         and time.time() < deadline:
                     time.sleep(0.5)
@@ -201,7 +208,8 @@ class FolderLock:
                 owner = _read_owner(token)
                 if not self._stale(token, owner, job_id):
                     raise UsageError(busy_sentence(folder, owner)) from None
-                # set the stale file aside under a name of our own, and check it is still the one judged stale
+                # set the stale file aside under a name of our own, and check it is still the one
+                # judged stale
                 aside = f'{token}.stale-{self.host}-{self.pid}'
                 try:
                     os.rename(token, aside)
@@ -239,7 +247,8 @@ class FolderLock:
         return bool(owned_by) and shutil.which('squeue') is not None and not self.alive(owned_by)
 
     def release(self):
-        """Idempotent. The lock file is removed while still held, so that a process waiting on it retries."""
+        """Idempotent. The lock file is removed while still held, so that a process waiting on it
+        retries."""
         if self.fd is not None:
             try:
                 os.remove(self.path)
@@ -279,10 +288,11 @@ def busy_sentence(folder, owner):
 
 
 def trim_metrics(path, size, global_step):
-    """A resumed run continues metrics.jsonl from where its checkpoint was written: the records of the steps
-    after it, which the resumed run writes again, are dropped, so that no reader has to deduplicate. `size`:
-    the file's length the checkpoint recorded; None (an older checkpoint): records of steps after
-    `global_step` are dropped. Atomic (temp file + rename). -> the number of records dropped."""
+    """A resumed run continues metrics.jsonl from where its checkpoint was written: the records of
+    the steps after it, which the resumed run writes again, are dropped, so that no reader has to
+    deduplicate. `size`: the file's length the checkpoint recorded; None (an older checkpoint):
+    records of steps after `global_step` are dropped. Atomic (temp file + rename). -> the number of
+    records dropped."""
     try:
         with open(path, 'rb') as f:
             data = f.read()
@@ -322,10 +332,11 @@ def run_files(path):
 
 
 def prepare_output_dir(path, continues=False, overwrite=False):
-    """Create the run folder and check it is writable. A folder that already holds a run is used only when
-    this run continues it (`continues`: --resume, the way a requeued job starts again) or replaces it
-    (`overwrite`: its run files are deleted first): two runs in one folder would mix their metrics, and the
-    newer run's checkpoints would be pruned in favour of the older run's higher steps."""
+    """Create the run folder and check it is writable. A folder that already holds a run is used
+    only when this run continues it (`continues`: --resume, the way a requeued job starts again) or
+    replaces it (`overwrite`: its run files are deleted first): two runs in one folder would mix
+    their metrics, and the newer run's checkpoints would be pruned in favour of the older run's
+    higher steps."""
     found = run_files(path)
     if found and not continues and not overwrite:
         shown = ', '.join(found[:4]) + (f' and {len(found) - 4} more' if len(found) > 4 else '')
@@ -355,10 +366,11 @@ def remove_if_empty(path):
 
 @contextmanager
 def taken(args, dist, lock=None):
-    """The run folder, held for the block: rank 0 chooses it (a timestamp would differ between ranks), takes it
-    (one run per folder at a time: the lock comes before anything in it is read or deleted) and prepares it;
-    every rank gets it in args.output_dir. At the end the lock is released, and a folder the block left with
-    nothing of a run in it (an error before anything was written: bad data, a refused checkpoint) is removed."""
+    """The run folder, held for the block: rank 0 chooses it (a timestamp would differ between
+    ranks), takes it (one run per folder at a time: the lock comes before anything in it is read or
+    deleted) and prepares it; every rank gets it in args.output_dir. At the end the lock is
+    released, and a folder the block left with nothing of a run in it (an error before anything was
+    written: bad data, a refused checkpoint) is removed."""
     lock = lock or FolderLock()
 
     def take():
@@ -371,7 +383,8 @@ def taken(args, dist, lock=None):
             raise
     args.output_dir = launch.broadcast_object(launch.on_ranks(take, when=dist.is_main))
     try:
-        # the same command on a completed run (a resubmitted job): one line, exit 0, nothing written in the folder
+        # the same command on a completed run (a resubmitted job): one line, exit 0, nothing written
+        # in the folder
         training = args.resume and not (args.evaluate or args.tune)  # the other modes have their own records
         done = completed_run(args.output_dir) if dist.is_main and training else None
         if launch.broadcast_object(done is not None and asks_nothing_more(done, args, dist.world_size)):

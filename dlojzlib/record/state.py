@@ -41,8 +41,8 @@ class Progress:
 
 
 def device_rng_state(device):
-    """This process's own GPU generator state (None on CPU). Not get_rng_state_all(): that is every visible
-    GPU's, most of which this rank never draws from."""
+    """This process's own GPU generator state (None on CPU). Not get_rng_state_all(): that is every
+    visible GPU's, most of which this rank never draws from."""
     return torch.cuda.get_rng_state(device) if device.type == 'cuda' else None
 
 
@@ -52,9 +52,10 @@ def set_device_rng_state(state, device):
 
 
 def checkpoint_state(run, progress, device_rng):
-    """device_rng: every rank's device_rng_state(), indexed by rank. The position is the loop's own: an epoch
-    that is trained but not yet closed (end_due: a stop during its last step) is resumed by its validation.
-    metrics_bytes: how much of metrics.jsonl was written then (the resumed run keeps that much)."""
+    """device_rng: every rank's device_rng_state(), indexed by rank. The position is the loop's own:
+    an epoch that is trained but not yet closed (end_due: a stop during its last step) is resumed by
+    its validation. metrics_bytes: how much of metrics.jsonl was written then (the resumed run keeps
+    that much)."""
     epoch, step = progress.epoch, progress.step
     return {'version': SUMMARY_VERSION, 'arch': run.args.arch, 'num_classes': len(run.data.classes),
             'classes': list(run.data.classes), 'train_images': run.data.n_train,
@@ -72,8 +73,9 @@ def checkpoint_state(run, progress, device_rng):
 
 def save(run, progress, path=None):
     """Every rank calls it: each rank's device RNG state is gathered, then rank 0 writes
-    checkpoint-<global step>.pt in the run directory, keeping the newest --keep-checkpoints (or `path`,
-    pruning nothing). A failure on rank 0 (a full disk) is raised on every rank. -> the path, on every rank."""
+    checkpoint-<global step>.pt in the run directory, keeping the newest --keep-checkpoints (or
+    `path`, pruning nothing). A failure on rank 0 (a full disk) is raised on every rank. -> the
+    path, on every rank."""
     device_rng = launch.all_gather_object(device_rng_state(run.device))
     keep = None if path else run.args.keep_checkpoints
     path = path or checkpoint_path(run.args.output_dir, progress.global_step)
@@ -89,8 +91,9 @@ def save(run, progress, path=None):
 
 
 def find_resume_checkpoint(args, dist, say):
-    """-> (path, state) to resume from, or (None, None). Rank 0 picks the file under --resume auto so that
-    every rank loads the same one (a rank seeing a half-written file must not choose another)."""
+    """-> (path, state) to resume from, or (None, None). Rank 0 picks the file under --resume auto
+    so that every rank loads the same one (a rank seeing a half-written file must not choose
+    another)."""
     if not args.resume:
         return None, None
     if args.resume != 'auto':
@@ -105,15 +108,17 @@ def find_resume_checkpoint(args, dist, say):
     return path, found[1] if dist.is_main else load_checkpoint(path)  # rank 0 has already read it
 
 
-# The optimizer's hyperparameters a changed flag sets again after its state is loaded (the state carries the
-# checkpoint's; --mom is the schedule's under onecycle: record.resume.schedule_changes), the keys of a
-# schedule built for this run's flags (OneCycleLR keeps its bounds in the groups and sets the momentum at each
-# step), and the choice of kernels, which is this device's (fused on a GPU) whatever the checkpoint's was.
+# The optimizer's hyperparameters a changed flag sets again after its state is loaded (the state
+# carries the checkpoint's; --mom is the schedule's under onecycle: record.resume.schedule_changes),
+# the keys of a schedule built for this run's flags (OneCycleLR keeps its bounds in the groups and
+# sets the momentum at each step), and the choice of kernels, which is this device's (fused on a
+# GPU) whatever the checkpoint's was.
 HYPERPARAMETERS = {'wd': ('weight_decay',), 'mom': ('momentum', 'betas')}
 SCHEDULE_KEYS = ('initial_lr', 'max_lr', 'min_lr', 'max_momentum', 'base_momentum', 'momentum', 'betas')
 IMPLEMENTATION = ('fused', 'foreach', 'capturable', 'differentiable')
 
-# What restore() reads from a checkpoint (checkpoint_state writes them all); 'ema' and 'race' may be absent.
+# What restore() reads from a checkpoint (checkpoint_state writes them all); 'ema' and 'race' may be
+# absent.
 RESUME_KEYS = ('model', 'epoch', 'step_in_epoch', 'global_step', 'global_batch')
 TRAIN_KEYS = ('optimizer', 'scheduler', 'scaler', 'rng')
 
@@ -130,8 +135,9 @@ def check_form(args, ckpt, path):
 
 
 def check_checkpoint(args, ckpt, path, classes, n_train, global_batch, world_size):
-    """Refuse a checkpoint this run cannot continue, before anything is written: another model, other classes,
-    another training set (its steps are the position and the schedule), another global batch."""
+    """Refuse a checkpoint this run cannot continue, before anything is written: another model,
+    other classes, another training set (its steps are the position and the schedule), another
+    global batch."""
     if ckpt.get('arch') != args.arch or ckpt.get('num_classes') != len(classes):
         raise UsageError(f"checkpoint {path} holds {ckpt.get('arch')} with {ckpt.get('num_classes')} classes but "
                          f"this run is --arch {args.arch} with {len(classes)} classes; pass the same --arch and "
@@ -158,9 +164,10 @@ def check_checkpoint(args, ckpt, path, classes, n_train, global_batch, world_siz
 
 
 def check_resume(args, dist, path, ckpt, data, model, optimizer, global_batch, steps_per_epoch, total_steps):
-    """Everything a resume is refused for, before any log is opened: the checkpoint against the data, the model,
-    the optimizer and the global batch, and the run's end against the checkpoint's position. A completed run
-    that this command would not train further ends here (Complete: one line, exit 0, nothing written)."""
+    """Everything a resume is refused for, before any log is opened: the checkpoint against the
+    data, the model, the optimizer and the global batch, and the run's end against the checkpoint's
+    position. A completed run that this command would not train further ends here (Complete: one
+    line, exit 0, nothing written)."""
     if ckpt is not None:
         check_checkpoint(args, ckpt, path, data.classes, data.n_train, global_batch, dist.world_size)
         check_fits(ckpt, path, args.arch, model, None if args.evaluate else optimizer)
@@ -185,8 +192,9 @@ def check_resume(args, dist, path, ckpt, data, model, optimizer, global_batch, s
 
 
 def check_fits(ckpt, path, arch, model, optimizer=None):
-    """Refuse a checkpoint whose weights or optimizer state this run's model and optimizer cannot take (an
-    edited 'arch', other model flags, another optimizer's groups), before any log is opened."""
+    """Refuse a checkpoint whose weights or optimizer state this run's model and optimizer cannot
+    take (an edited 'arch', other model flags, another optimizer's groups), before any log is
+    opened."""
     mine, theirs = model.state_dict(), strip_prefixes(ckpt['model'])
     if set(mine) != set(theirs) or any(_shape(mine[k]) != _shape(theirs[k]) for k in mine):
         raise UsageError(f"checkpoint {path} (labelled --arch {ckpt.get('arch')}) holds weights that do not fit this "
@@ -204,8 +212,9 @@ def check_fits(ckpt, path, arch, model, optimizer=None):
 
 
 def restore(run, ckpt, path='the checkpoint'):
-    """Load a checkpoint (already checked) into the run; -> the Progress to continue from. What torch refuses
-    (another model's weights, another number of parameter groups) becomes one sentence naming the file."""
+    """Load a checkpoint (already checked) into the run; -> the Progress to continue from. What
+    torch refuses (another model's weights, another number of parameter groups) becomes one sentence
+    naming the file."""
     try:
         return _restore(run, ckpt)
     except (RuntimeError, ValueError, KeyError, TypeError) as e:
@@ -221,7 +230,8 @@ def restore(run, ckpt, path='the checkpoint'):
 
 
 def _shape(v):
-    """A tensor's shape; None for a module's extra state (the conditional heads' RNG), which has none."""
+    """A tensor's shape; None for a module's extra state (the conditional heads' RNG), which has
+    none."""
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
@@ -317,8 +327,9 @@ def _restore(run, ckpt):
         run.scheduler.load_state_dict(ckpt['scheduler'])
         return progress
     if old != gb:
-        # Another global batch: keep the position in images. The step restarts at the batch holding the first
-        # image not yet seen; the LR schedule (built for the new batch) is advanced to the same fraction of the run.
+        # Another global batch: keep the position in images. The step restarts at the batch holding
+        # the first image not yet seen; the LR schedule (built for the new batch) is advanced to the
+        # same fraction of the run.
         progress.global_step = ckpt['global_step'] * old // gb
         progress.step = min(ckpt['step_in_epoch'] * old // gb, run.steps_per_epoch)
         run.log.print(f'Resuming with global batch {gb} instead of {old}: step {progress.global_step}, epoch position '
@@ -339,12 +350,14 @@ def _restore(run, ckpt):
 
 
 def preempt(run, progress):
-    """Every rank got here at the same step (StopSignal.agreed). Rank 0 checkpoints while the others wait,
-    then the SLURM job is requeued: its next start resumes with --resume auto. Ends in Preempted."""
+    """Every rank got here at the same step (StopSignal.agreed). Rank 0 checkpoints while the others
+    wait, then the SLURM job is requeued: its next start resumes with --resume auto. Ends in
+    Preempted."""
     args, dist = run.args, run.dist
     run.chrono.stop()
     why = run.stop.received or 'a signal on another rank'
-    # before the first step (a stop during start-up or the first loader start) there is nothing to keep
+    # before the first step (a stop during start-up or the first loader start) there is nothing to
+    # keep
     path = save(run, progress) if progress.global_step else None
     requeued, detail = False, '--no-requeue'
     if args.requeue:
@@ -363,21 +376,23 @@ def preempt(run, progress):
 
 
 def run_wall_s(run):
-    """Wall time since the run was first built, earlier attempts of a resumed run included (restore): time to
-    accuracy as MLPerf's rules count it (from the run's start, after imports and set-up)."""
+    """Wall time since the run was first built, earlier attempts of a resumed run included
+    (restore): time to accuracy as MLPerf's rules count it (from the run's start, after imports and
+    set-up)."""
     return time.time() - run.started
 
 
 def process_wall_s(run):
-    """Wall time since the process started (imports, process group, data and model set-up included), earlier
-    attempts of a resumed run included: what a user's stopwatch and the job's accounting see."""
+    """Wall time since the process started (imports, process group, data and model set-up included),
+    earlier attempts of a resumed run included: what a user's stopwatch and the job's accounting
+    see."""
     return time.time() - run.process_started
 
 
 def note_validation(run, progress):
     """After a validation: best.pt when raw top-1 improves (with --chkpt; not in --test mode, whose
-    validation is 20 batches), and the first time the raw and the EMA weights reached --target-top1 (wall
-    time, epoch, optimizer steps, images seen)."""
+    validation is 20 batches), and the first time the raw and the EMA weights reached --target-top1
+    (wall time, epoch, optimizer steps, images seen)."""
     target = run.args.target_top1
     for kind, val in (('raw', progress.val), ('ema', progress.val_ema)):
         if target is not None and val is not None and kind not in progress.reached and val['top1'] >= target:

@@ -1,6 +1,7 @@
-"""What a dlojz run says of itself: the header it opens with, summary.json and the closing '>>>' lines (timing,
-memory, energy, per-rank reports and the gradient all-reduce estimate), from a run (what dlojz.py built) and its
-progress (where the loop stopped). Every rank calls write_summary; rank 0 writes the file."""
+"""What a dlojz run says of itself: the header it opens with, summary.json and the closing '>>>'
+lines (timing, memory, energy, per-rank reports and the gradient all-reduce estimate), from a run
+(what dlojz.py built) and its progress (where the loop stopped). Every rank calls write_summary;
+rank 0 writes the file."""
 import math
 import os
 import socket
@@ -14,7 +15,8 @@ from dlojzlib.record.log import SUMMARY_VERSION, write_json
 
 
 def print_header(run):
-    """The run's opening lines on rank 0: launch, batch, learning rate, the flags that differ from the defaults."""
+    """The run's opening lines on rank 0: launch, batch, learning rate, the flags that differ from
+    the defaults."""
     args, dist, say = run.args, run.dist, run.log.print
     nodes, procs = dist.num_nodes, dist.world_size
     # ends with the process count, which the course's tools read as split()[-2]
@@ -45,9 +47,9 @@ def print_header(run):
 
 
 def write_summary(run, progress, status, error=None, extra=None):
-    """On a completed run this gathers every rank's timings (a collective); after a failure other ranks may
-    be gone, so nothing is gathered then. Energy per image is this GPU's energy over the steady training
-    steps divided by the images this rank trained on in them."""
+    """On a completed run this gathers every rank's timings (a collective); after a failure other
+    ranks may be gone, so nothing is gathered then. Energy per image is this GPU's energy over the
+    steady training steps divided by the images this rank trained on in them."""
     args, dist, gb = run.args, run.dist, run.global_batch
     cuda = run.device.type == 'cuda'
     timing = run.chrono.summary(gb, run.steps_per_epoch, len(run.data.val_loader))
@@ -88,7 +90,8 @@ def write_summary(run, progress, status, error=None, extra=None):
 
 
 def rank_report(run):
-    """This rank's timing, memory and energy; gathered from every rank at the end of a completed run."""
+    """This rank's timing, memory and energy; gathered from every rank at the end of a completed
+    run."""
     st, memory = run.chrono.stats(), run.memory.summary()
     step, data = st.get('step'), st.get('data')
     profiled = sum(bool(r.get('excluded')) for r in run.chrono.steps)
@@ -115,18 +118,19 @@ def energy_over_ranks(ranks):
 
 
 def ranks_summary(ranks):
-    """Straggler view: slowest and fastest rank by median step time, and the skew between them; the verdict
-    from every rank's sums (Chronometer.totals).
+    """Straggler view: slowest and fastest rank by median step time, and the skew between them; the
+    verdict from every rank's sums (Chronometer.totals).
 
-    Each rank measured how long its steps waited in collectives (`collective_s`, measure.comm): for the gradient
-    all-reduce after their backward computation (`exposed_s`) and for DDP's buffer broadcast before their
-    forward pass (`buffers_s`). The rank that arrives last at a collective waits only for the transfer; the
-    others wait for it as well. So the smallest such time over the ranks is the transfer (`comm_s`,
-    communication every rank waits for alike) and each rank's excess over it is waiting for a late peer
-    (`late_s`). Only durations are compared, so hosts' clocks need not agree. The late rank is the one that
-    waited least for the others (`straggler_rank`); its own bound says why it was late.
-    Without those measurements (phase timing off), a rank's backward time above the fastest rank's is taken
-    as waiting for peers, and a network every rank waits for alike reads as compute."""
+    Each rank measured how long its steps waited in collectives (`collective_s`, measure.comm): for
+    the gradient all-reduce after their backward computation (`exposed_s`) and for DDP's buffer
+    broadcast before their forward pass (`buffers_s`). The rank that arrives last at a collective
+    waits only for the transfer; the others wait for it as well. So the smallest such time over the
+    ranks is the transfer (`comm_s`, communication every rank waits for alike) and each rank's
+    excess over it is waiting for a late peer (`late_s`). Only durations are compared, so hosts'
+    clocks need not agree. The late rank is the one that waited least for the others
+    (`straggler_rank`); its own bound says why it was late. Without those measurements (phase timing
+    off), a rank's backward time above the fastest rank's is taken as waiting for peers, and a
+    network every rank waits for alike reads as compute."""
     timed = [r for r in ranks if r['step_median_s']]
     if not timed:
         return {'ranks': ranks}
@@ -139,9 +143,9 @@ def ranks_summary(ranks):
     if len(measured) != len(ranks):
         return res
     if all(r.get('comm_steps') for r in measured):
-        # the rank that waited least is the one the others waited for: its wait is the transfer alone. Sums
-        # over the run, not step by step: ranks that are late by turns (noise) wait alike and read as
-        # communication; a rank late every step is a straggler
+        # the rank that waited least is the one the others waited for: its wait is the transfer
+        # alone. Sums over the run, not step by step: ranks that are late by turns (noise) wait
+        # alike and read as communication; a rank late every step is a straggler
         last_in = min(measured, key=lambda r: (r['collective_s'], r['rank']))
         for r in ranks:
             r['comm_s'] = last_in['collective_s']
@@ -175,8 +179,9 @@ def ranks_summary(ranks):
 
 
 def communication_estimate(bucket_cap_mb, model, world_size):
-    """Gradient all-reduce volume per step: 4 bytes per trainable parameter (gradients are fp32 even under
-    AMP, the parameters being fp32), sent in DDP buckets: a first 1 MiB bucket, then --bucket-cap-mb ones."""
+    """Gradient all-reduce volume per step: 4 bytes per trainable parameter (gradients are fp32 even
+    under AMP, the parameters being fp32), sent in DDP buckets: a first 1 MiB bucket, then
+    --bucket-cap-mb ones."""
     grad_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     first, cap = 2 ** 20, bucket_cap_mb * 2 ** 20
     buckets = 1 + math.ceil(max(0, grad_bytes - first) / cap)

@@ -36,8 +36,8 @@ from dlojzlib import ROOT, SCRIPT
 from dlojzlib.record.rundir import run_record
 
 
-# (width, height): weight. Medians: 500 x 375 by area; the small and large tails keep the mean area near
-# ImageNet's (about 400 x 350 px on average, reported for the training set).
+# (width, height): weight. Medians: 500 x 375 by area; the small and large tails keep the mean area
+# near ImageNet's (about 400 x 350 px on average, reported for the training set).
 SIZES = {(500, 375): 40, (375, 500): 12, (500, 333): 15, (333, 500): 5, (500, 500): 6, (500, 400): 3,
          (400, 500): 3, (400, 300): 4, (300, 225): 3, (350, 263): 3, (640, 480): 3, (800, 600): 1.5,
          (1024, 768): 1, (1200, 900): 0.5}

@@ -1,7 +1,7 @@
 """dlojz report: the course's analysis tools, headless — run dashboards (controle_technique), step
 timelines (turbo_profiler), run comparisons (the DataLoader-trials table), batch-size sweeps
-(GPU_underthehood), scaling, NCCL communication (comm_profiler), BatchNorm view, metric sync log,
-LR finder and config diff.
+(GPU_underthehood), scaling, NCCL communication (comm_profiler), BatchNorm view, metric sync log, LR
+finder and config diff.
 
 It reads what dlojz.py writes in a run directory — summary.json, config.json, metrics.jsonl,
 checkpoint-*.pt, nccl.rank<r>.log — never stdout, and writes <out>/report.md with PNG figures and
@@ -12,10 +12,9 @@ comparison.csv next to it; the comparison table is also printed.
     python dlojz_report.py diff runs/a runs/b              # configuration differences of two runs
 
 The package: runs.py loads run directories, common.py holds what the views share (numbers, tables,
-figures), one file per view holds its computation, its figure and its Markdown together, and this file
-builds the report from VIEWS, the list of views: each a function of the Report (runs, output folder,
-options) returning its Markdown lines.
-"""
+figures), one file per view holds its computation, its figure and its Markdown together, and this
+file builds the report from VIEWS, the list of views: each a function of the Report (runs, output
+folder, options) returning its Markdown lines."""
 import argparse
 import datetime
 import os
@@ -40,8 +39,9 @@ from dlojzlib.tools.report.tune import tune_view
 
 @dataclass
 class Report:
-    """What every view is given: the runs, where to write and the options. A view returns its Markdown
-    lines ([] when it does not apply) and may leave results here for the command line (the table)."""
+    """What every view is given: the runs, where to write and the options. A view returns its
+    Markdown lines ([] when it does not apply) and may leave results here for the command line (the
+    table)."""
     runs: list
     out: str
     sort: str = 'train_img_s'

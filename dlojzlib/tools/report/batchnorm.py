@@ -11,8 +11,8 @@ BN_STATS = ('running_mean', 'running_var', 'weight', 'bias')
 
 
 def bn_layers(state_dict):
-    """Every BatchNorm layer (one with a running_mean: downsample.1 included, which the course's 'bn' name
-    filter missed) -> {layer: {stat: mean of the tensor}}, in state-dict order."""
+    """Every BatchNorm layer (one with a running_mean: downsample.1 included, which the course's
+    'bn' name filter missed) -> {layer: {stat: mean of the tensor}}, in state-dict order."""
     out = {}
     for k in state_dict:
         if k.endswith('.running_mean'):
@@ -23,8 +23,8 @@ def bn_layers(state_dict):
 
 
 def checkpoint_weights(path):
-    """A dlojz checkpoint (dict with 'model') or a bare state dict (the course's) -> state dict, unprefixed.
-    Checkpoints are unpickled in full: read only your own."""
+    """A dlojz checkpoint (dict with 'model') or a bare state dict (the course's) -> state dict,
+    unprefixed. Checkpoints are unpickled in full: read only your own."""
     state = load_checkpoint(path)
     sd = state.get('model', state) if isinstance(state, dict) else {}
     return strip_prefixes(sd)

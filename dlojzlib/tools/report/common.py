@@ -1,5 +1,5 @@
-"""What the report's views share: a run's numbers and verdict, value formats, tables, figures, groups
-of runs."""
+"""What the report's views share: a run's numbers and verdict, value formats, tables, figures,
+groups of runs."""
 import datetime
 import json
 import os
@@ -29,7 +29,8 @@ def last_record(run, kind):
 
 
 def verdict(run):
-    """One line: completed, or what stopped the run and at which step (from the run's recorded status)."""
+    """One line: completed, or what stopped the run and at which step (from the run's recorded
+    status)."""
     if run.summary is None or run.status == 'running':  # dlojz writes 'running' as each attempt starts
         last = last_record(run, 'train')
         ckpts = list_checkpoints(run.path)
@@ -50,7 +51,8 @@ def verdict(run):
 
 
 def numbers(run):
-    """The figures the comparison, sweep and scaling views share, None where the run did not record them."""
+    """The figures the comparison, sweep and scaling views share, None where the run did not record
+    them."""
     t, m, e = run.get('timing') or {}, run.get('memory') or {}, run.get('energy') or {}
     st = t.get('stats') or {}
     load = None
@@ -60,8 +62,9 @@ def numbers(run):
         'load_ms': scaled(load, 1e3), 'compute_ms': scaled(dig(st, 'compute', 'median'), 1e3),
         'step_ms': scaled(dig(st, 'step', 'median'), 1e3),
         'train_img_s': t.get('train_throughput'), 'gpu_img_s': t.get('gpu_throughput'),
-        # a verdict over all ranks comes with its shares over all ranks (rank 0's alone could read 'compute,
-        # busy 100 %' beside 'loader (all ranks)'), as the run's '>>> Bound by' line gives them
+        # a verdict over all ranks comes with its shares over all ranks (rank 0's alone could read
+        # 'compute, busy 100 %' beside 'loader (all ranks)'), as the run's '>>> Bound by' line gives
+        # them
         'busy_pct': scaled(t.get('device_busy_all_ranks' if t.get('bound_all_ranks') else 'device_busy'), 100),
         'data_pct': scaled(t.get('data_share_all_ranks' if t.get('bound_all_ranks') else 'data_share'), 100),
         'bound': t.get('bound'),
@@ -116,7 +119,8 @@ def text_table(columns, rows):
 
 
 def shown(columns, rows):
-    """Drop measured columns that no run has (e.g. GPU memory and energy on CPU runs) from the display."""
+    """Drop measured columns that no run has (e.g. GPU memory and energy on CPU runs) from the
+    display."""
     return [c for c in columns if c not in METRICS or any(row.get(c) is not None for row in rows)]
 
 
@@ -167,8 +171,8 @@ def label(run):
 
 
 def guarded(title, build, problems):
-    """A part that fails on odd input becomes a sentence in the report, never a traceback. A user error
-    (ReportError: a bad --sort) still stops the command."""
+    """A part that fails on odd input becomes a sentence in the report, never a traceback. A user
+    error (ReportError: a bad --sort) still stops the command."""
     try:
         return build()
     except ReportError:
@@ -179,8 +183,9 @@ def guarded(title, build, problems):
 
 
 def trials_sections(rep, title, key, section):
-    """The view of the runs whose summary holds `key` with trials (the loader doctor's, the tuner's):
-    '## title', then for each such run its '### name' and section(run, record)'s lines; none without."""
+    """The view of the runs whose summary holds `key` with trials (the loader doctor's, the
+    tuner's): '## title', then for each such run its '### name' and section(run, record)'s lines;
+    none without."""
     lines = []
     for r in rep.runs:
         record = r.get(key)

@@ -18,17 +18,20 @@ COLL_RE = re.compile(r'\[(\d+)\] NCCL INFO (\w+): opCount (\w+) .*?\bcount (\d+)
                      r'(?:.*?\[nranks=(\d+)\])?')
 
 
-# "host:pid:tid [0] NCCL INFO comm 0x55d6 rank 3 nranks 4 cudaDev 0 busId 7000 commId 0x.. - Init COMPLETE"
+# "host:pid:tid [0] NCCL INFO comm 0x55d6 rank 3 nranks 4 cudaDev 0 busId 7000 commId 0x.. - Init
+# COMPLETE"
 INIT_RE = re.compile(r'NCCL INFO comm (\S+) rank (\d+) nranks (\d+).*Init COMPLETE')
 
 
-# dlojz's markers (--nccl-debug): "Train step k - rank r" before step k (0: initialisation), "Validation - rank r".
+# dlojz's markers (--nccl-debug): "Train step k - rank r" before step k (0: initialisation),
+# "Validation - rank r".
 MARK_RE = re.compile(r'(?:Train step (\d+)|(Validation)) - rank (\d+)\s*$')
 
 
 def parse_nccl(lines, file_rank=None):
-    """NCCL collective lines -> list of ops, each tagged with the phase ('init', 'step k', 'valid') its rank
-    was in. The rank of an op is its communicator's global rank (Init COMPLETE lines), else file_rank."""
+    """NCCL collective lines -> list of ops, each tagged with the phase ('init', 'step k', 'valid')
+    its rank was in. The rank of an op is its communicator's global rank (Init COMPLETE lines), else
+    file_rank."""
     comm_rank, phase, ops = {}, {}, []
     for line in lines:
         if (m := MARK_RE.search(line)):
@@ -56,7 +59,8 @@ def phase_kind(phase):
 
 
 def comm_view(run, max_steps=10):
-    """The run's nccl.rank<r>.log files -> tables of collectives by phase and type, or None without logs."""
+    """The run's nccl.rank<r>.log files -> tables of collectives by phase and type, or None without
+    logs."""
     logs = sorted((int(m.group(1)), os.path.join(run.path, n)) for n in os.listdir(run.path)
                   if (m := re.fullmatch(r'nccl\.rank(\d+)\.log', n)))
     if not logs:

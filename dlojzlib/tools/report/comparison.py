@@ -1,4 +1,5 @@
-"""The comparison view: one row per run (or per configuration), the course's DataLoader-trials table."""
+"""The comparison view: one row per run (or per configuration), the course's DataLoader-trials
+table."""
 import json
 import os
 import statistics
@@ -30,7 +31,8 @@ def differing_keys(runs):
 
 
 def comparison(runs, sort='train_img_s'):
-    """-> (columns, rows): one row per run; the flags that differ, then the measured figures; best first."""
+    """-> (columns, rows): one row per run; the flags that differ, then the measured figures; best
+    first."""
     flags = differing_keys(runs)
     rows = []
     for r in runs:
@@ -53,8 +55,8 @@ def sort_rows(rows, col):
 
 
 def by_config(columns, rows, sort):
-    """Repeated runs of one configuration (same values of the differing flags) -> one row of medians over
-    the completed runs, or None when no configuration was repeated."""
+    """Repeated runs of one configuration (same values of the differing flags) -> one row of medians
+    over the completed runs, or None when no configuration was repeated."""
     flags = [c for c in columns if c not in METRICS and c not in ('run', 'status')]
     groups = {}
     for row in rows:

@@ -119,7 +119,8 @@ def plot_timeline(run, out):
 
 
 def dashboards_view(rep):
-    """controle_technique and turbo_profiler, one section per run (one odd run does not stop the others)."""
+    """controle_technique and turbo_profiler, one section per run (one odd run does not stop the
+    others)."""
     md = ['## Runs', '']
     for r in rep.runs:
         md += guarded(f'dashboard of {r.name}', lambda r=r: dashboard(r, rep.out), rep.problems)

@@ -23,7 +23,8 @@ def plot_doctor(run, tune, out):
 
 
 def doctor_view(rep):
-    """The loader doctor's trials (--tune-loader): the course's DataLoader-trials table and a figure."""
+    """The loader doctor's trials (--tune-loader): the course's DataLoader-trials table and a
+    figure."""
     def section(r, tune):
         v = tune['verdict']
         rows = [{'workers': t['num_workers'], 'pin': t['pin_memory'], 'prefetch': t['prefetch_factor'],

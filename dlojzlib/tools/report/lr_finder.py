@@ -7,16 +7,17 @@ from dlojzlib.tools.report.common import plt, save_fig, slug
 
 def lr_suggestion(lrs, losses):
     """-> (smoothed curve, cut, suggested lr or None, why): dlojz's own rule (recipe.suggest_lr, the
-    steepest descent of the smoothed loss), so the report says what the console and summary.json said. The
-    curve is cut where the sweep counts as diverged; `smoothed` is the centered mean the suggestion follows."""
+    steepest descent of the smoothed loss), so the report says what the console and summary.json
+    said. The curve is cut where the sweep counts as diverged; `smoothed` is the centered mean the
+    suggestion follows."""
     cut = diverged_at(losses)
     suggested, why = suggest_lr(lrs, losses)
     return centered_mean(losses[:cut], max(1, cut // 20)), cut, suggested, why
 
 
 def lr_plot_ylim(losses, smoothed):
-    """The loss axis of the LR finder plot: the smoothed curve with a margin; raw spikes above it are clipped
-    (one loss of 120 squashed the descent into a flat line)."""
+    """The loss axis of the LR finder plot: the smoothed curve with a margin; raw spikes above it
+    are clipped (one loss of 120 squashed the descent into a flat line)."""
     lo = min([v for v in losses if math.isfinite(v)] + list(smoothed))
     hi = max(smoothed)
     margin = 0.15 * (hi - lo) or 0.1 * abs(hi) or 1.0

@@ -7,16 +7,17 @@ from dlojzlib.tools.report.runs import dig
 
 
 def accuracy_curve(run, kind):
-    """[(wall s, images seen, top-1)] of the run's validations ('val' raw, 'val_ema' EMA) that carry them."""
+    """[(wall s, images seen, top-1)] of the run's validations ('val' raw, 'val_ema' EMA) that carry
+    them."""
     return [(r['wall_s'], r['train_images'], r['top1']) for r in run.records
             if r.get('type') == kind and r.get('wall_s') is not None and r.get('train_images') is not None]
 
 
 def plot_race(runs, targets, out):
-    """The race's figure: validation top-1 against wall time and against images seen, one colour per run,
-    the EMA dashed, the --target-top1 lines dotted. A run with one validation (a --test run) is one point: it
-    gets a large marker and its top-1 written beside it, and both axes start at 0, so it does not vanish in a
-    corner of an empty figure."""
+    """The race's figure: validation top-1 against wall time and against images seen, one colour per
+    run, the EMA dashed, the --target-top1 lines dotted. A run with one validation (a --test run) is
+    one point: it gets a large marker and its top-1 written beside it, and both axes start at 0, so
+    it does not vanish in a corner of an empty figure."""
     p = plt()
     fig, axes = p.subplots(1, 2, figsize=(11, 4), sharey=True)
     longest = max(w for r in runs for w, _, _ in accuracy_curve(r, 'val'))
@@ -49,8 +50,8 @@ def plot_race(runs, targets, out):
 
 
 def race_view(rep):
-    """Validation top-1 against wall time and images seen for every run that validated, and when each
-    reached its --target-top1 (summary.json['time_to_accuracy'])."""
+    """Validation top-1 against wall time and images seen for every run that validated, and when
+    each reached its --target-top1 (summary.json['time_to_accuracy'])."""
     runs = [r for r in rep.runs if accuracy_curve(r, 'val')]
     if not runs:
         return []

@@ -1,4 +1,5 @@
-"""The scaling view: runs of one configuration at several world sizes, their step split in measured terms."""
+"""The scaling view: runs of one configuration at several world sizes, their step split in measured
+terms."""
 import statistics
 
 from dlojzlib.measure.scaling import collective_waits
@@ -7,8 +8,9 @@ from dlojzlib.tools.report.runs import dig
 
 
 def step_terms(run):
-    """A run's mean steady step (s, mean over its ranks) and its ranks' waits per step in collectives
-    (measure.scaling.collective_waits: the transfer, the wait for a late rank); None where not measured."""
+    """A run's mean steady step (s, mean over its ranks) and its ranks' waits per step in
+    collectives (measure.scaling.collective_waits: the transfer, the wait for a late rank); None
+    where not measured."""
     t = run.get('timing') or {}
     ranks = [r for r in t.get('ranks') or [] if r.get('steady_steps')]
     if ranks:
@@ -23,14 +25,15 @@ def step_terms(run):
 
 
 def scalings(runs):
-    """Same config at several world sizes -> img/s vs processes and efficiency vs linear scaling. The LR may
-    differ: by default dlojz scales it with the global batch (linear scaling rule).
+    """Same config at several world sizes -> img/s vs processes and efficiency vs linear scaling.
+    The LR may differ: by default dlojz scales it with the global batch (linear scaling rule).
 
-    Each world size's lost efficiency (1 - efficiency, in points) is split, from the runs' measured sums,
-    into: exposed communication (comm_pts), waiting for a late rank (straggler_pts), and the rest (rest_pts:
-    compute slowed by communication kernels or threads sharing the device or the cores, DDP's copies, noise),
-    each term = its seconds per step above the smallest world size's / the step at that world size; the
-    terms add up to the loss because the rest is what the measured terms leave of it."""
+    Each world size's lost efficiency (1 - efficiency, in points) is split, from the runs' measured
+    sums, into: exposed communication (comm_pts), waiting for a late rank (straggler_pts), and the
+    rest (rest_pts: compute slowed by communication kernels or threads sharing the device or the
+    cores, DDP's copies, noise), each term = its seconds per step above the smallest world size's /
+    the step at that world size; the terms add up to the loss because the rest is what the measured
+    terms leave of it."""
     out = []
     for g in group_runs(runs, {'lr'}):
         by_ws = {}
@@ -43,8 +46,8 @@ def scalings(runs):
         base_ws = min(by_ws)
         base = statistics.median(i for i, _ in by_ws[base_ws])
         base_terms = [t for _, t in by_ws[base_ws] if t[0] and t[1] is not None]
-        # the smallest world size is the reference: what it already waited (a launcher's world of one still
-        # all-reduces with itself) is not a loss of the larger ones
+        # the smallest world size is the reference: what it already waited (a launcher's world of
+        # one still all-reduces with itself) is not a loss of the larger ones
         base_step, base_comm, base_late = (statistics.median(t[k] for t in base_terms) for k in range(3)) \
             if base_terms else (None, 0.0, 0.0)
         rows = []

@@ -1,10 +1,12 @@
-"""The batch-size sweep view (the course's GPU_underthehood): throughput and memory against the batch."""
+"""The batch-size sweep view (the course's GPU_underthehood): throughput and memory against the
+batch."""
 from dlojzlib.tools.report.common import (GiB, group_runs, label, md_table, numbers, plt, save_fig,
                                           scaled)
 
 
 def fit_line(xs, ys):
-    """Least-squares y = a + b·x -> (a, b). The course's formula assumed doubling batch sizes; this takes any."""
+    """Least-squares y = a + b·x -> (a, b). The course's formula assumed doubling batch sizes; this
+    takes any."""
     n = len(xs)
     if n < 2 or len(set(xs)) < 2:
         return None
@@ -14,7 +16,8 @@ def fit_line(xs, ys):
 
 
 def sweeps(runs):
-    """Batch-size sweeps: same config but the batch size (and the LR, often scaled with it), same world size."""
+    """Batch-size sweeps: same config but the batch size (and the LR, often scaled with it), same
+    world size."""
     out = []
     for g in group_runs(runs, {'batch_size', 'lr'}):
         for ws in sorted({r.world_size for r in g}):

@@ -27,7 +27,8 @@ def plot_tune(run, trials, out):
 
 
 def tune_view(rep):
-    """The tuner's trials (--tune): its table, the recommended command, the scaling forecast, a figure."""
+    """The tuner's trials (--tune): its table, the recommended command, the scaling forecast, a
+    figure."""
     def section(r, tune):
         rows = [{'batch': t['batch'], 'amp': t['amp'], 'channels_last': t['channels_last'], 'compile': t['compile'],
                  'img_s': t['images_per_s'], 'step_ms': t['step_ms'],
