@@ -179,11 +179,11 @@ def loader_error_message(exc):
     worker's traceback is in the message; its last line is the original exception)."""
     text = str(exc).strip().splitlines()
     last = text[-1] if text else ''
-    for prefix in ('dlojzlib.data.decode.BadImageError: ', 'dlojzlib.data.datasets.BadImageError: ',
-                   'BadImageError: ', 'dlojzlib.errors.DataError: ', 'DataError: '):
-        if last.startswith(prefix):
-            return last[len(prefix):]
-    return last
+    # the class as the traceback names it, with or without its module's path (which moves with the code)
+    return _DATA_ERROR_PREFIX.sub('', last, count=1)
+
+
+_DATA_ERROR_PREFIX = re.compile(r'^(?:[\w.]+\.)?(?:BadImageError|DataError): ')
 
 
 def translate(e, args, rank=0, distributed=False, step=0):
