@@ -73,7 +73,8 @@ MACHINES = {
     # mem='0': a script that asks for no memory gets the site's default, 256 MB per core at Alliance
     # Canada (ac-jobs), and is killed for it before its first step
     'generic': dict(site='generic', title='a generic GPU cluster', gpus_per_node=4, cpus_per_task=8,
-                    account='def-xyz', mem='0', mem_adapt=True),
+                    account='def-xyz', mem='0',
+                    mem_note="ADAPT: the node's memory (or --mem-per-gpu=<GB>G)"),
     'cpu': dict(site='cpu', title='CPU nodes (gloo)', gpus_per_node=0, cpus_per_task=2),
 }
 # Jean Zay's 8-GPU V100 nodes are partitions, not constraints: 8 GPUs and 24 cores (3 per GPU), 32

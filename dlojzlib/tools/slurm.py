@@ -88,10 +88,8 @@ def sbatch_options(machine, gpus, time_limit='02:00:00', account=None, qos=None,
     if m.get('mem_per_gpu'):
         opts.append((f'--mem={m["mem_per_gpu"] * per_node}G', f'memory per node: the site\'s {m["mem_per_gpu"]} GB '
                      'per GPU (its default is 256 MB per core)'))
-    elif m.get('mem') and m.get('mem_adapt'):
-        opts.append((f'--mem={m["mem"]}', 'ADAPT: the node\'s memory (or --mem-per-gpu=<GB>G)'))
     elif m.get('mem'):
-        opts.append((f'--mem={m["mem"]}', 'all of the node\'s memory'))
+        opts.append((f'--mem={m["mem"]}', m.get('mem_note', 'all of the node\'s memory')))
     if m['site'] in ('jz', 'generic', 'cpu'):  # as IDRIS's templates do; the others' documentation does not
         opts.append(('--hint=nomultithread', 'physical cores only, no hyperthreads'))
     opts.append((f'--time={time_limit}', 'ADAPT: wall-time limit (requeue continues longer runs)'))
