@@ -3,9 +3,9 @@
 For each: what it does, why the public API does not do it, and the versions it was read on.
 tests/test_compat.py names each one and fails when an upgrade removes it; CI runs it at the newest
 torch and at requirements.txt's floors (torch 2.4), and checks that no other module reaches them.
-
-Importing this module imports nothing: torch is imported inside the functions that use it, so that
-the flags (which answer --help before torch) may import it."""
+"""
+import torch
+import torch.utils.data.dataloader as dataloader
 
 
 # ---------------------------------------------------------------- torch: device work
@@ -22,14 +22,12 @@ def foreach_lerp_(tensors, targets, weight):
     """tensors[i] += weight * (targets[i] - tensors[i]) in a few launches for the whole list (the
     EMA's update). torch._foreach_lerp_ is what torch's own optimizers call; the public
     torch.lerp is one launch per tensor (about 300 for ResNet-50). torch 2.4 to 2.14."""
-    import torch
     torch._foreach_lerp_(tensors, targets, weight)
 
 
 def foreach_copy_(tensors, sources):
     """tensors[i].copy_(sources[i]) in a few launches (the EMA's BatchNorm counters). torch 2.1
     on."""
-    import torch
     torch._foreach_copy_(tensors, sources)
 
 
@@ -37,7 +35,6 @@ def standard_gamma(concentration, generator):
     """Gamma(concentration, 1) draws from `generator`. torch.distributions.Gamma takes no generator,
     and mixup's lambda must come from the run's own (a per-step seed, whatever the workers draw).
     torch._standard_gamma is the kernel Gamma.rsample calls. torch 2.4 to 2.14."""
-    import torch
     return torch._standard_gamma(concentration, generator=generator)
 
 
@@ -45,7 +42,6 @@ def shared_storage(nbytes):
     """An UntypedStorage of `nbytes` made in shared memory directly (forked workers inherit its
     mapping); share_memory_() on a fresh storage would copy it there. UntypedStorage._new_shared is
     what the DataLoader's default collate uses for its own batches. torch 2.4 to 2.14."""
-    import torch
     return torch.UntypedStorage._new_shared(nbytes)
 
 
@@ -68,7 +64,6 @@ def loader_iterator(loader):
 def is_multiprocessing_iterator(obj):
     """Whether `obj` is a DataLoader iterator with worker processes (torch's private class: the
     iterator a stopped start leaves half-built, found in the traceback). torch 2.4 to 2.14."""
-    import torch.utils.data.dataloader as dataloader
     return isinstance(obj, dataloader._MultiProcessingDataLoaderIter)
 
 
