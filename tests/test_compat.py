@@ -64,11 +64,10 @@ def test_a_dataloader_keeps_its_persistent_iterator_where_compat_reads_it():
 
 
 def test_ddp_has_the_buffer_broadcast_comm_times():
-    """On a one-rank gloo group: DDP's _sync_buffers is there and can be replaced."""
+    """On a one-rank gloo group: DDP's _sync_buffers is there and can be replaced. An in-memory
+    store: no port, and no MASTER_* variable left for the tests after this one."""
     import torch.distributed as tdist
-    os.environ.setdefault('MASTER_ADDR', '127.0.0.1')
-    os.environ.setdefault('MASTER_PORT', str(29500 + os.getpid() % 1000))
-    tdist.init_process_group('gloo', rank=0, world_size=1)
+    tdist.init_process_group('gloo', store=tdist.HashStore(), rank=0, world_size=1)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.BatchNorm1d(2))
         assert compat.ddp_buffer_sync(ddp) is not None, 'DistributedDataParallel._sync_buffers'
