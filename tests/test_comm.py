@@ -1,6 +1,7 @@
-"""The all-reduce timing (measure.comm) and the verdict made of it across ranks (record.summary.ranks_summary),
-on stamps and rank reports whose expected values are worked out by hand. The same verdicts on real gloo runs,
-with the cause outside the code (a shaped network link, a slowed loader), are in tests/test_ddp_truth.py."""
+"""The all-reduce timing (measure.comm) and the verdict made of it across ranks
+(record.summary.ranks_summary), on stamps and rank reports whose expected values are worked out by
+hand. The same verdicts on real gloo runs, with the cause outside the code (a shaped network link, a
+slowed loader), are in tests/test_ddp_truth.py."""
 import multiprocessing
 import os
 import threading
@@ -31,7 +32,8 @@ class Bucket:
 
 
 def launch(timer, buckets):
-    """Call the hook for each bucket; -> the futures the fake all-reduce returned, to complete by hand."""
+    """Call the hook for each bucket; -> the futures the fake all-reduce returned, to complete by
+    hand."""
     pending, outs = [], []
 
     def all_reduce(tensor):
@@ -45,9 +47,9 @@ def launch(timer, buckets):
 
 
 def test_host_stamps_give_exposed_time_link_time_and_bytes():
-    """Three buckets ready at 10, 20 and 50 ms (the backward pass ends at 50 ms); the link reduces them one
-    after another, 30 ms each: done at 40, 70 and 100 ms. By hand: exposed = 100 - 50 = 50 ms, link = 90 ms,
-    bytes = (100 + 200 + 300) x 4."""
+    """Three buckets ready at 10, 20 and 50 ms (the backward pass ends at 50 ms); the link reduces
+    them one after another, 30 ms each: done at 40, 70 and 100 ms. By hand: exposed = 100 - 50 = 50
+    ms, link = 90 ms, bytes = (100 + 200 + 300) x 4."""
     clock = Clock()
     timer = comm.CommTimer(2, clock=clock)
     buckets = [Bucket(100), Bucket(200), Bucket(300)]
@@ -68,15 +70,16 @@ def test_host_stamps_give_exposed_time_link_time_and_bytes():
 
 
 def test_a_link_idle_between_buckets_is_not_counted():
-    """Bucket 1 done at 15 ms, bucket 2 ready only at 40 ms, done at 45: the link ran 5 + 5 ms, not 45."""
+    """Bucket 1 done at 15 ms, bucket 2 ready only at 40 ms, done at 45: the link ran 5 + 5 ms, not
+    45."""
     marks = [[0.010, 0.015, 4], [0.040, 0.045, 4]]
     got = comm.resolve(marks)
     assert got['link'] == pytest.approx(0.010) and got['exposed'] == pytest.approx(0.005)
 
 
 def test_the_buffer_broadcast_before_the_forward_pass_is_timed():
-    """DDP broadcasts rank 0's buffers before each forward pass; an early rank waits there for a late one
-    (40 ms here). The wrapper keeps DDP's own method's effect and times it."""
+    """DDP broadcasts rank 0's buffers before each forward pass; an early rank waits there for a
+    late one (40 ms here). The wrapper keeps DDP's own method's effect and times it."""
     clock = Clock()
     calls = []
 
@@ -116,8 +119,9 @@ class Event:
 
 
 def test_device_events_are_read_only_once_completed_and_in_milliseconds():
-    """The same three buckets on the device's clock (events 1 000 s into the run, to catch an absolute
-    reading): exposed 50 ms, link 90 ms; not readable before the last done event has completed."""
+    """The same three buckets on the device's clock (events 1 000 s into the run, to catch an
+    absolute reading): exposed 50 ms, link 90 ms; not readable before the last done event has
+    completed."""
     base = 1000.0
     marks = [[Event(base + r), Event(base + d), 4] for r, d in ((0.010, 0.040), (0.020, 0.070), (0.050, 0.100))]
     Event.now = base + 0.080
@@ -200,8 +204,8 @@ def test_the_done_event_is_recorded_on_the_ranks_gpu_from_gloos_thread():
 
 
 def test_the_chronometer_keeps_each_steps_stamps():
-    """A CPU Chronometer with a timer: each step takes the stamps made during it; the steady steps' exposed
-    and link times are summed in totals() (the first step is the warm-up)."""
+    """A CPU Chronometer with a timer: each step takes the stamps made during it; the steady steps'
+    exposed and link times are summed in totals() (the first step is the warm-up)."""
     clock = Clock()
     chrono = Chronometer('cpu', warmup=1, clock=clock)
     chrono.comm = timer = comm.CommTimer(2, clock=clock)
@@ -218,8 +222,8 @@ def test_the_chronometer_keeps_each_steps_stamps():
 # ------------------------------------------------------------------------------ the verdict across ranks
 
 def report(rank, steps, data, compute, exposed, link=None, grad_bytes=40 * 2**20):
-    """One rank's end-of-run report with the same step every time (seconds): compute includes the exposed
-    wait (a CPU step: host time minus data wait), as the Chronometer measures it."""
+    """One rank's end-of-run report with the same step every time (seconds): compute includes the
+    exposed wait (a CPU step: host time minus data wait), as the Chronometer measures it."""
     step = data + compute
     return {'rank': rank, 'step_median_s': step, 'steady_steps': steps, 'wall_s': step * steps,
             'busy_s': compute * steps, 'data_s': data * steps, 'backward_s': None,
@@ -229,8 +233,9 @@ def report(rank, steps, data, compute, exposed, link=None, grad_bytes=40 * 2**20
 
 
 def test_a_slow_link_every_rank_waits_for_is_communication():
-    """Both ranks compute 100 ms and wait 300 ms for a 40 MiB all-reduce after it: by hand, communication is
-    2 x 300 / 2 x 410 = 73 % of the time, 40 MiB / 0.3 s = 0.140 GB/s achieved, nobody is late."""
+    """Both ranks compute 100 ms and wait 300 ms for a 40 MiB all-reduce after it: by hand,
+    communication is 2 x 300 / 2 x 410 = 73 % of the time, 40 MiB / 0.3 s = 0.140 GB/s achieved,
+    nobody is late."""
     s = ranks_summary([report(0, 10, 0.01, 0.4, 0.3), report(1, 10, 0.01, 0.4, 0.3)])
     assert s['bound'] == 'communication' and s['comm_share'] == pytest.approx(0.3 / 0.41)
     assert s['late_share'] == pytest.approx(0.0) and 'straggler_rank' not in s
@@ -239,10 +244,10 @@ def test_a_slow_link_every_rank_waits_for_is_communication():
 
 
 def test_a_slow_loader_on_one_rank_is_a_straggler_named_with_its_own_bound():
-    """Rank 1 waits 150 ms per batch for its loader, rank 0 10 ms; both compute 100 ms and the transfer is
-    20 ms. Rank 0 arrives 140 ms early at the all-reduce: it waits 160 ms, rank 1 20 ms. By hand the idle
-    time of the 2 x 270 ms is: loader 2 x 10, transfer 2 x 20, straggler 140 (rank 0's wait) + 140 (rank 1's
-    loader above rank 0's)."""
+    """Rank 1 waits 150 ms per batch for its loader, rank 0 10 ms; both compute 100 ms and the
+    transfer is 20 ms. Rank 0 arrives 140 ms early at the all-reduce: it waits 160 ms, rank 1 20 ms.
+    By hand the idle time of the 2 x 270 ms is: loader 2 x 10, transfer 2 x 20, straggler 140 (rank
+    0's wait) + 140 (rank 1's loader above rank 0's)."""
     s = ranks_summary([report(0, 10, 0.01, 0.26, 0.16), report(1, 10, 0.15, 0.12, 0.02)])
     assert s['bound'] == 'straggler' and s['straggler_rank'] == 1 and s['straggler_bound'] == 'loader'
     assert s['straggler_share'] == pytest.approx(0.28 / 0.54) and s['comm_share'] == pytest.approx(0.04 / 0.54)
@@ -273,9 +278,10 @@ def final_lines_for(timing):
 # ------------------------------------------------------------------------------ no host read in the step
 
 def ddp_step(tmp_path, read_in_hook=False):
-    """One DDP training step (gloo, a world of one) with the timer's hooks, under the host-read counter of
-    tests/test_gpu_seams.py -> the reads seen, the step's measures. Run in a spawned process: gloo's threads
-    would stay in the test process, and a later fork (a Pool, DataLoader workers) could deadlock on their locks."""
+    """One DDP training step (gloo, a world of one) with the timer's hooks, under the host-read
+    counter of tests/test_gpu_seams.py -> the reads seen, the step's measures. Run in a spawned
+    process: gloo's threads would stay in the test process, and a later fork (a Pool, DataLoader
+    workers) could deadlock on their locks."""
     import torch.distributed as tdist
     from test_gpu_seams import DeviceReads
     os.makedirs(tmp_path)

@@ -1,6 +1,6 @@
-"""--loader dali (data.dali), where NVIDIA DALI is installed (CI installs it in a stage of its own; the
-default test command runs without it, and then only the missing-package sentence and the doctor's sweep are
-tested here):
+"""--loader dali (data.dali), where NVIDIA DALI is installed (CI installs it in a stage of its own;
+the default test command runs without it, and then only the missing-package sentence and the
+doctor's sweep are tested here):
 
 - DALI crops the native loader's boxes and flips them alike: on an image that encodes its own coordinates,
   each DALI sample equals --decode fast's for the same (seed, epoch, index) within a few levels;
@@ -10,8 +10,7 @@ tested here):
 - a run trains and validates through the real entry point, alone and as 2 torchrun ranks, with the native
   loader's image counts; the loader doctor includes a DALI trial.
 
-Run: python -m pytest -q tests/test_dali.py
-"""
+Run: python -m pytest -q tests/test_dali.py"""
 import json
 import random
 from types import SimpleNamespace
@@ -164,8 +163,8 @@ def test_the_loader_doctor_shows_dali(tmp_path, cache_dir):
 
 @needs_dali
 def test_a_dali_run_resumed_mid_epoch_repeats_the_uninterrupted_losses(tmp_path, cache_dir):
-    """Stopped after 18 of 24 steps (mid-epoch 2) and resumed: the resumed steps see the images, crops and
-    flips the uninterrupted run saw, so its losses are the same, bit for bit (CPU)."""
+    """Stopped after 18 of 24 steps (mid-epoch 2) and resumed: the resumed steps see the images,
+    crops and flips the uninterrupted run saw, so its losses are the same, bit for bit (CPU)."""
     flags = ['-e', '2', '--log-interval', '1', '--loader', 'dali', '--num-workers', '1']
     _, full = run_main(tmp_path / 'full', cache_dir, *flags)
     run_main(tmp_path / 'part', cache_dir, *flags, '--test-nsteps', '18', '--chkpt')
@@ -177,8 +176,9 @@ def test_a_dali_run_resumed_mid_epoch_repeats_the_uninterrupted_losses(tmp_path,
 
 @needs_dali
 def test_a_process_forked_after_a_dali_run_does_not_crash_on_its_pipeline(coords):
-    """A DALI pipeline shut down in a forked child (its __del__ at the child's next collection) segfaulted the
-    child: a synthetic-dataset worker forked after a DALI run crashed, and its pool waited forever."""
+    """A DALI pipeline shut down in a forked child (its __del__ at the child's next collection)
+    segfaulted the child: a synthetic-dataset worker forked after a DALI run crashed, and its pool
+    waited forever."""
     import gc
     import os
     data = data_of(coords, 'dali')

@@ -1,10 +1,9 @@
-"""Data pipeline: the synthetic dataset (layout, ImageNet-like sizes, determinism, valid JPEGs, the quirk
-files real ImageNet holds), bad-file handling, data-source resolution and data-directory errors, and
-per-sample augmentation that does not depend on the number of workers (the modules' import directions
-are tests/test_layout.py's).
+"""Data pipeline: the synthetic dataset (layout, ImageNet-like sizes, determinism, valid JPEGs, the
+quirk files real ImageNet holds), bad-file handling, data-source resolution and data-directory
+errors, and per-sample augmentation that does not depend on the number of workers (the modules'
+import directions are tests/test_layout.py's).
 
-Run: python -m pytest -q tests/test_data.py
-"""
+Run: python -m pytest -q tests/test_data.py"""
 import glob
 import os
 import shutil
@@ -72,9 +71,9 @@ def test_deterministic(synth, tmp_path):
 
 
 def test_a_generator_process_that_dies_is_an_error_not_a_wait(tmp_path, monkeypatch):
-    """A process generating the synthetic dataset killed by SIGKILL (the OOM killer; failpoint kill-generator):
-    one sentence naming the signal, status oom, no half-written folder kept, and the next run generates it.
-    multiprocessing.Pool waited forever for the killed worker's task."""
+    """A process generating the synthetic dataset killed by SIGKILL (the OOM killer; failpoint
+    kill-generator): one sentence naming the signal, status oom, no half-written folder kept, and
+    the next run generates it. multiprocessing.Pool waited forever for the killed worker's task."""
     import time
 
     from dlojzlib import failpoints
@@ -157,7 +156,8 @@ def test_epoch_sampler_order_resume_and_shards():
 
 @pytest.mark.parametrize('n,world', [(10, 3), (96, 2), (25, 4), (7, 1)])
 def test_epoch_sampler_matches_torch_distributed_sampler(n, world):
-    """The reference is torch's own DistributedSampler: same order, padding and shard for every rank."""
+    """The reference is torch's own DistributedSampler: same order, padding and shard for every
+    rank."""
     for rank in range(world):
         ref = torch.utils.data.distributed.DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True,
                                                               seed=123)

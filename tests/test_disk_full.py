@@ -1,15 +1,16 @@
-"""A full disk (issue 21, item 4): whichever file a run is writing when the space runs out (a checkpoint,
-summary.json, metrics.jsonl, config.json), the user gets one sentence, "no space left on <folder> (N MiB
-free)", exit code 6 and status 'disk_full' where summary.json can still be written; no temp file is left,
-every earlier checkpoint stays whole and loadable, and summary.json never describes an earlier attempt as the
-current state (each attempt starts by writing its own 'running' summary). Free space is checked before each
-checkpoint against the newest one's size, with a warning while there is still room.
+"""A full disk (issue 21, item 4): whichever file a run is writing when the space runs out (a
+checkpoint, summary.json, metrics.jsonl, config.json), the user gets one sentence, "no space left on
+<folder> (N MiB free)", exit code 6 and status 'disk_full' where summary.json can still be written;
+no temp file is left, every earlier checkpoint stays whole and loadable, and summary.json never
+describes an earlier attempt as the current state (each attempt starts by writing its own 'running'
+summary). Free space is checked before each checkpoint against the newest one's size, with a warning
+while there is still room.
 
-Two ways: OSError(ENOSPC) injected at each write site through record.log.open_for_write (table-driven, in
-process), and a real full filesystem (a small tmpfs, where mounting one is permitted).
+Two ways: OSError(ENOSPC) injected at each write site through record.log.open_for_write
+(table-driven, in process), and a real full filesystem (a small tmpfs, where mounting one is
+permitted).
 
-Run: python -m pytest -q tests/test_disk_full.py
-"""
+Run: python -m pytest -q tests/test_disk_full.py"""
 import errno
 import glob
 import json
@@ -30,8 +31,9 @@ from test_exits import at_step, usr2
 
 
 class FullFile:
-    """A file on a disk that has `room` bytes left: the write that would pass it writes what fits, then raises
-    ENOSPC (as a buffered file's write does when write(2) comes back short, then fails)."""
+    """A file on a disk that has `room` bytes left: the write that would pass it writes what fits,
+    then raises ENOSPC (as a buffered file's write does when write(2) comes back short, then fails).
+    """
 
     def __init__(self, f, room):
         self.f, self.room = f, room
@@ -55,7 +57,8 @@ class FullFile:
 
 
 def fill_at(pattern, nth, room=0):
-    """An open_for_write whose opens of a file whose name contains `pattern` get `room` bytes from the nth on."""
+    """An open_for_write whose opens of a file whose name contains `pattern` get `room` bytes from
+    the nth on."""
     seen = [0]
 
     def opener(path, mode='r', *a, **kw):
@@ -84,8 +87,8 @@ def error_line(err):
 
 
 def assert_intact(out, steps, exact=True, killed=False):
-    """The checkpoints of these steps are there (and no other when exact) and every checkpoint loads; no temp
-    file anywhere (but the one a kill left: the next start removes it)."""
+    """The checkpoints of these steps are there (and no other when exact) and every checkpoint
+    loads; no temp file anywhere (but the one a kill left: the next start removes it)."""
     names = [os.path.basename(p) for p in checkpoint.list_checkpoints(str(out))]
     wanted = [f'checkpoint-{s:08d}.pt' for s in steps]
     assert names == wanted if exact else set(wanted) <= set(names), names
@@ -97,12 +100,13 @@ def assert_intact(out, steps, exact=True, killed=False):
     assert not glob.glob(os.path.join(out, '*.tmp')) and not glob.glob(os.path.join(out, '.*.tmp'))
 
 
-# site -> (file name pattern, from which open of it on the disk is full, bytes left then, the status summary.json
-# holds afterwards (None: no summary), checkpoints left)
+# site -> (file name pattern, from which open of it on the disk is full, bytes left then, the status
+# summary.json holds afterwards (None: no summary), checkpoints left)
 SITES = {
     # the second checkpoint (step 4): torch's zip writer fails partway through
     'checkpoint': ('.checkpoint-', 2, 10_000, 'disk_full', [2]),
-    # every summary, from the 'running' one at the start: nothing trained, no summary, nothing else lost
+    # every summary, from the 'running' one at the start: nothing trained, no summary, nothing else
+    # lost
     'summary-start': ('summary.json', 1, 100, None, []),
     # the final summaries: this attempt's 'running' record stays, never a half-written file
     'summary-end': ('summary.json', 2, 100, 'running', [2, 4]),
@@ -116,7 +120,8 @@ SITES = {
 def test_enospc_at_each_write_site(site, tmp_path, cache_dir, monkeypatch, capsys):
     pattern, nth, room, status, kept = SITES[site]
     monkeypatch.setattr(log, 'open_for_write', fill_at(pattern, nth, room))
-    monkeypatch.setattr(log, 'disk_usage', lambda p: Usage(100 * 2**30, 100 * 2**30 - 3 * 2**20, 3 * 2**20))
+    monkeypatch.setattr(log, 'disk_usage',
+                        lambda p: Usage(100 * 2**30, 100 * 2**30 - 3 * 2**20, 3 * 2**20))
     out = tmp_path / 'run'
     code, cap = run(capsys, out, '--cache-dir', cache_dir, '--test-nsteps', '4', '--chkpt-every', '2', '--log-interval',
                     '1')
@@ -139,8 +144,8 @@ def test_enospc_at_each_write_site(site, tmp_path, cache_dir, monkeypatch, capsy
 
 
 def test_resumed_attempt_never_leaves_the_previous_summary(tmp_path, cache_dir, monkeypatch, capsys):
-    """A preempted run, then a resumed attempt whose final summary cannot be written: summary.json is that
-    attempt's 'running' record, not the first attempt's 'preempted' one."""
+    """A preempted run, then a resumed attempt whose final summary cannot be written: summary.json
+    is that attempt's 'running' record, not the first attempt's 'preempted' one."""
     out = tmp_path / 'run'
     monkeypatch.setattr(dlojz, 'train_step', at_step(2, usr2))
     code, cap = run(capsys, out, '--cache-dir', cache_dir, '--test-nsteps', '4', '--chkpt')
@@ -156,8 +161,9 @@ def test_resumed_attempt_never_leaves_the_previous_summary(tmp_path, cache_dir, 
 
 @pytest.mark.slow  # a subprocess: ~10 s on 2 idle cores
 def test_killed_attempt_never_leaves_the_previous_summary(tmp_path, cache_dir, monkeypatch, capsys):
-    """A preempted run, then a resumed attempt killed (SIGKILL, as a node failure) while writing its first
-    checkpoint: summary.json says 'running' with that attempt's start, not 'preempted' as if it were current."""
+    """A preempted run, then a resumed attempt killed (SIGKILL, as a node failure) while writing its
+    first checkpoint: summary.json says 'running' with that attempt's start, not 'preempted' as if
+    it were current."""
     out = tmp_path / 'run'
     monkeypatch.setattr(dlojz, 'train_step', at_step(2, usr2))
     code, cap = run(capsys, out, '--cache-dir', cache_dir, '--test-nsteps', '4', '--chkpt')
@@ -171,7 +177,8 @@ def test_killed_attempt_never_leaves_the_previous_summary(tmp_path, cache_dir, m
 
 
 def test_translate_a_write_site_not_wrapped(tmp_path):
-    """A profiler trace or any other write that raises ENOSPC itself still ends as disk_full, exit 6."""
+    """A profiler trace or any other write that raises ENOSPC itself still ends as disk_full, exit
+    6."""
     from dlojzlib import errors as E
     args = dlojz.get_args_parser().parse_args([])
     err = E.translate(OSError(errno.ENOSPC, 'No space left on device', str(tmp_path / 'trace.json')), args, step=3)
@@ -184,7 +191,8 @@ def test_translate_a_write_site_not_wrapped(tmp_path):
 def test_space_warning():
     """Twice the newest checkpoint's size is the line: this write and the next."""
     with tempfile.TemporaryDirectory() as d:
-        assert checkpoint.space_warning(d, lambda p: Usage(0, 0, 0)) is None  # no checkpoint yet: no size to go by
+        # no checkpoint yet: no size to go by
+        assert checkpoint.space_warning(d, lambda p: Usage(0, 0, 0)) is None
         with open(checkpoint.checkpoint_path(d, 2), 'wb') as f:
             f.write(b'x' * 2**20)
         at = lambda mib: checkpoint.space_warning(d, lambda p: Usage(0, 0, int(mib * 2**20)))
@@ -195,7 +203,8 @@ def test_space_warning():
 
 @pytest.fixture
 def small_tmpfs():
-    """A 150 MiB tmpfs (a checkpoint of the tiny run takes ~85 MiB); skipped where mounting is not permitted."""
+    """A 150 MiB tmpfs (a checkpoint of the tiny run takes ~85 MiB); skipped where mounting is not
+    permitted."""
     d = tempfile.mkdtemp(prefix='dlojz-tmpfs-')
     try:
         r = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=150m', 'tmpfs', d], capture_output=True, text=True)

@@ -1,12 +1,11 @@
-"""get_dist_info(): the launcher seam reads torchrun first, then srun's SLURM variables (with node lists
-like jz[001-003,010] and task lists like 4(x2),3), else a single process; the batch script itself is not
-mistaken for a task, and a malformed environment is one clear UsageError. The gloo side group of
-host-side collectives ends a wait for a hung peer within --dist-timeout. Ranks that share a GPU (--share-gpu
-or MPS, more tasks than GPUs: an injected device count) join with gloo, since NCCL refuses two ranks on one
-device.
+"""get_dist_info(): the launcher seam reads torchrun first, then srun's SLURM variables (with node
+lists like jz[001-003,010] and task lists like 4(x2),3), else a single process; the batch script
+itself is not mistaken for a task, and a malformed environment is one clear UsageError. The gloo
+side group of host-side collectives ends a wait for a hung peer within --dist-timeout. Ranks that
+share a GPU (--share-gpu or MPS, more tasks than GPUs: an injected device count) join with gloo,
+since NCCL refuses two ranks on one device.
 
-Run: python -m pytest -q tests/test_dist.py
-"""
+Run: python -m pytest -q tests/test_dist.py"""
 import os
 import time
 
@@ -18,7 +17,8 @@ from dlojzlib.dist import launch
 from dlojzlib.dist.launch import DistInfo, expand_nodelist, expand_tasks_per_node, get_dist_info
 from dlojzlib.errors import UsageError
 
-# What srun exports to task 5 of `srun --nodes 2 --ntasks-per-node 4` (values as Slurm 23 writes them).
+# What srun exports to task 5 of `srun --nodes 2 --ntasks-per-node 4` (values as Slurm 23 writes
+# them).
 SRUN = {'SLURM_PROCID': '5', 'SLURM_LOCALID': '1', 'SLURM_NODEID': '1', 'SLURM_NTASKS': '8', 'SLURM_STEP_ID': '0',
         'SLURM_STEP_NUM_TASKS': '8', 'SLURM_STEP_NODELIST': 'jz[001-002]', 'SLURM_JOB_NODELIST': 'jz[001-002]',
         'SLURM_STEP_TASKS_PER_NODE': '4(x2)', 'SLURM_TASKS_PER_NODE': '4(x2)', 'SLURM_JOB_ID': '123456'}
@@ -51,7 +51,8 @@ def test_srun_task():
     assert d.master_addr == 'jz001' and d.nodes == ('jz001', 'jz002') and d.num_nodes == 2
     assert d.master_port == 20000 + 123456 % 20000
     assert get_dist_info({**SRUN, 'SLURM_JOB_ID': '123457'}).master_port != d.master_port
-    # JSC: the master address is the first node's InfiniBand name, <node>i; the site's script sets the suffix
+    # JSC: the master address is the first node's InfiniBand name, <node>i; the site's script sets
+    # the suffix
     assert get_dist_info({**SRUN, 'DLOJZ_MASTER_SUFFIX': 'i'}).master_addr == 'jz001i'
     # heterogeneous node: the third node runs 3 tasks
     d = get_dist_info({**SRUN, 'SLURM_STEP_TASKS_PER_NODE': '4(x2),3', 'SLURM_STEP_NUM_TASKS': '11',
@@ -90,8 +91,8 @@ def test_malformed_torchrun_environment():
 
 
 def test_gpu_binding(monkeypatch):
-    """One task per GPU: the local rank picks the GPU; a launcher that binds one GPU per task leaves one
-    visible GPU (index 0); more tasks than GPUs on a node is refused with a sentence."""
+    """One task per GPU: the local rank picks the GPU; a launcher that binds one GPU per task leaves
+    one visible GPU (index 0); more tasks than GPUs on a node is refused with a sentence."""
     d = get_dist_info(SRUN)  # local rank 1 of 4
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 4)
     assert launch.cuda_device_for(d) == 1
@@ -123,8 +124,9 @@ def _side_group_rank(rank, port, result):
 
 @pytest.mark.slow  # 6 s: waits for the timeout
 def test_side_group_has_the_dist_timeout():
-    """Host-side collectives (output folder, timings, the stop flag) use a gloo side group, on CPU runs as on
-    GPU ones; it gets --dist-timeout too (new_group's own default would make a hung peer a 30 min wait)."""
+    """Host-side collectives (output folder, timings, the stop flag) use a gloo side group, on CPU
+    runs as on GPU ones; it gets --dist-timeout too (new_group's own default would make a hung peer
+    a 30 min wait)."""
     import multiprocessing as mp
     ctx = mp.get_context('spawn')
     result, port = ctx.Queue(), free_port()
@@ -141,8 +143,8 @@ def test_side_group_has_the_dist_timeout():
 
 
 def test_after_a_dead_peer_the_nccl_group_is_abandoned(monkeypatch):
-    """NCCL's teardown can wait forever for a dead peer: after a communication failure the group is left to
-    os._exit; a gloo group, or a run that ended normally, is destroyed."""
+    """NCCL's teardown can wait forever for a dead peer: after a communication failure the group is
+    left to os._exit; a gloo group, or a run that ended normally, is destroyed."""
     destroyed = []
     monkeypatch.setattr(launch.tdist, 'is_initialized', lambda: True)
     monkeypatch.setattr(launch.tdist, 'destroy_process_group', lambda *a: destroyed.append(1))
@@ -161,8 +163,9 @@ def _threads():
 
 
 def _ending_rank(rank, port, result, drop):
-    """A rank of a 2-process gloo run that ends normally: DDP's model kept in a reference cycle, as a run's
-    is, then cleanup(). drop=False: destroy_process_group() alone, the teardown before the fix."""
+    """A rank of a 2-process gloo run that ends normally: DDP's model kept in a reference cycle, as
+    a run's is, then cleanup(). drop=False: destroy_process_group() alone, the teardown before the
+    fix."""
     torch.set_num_threads(1)  # no intra-op pool threads among those counted
     start = _threads()
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
@@ -184,10 +187,10 @@ def _ending_rank(rank, port, result, drop):
 @pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='threads are listed from /proc')
 @pytest.mark.parametrize('drop', [True, pytest.param(False, marks=pytest.mark.slow)])  # 4 s each
 def test_a_normal_end_joins_the_groups_threads(drop):
-    """gloo's threads still running at the interpreter's finalisation could abort a rank after a normal end
-    (`terminate called without an active exception`): cleanup() leaves none of the threads the process group
-    started. The same run without the fix (drop=False) must keep them, or this test would not see the
-    difference."""
+    """gloo's threads still running at the interpreter's finalisation could abort a rank after a
+    normal end (`terminate called without an active exception`): cleanup() leaves none of the
+    threads the process group started. The same run without the fix (drop=False) must keep them, or
+    this test would not see the difference."""
     import multiprocessing as mp
     ctx = mp.get_context('spawn')
     result, port = ctx.Queue(), free_port()
@@ -209,8 +212,8 @@ def test_a_normal_end_joins_the_groups_threads(drop):
 
 
 def test_gpu_sharing_needs_mps_or_the_flag(monkeypatch, tmp_path):
-    """The Alliance Canada guide runs several small replicas per GPU under NVIDIA MPS: local rank modulo the
-    GPUs then, refused (with the way out) otherwise."""
+    """The Alliance Canada guide runs several small replicas per GPU under NVIDIA MPS: local rank
+    modulo the GPUs then, refused (with the way out) otherwise."""
     d3 = get_dist_info({**SRUN, 'SLURM_LOCALID': '3'})
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
     with pytest.raises(UsageError, match='run NVIDIA MPS'):
@@ -234,10 +237,11 @@ def test_backend_when_ranks_share_a_gpu(device_type, gpus, per_node, share, back
 
 
 def test_setup_joins_with_gloo_when_ranks_share_a_gpu(monkeypatch, capsys):
-    """setup() with an injected device count (no GPU here): 4 tasks, 2 GPUs, --share-gpu -> the process
-    group is gloo, rank 0 says why; 4 tasks on 4 GPUs -> NCCL."""
+    """setup() with an injected device count (no GPU here): 4 tasks, 2 GPUs, --share-gpu -> the
+    process group is gloo, rank 0 says why; 4 tasks on 4 GPUs -> NCCL."""
     joined = []
-    monkeypatch.setattr(launch.tdist, 'init_process_group', lambda backend, **kw: joined.append(backend))
+    monkeypatch.setattr(launch.tdist, 'init_process_group',
+                        lambda backend, **kw: joined.append(backend))
     monkeypatch.setattr(launch.tdist, 'new_group', lambda **kw: None)
     monkeypatch.setattr(launch, '_check_distinct_gpus', lambda *a: None)
     monkeypatch.setattr(launch, '_CPU_GROUP', None)

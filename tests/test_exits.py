@@ -1,10 +1,9 @@
 """How a run ends. translate() maps each outside exception to its status and exit code (the table in
 errors), and every way a run can end, driven through cli() with a fault injected at a known step,
-leaves a summary.json with that status, the exit code, one sentence on stderr (a traceback only for a
-crash), the power meter stopped, metrics.jsonl closed and wandb finished with the exit code.
+leaves a summary.json with that status, the exit code, one sentence on stderr (a traceback only for
+a crash), the power meter stopped, metrics.jsonl closed and wandb finished with the exit code.
 
-Run: python -m pytest -q tests/test_exits.py
-"""
+Run: python -m pytest -q tests/test_exits.py"""
 import json
 import os
 import signal
@@ -20,7 +19,8 @@ from dlojzlib.data.decode import BadImageError
 ARGS = dlojz.get_args_parser().parse_args(['--arch', 'resnet18-heads', '-b', '7', '--dist-timeout', '2'])
 WORKER_MESSAGE = ('Caught BadImageError in DataLoader worker process 0.\nOriginal Traceback (most recent call '
                   'last):\n  File "dlojz_data.py", line 300, in __getitem__\n    raise BadImageError(msg)\n'
-                  'dlojzlib.data.datasets.BadImageError: cannot decode image /data/train/n01/x.JPEG (truncated); pass '
+                  'dlojzlib.data.datasets.BadImageError: cannot decode image '
+                  '/data/train/n01/x.JPEG (truncated); pass '
                   '--skip-bad-images to skip such files.')
 UNUSED = ('Expected to have finished reduction in the prior iteration before starting a new one. This error '
           'indicates that your module has parameters that were not used in producing loss. You can enable unused '
@@ -69,7 +69,8 @@ def test_translate_compile_failure_only_when_compiling():
 def test_comm_failure_patterns():
     assert E.is_comm_failure(RuntimeError('[gloo/pair.cc:545] Read error: Connection reset by peer.'))
     assert E.is_comm_failure(RuntimeError('Timed out waiting 5000ms for recv operation to complete'))
-    # what rank 0's backward raised in CI when its peer was SIGSTOPped (DDP's reducer, gloo, torch 2.15)
+    # what rank 0's backward raised in CI when its peer was SIGSTOPped (DDP's reducer, gloo, torch
+    # 2.15)
     assert E.is_comm_failure(RuntimeError('Application timeout caused pair closure'))
     assert E.is_comm_failure(RuntimeError('[gloo/transport/tcp/unbound_buffer.cc:81] Socket Timeout'))
     assert not E.is_comm_failure(RuntimeError('CUDA error: device-side assert triggered'))
@@ -148,7 +149,8 @@ PATHS = {  # name -> (fault, extra flags, summary status, exit code, stderr word
     'preempted': (usr2, [], 'preempted', 5, 'dlojz: stopped by SIGUSR2 at step 2'),
     'interrupted': (raise_(KeyboardInterrupt()), [], 'interrupted', 130,
                     'dlojz: interrupted at step 2; no checkpoint was written'),
-    # Ctrl-C, like SIGTERM, names the checkpoint to continue from and how (step 1's, from --chkpt-every 1)
+    # Ctrl-C, like SIGTERM, names the checkpoint to continue from and how (step 1's, from
+    # --chkpt-every 1)
     'interrupted_after_checkpoint': (raise_(KeyboardInterrupt()), ['--chkpt-every', '1'], 'interrupted', 130,
                                      'checkpoint-00000001.pt: continue with --resume auto --output-dir'),
     'crashed': (raise_(ValueError('a bug')), [], 'crashed', None, None),

@@ -1,5 +1,5 @@
-"""Fault injection: what a run folder holds after a stop signal at any point, a concurrent start, a NaN in
-validation, must be what an uninterrupted run's holds, or say why not.
+"""Fault injection: what a run folder holds after a stop signal at any point, a concurrent start, a
+NaN in validation, must be what an uninterrupted run's holds, or say why not.
 
 - A stop signal (SIGUSR2 or SIGTERM to the whole process group, DataLoader workers included, as Slurm sends
   it) after any step of a 2-epoch run with 2 workers, or during a validation, then --resume auto: the
@@ -14,8 +14,7 @@ validation, must be what an uninterrupted run's holds, or say why not.
 - A non-finite validation loss ends with status 'nan' and exit 3, never 'completed'.
 - tools.report counts a step once in a metrics.jsonl written before resumes trimmed it.
 
-Run: python -m pytest -q tests/test_faults.py            (the full matrix: -m slow)
-"""
+Run: python -m pytest -q tests/test_faults.py            (the full matrix: -m slow)"""
 import json
 import math
 import os
@@ -51,8 +50,9 @@ def start(out, cache_dir, *flags, fault=None):
 
 @pytest.fixture(scope='module')
 def reference(two_epochs):
-    """What the uninterrupted run records (the session's 2-epoch run: 0 workers, no checkpoints; neither
-    changes a loss), and what best.pt and time to accuracy must then say, worked out from its records."""
+    """What the uninterrupted run records (the session's 2-epoch run: 0 workers, no checkpoints;
+    neither changes a loss), and what best.pt and time to accuracy must then say, worked out from
+    its records."""
     _, recs = two_epochs
     vals = [{k: r[k] for k in VAL_KEYS} for r in recs if r['type'] == 'val']
     assert [v['epoch'] for v in vals] == [1, 2]
@@ -97,7 +97,8 @@ def stop_and_resume(tmp_path, cache_dir, ref, fault):
     check_like_reference(out, ref)
 
 
-# The representative points: the last step of epoch 1 (its validation is owed) and the first validation.
+# The representative points: the last step of epoch 1 (its validation is owed) and the first
+# validation.
 QUICK = ['signal-step:12:SIGTERM', 'signal-val:1:SIGUSR2']
 MATRIX = [f"signal-step:{n}:{'SIGUSR2' if n % 2 else 'SIGTERM'}" for n in range(1, 25)] + \
     [f"signal-val:{n}:{'SIGUSR2' if n % 2 else 'SIGTERM'}" for n in range(1, 5)]
@@ -130,8 +131,9 @@ def wait_for_step(out, proc, timeout=120):
 @pytest.mark.slow  # 23 s
 @pytest.mark.parametrize('fault', ['slow-steps:0.5', 'slow-steps:0.5,no-flock'])
 def test_a_second_run_in_a_busy_folder_is_refused(tmp_path, cache_dir, fault):
-    """A run is training in the folder; a second start there, fresh or --resume auto, gets one sentence and
-    exit 2 and changes nothing; the first ends as if alone. no-flock: the O_EXCL fallback."""
+    """A run is training in the folder; a second start there, fresh or --resume auto, gets one
+    sentence and exit 2 and changes nothing; the first ends as if alone. no-flock: the O_EXCL
+    fallback."""
     out = tmp_path / 'run'
     first = start(out, cache_dir, '--test-nsteps', '8', '--log-interval', '1', fault=fault)
     wait_for_step(out, first)
@@ -166,7 +168,8 @@ def test_two_runs_started_together_in_one_folder(tmp_path, cache_dir, fault):
 # ------------------------------------------------------------------------------------ non-finite validation
 
 def test_a_nan_validation_loss_is_not_completed(tmp_path, cache_dir, capsys):
-    """BatchNorm running statistics gone NaN: training (batch statistics) stays finite, validation does not."""
+    """BatchNorm running statistics gone NaN: training (batch statistics) stays finite, validation
+    does not."""
     out = tmp_path / 'run'
     run_main(out, cache_dir, '--test-nsteps', '2', '--chkpt')
     ckpt = out / 'checkpoint-00000002.pt'
@@ -190,7 +193,8 @@ def test_a_nan_validation_loss_is_not_completed(tmp_path, cache_dir, capsys):
 # ------------------------------------------------------------------------------------ the report
 
 def test_the_report_counts_a_repeated_step_once(tmp_path):
-    """metrics.jsonl of a run resumed by an older dlojz: steps 3-4 logged by the killed attempt, then again."""
+    """metrics.jsonl of a run resumed by an older dlojz: steps 3-4 logged by the killed attempt,
+    then again."""
     from dlojzlib.tools.report.runs import load_run
     lines = [{'type': 'train', 'global_step': s, 'loss': 1.0 / s} for s in (1, 2, 3, 4)] + \
         [{'type': 'train', 'global_step': s, 'loss': 2.0 / s} for s in (3, 4, 5)] + \
@@ -205,9 +209,10 @@ def test_the_report_counts_a_repeated_step_once(tmp_path):
 # ------------------------------------------------------------------------------------------- the failpoints
 
 def test_failpoints_parse_their_names_and_refuse_what_would_inject_nothing():
-    """DLOJZ_FAULT is read once: the names of failpoints' table with their arguments; a misspelt name or a
-    malformed argument is refused (it would inject nothing, and the crash test around it would pass without
-    its crash); a requeued Slurm attempt (SLURM_RESTART_COUNT >= 1) runs without its slow steps."""
+    """DLOJZ_FAULT is read once: the names of failpoints' table with their arguments; a misspelt
+    name or a malformed argument is refused (it would inject nothing, and the crash test around it
+    would pass without its crash); a requeued Slurm attempt (SLURM_RESTART_COUNT >= 1) runs without
+    its slow steps."""
     from dlojzlib import failpoints as F
     assert F.parse(None) == {} and F.parse('') == {}
     assert F.parse('slow-steps:0.5,no-flock') == {'slow-steps': '0.5', 'no-flock': ''}
@@ -221,8 +226,8 @@ def test_failpoints_parse_their_names_and_refuse_what_would_inject_nothing():
 
 
 def test_failpoints_fire_where_they_are_armed(monkeypatch):
-    """The n-th checkpoint write (the 1st and 3rd reach the file untouched), the signal after global step n only,
-    flock's ENOLCK; and nothing at all when nothing is armed."""
+    """The n-th checkpoint write (the 1st and 3rd reach the file untouched), the signal after global
+    step n only, flock's ENOLCK; and nothing at all when nothing is armed."""
     import errno
 
     from dlojzlib import failpoints as F
@@ -250,8 +255,9 @@ def test_failpoints_fire_where_they_are_armed(monkeypatch):
 
 
 def environment_reads(fn, *args):
-    """Run fn(*args) and return the environment reads made meanwhile (os.environ[...], .get, `in`, iteration,
-    os.getenv), each with the innermost frame of this repository's code that led to it."""
+    """Run fn(*args) and return the environment reads made meanwhile (os.environ[...], .get, `in`,
+    iteration, os.getenv), each with the innermost frame of this repository's code that led to it.
+    """
     environ_code = {os._Environ.__getitem__.__code__, os._Environ.__iter__.__code__, os.getenv.__code__}
     reads = []
 
@@ -271,10 +277,10 @@ def environment_reads(fn, *args):
 
 
 def test_failpoints_cost_nothing_when_unset(tmp_path, cache_dir, monkeypatch):
-    """With DLOJZ_FAULT unset, the training loop's steps read no environment variable: the failpoints were read
-    once, at import (the loop called a function that parsed DLOJZ_FAULT, and SLURM_RESTART_COUNT, after every
-    step before they moved to failpoints). The watch can see a read: the same loop armed with a fault
-    that reads the environment at each step is caught."""
+    """With DLOJZ_FAULT unset, the training loop's steps read no environment variable: the
+    failpoints were read once, at import (the loop called a function that parsed DLOJZ_FAULT, and
+    SLURM_RESTART_COUNT, after every step before they moved to failpoints). The watch can see a
+    read: the same loop armed with a fault that reads the environment at each step is caught."""
     from dlojzlib import failpoints
     from dlojzlib import flags
     from dlojzlib.record.log import Console

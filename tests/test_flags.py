@@ -1,11 +1,10 @@
-"""Flags: the parser refuses bad values with one sentence (exit 2, no usage block); check_args resolves the
-learning rate by the linear scaling rule (hand-computed values), keeps --lr as an override, and adds no
-attribute the parser does not define. Every flag has a help text. `python dlojz.py` answers --help, a bad flag
-and a refused flag combination without importing torch (seconds on a loaded node), checked in a fresh
-interpreter that runs the script's own entry path.
+"""Flags: the parser refuses bad values with one sentence (exit 2, no usage block); check_args
+resolves the learning rate by the linear scaling rule (hand-computed values), keeps --lr as an
+override, and adds no attribute the parser does not define. Every flag has a help text. `python
+dlojz.py` answers --help, a bad flag and a refused flag combination without importing torch (seconds
+on a loaded node), checked in a fresh interpreter that runs the script's own entry path.
 
-Run: python -m pytest -q tests/test_flags.py
-"""
+Run: python -m pytest -q tests/test_flags.py"""
 import subprocess
 import sys
 
@@ -21,7 +20,8 @@ CPU = torch.device('cpu')
 
 
 def resolved(*argv, world_size=1):
-    return flags.check_args(dlojz.get_args_parser().parse_args([str(a) for a in argv]), CPU, world_size)
+    args = dlojz.get_args_parser().parse_args([str(a) for a in argv])
+    return flags.check_args(args, CPU, world_size)
 
 
 @pytest.mark.parametrize('argv, sentence', [
@@ -88,8 +88,8 @@ def test_every_flag_has_help():
     assert missing == []
 
 
-# A fresh interpreter runs dlojz.py as `python dlojz.py` would (runpy, __main__), then says whether torch was
-# imported on the way: the answer must come before the seconds torch takes to import.
+# A fresh interpreter runs dlojz.py as `python dlojz.py` would (runpy, __main__), then says whether
+# torch was imported on the way: the answer must come before the seconds torch takes to import.
 ENTRY = """
 import runpy, sys
 sys.argv = ['dlojz.py'] + sys.argv[1:]
@@ -127,12 +127,14 @@ def test_check_flags_and_check_args_refuse_alike(capsys):
 
 
 def test_resume_auto_needs_a_run_folder():
-    """Outside a SLURM job the default folder is new each time (a timestamp): --resume auto would silently start
-    afresh. A run name, an output dir or a SLURM job id (a requeued job keeps its id, hence its folder) name it."""
+    """Outside a SLURM job the default folder is new each time (a timestamp): --resume auto would
+    silently start afresh. A run name, an output dir or a SLURM job id (a requeued job keeps its id,
+    hence its folder) name it."""
     with pytest.raises(UsageError, match='--resume auto continues the run of --output-dir or --run-name'):
         resolved('--resume', 'auto')
     parse = lambda *a: dlojz.get_args_parser().parse_args(['--resume', 'auto', *a])
     assert flags.check_args(parse('--output-dir', 'runs/x'), CPU).resume == 'auto'
     assert flags.check_args(parse('--run-name', 'x'), CPU).resume == 'auto'
     assert flags.check_args(parse(), CPU, job_id='4242').resume == 'auto'
-    assert flags.check_args(parse('--loader-only'), CPU).resume is None  # the slurm/ scripts pass it to every run
+    # the slurm/ scripts pass it to every run
+    assert flags.check_args(parse('--loader-only'), CPU).resume is None

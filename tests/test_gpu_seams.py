@@ -11,8 +11,7 @@
 - a sync detector: a training step and a validation batch read nothing from the device (no .item(), bool(),
   nonzero, .tolist(), tensor from host data); the reads the loop is allowed are listed with their reason.
 
-Run: python -m pytest -q tests/test_gpu_seams.py
-"""
+Run: python -m pytest -q tests/test_gpu_seams.py"""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,7 +30,8 @@ GPU = torch.device('cuda', 0)  # a device object only: nothing runs on it
 
 
 def resolved_on(capability, *argv):
-    return flags.check_args(dlojz.get_args_parser().parse_args(list(argv)), GPU, 1, capability=capability)
+    args = dlojz.get_args_parser().parse_args(list(argv))
+    return flags.check_args(args, GPU, 1, capability=capability)
 
 
 @pytest.mark.parametrize('capability, expected', [((7, 0), 'fp16'), ((7, 5), 'fp16'), ((8, 0), 'bf16'),
@@ -47,8 +47,8 @@ def test_amp_bf16_on_a_v100_is_a_sentence():
 
 
 class HostSyncs(TorchDispatchMode):
-    """Counts the operators that make the host wait for the device on a GPU: a tensor read as a Python
-    number (.item(), bool(), int()), nonzero (its output size depends on the values)."""
+    """Counts the operators that make the host wait for the device on a GPU: a tensor read as a
+    Python number (.item(), bool(), int()), nonzero (its output size depends on the values)."""
     SYNCS = {'_local_scalar_dense', 'nonzero', 'is_nonzero', 'equal'}
 
     def __init__(self):
@@ -112,8 +112,9 @@ def fp16_step_syncs(name):
 @pytest.mark.parametrize('name', ['sgd', 'adamw', 'lars', 'lamb', 'lion'])
 def test_fp16_host_syncs_per_optimizer_are_counted_and_said(name):
     """fp16 (the automatic choice on a V100) with timm's LARS, LAMB or Lion: they do not declare
-    _step_supports_amp_scaling, so GradScaler reads found_inf with .item() at every step (counted here); the
-    fused SGD/AdamW read nothing. summary.json's warnings say it exactly when the count is not zero."""
+    _step_supports_amp_scaling, so GradScaler reads found_inf with .item() at every step (counted
+    here); the fused SGD/AdamW read nothing. summary.json's warnings say it exactly when the count
+    is not zero."""
     args, opt, seen = fp16_step_syncs(name)
     assert args.amp == 'fp16'
     if name in ('sgd', 'adamw'):
@@ -128,11 +129,13 @@ def test_fp16_host_syncs_per_optimizer_are_counted_and_said(name):
 
 
 def test_the_sync_warning_reaches_the_summary_warnings(monkeypatch, tmp_path, cache_dir):
-    """build_run puts the scaler's sentence in run.host['warnings'] (the header prints them, summary.json keeps
-    them); CPU runs cannot use fp16, so the sentence is forced here and the wiring checked."""
+    """build_run puts the scaler's sentence in run.host['warnings'] (the header prints them,
+    summary.json keeps them); CPU runs cannot use fp16, so the sentence is forced here and the
+    wiring checked."""
     from conftest import TINY
     from dlojzlib.record.log import Console
-    monkeypatch.setattr(recipe, 'scaler_sync_warning', lambda opt, amp: f'sync with {type(opt).__name__}')
+    monkeypatch.setattr(recipe, 'scaler_sync_warning',
+                        lambda opt, amp: f'sync with {type(opt).__name__}')
     argv = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(tmp_path), '--test-nsteps', '1', '--optimizer', 'lion']
     args = flags.check_args(dlojz.get_args_parser().parse_args(argv), torch.device('cpu'))
     run, _ = dlojz.build_run(args, dlojz.get_dist_info(), torch.device('cpu'), Console(False))
@@ -140,7 +143,8 @@ def test_the_sync_warning_reaches_the_summary_warnings(monkeypatch, tmp_path, ca
 
 
 class Launches(TorchDispatchMode):
-    """Counts the operators one optimizer step dispatches: each is a kernel launch (or a few) on a GPU."""
+    """Counts the operators one optimizer step dispatches: each is a kernel launch (or a few) on a
+    GPU."""
 
     def __init__(self):
         super().__init__()
@@ -153,9 +157,10 @@ class Launches(TorchDispatchMode):
 
 @pytest.mark.parametrize('name', ['lars', 'lamb', 'lion'])
 def test_timm_optimizers_take_their_foreach_path_on_a_gpu(name):
-    """Where timm has a multi-tensor path (Lion from 0.9, LARS and LAMB from 1.0.31), dlojz asks for it on a
-    GPU: a ResNet-18 step dispatches a few hundred operators instead of thousands (one loop per parameter,
-    62 of them). Older timm: the per-parameter loop, and this test says so by skipping."""
+    """Where timm has a multi-tensor path (Lion from 0.9, LARS and LAMB from 1.0.31), dlojz asks for
+    it on a GPU: a ResNet-18 step dispatches a few hundred operators instead of thousands (one loop
+    per parameter, 62 of them). Older timm: the per-parameter loop, and this test says so by
+    skipping."""
     from timm import optim as timm_optim
     cls = {'lars': timm_optim.Lars, 'lamb': timm_optim.Lamb, 'lion': timm_optim.Lion}[name]
     if not recipe.timm_foreach(cls, GPU):
@@ -207,8 +212,9 @@ def test_gpu_peak_memory_after_warmup_leaves_out_the_autotune_trials():
 
 
 def test_training_peak_is_read_before_validation_and_validation_apart():
-    """Defect 8: two epochs of training (3 GiB, then 4 GiB) each followed by a validation (6 GiB: other
-    shapes, cudnn's trials). Training's peak is 4 GiB, validation's 6 GiB; before, the one figure was 6."""
+    """Defect 8: two epochs of training (3 GiB, then 4 GiB) each followed by a validation (6 GiB:
+    other shapes, cudnn's trials). Training's peak is 4 GiB, validation's 6 GiB; before, the one
+    figure was 6."""
     cuda = FakeCuda()
     mem = PeakMemory(GPU, cuda=cuda)
     mem.reset()
@@ -246,8 +252,8 @@ def test_host_peak_memory_reset_on_linux():
 
 
 # ------------------------------------------------------------------------------ torch.compile, counted
-# The aot_eager backend traces the graph and autograd as inductor does (dynamo's guards and recompiles are
-# the same), in seconds; what it cannot show is inductor's own kernels (tests/gpu).
+# The aot_eager backend traces the graph and autograd as inductor does (dynamo's guards and
+# recompiles are the same), in seconds; what it cannot show is inductor's own kernels (tests/gpu).
 
 def compiled_steps(arch, steps=6, grad_checkpointing=False):
     import torch._dynamo
@@ -265,8 +271,9 @@ def compiled_steps(arch, steps=6, grad_checkpointing=False):
 
 
 def test_heads_compile_once():
-    """The head draw (a CPU generator re-seeded from a Python counter) stays out of the graph: dynamo guarded
-    the counter as a constant and compiled a new graph at every step (6 in 6 steps)."""
+    """The head draw (a CPU generator re-seeded from a Python counter) stays out of the graph:
+    dynamo guarded the counter as a constant and compiled a new graph at every step (6 in 6 steps).
+    """
     _, graphs = compiled_steps('resnet18-heads')
     assert graphs == 1
 
@@ -276,8 +283,9 @@ def test_heads_compile_once():
 @pytest.mark.slow
 def test_grad_checkpointing_compiles_and_updates_batchnorm_once():
     """--compile --grad-checkpointing failed at the first step (a context_fn that is not two
-    TorchDispatchModes); compiled, the checkpointed model's BatchNorm statistics equal an uncheckpointed
-    eager model's after 3 steps (updated once per step, not again in the recompute)."""
+    TorchDispatchModes); compiled, the checkpointed model's BatchNorm statistics equal an
+    uncheckpointed eager model's after 3 steps (updated once per step, not again in the recompute).
+    """
     model, graphs = compiled_steps('resnet18', steps=3, grad_checkpointing=True)
     torch.manual_seed(0)
     ref = custom_models.build_model('resnet18', 4)
@@ -293,9 +301,9 @@ def test_grad_checkpointing_compiles_and_updates_batchnorm_once():
 # ------------------------------------------------------------------------------ host synchronisations, counted
 
 class DeviceReads(HostSyncs):
-    """HostSyncs plus tensors made from host data (torch.tensor(...) inside the loop would be a host->device
-    copy on a GPU), and .tolist()/.numpy(), which read a CPU tensor without any operator (on a GPU they copy
-    to the host first)."""
+    """HostSyncs plus tensors made from host data (torch.tensor(...) inside the loop would be a
+    host->device copy on a GPU), and .tolist()/.numpy(), which read a CPU tensor without any
+    operator (on a GPU they copy to the host first)."""
     SYNCS = HostSyncs.SYNCS | {'lift_fresh', 'lift_fresh_copy'}
 
     def __enter__(self):
@@ -315,8 +323,8 @@ class DeviceReads(HostSyncs):
 
 @pytest.fixture
 def cpu_run(tmp_path, cache_dir):
-    """A run built as dlojz builds it, on CPU, with the NaN guard read by the log lines only, as on a GPU
-    (CPU runs read it every step too, where it costs nothing)."""
+    """A run built as dlojz builds it, on CPU, with the NaN guard read by the log lines only, as on
+    a GPU (CPU runs read it every step too, where it costs nothing)."""
     from conftest import TINY
     from dlojzlib.record.log import Console
     argv = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(tmp_path), '--test-nsteps', '20']
@@ -378,7 +386,8 @@ def test_compiled_grad_checkpointing_is_refused_before_torch_2_9(monkeypatch):
 
 
 def test_power_meter_on_torch_without_device_uuid_says_why():
-    """torch 2.4 has neither props.uuid (2.5) nor the PCI fields (2.8): unavailable, with the reason."""
+    """torch 2.4 has neither props.uuid (2.5) nor the PCI fields (2.8): unavailable, with the
+    reason."""
     class Old:
         name = 'Fake V100'
     s = PowerMeter('cuda:0', nvml=FakeNVML(), props=Old(), synchronize=lambda: None).summary()
@@ -386,8 +395,9 @@ def test_power_meter_on_torch_without_device_uuid_says_why():
 
 
 def test_log_line_read_carries_the_nan_guard():
-    """On a GPU the guard is read only with the log line's loss, in one transfer: the loss comes back, and
-    a non-finite loss seen since is raised with its step (global step 7 -> step 8 in the message)."""
+    """On a GPU the guard is read only with the log line's loss, in one transfer: the loss comes
+    back, and a non-finite loss seen since is raised with its step (global step 7 -> step 8 in the
+    message)."""
     from dlojzlib.errors import NonFiniteLoss
     from dlojzlib.metrics import NonFiniteGuard
     guard = NonFiniteGuard(torch.device('cpu'), every=0)
@@ -405,9 +415,9 @@ def test_log_line_read_carries_the_nan_guard():
 
 
 def test_sync_bn_is_refused_where_ranks_share_a_gpu_through_gloo():
-    """gloo has no all_gather of CUDA tensors, which SyncBatchNorm needs: with ranks sharing a GPU (the gloo
-    group, dist.launch.process_group_backend) --sync-bn is one sentence, not a traceback inside the first
-    forward; with NCCL, or alone, it is allowed."""
+    """gloo has no all_gather of CUDA tensors, which SyncBatchNorm needs: with ranks sharing a GPU
+    (the gloo group, dist.launch.process_group_backend) --sync-bn is one sentence, not a traceback
+    inside the first forward; with NCCL, or alone, it is allowed."""
     args = lambda: dlojz.get_args_parser().parse_args(['--sync-bn'])
     backend = launch.process_group_backend('cuda', device_count=1, local_world_size=4, share=True)
     with pytest.raises(UsageError, match='--sync-bn all-gathers'):

@@ -1,16 +1,17 @@
 """The fast path's two savings, each against an independent reference:
 
-- region decoding (nvImageCodec's libjpeg-turbo, data.decode.RegionDecoder) gives the pixels of simplejpeg's
-  whole-file decode cropped, bit for bit, on 4:2:0, 4:4:4, grayscale and progressive files; --decode fast gives
-  the same tensors with it and without it, and uses it (counted); a truncated file still fails whatever its
-  crop; the summary says which decoder took how many images, and why not when it is off;
-- batches handed over in shared slots (data.handover) equal torch's default collate's, batch for batch, through
-  real workers that run ahead of a slow consumer, over epochs, with and without persistent workers; a worker
-  never writes a slot the main process has not copied out (the permits, driven by hand), a batch dropped unread
-  gives its slot back, and an older generation's batch never frees a newer one's slot.
+- region decoding (nvImageCodec's libjpeg-turbo, data.decode.RegionDecoder) gives the pixels of
+  simplejpeg's whole-file decode cropped, bit for bit, on 4:2:0, 4:4:4, grayscale and progressive
+  files; --decode fast gives the same tensors with it and without it, and uses it (counted); a
+  truncated file still fails whatever its crop; the summary says which decoder took how many images,
+  and why not when it is off;
+- batches handed over in shared slots (data.handover) equal torch's default collate's, batch for
+  batch, through real workers that run ahead of a slow consumer, over epochs, with and without
+  persistent workers; a worker never writes a slot the main process has not copied out (the permits,
+  driven by hand), a batch dropped unread gives its slot back, and an older generation's batch never
+  frees a newer one's slot.
 
-Run: python -m pytest -q tests/test_handover.py
-"""
+Run: python -m pytest -q tests/test_handover.py"""
 import io
 import json
 import pickle
@@ -205,7 +206,8 @@ def test_a_dropped_batch_frees_its_slot_and_an_old_generation_frees_nothing(monk
 
 
 def test_slots_that_would_not_fit_in_shared_memory_are_not_made(monkeypatch):
-    """A 64 MB /dev/shm (a container's default) or a typo'd image size: torch's own hand-over, and the reason."""
+    """A 64 MB /dev/shm (a container's default) or a typo'd image size: torch's own hand-over, and
+    the reason."""
     collate, why = HO.make(1, 2, 8, 22400)  # 12 GB of slots: more than this machine's shared memory
     assert collate is None and 'shared batch slots' in why
     collate, why = HO.make(1, 2, 8, 32)
@@ -227,8 +229,8 @@ def test_a_loaders_slots_go_with_it():
 
 @needs_region
 def test_the_region_path_meets_torchvisions_resized_crop_as_the_whole_file_path_does(tmp_path, monkeypatch):
-    """Against torchvision's own resized_crop of the fully decoded image (PIL), same boxes and flips: the region
-    path is within the tolerance the whole-file path meets."""
+    """Against torchvision's own resized_crop of the fully decoded image (PIL), same boxes and
+    flips: the region path is within the tolerance the whole-file path meets."""
     from torchvision.transforms import InterpolationMode
     from torchvision.transforms import functional as TF
     path = tmp_path / 'b.JPEG'
@@ -257,8 +259,8 @@ def test_the_region_path_meets_torchvisions_resized_crop_as_the_whole_file_path_
 
 
 def test_nvimgcodecs_absent_extension_lines_are_dropped_and_others_kept(capfd):
-    """Without DALI's extra wheels (nvJPEG2000, nvTIFF), importing nvImageCodec printed 9 lines on stderr in every
-    worker, and the tests that read a run's stderr failed on the floors."""
+    """Without DALI's extra wheels (nvJPEG2000, nvTIFF), importing nvImageCodec printed 9 lines on
+    stderr in every worker, and the tests that read a run's stderr failed on the floors."""
     import os
     from dlojzlib.data import region
 

@@ -9,8 +9,7 @@
 - a resumed run logs each step once (metrics.jsonl is cut back to its checkpoint) and removes the partial
   checkpoint files a kill left; --test-nsteps counts the steps before a resume.
 
-Run: python -m pytest -q tests/test_preempt.py
-"""
+Run: python -m pytest -q tests/test_preempt.py"""
 import json
 import os
 import random
@@ -108,10 +107,10 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, cache_
     assert [(x['global_step'], x['dropped_records']) for x in resume] == [(5, 5)]
 
 
-@pytest.mark.slow  # 6 s; a resume from a checkpoint stays in the fast tier (the truncated-checkpoint test)
+@pytest.mark.slow  # 6 s; the fast tier resumes from a checkpoint in the truncated-checkpoint test
 def test_test_nsteps_counts_the_steps_before_a_resume(tmp_path, cache_dir):
-    """--test-nsteps N is the run's length: stopped at step 5 of 9, the resumed run runs the 4 steps left, with
-    the losses of an uninterrupted 9-step run (it went on for 9 more)."""
+    """--test-nsteps N is the run's length: stopped at step 5 of 9, the resumed run runs the 4 steps
+    left, with the losses of an uninterrupted 9-step run (it went on for 9 more)."""
     run_main(tmp_path / 'ref', cache_dir, *LONG, '--test-nsteps', '9')
     out = tmp_path / 'run'
     p = start(out, cache_dir, '--test-nsteps', '9', env={'DLOJZ_FAULT': 'signal-step:5:SIGUSR2'})
@@ -143,10 +142,10 @@ def test_truncated_checkpoint_is_skipped_and_old_ones_pruned(tmp_path, cache_dir
 
 @pytest.mark.slow
 def test_sigterm_to_the_process_group_with_workers(tmp_path, cache_dir, six_epochs):
-    """Slurm signals every process of a step, DataLoader workers included (scancel, the time limit). SIGTERM
-    to the whole group at a random step, with 2 workers: exit 5, a checkpoint at the step it stopped, no
-    traceback; the last trial resumes with --resume auto to the uninterrupted losses, bit for bit. (Before
-    the workers ignored it, 4 runs in 4 crashed, twice inside torch.save.)"""
+    """Slurm signals every process of a step, DataLoader workers included (scancel, the time limit).
+    SIGTERM to the whole group at a random step, with 2 workers: exit 5, a checkpoint at the step it
+    stopped, no traceback; the last trial resumes with --resume auto to the uninterrupted losses,
+    bit for bit. (Before the workers ignored it, 4 runs in 4 crashed, twice inside torch.save.)"""
     rng = random.Random(os.getpid())
     for trial in range(3):
         out = tmp_path / f'trial{trial}'
@@ -165,8 +164,8 @@ def test_sigterm_to_the_process_group_with_workers(tmp_path, cache_dir, six_epoc
 
 
 def test_a_worker_dying_during_a_checkpoint_write_is_reported_after_it(tmp_path, monkeypatch):
-    """PyTorch's DataLoader raises from its SIGCHLD handler when a worker dies; during a checkpoint write that
-    lost the checkpoint. The handler now runs once the file is in place."""
+    """PyTorch's DataLoader raises from its SIGCHLD handler when a worker dies; during a checkpoint
+    write that lost the checkpoint. The handler now runs once the file is in place."""
     from dlojzlib.record import checkpoint
 
     def loader_handler(signum, frame):  # what torch.utils.data's SIGCHLD handler does
@@ -198,12 +197,14 @@ def _signalled_while_starting(worker_id):
 
 @pytest.mark.parametrize('persistent', [False, True])
 def test_a_signal_while_the_workers_start_spares_them(persistent):
-    """Workers are forked with the preemption signals blocked: a SIGTERM that reaches a starting worker waits
-    for ignore_preemption_signals. (torch's DataLoader kills the worker: the loader then raises; this is
-    what crashed 1 trial in 3 of the process-group test above, as a validation's workers started.)"""
+    """Workers are forked with the preemption signals blocked: a SIGTERM that reaches a starting
+    worker waits for ignore_preemption_signals. (torch's DataLoader kills the worker: the loader
+    then raises; this is what crashed 1 trial in 3 of the process-group test above, as a
+    validation's workers started.)"""
     got = []
-    loader = datasets.DataLoader(list(range(12)), batch_size=3, num_workers=2, persistent_workers=persistent,
-                                   worker_init_fn=_signalled_while_starting)
+    loader = datasets.DataLoader(list(range(12)), batch_size=3, num_workers=2,
+                                 persistent_workers=persistent,
+                                 worker_init_fn=_signalled_while_starting)
     for _ in range(2):
         got.append([b.tolist() for b in loader])
     assert got == [[[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]] * 2
@@ -214,7 +215,8 @@ def test_a_signal_while_the_workers_start_spares_them(persistent):
 
 
 def catches(pid, sig):
-    """True once the process has a handler for sig (/proc/<pid>/status SigCgt, a hex mask of signals)."""
+    """True once the process has a handler for sig (/proc/<pid>/status SigCgt, a hex mask of
+    signals)."""
     try:
         with open(f'/proc/{pid}/status') as f:
             mask = next(int(line.split()[1], 16) for line in f if line.startswith('SigCgt:'))
@@ -225,11 +227,12 @@ def catches(pid, sig):
 
 @pytest.mark.slow  # 6 s: a stop in one regime of its own (before the first step)
 def test_a_stop_signal_during_start_up_stops_at_the_first_step(tmp_path, cache_dir):
-    """Slurm's warning or a scancel can come while torch is imported and the data scanned (seconds on a loaded
-    node): the default action used to end the job with no checkpoint (exit 140 under a real Slurm's 1-minute
-    time limit). The signal is sent as soon as dlojz.py catches it (at most 1 s after the start, well before
-    torch is imported); the run stops before its first step (its training loader starts no workers), with
-    nothing to checkpoint, summary.json 'preempted' and exit 5."""
+    """Slurm's warning or a scancel can come while torch is imported and the data scanned (seconds
+    on a loaded node): the default action used to end the job with no checkpoint (exit 140 under a
+    real Slurm's 1-minute time limit). The signal is sent as soon as dlojz.py catches it (at most 1
+    s after the start, well before torch is imported); the run stops before its first step (its
+    training loader starts no workers), with nothing to checkpoint, summary.json 'preempted' and
+    exit 5."""
     out = tmp_path / 'run'
     fresh = tmp_path / 'cache'  # the synthetic dataset is generated during start-up, by forked pool workers
     p = start(out, fresh, '--test-nsteps', '20')

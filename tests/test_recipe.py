@@ -1,9 +1,8 @@
-"""The recipe flags: the parameter groups counted by hand on torchvision's ResNet-18, LARS's update against
-the published formula (and its norm/bias group left unadapted), the schedules against their formulas, each
-optimizer training, the EMA against a hand-rolled average.
+"""The recipe flags: the parameter groups counted by hand on torchvision's ResNet-18, LARS's update
+against the published formula (and its norm/bias group left unadapted), the schedules against their
+formulas, each optimizer training, the EMA against a hand-rolled average.
 
-Run: python -m pytest -q tests/test_recipe.py
-"""
+Run: python -m pytest -q tests/test_recipe.py"""
 import math
 from argparse import Namespace
 
@@ -41,8 +40,9 @@ def lars_step(wd_norm_bias, lr=0.5, wd=1e-4):
 
 
 def test_lars_follows_the_published_update_and_leaves_norm_and_bias_alone():
-    """You et al. 2017: local lr = trust * ||w|| / (||g|| + wd ||w||), applied to g + wd w (trust 0.001,
-    first step: momentum buffer = the update). BatchNorm weights and biases take a plain SGD step."""
+    """You et al. 2017: local lr = trust * ||w|| / (||g|| + wd ||w||), applied to g + wd w (trust
+    0.001, first step: momentum buffer = the update). BatchNorm weights and biases take a plain SGD
+    step."""
     lr, wd = 0.5, 1e-4
     before, grads, after = lars_step(False, lr, wd)
     for name in before:
@@ -89,9 +89,10 @@ def test_sgd_survives_a_first_step_that_fp16s_scaler_skips():
 
 
 def scheduled(run_flags, key, steps=20):
-    """The optimizer's group value `key` before each of `steps` steps of the schedule a run with `run_flags` builds
-    (10 steps per epoch, 20 in all)."""
-    args = flags.check_args(dlojz.get_args_parser().parse_args(TINY + run_flags), torch.device('cpu'))
+    """The optimizer's group value `key` before each of `steps` steps of the schedule a run with
+    `run_flags` builds (10 steps per epoch, 20 in all)."""
+    args = flags.check_args(dlojz.get_args_parser().parse_args(TINY + run_flags),
+                            torch.device('cpu'))
     _, opt, sched, _ = R.build_optimization(args, nn.Linear(2, 2), 10, 20, torch.device('cpu'))
     seen = []
     for _ in range(steps):
@@ -114,8 +115,9 @@ def test_schedules_by_formula():
 
 
 def test_onecycle_sets_the_momentum_and_says_that_mom_is_not_used(tmp_path, cache_dir, capsys):
-    """torch's OneCycleLR overwrites the momentum (beta1) at every step, so --mom 0.8 never reaches the
-    optimizer under onecycle: the run says so; with another scheduler --mom is the momentum and nothing is said."""
+    """torch's OneCycleLR overwrites the momentum (beta1) at every step, so --mom 0.8 never reaches
+    the optimizer under onecycle: the run says so; with another scheduler --mom is the momentum and
+    nothing is said."""
     seen = scheduled(['--mom', '0.8', '-e', '2'], 'momentum')
     assert 0.8 not in seen and max(seen) == pytest.approx(0.95) and min(seen) < 0.86
     note = 'Note: --mom 0.8 is not used'
@@ -174,9 +176,9 @@ def test_ema_is_the_hand_rolled_average():
 
 
 def test_ema_update_is_a_few_launches():
-    """A ResNet-18 EMA update: one multi-tensor lerp for the floats and one multi-tensor copy for the 20
-    BatchNorm counters, not a copy per layer (each operator is a kernel launch on a GPU); the counters
-    still arrive."""
+    """A ResNet-18 EMA update: one multi-tensor lerp for the floats and one multi-tensor copy for
+    the 20 BatchNorm counters, not a copy per layer (each operator is a kernel launch on a GPU); the
+    counters still arrive."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -206,7 +208,8 @@ def val_records(recs, kind='val'):
 
 @pytest.mark.slow
 def test_ema_is_resumed_exactly(tmp_path, cache_dir):
-    """2 epochs with an EMA, and the same run stopped mid-epoch 2 then resumed: the same EMA validation."""
+    """2 epochs with an EMA, and the same run stopped mid-epoch 2 then resumed: the same EMA
+    validation."""
     flags = ['-e', '2', '--ema-decay', '0.9', '--log-interval', '1']
     _, full = run_main(tmp_path / 'full', cache_dir, *flags)
     run_main(tmp_path / 'part', cache_dir, *flags, '--test-nsteps', '18', '--chkpt')

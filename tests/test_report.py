@@ -152,7 +152,8 @@ def test_fit_recovers_a_known_line_from_non_doubling_batch_sizes():
     fixed, per_image = 1.75e9, 2.5e7
     a, b = fit_line(batches, [fixed + per_image * x for x in batches])
     assert a == pytest.approx(fixed, rel=1e-9) and b == pytest.approx(per_image, rel=1e-9)
-    # the course's two-point formula M = m2 - (b2/b1)(m2 - m1) is only right for b2 = 2 b1; here it is not
+    # the course's two-point formula M = m2 - (b2/b1)(m2 - m1) is only right for b2 = 2 b1; here it
+    # is not
     m1, m2 = fixed + per_image * 7, fixed + per_image * 12
     assert abs((m2 - 12 / 7 * (m2 - m1)) - fixed) > 1e7
     assert fit_line([4, 4], [1.0, 2.0]) is None
@@ -206,10 +207,10 @@ def test_sweep_of_gpu_runs_uses_gpu_memory_and_the_gpu_size(runs, tmp_path):
 
 @pytest.mark.slow
 def test_scaling_splits_the_lost_efficiency_as_measured(runs, tmp_path):
-    """Hand-made sums in real run folders: one process at 100 ms a step of 8 images (80 img/s); two ranks at
-    125 ms (128 img/s), 10 ms of it exposed transfer, rank 0 waiting 5 ms for rank 1. By hand: efficiency
-    128 / 80 / 2 = 80 %; of the 20 points lost, 10 / 125 = 8 are communication, 5 / 125 = 4 the straggler,
-    and the 8 left the rest."""
+    """Hand-made sums in real run folders: one process at 100 ms a step of 8 images (80 img/s); two
+    ranks at 125 ms (128 img/s), 10 ms of it exposed transfer, rank 0 waiting 5 ms for rank 1. By
+    hand: efficiency 128 / 80 / 2 = 80 %; of the 20 points lost, 10 / 125 = 8 are communication, 5 /
+    125 = 4 the straggler, and the 8 left the rest."""
     one, two = tmp_path / 'one', tmp_path / 'two'
     shutil.copytree(runs['ws1'], one)
     shutil.copytree(runs['ws2'], two)
@@ -249,9 +250,9 @@ def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
 
 @pytest.mark.slow
 def test_a_verdict_over_all_ranks_shows_the_shares_over_all_ranks(runs, tmp_path):
-    """Rank 0 busy 99 % while the ranks together waited for data 30 % of the time: the dashboard's 'Bound by'
-    row and the comparison give the all-ranks shares beside the all-ranks verdict, as the run's own line does
-    (hand-set numbers in a real 2-rank run folder)."""
+    """Rank 0 busy 99 % while the ranks together waited for data 30 % of the time: the dashboard's
+    'Bound by' row and the comparison give the all-ranks shares beside the all-ranks verdict, as the
+    run's own line does (hand-set numbers in a real 2-rank run folder)."""
     two = tmp_path / 'two'
     shutil.copytree(runs['ws2'], two)
     s = summary(two)
@@ -301,8 +302,9 @@ def test_metric_sync_log_from_two_ranks(runs, tmp_path):
 
 @pytest.mark.slow
 def test_lr_finder_view_uses_dlojz_rule_and_clips_spikes(runs, tmp_path):
-    """The report's suggestion is the one in summary.json (recipe.suggest_lr, tested on known curves in
-    test_findlr.py); the plot's loss axis follows the smoothed curve, so a raw spike is clipped, not scaled to."""
+    """The report's suggestion is the one in summary.json (recipe.suggest_lr, tested on known curves
+    in test_findlr.py); the plot's loss axis follows the smoothed curve, so a raw spike is clipped,
+    not scaled to."""
     lrs = [10 ** (-6 + i * 0.03) for i in range(200)]  # 1e-6 .. 1e-0.03
     losses = [0.1 * (math.log10(lr) + 3) ** 2 + 1 for lr in lrs]  # minimum at lr = 1e-3, at most 1.9
     losses[150] = 60.0  # one spike that the EMA of the stopping rule absorbs
@@ -335,7 +337,8 @@ def test_failed_and_crashed_runs_get_a_verdict(runs, tmp_path, capsys):
     assert code == 0 and 'Traceback' not in printed.err
     assert f'nan: NaN loss at step {step}' in printed.out
     last = [json.loads(l) for l in (runs['crash'] / 'metrics.jsonl').read_text().splitlines()][-1]['global_step']
-    # killed while writing a checkpoint: its summary is the 'running' one written when the attempt started
+    # killed while writing a checkpoint: its summary is the 'running' one written when the attempt
+    # started
     assert "crash: incomplete: summary.json still says 'running'" in printed.out
     assert f'last logged step {last}' in printed.out
     assert 'newest checkpoint checkpoint-00000002.pt' in printed.out  # the second one died half-written
@@ -400,7 +403,8 @@ def coll(rank, op, opcount, count, dtype, comm, nranks=2):
 
 
 def nccl_log(rank, steps=3):
-    """One rank's --nccl-debug log, as dlojz's tee writes it: markers, NCCL INIT and COLL lines, noise."""
+    """One rank's --nccl-debug log, as dlojz's tee writes it: markers, NCCL INIT and COLL lines,
+    noise."""
     comm = f'0x55d0c8{rank}0a0b0'
     n = resnet18_params()
     buckets = [n - 2_000_000 - 262_144, 2_000_000, 262_144]  # DDP buckets: sizes add up to the parameters
@@ -485,7 +489,8 @@ def test_ranks_that_differ_are_flagged(tmp_path):
 @pytest.mark.slow
 def test_time_to_accuracy_view(tmp_path, cache_dir):
     """Two 3-epoch runs with a target, one with an EMA: the table's epochs and images are the first
-    validation records at or above the target in each run's own metrics.jsonl; the figure is drawn."""
+    validation records at or above the target in each run's own metrics.jsonl; the figure is drawn.
+    """
     target = 0.4
     for name, extra in (('plain', []), ('ema', ['--ema-decay', '0.8'])):
         run_main(tmp_path / name, cache_dir, '-e', '3', '--target-top1', target, *extra)
@@ -505,8 +510,8 @@ def test_time_to_accuracy_view(tmp_path, cache_dir):
 
 
 def test_time_to_accuracy_shows_runs_with_one_validation(tmp_path, monkeypatch):
-    """Two --test runs, one validation each: each is a visible point with its top-1 beside it, the axes from 0
-    (it was a dot of 3 points in an otherwise empty corner)."""
+    """Two --test runs, one validation each: each is a visible point with its top-1 beside it, the
+    axes from 0 (it was a dot of 3 points in an otherwise empty corner)."""
     from types import SimpleNamespace
     figs = []
     monkeypatch.setattr(race, 'save_fig', lambda fig, out, name: figs.append(fig) or name)

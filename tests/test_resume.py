@@ -1,4 +1,5 @@
-"""The resume contract (record.resume, docs/resume.md): a resumed run uses what it is given, or says why not.
+"""The resume contract (record.resume, docs/resume.md): a resumed run uses what it is given, or says
+why not.
 
 - A completed run given more epochs continues from its last checkpoint: its LR schedule is rebuilt for the new
   length (the LRs of the new steps are torch's OneCycleLR for that length, built here), every step is logged
@@ -50,7 +51,8 @@ def records(out, kind='train'):
 
 
 def reference_lrs(make, steps):
-    """The LR of each step 1..steps from a torch scheduler made here, `make(optimizer)`: a reference."""
+    """The LR of each step 1..steps from a torch scheduler made here, `make(optimizer)`: a
+    reference."""
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0, momentum=0.9)
     sched = make(opt)
     lrs = []
@@ -68,7 +70,8 @@ def onecycle(max_lr, total):
 
 @pytest.fixture(scope='module')
 def completed(tmp_path_factory, cache_dir):
-    """A completed 2-epoch run with checkpoints (24 steps of 8 images), kept read-only: tests copy it."""
+    """A completed 2-epoch run with checkpoints (24 steps of 8 images), kept read-only: tests copy
+    it."""
     out = tmp_path_factory.mktemp('completed') / 'run'
     assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--log-interval', '1', '-e', '2',
                       '--chkpt']) == 0
@@ -148,7 +151,8 @@ def test_a_changed_optimizer_is_refused_in_one_sentence(completed, tmp_path, cac
 
 
 def test_the_contract_has_a_row_for_every_flag_and_the_docs_show_it():
-    dests = {a.dest for a in flags.get_args_parser()._actions if a.option_strings and a.dest != 'help'}
+    actions = flags.get_args_parser()._actions
+    dests = {a.dest for a in actions if a.option_strings and a.dest != 'help'}
     assert dests == set(resume.CONTRACT)
     page = open(os.path.join(ROOT, 'docs', 'resume.md')).read()
     rows = dict(re.findall(r'^\| `(--[a-z0-9-]+)` \| (\w+) \|', page, flags=re.M))
@@ -178,11 +182,12 @@ def test_a_rank_that_cannot_join_says_so_in_one_tagged_sentence(tmp_path, cache_
 
 @pytest.mark.slow
 def test_a_peer_that_never_answers_ends_in_one_sentence_not_cpp_frames(tmp_path, cache_dir):
-    """The rank 0 address is something else's (here a listener that answers every connection as a web server
-    would, as a proxy in front of an unreachable address did on this machine): the store's client retries until
-    its timeout and torch's C++ logs a frame dump at each attempt, which dlojz holds back (the sentence carries
-    the reason). A listener that accepts and stays silent is not tested: torch's client then waits past its
-    timeout (over 120 s with --dist-timeout 0.05 on torch 2.14)."""
+    """The rank 0 address is something else's (here a listener that answers every connection as a
+    web server would, as a proxy in front of an unreachable address did on this machine): the
+    store's client retries until its timeout and torch's C++ logs a frame dump at each attempt,
+    which dlojz holds back (the sentence carries the reason). A listener that accepts and stays
+    silent is not tested: torch's client then waits past its timeout (over 120 s with --dist-timeout
+    0.05 on torch 2.14)."""
     server = socket.socket()
     server.bind(('127.0.0.1', 0))
     server.listen(8)
@@ -205,8 +210,8 @@ def test_a_peer_that_never_answers_ends_in_one_sentence_not_cpp_frames(tmp_path,
 
 
 def test_a_completed_run_without_checkpoints_is_not_restarted(tmp_path, cache_dir, capsys):
-    """No checkpoint to continue from: a longer run is refused in one sentence (it started again from step 0
-    in the folder, rewriting the completed run's metrics.jsonl and summary.json)."""
+    """No checkpoint to continue from: a longer run is refused in one sentence (it started again
+    from step 0 in the folder, rewriting the completed run's metrics.jsonl and summary.json)."""
     out = tmp_path / 'run'
     assert cli(capsys, out, cache_dir, '--test-nsteps', '2')[0] == 0
     before = snapshot(out)
@@ -217,7 +222,8 @@ def test_a_completed_run_without_checkpoints_is_not_restarted(tmp_path, cache_di
 
 
 def test_a_data_folder_with_other_classes_is_refused(completed, tmp_path, cache_dir, capsys):
-    """As many classes, one named otherwise: the checkpoint's outputs would mean other labels (it resumed)."""
+    """As many classes, one named otherwise: the checkpoint's outputs would mean other labels (it
+    resumed)."""
     import shutil
     data = tmp_path / 'data'
     shutil.copytree(os.path.join(cache_dir, 'synthetic-v1-c4-n24-v6-s0'), data)
@@ -234,15 +240,17 @@ def test_a_data_folder_with_other_classes_is_refused(completed, tmp_path, cache_
 # ------------------------------------------------------------------------------ found by review, each a test
 
 def test_a_resume_takes_this_devices_kernels_not_the_checkpoints(tmp_path, cache_dir, monkeypatch):
-    """A checkpoint written without fused kernels (on CPU) resumed where the optimizer is fused (a GPU): the
-    optimizer keeps fused=True (load_state_dict brought back fused=None while the scaler still took the step
-    for a fused one: 'Expected grad_scale and found_inf to be None' on the first fp16 step)."""
+    """A checkpoint written without fused kernels (on CPU) resumed where the optimizer is fused (a
+    GPU): the optimizer keeps fused=True (load_state_dict brought back fused=None while the scaler
+    still took the step for a fused one: 'Expected grad_scale and found_inf to be None' on the first
+    fp16 step)."""
     from dlojzlib import recipe
     from dlojzlib.record.log import Console
     out = tmp_path / 'run'
     assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--test-nsteps', '2', '--chkpt']) == 0
     monkeypatch.setattr(recipe, 'build_optimizer', lambda args, model, lr, device: torch.optim.SGD(
-        recipe.param_groups(model, args.wd, args.wd_norm_bias), lr=lr, momentum=args.mom, fused=True))
+        recipe.param_groups(model, args.wd, args.wd_norm_bias), lr=lr, momentum=args.mom,
+        fused=True))
     argv = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--test-nsteps', '4', '--resume', 'auto']
     args = flags.check_args(dlojz.get_args_parser().parse_args(argv), torch.device('cpu'))
     run, progress = dlojz.build_run(args, dlojz.get_dist_info(), torch.device('cpu'), Console(False))
@@ -302,9 +310,10 @@ def test_the_moments_take_the_layout_of_this_runs_parameters():
 
 
 def test_the_momentum_follows_the_new_schedule(tmp_path, cache_dir, capsys):
-    """onecycle -> cosine: the momentum is --mom again (it stayed frozen at the cycle's value of the resumed
-    step, 0.86); under onecycle a changed --mom changes nothing (the cycle sets it), so that resume's losses are
-    an uninterrupted run's bit for bit (its first resumed step took onecycle's 0.95)."""
+    """onecycle -> cosine: the momentum is --mom again (it stayed frozen at the cycle's value of the
+    resumed step, 0.86); under onecycle a changed --mom changes nothing (the cycle sets it), so that
+    resume's losses are an uninterrupted run's bit for bit (its first resumed step took onecycle's
+    0.95)."""
     out = tmp_path / 'run'
     assert cli(capsys, out, cache_dir, '--test-nsteps', '4', '--chkpt')[0] == 0
     assert cli(capsys, out, cache_dir, '--test-nsteps', '8', '--chkpt', '--resume', 'auto', '--scheduler',
@@ -320,8 +329,9 @@ def test_the_momentum_follows_the_new_schedule(tmp_path, cache_dir, capsys):
 
 def test_a_completed_run_asked_the_same_end_by_other_flags_is_left_alone(completed, tmp_path, cache_dir, capsys,
                                                                         monkeypatch):
-    """-e 2 ran 24 steps; --test-nsteps 24 -e 2 ends there too: the one line, nothing printed before it and
-    nothing written, owner.json included (a new Slurm job rewrote it, after printing three lines)."""
+    """-e 2 ran 24 steps; --test-nsteps 24 -e 2 ends there too: the one line, nothing printed before
+    it and nothing written, owner.json included (a new Slurm job rewrote it, after printing three
+    lines)."""
     monkeypatch.chdir(tmp_path)
     os.makedirs('runs')
     import shutil
@@ -349,7 +359,8 @@ def test_tune_is_refused_in_a_training_runs_folder_even_without_checkpoints(tmp_
 
 
 def test_held_stderr_keeps_all_but_torchs_cpp_log(capfd):
-    """What torch's C++ logs during the rendezvous goes when it fails; other lines stay (they were dropped)."""
+    """What torch's C++ logs during the rendezvous goes when it fails; other lines stay (they were
+    dropped)."""
     from dlojzlib.dist import launch
     cpp = (b'[W1125 01:40:35.694498078 TCPStore.cpp:340] [c10d] TCP client failed to connect\n'
            b'Exception raised from ping at TCPStore.cpp:427 (most recent call first):\n'

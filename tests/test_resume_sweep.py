@@ -1,7 +1,7 @@
-"""The resume contract, flag by flag (long tier): a run stopped by SIGUSR2 after step 3 of 6 (to its whole
-process group, as Slurm sends it), then resumed once per flag of --help, in a copy of its folder, with that
-flag changed to a value valid on this CPU-only machine. Each resume must do what the flag's row of
-record.resume.CONTRACT says:
+"""The resume contract, flag by flag (long tier): a run stopped by SIGUSR2 after step 3 of 6 (to its
+whole process group, as Slurm sends it), then resumed once per flag of --help, in a copy of its
+folder, with that flag changed to a value valid on this CPU-only machine. Each resume must do what
+the flag's row of record.resume.CONTRACT says:
 
 - honoured: exit 0, the run continued from the checkpoint to step 6, and config.json and summary.json record
   the new value; where the value lives in restored state (the optimizer's, the schedule's, the EMA's) or
@@ -14,8 +14,7 @@ record.resume.CONTRACT says:
 
 A flag with no row in the contract, or no value here, fails the first test.
 
-Run: python -m pytest -q -m slow tests/test_resume_sweep.py
-"""
+Run: python -m pytest -q -m slow tests/test_resume_sweep.py"""
 import json
 import os
 import shutil
@@ -37,8 +36,8 @@ pytestmark = pytest.mark.slow
 BASE = [*TINY, '--scheduler', 'cosine', '--log-interval', '1', '--chkpt', '--no-requeue', '--test-nsteps', '6']
 LR = 0.1 * 8 / 256  # --base-lr 0.1 x global batch 8 / 256
 
-# dest -> the flags that change it (with what the new value needs to be valid); a callable gets the case's
-# folder and returns them
+# dest -> the flags that change it (with what the new value needs to be valid); a callable gets the
+# case's folder and returns them
 CHANGES = {
     'data_dir': lambda case: ['--data-dir', case.data_copy],
     'stage_dir': lambda case: ['--stage-dir', case.tmp / 'stage'],
@@ -87,12 +86,14 @@ CHANGES = {
 # Flags with no other valid value on a CPU: refused on CPU with their own sentence, resumed or not.
 CPU_REFUSES = {'pin_memory': '--pin-memory only speeds up copies to a GPU',
                'sync_bn': "--sync-bn needs CUDA GPUs"}
-# What a 'checked' flag does here: refused where the change reaches the data, the weights or the groups.
+# What a 'checked' flag does here: refused where the change reaches the data, the weights or the
+# groups.
 CHECKED_REFUSED = {'synthetic_classes', 'synthetic_train_per_class', 'fake_data', 'wd_norm_bias'}
 
 
 def dests():
-    return sorted(a.dest for a in flags.get_args_parser()._actions if a.option_strings and a.dest != 'help')
+    actions = flags.get_args_parser()._actions
+    return sorted(a.dest for a in actions if a.option_strings and a.dest != 'help')
 
 
 def test_every_flag_has_a_row_and_a_value_here():
@@ -101,7 +102,8 @@ def test_every_flag_has_a_row_and_a_value_here():
 
 @pytest.fixture(scope='module')
 def stopped(tmp_path_factory, cache_dir):
-    """The run stopped after step 3 by SIGUSR2 to its process group (checkpoint-3, 'preempted', exit 5)."""
+    """The run stopped after step 3 by SIGUSR2 to its process group (checkpoint-3, 'preempted', exit
+    5)."""
     out = tmp_path_factory.mktemp('stopped') / 'run'
     p = subprocess.run([sys.executable, DLOJZ, *BASE, '--cache-dir', cache_dir, '--output-dir', str(out)],
                        capture_output=True, text=True, cwd=ROOT, timeout=300, start_new_session=True,
@@ -163,7 +165,8 @@ def test_a_resume_with_one_flag_changed_follows_its_row(dest, stopped, tmp_path,
     shutil.copytree(base_out, out)
     monkeypatch.chdir(tmp_path)  # --run-name's runs/<name>
     monkeypatch.setenv('HOME', str(tmp_path))  # wandb's own logs (~/.cache/wandb) stay in the test's folder
-    if dest == 'loader' and dali.dali() is None:  # .ci/run's DALI stage runs this case with it installed
+    # .ci/run's DALI stage runs this case with DALI installed
+    if dest == 'loader' and dali.dali() is None:
         pytest.skip('NVIDIA DALI is not installed')
     case = Case(tmp_path, out, data_copy)
     change = CHANGES[dest](case) if callable(CHANGES[dest]) else CHANGES[dest]

@@ -1,10 +1,9 @@
-"""The scaling forecast (measure.scaling): DDP's bucket split, the ring and hierarchical all-reduce costs, the
-overlap of all-reduces with the backward, the forecast rows, the probe fit, reading a summary.json, and the
-gloo probe under torchrun. Expected values are computed by hand in each test (timelines written out), never
-by the module itself.
+"""The scaling forecast (measure.scaling): DDP's bucket split, the ring and hierarchical all-reduce
+costs, the overlap of all-reduces with the backward, the forecast rows, the probe fit, reading a
+summary.json, and the gloo probe under torchrun. Expected values are computed by hand in each test
+(timelines written out), never by the module itself.
 
-    python -m pytest -q tests/test_scaling.py            # the slow probe test: -m slow
-"""
+python -m pytest -q tests/test_scaling.py            # the slow probe test: -m slow"""
 import json
 import os
 import subprocess
@@ -50,17 +49,21 @@ def test_hierarchical_across_nodes():
 
 def test_overlap_timeline_by_hand():
     comm = lambda b: float(b)  # 1 s per byte
-    # buckets 1 and 3 bytes over a 4 s backward: bucket 1 ready at 1, sent 1..2; bucket 2 ready at 4, sent 4..7
+    # buckets 1 and 3 bytes over a 4 s backward: bucket 1 ready at 1, sent 1..2; bucket 2 ready at
+    # 4, sent 4..7
     assert S.exposed_comm_s([1, 3], 4.0, comm) == pytest.approx(3.0)
-    # communication slower than the backward: ready at 1 and 2; sent 1..5, then 5..9 -> 7 s after the backward
+    # communication slower than the backward: ready at 1 and 2; sent 1..5, then 5..9 -> 7 s after
+    # the backward
     assert S.exposed_comm_s([2, 2], 2.0, lambda b: 2.0 * b) == pytest.approx(7.0)
-    # everything hidden but the last bucket: [1,1,1,1] bytes over 8 s, 0.5 s each -> last ready at 8, ends 8.5
+    # everything hidden but the last bucket: [1,1,1,1] bytes over 8 s, 0.5 s each -> last ready at
+    # 8, ends 8.5
     assert S.exposed_comm_s([1, 1, 1, 1], 8.0, lambda b: 0.5 * b) == pytest.approx(0.5)
 
 
 def test_forecast_rows_by_hand():
-    # step 1 s, backward 0.5 s, 32 images, 2 buckets of 1 MiB (cap 1 MiB), 2 ranks at 1 MiB/s, no latency:
-    # each all-reduce moves 2*1/2*1 MiB / 1 MiB/s = 1 s. Ready at 0.25 and 0.5: sent 0.25..1.25, 1.25..2.25
+    # step 1 s, backward 0.5 s, 32 images, 2 buckets of 1 MiB (cap 1 MiB), 2 ranks at 1 MiB/s, no
+    # latency: each all-reduce moves 2*1/2*1 MiB / 1 MiB/s = 1 s. Ready at 0.25 and 0.5: sent
+    # 0.25..1.25, 1.25..2.25
     link = S.Link(intra_bw=MiB, intra_lat=0.0)
     rows = S.forecast(1.0, 0.5, 32, 2 * MiB, link, gpus=(1, 2), bucket_cap_mb=1)
     assert rows[0] == {'gpus': 1, 'nodes': 1, 'comm_s': 0.0, 'exposed_s': 0.0, 'straggler_s': 0.0, 'step_s': 1.0,
@@ -74,7 +77,8 @@ def test_forecast_rows_by_hand():
 
 
 def test_expected_max_by_hand():
-    # two equally likely values 1 and 3: the max of 2 draws is 1 only if both are 1 (1/4): 1/4 + 3 * 3/4
+    # two equally likely values 1 and 3: the max of 2 draws is 1 only if both are 1 (1/4): 1/4 + 3 *
+    # 3/4
     assert S.expected_max([3.0, 1.0], 2) == pytest.approx(2.5)
     assert S.expected_max([3.0, 1.0], 1) == pytest.approx(2.0)  # one draw: the mean
     assert S.expected_max([1.0, 2.0, 3.0, 4.0], 3) == pytest.approx(
@@ -83,8 +87,8 @@ def test_expected_max_by_hand():
 
 
 def test_stragglers_are_added_from_the_measured_steps():
-    # steps of 1 s and 3 s alike (mean 2 s), no communication: at 2 ranks a step waits for the slower of
-    # two: 2.5 s, 0.5 s of straggler; 20 % of the step, efficiency 2 / 2.5
+    # steps of 1 s and 3 s alike (mean 2 s), no communication: at 2 ranks a step waits for the
+    # slower of two: 2.5 s, 0.5 s of straggler; 20 % of the step, efficiency 2 / 2.5
     link = S.Link(intra_bw=1e30, intra_lat=0.0)
     [one, two] = S.forecast(2.0, 1.0, 8, 4.0, link, gpus=(1, 2), step_samples=[1.0, 3.0])
     assert one['straggler_s'] == pytest.approx(0.0)
@@ -93,8 +97,8 @@ def test_stragglers_are_added_from_the_measured_steps():
 
 
 def test_a100_profile_resnet152_by_hand():
-    """The course's case (reference/course.md §7.1) on the A100 profile, computed by hand: 4 GPUs in one
-    node at 300 GB/s and 3.4 us a step; 11 buckets."""
+    """The course's case (reference/course.md §7.1) on the A100 profile, computed by hand: 4 GPUs in
+    one node at 300 GB/s and 3.4 us a step; 11 buckets."""
     link = S.machine_link('a100')
     assert link.ranks_per_node == 8 and link.intra_bw == 300e9
     grad = 60192808 * 4
@@ -134,7 +138,8 @@ def test_inputs_from_summary():
     x = S.inputs_from_summary(summary())
     assert x == {'step_s': 0.1, 'backward_s': 0.05, 'batch_per_device': 8, 'grad_bytes': 4000,
                  'bucket_cap_mb': 25.0, 'step_samples': None}
-    # the steady steps: after the warm-up, full batches only (an epoch's last batch of 3 is left out)
+    # the steady steps: after the warm-up, full batches only (an epoch's last batch of 3 is left
+    # out)
     per = {'step': [9.0, 0.1, 0.12, 0.05, 0.11], 'images': [8, 8, 8, 3, 8]}
     x = S.inputs_from_summary(summary(per_step=per, warmup_steps=1))
     assert x['step_samples'] == [0.1, 0.12, 0.11]
@@ -175,8 +180,9 @@ def test_cli_error_is_one_sentence(tmp_path):
 
 @pytest.mark.slow
 def test_gloo_probe_under_torchrun(tmp_path):
-    """The probe at 2 ranks: a point per size, times that grow with the size, and a fit that gives back the
-    measured times within a factor of 2 at the largest size (a ring is what gloo's all-reduce does there)."""
+    """The probe at 2 ranks: a point per size, times that grow with the size, and a fit that gives
+    back the measured times within a factor of 2 at the largest size (a ring is what gloo's
+    all-reduce does there)."""
     out = tmp_path / 'probe.json'
     r = torchrun(2, '--probe', out, script=os.path.join(ROOT, 'dlojz_scaling.py'), timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -11,8 +11,7 @@
 - `dlojz_data.py --help` and `prepare --help` answer (exit 0); prepare's errors speak of SRC/DST and exit 2;
 - file opens: at most one per worker and shard, against one per image for folders.
 
-Run: python -m pytest -q tests/test_shards.py
-"""
+Run: python -m pytest -q tests/test_shards.py"""
 import json
 import os
 import shutil
@@ -88,7 +87,8 @@ def test_training_from_shards_equals_training_from_folders(folder, shards, tmp_p
     data = runs['shards'][2]['data']
     assert data['source'] == 'shards' and runs['folder'][2]['data']['shard_file_opens'] is None
     n_shards = len(S.load_index(shards)[1]['train'][0])
-    # persistent workers: each opens a shard once, whatever the epochs; 96 x 2 files opened on folders
+    # persistent workers: each opens a shard once, whatever the epochs; 96 x 2 files opened on
+    # folders
     assert 0 < data['shard_file_opens'] <= 2 * n_shards
 
 
@@ -114,11 +114,11 @@ def test_an_interrupted_prepare_continues_to_the_same_bytes(folder, shards, tmp_
     assert r.returncode == 2 and r.stderr.count('\n') == 1 and 'other arguments' in r.stderr, r.stderr
 
 
-def test_a_full_disk_during_prepare_is_one_sentence_and_leaves_no_temporary_file(folder, tmp_path, capsys,
-                                                                                monkeypatch):
-    """ENOSPC at the third file's flush (prepare.json, then a shard, then its sidecar): exit 2, one line
-    naming the file and what to do, the files before it kept, no .tmp left (the shards' writer left its
-    temporary file and raised a bare OSError before it shared the run's atomic writer)."""
+def test_a_full_disk_during_prepare_is_one_sentence_and_leaves_no_temporary_file(
+        folder, tmp_path, capsys, monkeypatch):
+    """ENOSPC at the third file's flush (prepare.json, then a shard, then its sidecar): exit 2, one
+    line naming the file and what to do, the files before it kept, no .tmp left (the shards' writer
+    left its temporary file and raised a bare OSError before it shared the run's atomic writer)."""
     dst = tmp_path / 'ds'
     flushed = []
 
@@ -129,8 +129,10 @@ def test_a_full_disk_during_prepare_is_one_sentence_and_leaves_no_temporary_file
     monkeypatch.setattr(os, 'fsync', fsync)
     assert S.main(['prepare', folder, str(dst), '--shard-size', str(SHARD_MB)]) == 2
     err = capsys.readouterr().err
-    assert err.count('\n') == 1 and err.startswith('dlojz_data.py prepare: error: no space left on '), err
-    assert 'while writing train-00000.tar.json' in err and 'run `python dlojz_data.py prepare` again' in err
+    assert err.count('\n') == 1, err
+    assert err.startswith('dlojz_data.py prepare: error: no space left on '), err
+    assert 'while writing train-00000.tar.json' in err
+    assert 'run `python dlojz_data.py prepare` again' in err
     assert sorted(os.listdir(dst)) == ['prepare.json', 'train-00000.tar']
 
 
@@ -214,8 +216,8 @@ def _train_losses(out):
 
 @pytest.mark.slow
 def test_a_run_from_shards_resumes_mid_epoch_exactly(folder, shards, tmp_path):
-    """Killed (SIGKILL) while writing its checkpoint at step 10; --resume auto continues from step 5, in the
-    middle of the first epoch, to the losses of the uninterrupted folder run."""
+    """Killed (SIGKILL) while writing its checkpoint at step 10; --resume auto continues from step
+    5, in the middle of the first epoch, to the losses of the uninterrupted folder run."""
     flags = [*TINY, '--data-dir', shards, '-e', '2', '--log-interval', '1', '--num-workers', '2']
     ref, out = tmp_path / 'ref', tmp_path / 'run'
     assert dlojz.cli([*TINY, '--data-dir', folder, '-e', '2', '--log-interval', '1', '--output-dir', str(ref)]) == 0

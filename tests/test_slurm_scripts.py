@@ -1,8 +1,8 @@
-"""slurm/: the shipped scripts are exactly what tools.slurm renders (one source of truth), every #SBATCH
-line says why, one task per GPU, flags forwarded, and the submit helper's dry run, shape rules and help.
+"""slurm/: the shipped scripts are exactly what tools.slurm renders (one source of truth), every
+#SBATCH line says why, one task per GPU, flags forwarded, and the submit helper's dry run, shape
+rules and help.
 
-Run: python -m pytest -q tests/test_slurm_scripts.py
-"""
+Run: python -m pytest -q tests/test_slurm_scripts.py"""
 import os
 import re
 import subprocess
@@ -66,8 +66,9 @@ def test_jean_zay_scripts_name_their_partition_qos(machine, qos):
 
 
 def test_tasks_get_their_cores_and_the_header_says_how_to_remake_it():
-    """srun >= 22.05 does not pass --cpus-per-task on: the scripts export SRUN_CPUS_PER_TASK before srun.
-    The header gives the command that renders the script (shapes with no file in slurm/ included)."""
+    """srun >= 22.05 does not pass --cpus-per-task on: the scripts export SRUN_CPUS_PER_TASK before
+    srun. The header gives the command that renders the script (shapes with no file in slurm/
+    included)."""
     text = S.render('a100', 32, '04:00:00', account='abc@a100', qos='qos_gpu_a100-t4', partition='gpu_p5')
     lines = text.splitlines()
     assert lines.index('export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK') < lines.index('srun python -u dlojz.py \\')
@@ -101,7 +102,8 @@ def test_helper_help_is_whole(capsys):
 
 
 def _srun_argv(tmp_path, script, *flags, **env):
-    """Run a shipped script with bash, `srun` replaced by a shim that prints the dlojz flags it was given."""
+    """Run a shipped script with bash, `srun` replaced by a shim that prints the dlojz flags it was
+    given."""
     shims = tmp_path / 'bin'
     shims.mkdir(exist_ok=True)
     (shims / 'srun').write_text('#!/bin/sh\nshift 3\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')  # drops python -u dlojz.py
@@ -122,8 +124,9 @@ def _run_name(argv):
 
 @pytest.mark.parametrize('script', ['cpu.slurm', 'jz-h100-4gpu.slurm'])
 def test_a_resubmitted_script_names_the_same_run(tmp_path, script):
-    """The run folder does not depend on the job id: the same flags give the same --run-name in another job,
-    other flags another one; DLOJZ_RUN chooses it; an --output-dir among the flags wins."""
+    """The run folder does not depend on the job id: the same flags give the same --run-name in
+    another job, other flags another one; DLOJZ_RUN chooses it; an --output-dir among the flags
+    wins."""
     first = _srun_argv(tmp_path, script, '-b', '64', '--amp', 'bf16')
     again = _srun_argv(tmp_path, script, '-b', '64', '--amp', 'bf16', SLURM_JOB_ID='78')
     other = _srun_argv(tmp_path, script, '-b', '128', '--amp', 'bf16', SLURM_JOB_ID='79')
@@ -142,8 +145,8 @@ def test_a_resubmitted_script_names_the_same_run(tmp_path, script):
 
 
 def test_the_batch_shell_passes_sigusr2_on_and_keeps_sruns_exit_code(tmp_path):
-    """A SIGUSR2 for the batch shell alone reaches srun (here a stand-in that checkpoints: exits 5 on it),
-    and the job ends with srun's exit code, not the shell's interrupted wait (140)."""
+    """A SIGUSR2 for the batch shell alone reaches srun (here a stand-in that checkpoints: exits 5
+    on it), and the job ends with srun's exit code, not the shell's interrupted wait (140)."""
     shims = tmp_path / 'bin'
     shims.mkdir()
     (shims / 'srun').write_text('#!/bin/bash\ntrap \'echo got >> "$MARK"; exit 5\' USR2\n'
@@ -178,8 +181,9 @@ def docs_sites_table():
 
 
 def test_the_docs_table_is_what_the_generator_renders():
-    """Every GPU node shape (and Jean Zay's 8-GPU V100 partitions) has a row in docs/slurm.md, and a full node
-    rendered asks for exactly that row's GPUs, cores, memory, GPU request and partition, citing its sources."""
+    """Every GPU node shape (and Jean Zay's 8-GPU V100 partitions) has a row in docs/slurm.md, and a
+    full node rendered asks for exactly that row's GPUs, cores, memory, GPU request and partition,
+    citing its sources."""
     rows, section = docs_sites_table()
     shapes = [(m, None) for m in S.MACHINES if m not in ('generic', 'cpu')] + [k for k in S.PARTITIONS]
     assert set(rows) == set(shapes)
@@ -226,8 +230,9 @@ def test_site_set_ups(capsys):
 
 
 def test_every_gpu_script_but_jean_zays_asks_for_memory():
-    """A script that asks for no memory gets the site's default, 256 MB per core at Alliance Canada, and is
-    killed for memory before its first step. Jean Zay gives memory with the cores (no --mem there)."""
+    """A script that asks for no memory gets the site's default, 256 MB per core at Alliance Canada,
+    and is killed for memory before its first step. Jean Zay gives memory with the cores (no --mem
+    there)."""
     for machine, gpus, ranks in S.SHIPPED:
         if machine != 'cpu' and S.MACHINES[machine]['site'] != 'jz':
             text = S.render(machine, gpus, ranks_per_gpu=ranks)

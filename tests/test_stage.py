@@ -9,8 +9,7 @@
   the copy, and says what was copied in summary.json; ImageFolder data are noted as not staged;
 - two ranks on one node: one copy (slow tier).
 
-Run: python -m pytest -q tests/test_stage.py
-"""
+Run: python -m pytest -q tests/test_stage.py"""
 import filecmp
 import json
 import os
@@ -136,7 +135,8 @@ def small_tmpfs(tmp_path):
 
 
 def test_a_disk_that_fills_during_the_copy(shards, small_tmpfs):
-    """The free-space check is told there is room (a disk shared with another job can fill after it)."""
+    """The free-space check is told there is room (a disk shared with another job can fill after
+    it)."""
     roomy = lambda p: Usage(10**12, 0, 10**12)  # noqa: E731
     with pytest.raises(DiskFull) as e:
         G.stage(shards, small_tmpfs, log=lambda m: None, usage=roomy)
@@ -168,7 +168,7 @@ def test_a_run_reads_the_copy_and_trains_as_in_place(shards, cache_dir, tmp_path
         assert json.load(f)['data']['staging']['copied_bytes'] == 0
 
 
-@pytest.mark.slow  # 4 s; the fast tier stages shards (test_a_run_reads_the_copy_and_trains_as_in_place)
+@pytest.mark.slow  # 4 s; the fast tier stages shards (test_a_run_reads_the_copy...)
 def test_folder_data_are_read_in_place_and_recorded_as_not_staged(cache_dir, tmp_path):
     r = run_cli(*TINY, '--cache-dir', cache_dir, '--test-nsteps', '1', '--output-dir', tmp_path / 'run',
                 '--stage-dir', tmp_path / 'local')
@@ -203,8 +203,8 @@ def test_two_ranks_on_a_node_copy_once(shards, cache_dir, tmp_path):
 
 @pytest.mark.slow  # 8 s: two nodes' copies
 def test_a_variable_in_stage_dir_is_each_nodes_own(shards, cache_dir, tmp_path):
-    """The Alliance scripts pass '$SLURM_TMPDIR' unexpanded: each task reads its own node's value; unset, one
-    sentence."""
+    """The Alliance scripts pass '$SLURM_TMPDIR' unexpanded: each task reads its own node's value;
+    unset, one sentence."""
     flags = [*TINY, '--cache-dir', cache_dir, '--data-dir', shards, '--test-nsteps', '1']
     r = run_cli(*flags, '--output-dir', tmp_path / 'run', '--stage-dir', '$SLURM_TMPDIR',
                 env={'SLURM_TMPDIR': str(tmp_path / 'node-local')})

@@ -1,10 +1,10 @@
-"""The tuner (modes.tune): the batch schedule (doubling, then bisection), the sweep over precision and
-channels-last at the largest batch that fits, the time budget, resuming a preempted sweep, the recommended
-command and its learning-rate rule — driven by a fake trial runner whose numbers are written out here — and,
-marked slow, a real --tune sweep on the tiny config whose table is checked against trials run on their own.
+"""The tuner (modes.tune): the batch schedule (doubling, then bisection), the sweep over precision
+and channels-last at the largest batch that fits, the time budget, resuming a preempted sweep, the
+recommended command and its learning-rate rule — driven by a fake trial runner whose numbers are
+written out here — and, marked slow, a real --tune sweep on the tiny config whose table is checked
+against trials run on their own.
 
-    python -m pytest -q tests/test_tune.py               # the real sweep: -m slow
-"""
+python -m pytest -q tests/test_tune.py               # the real sweep: -m slow"""
 import argparse
 import json
 import os
@@ -17,7 +17,8 @@ MiB = 2 ** 20
 
 
 def test_batch_schedule_doubles_then_bisects():
-    # fits up to 40: 8, 16, 32 fit, 64 does not; then (32+64)/2 = 48 fails, (32+48)/2 = 40 fits, 44 -> 40: done
+    # fits up to 40: 8, 16, 32 fit, 64 does not; then (32+64)/2 = 48 fails, (32+48)/2 = 40 fits, 44
+    # -> 40: done
     fit = lambda b: b <= 40
     tried, order = {}, []
     while (b := T.next_batch(tried, 8, 1024)) is not None:
@@ -33,8 +34,8 @@ def test_batch_schedule_doubles_then_bisects():
 
 
 def fake_summary(batch, amp, channels_last):
-    """A trial's summary.json: 1 MiB of memory per image; 10 b / (1 + b/32) img/s, bf16 1.5x, channels-last
-    1.1x; a backward of half the step."""
+    """A trial's summary.json: 1 MiB of memory per image; 10 b / (1 + b/32) img/s, bf16 1.5x,
+    channels-last 1.1x; a backward of half the step."""
     ips = 10 * batch / (1 + batch / 32) * (1.5 if amp == 'bf16' else 1) * (1.1 if channels_last else 1)
     step = batch / ips
     return {'status': 'completed', 'data': {'train_images': 1000, 'classes': 4},
@@ -155,8 +156,9 @@ def test_bf16_trials_only_where_dlojz_runs_bf16(tmp_path, monkeypatch, capabilit
 
 @pytest.fixture(scope='module')
 def real_sweep(tmp_path_factory, cache_dir):
-    """-b 8 only (--tune-max-batch 8): the 4 CPU configurations at batch 8, one thread per process (the
-    trials and the reruns alike: two threads per process on 2 busy cores measure the contention)."""
+    """-b 8 only (--tune-max-batch 8): the 4 CPU configurations at batch 8, one thread per process
+    (the trials and the reruns alike: two threads per process on 2 busy cores measure the
+    contention)."""
     import torch
     saved = os.environ.get('OMP_NUM_THREADS')
     os.environ['OMP_NUM_THREADS'] = '1'
@@ -182,10 +184,11 @@ def real_sweep(tmp_path_factory, cache_dir):
 
 @pytest.mark.slow
 def test_real_sweep_matches_trials_run_on_their_own(real_sweep, cache_dir):
-    """Each trial checked here is rerun as a plain `dlojz.py` process with its flags: the table's img/s
-    must agree within 50 % with one of up to 3 reruns. The machine is shared (load 7 to 17 on 2 cores while
-    this was written: one rerun once came out 3x slower than the table), so the tolerance only catches a table
-    that reads the wrong trial or the wrong quantity (a rate per step instead of per image is 8x off)."""
+    """Each trial checked here is rerun as a plain `dlojz.py` process with its flags: the table's
+    img/s must agree within 50 % with one of up to 3 reruns. The machine is shared (load 7 to 17 on
+    2 cores while this was written: one rerun once came out 3x slower than the table), so the
+    tolerance only catches a table that reads the wrong trial or the wrong quantity (a rate per step
+    instead of per image is 8x off)."""
     from conftest import TINY, run_cli
     record, lines, out = real_sweep
     assert [r['name'] for r in record['trials']] == ['b8-off-nchw-eager', 'b8-off-cl-eager', 'b8-bf16-nchw-eager',
@@ -212,8 +215,9 @@ def test_real_sweep_matches_trials_run_on_their_own(real_sweep, cache_dir):
 
 
 def test_run_tune_writes_its_record_and_the_report_shows_it(tmp_path):
-    """run_tune with the fake runner (no process started): the recommendation, tune.csv, summary.json, the
-    forecast on the a100 profile, then tools.report's "Tuning" section over that folder."""
+    """run_tune with the fake runner (no process started): the recommendation, tune.csv,
+    summary.json, the forecast on the a100 profile, then tools.report's "Tuning" section over that
+    folder."""
     import torch
     import dlojz
     from dlojzlib import flags
@@ -227,7 +231,8 @@ def test_run_tune_writes_its_record_and_the_report_shows_it(tmp_path):
     flags.check_args(args, torch.device('cpu'))
     lines = []
     record = T.run_tune(args, raw, parser, torch.device('cpu'), lines.append, runner=FakeRunner())
-    # the user's -e stays in the recommendation (the trials run their own); -b and the rest are the winner's
+    # the user's -e stays in the recommendation (the trials run their own); -b and the rest are the
+    # winner's
     assert record['recommended']['command'] == \
         'python dlojz.py --arch resnet18 --epochs 7 -b 40 --amp bf16 --channels-last --no-compile'
     assert '--epochs' not in ' '.join(FakeRunner.last) and '-b 8' not in ' '.join(FakeRunner.last)

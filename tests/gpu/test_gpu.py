@@ -77,11 +77,12 @@ def skip_bf16_below_sm80(amp):
 
 
 def heavy_flags():
-    """A ResNet-50 step long enough that the GPU, not Python launching kernels, sets the pace: fp32 (TF32) at
-    224 px, fake data so that the loader costs nothing, and as many images as memory allows (fp32 training keeps
-    roughly 0.1 GiB of activations per image): 256 from 70 GiB (H100, A100-80GB), 128 from 30 GiB, else 64. At
-    64 x 128 px in bf16 an H100 would finish a step in a few ms, before eager PyTorch has launched its ~1000
-    kernels: the host, not the GPU, would set the pace."""
+    """A ResNet-50 step long enough that the GPU, not Python launching kernels, sets the pace: fp32
+    (TF32) at 224 px, fake data so that the loader costs nothing, and as many images as memory
+    allows (fp32 training keeps roughly 0.1 GiB of activations per image): 256 from 70 GiB (H100,
+    A100-80GB), 128 from 30 GiB, else 64. At 64 x 128 px in bf16 an H100 would finish a step in a
+    few ms, before eager PyTorch has launched its ~1000 kernels: the host, not the GPU, would set
+    the pace."""
     memory = torch.cuda.get_device_properties(0).total_memory
     b = 256 if memory >= 70 * 2 ** 30 else 128 if memory >= 30 * 2 ** 30 else 64
     return [*CUDA, '--fake-data', '--arch', 'resnet50', '--amp', 'off', '-b', b, '--image-size', 224,
@@ -90,9 +91,11 @@ def heavy_flags():
 
 @contextmanager
 def built(tmp_path, cache_dir, *extra):
-    """A run built in-process the way dlojz._main builds it (same backend flags, same seeding), for tests that
-    drive train_step themselves. Nothing is logged (a disabled console opens no metrics file)."""
-    argv = [str(a) for a in [*TINY, *CUDA, '--cache-dir', cache_dir, '--output-dir', tmp_path, *extra]]
+    """A run built in-process the way dlojz._main builds it (same backend flags, same seeding), for
+    tests that drive train_step themselves. Nothing is logged (a disabled console opens no metrics
+    file)."""
+    argv = [str(a) for a in [*TINY, *CUDA, '--cache-dir', cache_dir, '--output-dir', tmp_path,
+                             *extra]]
     dist = dlojz.get_dist_info()
     device = launch.pick_device('cuda', dist)
     args = flags.check_args(dlojz.get_args_parser().parse_args(argv), device, dist.world_size)
@@ -138,13 +141,14 @@ def test_precision_layout_compile_train(tmp_path, cache_dir, amp, channels_last,
 
 @pytest.mark.parametrize('amp', ['off', 'fp16', 'bf16'])
 def test_steady_steps_never_wait_for_the_gpu(tmp_path, cache_dir, amp):
-    """'error' makes every operation that blocks the host on the GPU raise: a tensor read on the host
-    (.item(), bool(), .tolist(), .cpu()), nonzero, a blocking copy. No sync had to be allowed: the loss, the
-    NaN guard and the meters stay on the device (the guard reads every --log-interval steps: never here),
-    fp16's GradScaler hands its scale and inf flag to the fused SGD as tensors, and batches are copied with
-    non_blocking=True. The mode cannot tell whether such a copy is truly asynchronous: from pageable memory
-    the host stays in cudaMemcpyAsync while the driver stages the batch through its own pinned buffer, with
-    no device sync to flag. Hence the check that the loader's batches are pinned."""
+    """'error' makes every operation that blocks the host on the GPU raise: a tensor read on the
+    host (.item(), bool(), .tolist(), .cpu()), nonzero, a blocking copy. No sync had to be allowed:
+    the loss, the NaN guard and the meters stay on the device (the guard reads every --log-interval
+    steps: never here), fp16's GradScaler hands its scale and inf flag to the fused SGD as tensors,
+    and batches are copied with non_blocking=True. The mode cannot tell whether such a copy is truly
+    asynchronous: from pageable memory the host stays in cudaMemcpyAsync while the driver stages the
+    batch through its own pinned buffer, with no device sync to flag. Hence the check that the
+    loader's batches are pinned."""
     skip_bf16_below_sm80(amp)
     with built(tmp_path, cache_dir, '--amp', amp, '--log-interval', 10 ** 6) as run:
         assert run.args.pin_memory and run.args.non_blocking
@@ -167,8 +171,8 @@ def test_steady_steps_never_wait_for_the_gpu(tmp_path, cache_dir, amp):
 
 
 def test_recipe_steps_never_wait_for_the_gpu(tmp_path, cache_dir):
-    """The same check with the recipe's device-side work: mixup and cutmix (lambda and box drawn on the host),
-    two accumulated micro-batches, the EMA update, a poly schedule with warm-up."""
+    """The same check with the recipe's device-side work: mixup and cutmix (lambda and box drawn on
+    the host), two accumulated micro-batches, the EMA update, a poly schedule with warm-up."""
     with built(tmp_path, cache_dir, '--amp', 'fp16', '--log-interval', 10 ** 6, '--mixup', 0.2, '--cutmix', 1.0,
                '--accum-steps', 2, '--ema-decay', 0.999, '--scheduler', 'poly', '--warmup-epochs', 0.1) as run:
         meters = Meters(len(run.data.classes), run.device)
@@ -192,15 +196,16 @@ def test_recipe_steps_never_wait_for_the_gpu(tmp_path, cache_dir):
 def kernel_intervals(prof):
     """(start, end) in µs of every CUDA kernel torch.profiler recorded.
 
-    prof.events() holds each kernel once, as a device-side event (device_type CUDA) whose time_range is the
-    kernel's own span: the same attributes in every torch from 2.4 on. The same kernel is counted again in
-    the device time of the CPU operator that launched it (device_time_total / self_device_time_total; older
-    torch names them cuda_time_total / self_cuda_time_total, kept as deprecated aliases), and key_averages()
-    has a row for the kernel and one for its operator: summing either view over all events counts kernels
-    twice. Device-side events that are not kernels: Memcpy/Memset, and GPU user annotations (record_function
-    ranges such as the optimizer's 'Optimizer.step#SGD.step' mirrored on the device timeline, spanning many
-    kernels and named as their CPU range). Recent torch (2.14) labels each event's activity_type ('kernel',
-    'gpu_memcpy', 'gpu_user_annotation'...); without it, the names tell them apart."""
+    prof.events() holds each kernel once, as a device-side event (device_type CUDA) whose time_range
+    is the kernel's own span: the same attributes in every torch from 2.4 on. The same kernel is
+    counted again in the device time of the CPU operator that launched it (device_time_total /
+    self_device_time_total; older torch names them cuda_time_total / self_cuda_time_total, kept as
+    deprecated aliases), and key_averages() has a row for the kernel and one for its operator:
+    summing either view over all events counts kernels twice. Device-side events that are not
+    kernels: Memcpy/Memset, and GPU user annotations (record_function ranges such as the optimizer's
+    'Optimizer.step#SGD.step' mirrored on the device timeline, spanning many kernels and named as
+    their CPU range). Recent torch (2.14) labels each event's activity_type ('kernel', 'gpu_memcpy',
+    'gpu_user_annotation'...); without it, the names tell them apart."""
     events = prof.events()
     cpu_names = {e.name for e in events if e.device_type == DeviceType.CPU}
 
@@ -222,8 +227,9 @@ def profiled_kernels(prof):
 
 
 def busy_us(intervals):
-    """Length of the union of intervals: time the GPU ran at least one kernel. Kernels of one stream may
-    overlap a little (programmatic dependent launch on Hopper), so their durations are not simply added."""
+    """Length of the union of intervals: time the GPU ran at least one kernel. Kernels of one stream
+    may overlap a little (programmatic dependent launch on Hopper), so their durations are not
+    simply added."""
     total, reach = 0.0, -math.inf
     for start, end in sorted(intervals):
         if end > reach:
@@ -233,16 +239,18 @@ def busy_us(intervals):
 
 
 def test_phase_events_add_up_to_profiled_kernel_time(tmp_path, cache_dir):
-    """A GPU-bound step (the queue stays full, so kernels follow each other without waiting for launches):
-    the forward + backward + optimizer event times of 10 steps against the kernel time the profiler records
-    for the same steps. Tolerance 5 %: the phases also hold the gaps between kernels (1-2 µs each on a full
-    queue, ~1000 kernels in a step of 100 ms or more: 1-2 %) and any memset, and leave out the normalisation
-    and NaN-guard kernels between phases (< 1 %). A host clock around queued work, or events on another stream, are off
-    by far more (the course's host-clock forward/backward split read 5 %/95 % for a true ~1:2)."""
+    """A GPU-bound step (the queue stays full, so kernels follow each other without waiting for
+    launches): the forward + backward + optimizer event times of 10 steps against the kernel time
+    the profiler records for the same steps. Tolerance 5 %: the phases also hold the gaps between
+    kernels (1-2 µs each on a full queue, ~1000 kernels in a step of 100 ms or more: 1-2 %) and any
+    memset, and leave out the normalisation and NaN-guard kernels between phases (< 1 %). A host
+    clock around queued work, or events on another stream, are off by far more (the course's
+    host-clock forward/backward split read 5 %/95 % for a true ~1:2)."""
     n = 10
     with built(tmp_path, cache_dir, *heavy_flags(), '--log-interval', 10 ** 6) as run:
-        # no probe steps: a probe's spin kernel runs before its step's start event, outside the steps
-        # (H100: kernels 1.054 s against spans 1.029 s, a spin queued behind the idle-started first step)
+        # no probe steps: a probe's spin kernel runs before its step's start event, outside the
+        # steps (H100: kernels 1.054 s against spans 1.029 s, a spin queued behind the idle-started
+        # first step)
         run.chrono.probe = False
         for images, labels in run.chrono.iterate(run.data.train_loader, 5):  # cudnn autotuning, allocator growth
             dlojz.train_step(run, images, labels)
@@ -267,10 +275,11 @@ def test_phase_events_add_up_to_profiled_kernel_time(tmp_path, cache_dir):
 # ------------------------------------------------------------------------------ NVML energy
 
 def test_nvml_energy_within_the_power_limit():
-    """~3 s of fp16 matmuls: the energy counter moves, by no more than the enforced power limit (W, from mW)
-    x the elapsed time + 10 % (boards exceed their limit only in transients), and agrees within 2x with the
-    sampled mean power x the time (a mJ/J or mW/W slip is 1000x). From Ampere on (A100 excepted) NVML's power
-    reading is a 1 s average, so the first samples lag the load: hence the loose factor."""
+    """~3 s of fp16 matmuls: the energy counter moves, by no more than the enforced power limit (W,
+    from mW) x the elapsed time + 10 % (boards exceed their limit only in transients), and agrees
+    within 2x with the sampled mean power x the time (a mJ/J or mW/W slip is 1000x). From Ampere on
+    (A100 excepted) NVML's power reading is a 1 s average, so the first samples lag the load: hence
+    the loose factor."""
     try:
         import pynvml
         pynvml.nvmlInit()
@@ -303,9 +312,9 @@ def test_nvml_energy_within_the_power_limit():
 # ------------------------------------------------------------------------------ torchrun and NCCL
 
 def test_torchrun_one_gpu_runs_nccl_and_ddp(tmp_path, cache_dir):
-    """A launcher at world size 1 still joins an NCCL group and wraps DDP (dlojz runs 1 GPU as it runs 32).
-    Only a real NCCL communicator writes 'NCCL INFO' lines: --nccl-debug's log must hold them, after the
-    initialisation marker."""
+    """A launcher at world size 1 still joins an NCCL group and wraps DDP (dlojz runs 1 GPU as it
+    runs 32). Only a real NCCL communicator writes 'NCCL INFO' lines: --nccl-debug's log must hold
+    them, after the initialisation marker."""
     p = torchrun(1, *TINY, *CUDA, '--cache-dir', cache_dir, '--output-dir', tmp_path, '--test-nsteps', 3,
                  '--nccl-debug')
     assert p.returncode == 0, p.stderr[-3000:]
@@ -318,9 +327,10 @@ def test_torchrun_one_gpu_runs_nccl_and_ddp(tmp_path, cache_dir):
 
 
 def test_the_all_reduce_done_event_waits_for_the_all_reduce(tmp_path):
-    """measure.comm on CUDA events, NCCL at world size 1: the all-reduce is queued behind a 50 ms spin on a side
-    stream (a slow link), the backward pass's stream is not. The done event, recorded in the future's callback,
-    must come after it: exposed ~50 ms. Recorded on a stream that does not wait, it would read ~0."""
+    """measure.comm on CUDA events, NCCL at world size 1: the all-reduce is queued behind a 50 ms
+    spin on a side stream (a slow link), the backward pass's stream is not. The done event, recorded
+    in the future's callback, must come after it: exposed ~50 ms. Recorded on a stream that does not
+    wait, it would read ~0."""
     import torch.distributed as tdist
 
     from dlojzlib.measure import comm
@@ -409,7 +419,8 @@ def test_torchrun_two_gpus_sync_bn(tmp_path, cache_dir):
     s, _ = read_run(tmp_path)
     assert s['status'] == 'completed' and s['world_size'] == 2 and s['config']['sync_bn']
     assert len(s['timing']['ranks']) == 2 and s['memory']['gpu_max_allocated_bytes_any_rank'] > 0
-    # SyncBatchNorm keeps BatchNorm's state-dict keys: the checkpoint loads into a plain torchvision model
+    # SyncBatchNorm keeps BatchNorm's state-dict keys: the checkpoint loads into a plain torchvision
+    # model
     state = torch.load(latest(tmp_path), map_location='cpu', weights_only=False)['model']
     torchvision.models.resnet18(num_classes=4).load_state_dict(state)
 
@@ -420,8 +431,8 @@ DETERMINISTIC = [*TINY, *CUDA, '--deterministic', '-e', 2, '--log-interval', 1]
 
 
 def cli_run(out, cache_dir, *flags):
-    """One `python dlojz.py` process per run: CUBLAS_WORKSPACE_CONFIG only counts when set before CUDA starts,
-    which an in-process run after other GPU tests cannot do. -> metrics records."""
+    """One `python dlojz.py` process per run: CUBLAS_WORKSPACE_CONFIG only counts when set before
+    CUDA starts, which an in-process run after other GPU tests cannot do. -> metrics records."""
     p = run_cli(*DETERMINISTIC, '--cache-dir', cache_dir, '--output-dir', out, *flags)
     assert p.returncode == 0, p.stderr[-3000:]
     return read_run(out)[1]
@@ -488,10 +499,10 @@ def test_fake_data_resnet50_is_compute_bound(gpu_bound):
 
 
 def test_slow_loader_is_loader_bound_by_the_device_clock(tmp_path, cache_dir, gpu_bound, monkeypatch):
-    """The same run behind a loader that takes twice the GPU's step time per batch: the verdict is 'loader',
-    and the device clock still measures the GPU's work per step (as without the wait, within 25 %: clocks
-    ramp after idling) while host step minus data wait sees only the kernel launches, which the GPU runs
-    during the next wait."""
+    """The same run behind a loader that takes twice the GPU's step time per batch: the verdict is
+    'loader', and the device clock still measures the GPU's work per step (as without the wait,
+    within 25 %: clocks ramp after idling) while host step minus data wait sees only the kernel
+    launches, which the GPU runs during the next wait."""
     gpu_step = gpu_bound['timing']['stats']['compute']['median']
     wait = max(0.05, 2 * gpu_step)
     fast = datasets.FakeLoader.__iter__
@@ -515,7 +526,8 @@ def test_slow_loader_is_loader_bound_by_the_device_clock(tmp_path, cache_dir, gp
 # ------------------------------------------------------------------------------------------ --decode gpu
 
 def encoded_batch(n=32, size=64, seed=0):
-    """n samples of three real-photo-like synthetic JPEGs (baseline, 4:2:0), as the workers hand them over."""
+    """n samples of three real-photo-like synthetic JPEGs (baseline, 4:2:0), as the workers hand
+    them over."""
     gpu = decode.GpuTrainTransform(size, decode.host_train_transform(size))
     blobs = []
     for k in range(3):
@@ -534,12 +546,12 @@ def test_nvjpeg_crops_match_the_cpu_seam():
 
 
 def overwritten(batch, decoder, trials=20):
-    """Tensors the size of the decoded images are filled, reductions over them are queued behind a long
-    kernel, the tensors are freed (their blocks return to the caching allocator at once), then `decoder()`
-    runs. -> how many reductions saw other values than the fill: blocks a decoder wrote before the queued
-    kernels read them."""
-    sizes = [tuple(img.shape) for img in decode.decode_jpeg(list(torch.split(batch.data, batch.sizes)),
-                                                                   mode=decode.ImageReadMode.RGB)]
+    """Tensors the size of the decoded images are filled, reductions over them are queued behind a
+    long kernel, the tensors are freed (their blocks return to the caching allocator at once), then
+    `decoder()` runs. -> how many reductions saw other values than the fill: blocks a decoder wrote
+    before the queued kernels read them."""
+    files = list(torch.split(batch.data, batch.sizes))
+    sizes = [tuple(img.shape) for img in decode.decode_jpeg(files, mode=decode.ImageReadMode.RGB)]
     bad = 0
     for trial in range(trials):
         held = [torch.full(s, 7, dtype=torch.uint8, device='cuda') for s in sizes]
@@ -554,31 +566,32 @@ def overwritten(batch, decoder, trials=20):
 
 
 def test_decode_never_writes_into_memory_queued_kernels_read():
-    """With torchvision's decode_jpeg called on the training stream, nvJPEG may be handed blocks that queued
-    kernels still read and overwrite them before they run (pytorch/vision#9606); dlojz decodes with a stream
-    of its own. The next test shows the check sees the race."""
+    """With torchvision's decode_jpeg called on the training stream, nvJPEG may be handed blocks
+    that queued kernels still read and overwrite them before they run (pytorch/vision#9606); dlojz
+    decodes with a stream of its own. The next test shows the check sees the race."""
     batch = encoded_batch(16)
     assert overwritten(batch, lambda: batch.to('cuda')) == 0
 
 
 def test_the_race_check_sees_a_decode_on_the_training_stream():
-    """Positive control of the test above: torchvision's decode_jpeg called on the current stream, as
-    without dlojz's side stream. From 0.20 its batched decoder writes from a private stream that does not wait
-    for the current one; 0.19 decodes on the current stream (no race to show)."""
+    """Positive control of the test above: torchvision's decode_jpeg called on the current stream,
+    as without dlojz's side stream. From 0.20 its batched decoder writes from a private stream that
+    does not wait for the current one; 0.19 decodes on the current stream (no race to show)."""
     if not decode.decodes_lists(torchvision.__version__):
         pytest.skip(f'torchvision {torchvision.__version__} decodes on the current stream: no race to show')
     batch = encoded_batch(16)
     chunks = list(torch.split(batch.data, batch.sizes))
     bad = overwritten(batch, lambda: decode.decode_jpeg(chunks, mode=decode.ImageReadMode.RGB,
                                                               device='cuda'))
-    # 0 means either the check cannot see the race or this torchvision fixed it: the test above then proves
-    # nothing on this version, which is worth a red line
+    # 0 means either the check cannot see the race or this torchvision fixed it: the test above then
+    # proves nothing on this version, which is worth a red line
     assert bad > 0, (f'torchvision {torchvision.__version__} overwrote nothing in 20 trials on the training stream '
                      f'(pytorch/vision#9606 fixed here?)')
 
 
 def test_decode_ahead_gives_what_decoding_in_the_step_gives():
-    """Through the decode thread and its streams, the batches equal those decoded at the step, bit for bit."""
+    """Through the decode thread and its streams, the batches equal those decoded at the step, bit
+    for bit."""
     batches = [(encoded_batch(16, seed=k), torch.arange(16) + 100 * k) for k in range(3)]
     want = [(x.to('cuda').cpu(), y) for x, y in batches]
     got = [(x.to('cuda').cpu(), y) for x, y in decode.DecodeAhead(batches, 'cuda')]
@@ -586,9 +599,10 @@ def test_decode_ahead_gives_what_decoding_in_the_step_gives():
 
 
 def unfinished_reads(take, trials=10):
-    """The geometry stream is held back (~25 ms of spin) before a batch is decoded; the training stream then
-    takes the batch with `take` and sums it at once. -> how many sums differ from the batch's own, read after a
-    full synchronisation: reads of a batch the decoder had not finished writing."""
+    """The geometry stream is held back (~25 ms of spin) before a batch is decoded; the training
+    stream then takes the batch with `take` and sums it at once. -> how many sums differ from the
+    batch's own, read after a full synchronisation: reads of a batch the decoder had not finished
+    writing."""
     decoder = decode.DeviceDecode()
     device = torch.device('cuda', torch.cuda.current_device())
     geometry = decoder._streams_of(device)['geometry']
@@ -606,8 +620,9 @@ def unfinished_reads(take, trials=10):
 
 
 def test_the_training_stream_waits_for_the_decoded_batch():
-    """DecodedBatch.to() makes the training stream wait for the decoder's event: no early read. The positive
-    control reads the images without it, as a step would if the wait were lost, and sees unfinished batches."""
+    """DecodedBatch.to() makes the training stream wait for the decoder's event: no early read. The
+    positive control reads the images without it, as a step would if the wait were lost, and sees
+    unfinished batches."""
     assert unfinished_reads(lambda d: d.to('cuda')) == 0
     assert unfinished_reads(lambda d: d.images) > 0, 'the check cannot see an early read'
 
@@ -623,8 +638,8 @@ def test_a_run_trains_with_gpu_decode(tmp_path, cache_dir):
 # ------------------------------------------------------------------------------ device busy time, for real
 
 def spin_steps(chrono, steps, host_gap_s, kernel_s, timeline):
-    """Steps of four phases; each sleeps `host_gap_s` on the host (Python launching slowly), then queues a
-    spin kernel of `kernel_s` seconds."""
+    """Steps of four phases; each sleeps `host_gap_s` on the host (Python launching slowly), then
+    queues a spin kernel of `kernel_s` seconds."""
     for _ in chrono.iterate(range(steps)):
         for name in ('h2d', 'forward', 'backward', 'optimizer'):
             with chrono.phase(name):
@@ -673,7 +688,8 @@ def test_a_spin_calibrated_on_an_idle_gpu_holds_once_it_is_busy():
 
 
 def test_host_bound_steps_are_called_host_and_measured_by_probes():
-    """20 ms of host time per step, 2 ms of GPU work: before issue 20 the spans said busy ~1 and 'compute'."""
+    """20 ms of host time per step, 2 ms of GPU work: before issue 20 the spans said busy ~1 and
+    'compute'."""
     from dlojz_chrono import Chronometer, CudaTimeline
     timeline = CudaTimeline()
     chrono = Chronometer('cuda', warmup=2, timeline=timeline)
@@ -699,7 +715,8 @@ def test_queued_work_is_clean_and_compute_bound():
 
 def test_pinned_shared_batches_equal_the_default_collates():
     """With pinned memory, torch's pin-memory thread copies each shared slot into a pinned batch
-    (data.handover.SlotBatch.pin_memory) and frees the slot: the batches equal the default collate's."""
+    (data.handover.SlotBatch.pin_memory) and frees the slot: the batches equal the default
+    collate's."""
     from dlojzlib.data import handover
     from dlojzlib.data.workers import DataLoader, ignore_preemption_signals
 
@@ -720,8 +737,9 @@ def test_pinned_shared_batches_equal_the_default_collates():
 
 
 def test_dali_mixed_decoder_matches_its_cpu_pipeline(tmp_path, cache_dir):
-    """--loader dali on a GPU: the 'mixed' decoder (nvJPEG, the hardware engine on A100/H100) gives the CPU
-    pipeline's batches on the device, within a few levels (IDCT and upsampling differ), and a run trains."""
+    """--loader dali on a GPU: the 'mixed' decoder (nvJPEG, the hardware engine on A100/H100) gives
+    the CPU pipeline's batches on the device, within a few levels (IDCT and upsampling differ), and
+    a run trains."""
     from dlojzlib.data import dali
     if dali.dali() is None:
         pytest.skip('NVIDIA DALI is not installed')
@@ -730,7 +748,8 @@ def test_dali_mixed_decoder_matches_its_cpu_pipeline(tmp_path, cache_dir):
     argv = [*TINY, '--cache-dir', cache_dir, '--loader', 'dali', '--num-workers', '2']
     args = flags.check_args(dlojz.get_args_parser().parse_args(argv), torch.device('cuda'))
     dist = SimpleNamespace(rank=0, world_size=1, local_rank=0, is_main=True)
-    on = {d: datasets.build_data(args, dist, log=lambda *a: None, device=torch.device(d)) for d in ('cuda', 'cpu')}
+    on = {d: datasets.build_data(args, dist, log=lambda *a: None, device=torch.device(d))
+          for d in ('cuda', 'cpu')}
     for d in on.values():
         d.set_epoch(0)
     gx, gy = next(iter(on['cuda'].train_loader))

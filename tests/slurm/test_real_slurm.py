@@ -1,5 +1,6 @@
 """The project's own slurm/ scripts submitted with sbatch to a real Slurm brought up on localhost
-(slurmctld + two emulated nodes with 16 fake GPUs each; dlojz falls back to CPU/gloo inside the jobs):
+(slurmctld + two emulated nodes with 16 fake GPUs each; dlojz falls back to CPU/gloo inside the
+jobs):
 
 - cpu.slurm and jz-a100-8gpu.slurm (8 tasks) train a few steps and write their summary, logs named
   after job name, id, nodes and tasks;
@@ -15,10 +16,10 @@
 - scancel of a running DDP job leaves no process behind.
 
 They start Slurm and munge daemons, so they run only when asked: as root, with slurmctld, slurmd,
-slurm-client and munge installed (the tests install nothing and leave /etc/hosts alone; ports are picked
-free), `DLOJZ_SLURM_SETUP=1 python -m pytest -q -m slurm tests/slurm` (about 5 min on 2 cores); skipped
-otherwise, with that reason. CI (.ci/run) installs the packages and sets the variable.
-"""
+slurm-client and munge installed (the tests install nothing and leave /etc/hosts alone; ports are
+picked free), `DLOJZ_SLURM_SETUP=1 python -m pytest -q -m slurm tests/slurm` (about 5 min on 2
+cores); skipped otherwise, with that reason. CI (.ci/run) installs the packages and sets the
+variable."""
 import json
 import os
 import random
@@ -62,12 +63,14 @@ def workdir(tmp_path_factory):
     for name in os.listdir(ROOT):
         if name.endswith('.py'):
             shutil.copy(os.path.join(ROOT, name), d)
-    shutil.copytree(os.path.join(ROOT, 'dlojzlib'), d / 'dlojzlib', ignore=shutil.ignore_patterns('__pycache__'))
+    shutil.copytree(os.path.join(ROOT, 'dlojzlib'), d / 'dlojzlib',
+                    ignore=shutil.ignore_patterns('__pycache__'))
     shutil.copytree(os.path.join(ROOT, 'slurm'), d / 'slurm', ignore=shutil.ignore_patterns('*.out', '*.err'))
     os.makedirs(d / 'slurm' / 'log', exist_ok=True)
     shims = d / 'shims'
     (shims / 'bin').mkdir(parents=True)
-    # what the sites' set-up lines call, recorded in $DLOJZ_STUB_LOG with the node and its $SLURM_TMPDIR
+    # what the sites' set-up lines call, recorded in $DLOJZ_STUB_LOG with the node and its
+    # $SLURM_TMPDIR
     record = 'echo "$(basename "$0") $* node=$SLURMD_NODENAME tmp=$SLURM_TMPDIR" >> "${DLOJZ_STUB_LOG:-/dev/null}"\n'
     for name in ('module', 'conda'):
         (shims / 'bin' / name).write_text('#!/bin/sh\n' + record)
@@ -155,8 +158,9 @@ def test_two_node_job(slurm, workdir, cache_dir, tmp_path):
 
 
 def wait_requeued(slurm, job, before_release=None):
-    """Wait for the job to be requeued and running again -> (requeued, running again, released) in seconds
-    from now. before_release(): called once the requeued job is pending (e.g. a longer time limit)."""
+    """Wait for the job to be requeued and running again -> (requeued, running again, released) in
+    seconds from now. before_release(): called once the requeued job is pending (e.g. a longer time
+    limit)."""
     t0 = time.time()
     restarted = None
     deadline = t0 + 300
@@ -166,8 +170,8 @@ def wait_requeued(slurm, job, before_release=None):
         if requeued is None and int(info.get('Restarts', 0)) >= 1:
             requeued = time.time() - t0
         if released is None and requeued is not None and info.get('JobState') == 'PENDING':
-            # Slurm held the requeued job ~170 s before starting it again here (scheduler policy, not
-            # dlojz's); an explicit start time releases it and keeps the test short.
+            # Slurm held the requeued job ~170 s before starting it again here (scheduler policy,
+            # not dlojz's); an explicit start time releases it and keeps the test short.
             if before_release:
                 before_release()
             slurm.run('scontrol', 'update', f'JobId={job}', 'StartTime=now', check=False)
@@ -184,7 +188,8 @@ def test_signal_requeues_and_resumes_exactly(slurm, workdir, cache_dir, tmp_path
     flags = [*TINY, '--cache-dir', cache_dir, *LONGER, '--num-workers', '2']
     job = submit(slurm, workdir, 'cpu.slurm', *flags, '--output-dir', tmp_path / 'run')
     wait_for_steps(slurm, job, tmp_path / 'run', 5)
-    # to the batch shell only (as --signal=B:USR2@120 would): the script passes it on to srun, srun to dlojz
+    # to the batch shell only (as --signal=B:USR2@120 would): the script passes it on to srun, srun
+    # to dlojz
     r = slurm.run('scancel', '--batch', '--signal=USR2', job, check=False)
     assert r.returncode == 0, (r.stderr, slurm.job(job), len(train_losses(tmp_path / 'run')))
     requeued, restarted, released = wait_requeued(slurm, job)
@@ -246,8 +251,8 @@ _REFERENCES = {}
 
 
 def reference_losses(cache_dir, tmp_path, *flags):
-    """The losses of the same run uninterrupted, outside Slurm (same flags, no workers: the samples do not
-    depend on them), computed once per flag list."""
+    """The losses of the same run uninterrupted, outside Slurm (same flags, no workers: the samples
+    do not depend on them), computed once per flag list."""
     key = tuple(map(str, flags))
     if key not in _REFERENCES:
         out = tmp_path / 'reference'
@@ -260,16 +265,17 @@ def reference_losses(cache_dir, tmp_path, *flags):
 
 
 def script_run_name(job_name, flags):
-    """What the scripts compute when neither DLOJZ_RUN nor --output-dir is given: job name and a checksum of
-    the forwarded flags (computed here by cksum on the same bytes)."""
+    """What the scripts compute when neither DLOJZ_RUN nor --output-dir is given: job name and a
+    checksum of the forwarded flags (computed here by cksum on the same bytes)."""
     text = ''.join(f'{f}\n' for f in flags)
     return f'{job_name}-' + subprocess.run(['cksum'], input=text, capture_output=True, text=True).stdout.split()[0]
 
 
 def test_scancel_term_with_workers_checkpoints_and_a_resubmitted_job_continues(slurm, workdir, cache_dir, tmp_path):
-    """`scancel --signal=TERM <job>` signals every process of the job's steps, DataLoader workers included:
-    a checkpoint, status preempted, exit 5, no traceback. The same script resubmitted with the same flags is
-    a new job id but the same run name: it continues that run, to the uninterrupted losses bit for bit."""
+    """`scancel --signal=TERM <job>` signals every process of the job's steps, DataLoader workers
+    included: a checkpoint, status preempted, exit 5, no traceback. The same script resubmitted with
+    the same flags is a new job id but the same run name: it continues that run, to the
+    uninterrupted losses bit for bit."""
     flags = [*TINY, '--cache-dir', str(cache_dir), *LONGER, '--num-workers', '2']
     out = workdir / 'runs' / script_run_name('dlojz-cpu', flags)
     job = submit(slurm, workdir, 'cpu.slurm', *flags)
@@ -308,11 +314,11 @@ def test_scancel_full_kills_at_once_and_the_periodic_checkpoint_is_what_remains(
 
 
 def test_time_limit_signal_with_workers_requeues_and_resumes_exactly(slurm, workdir, cache_dir, tmp_path):
-    """The scripts' --signal=USR2@<s> at a real time limit: Slurm signals every process of the step, the
-    DataLoader workers included; dlojz checkpoints and requeues, the job continues (given a longer limit
-    here) to the uninterrupted losses. Slurm checks the limit every ~30 s and may signal up to a minute
-    early: --time=1 with the signal 50 s before, and steps slowed to 0.2 s in the first attempt, so the
-    signal comes mid-run."""
+    """The scripts' --signal=USR2@<s> at a real time limit: Slurm signals every process of the step,
+    the DataLoader workers included; dlojz checkpoints and requeues, the job continues (given a
+    longer limit here) to the uninterrupted losses. Slurm checks the limit every ~30 s and may
+    signal up to a minute early: --time=1 with the signal 50 s before, and steps slowed to 0.2 s in
+    the first attempt, so the signal comes mid-run."""
     flags = [*TINY, '--cache-dir', cache_dir, '-e', '20', '--log-interval', '1', '--num-workers', '2']
     job = submit(slurm, workdir, 'cpu.slurm', *flags, '--output-dir', tmp_path / 'run',
                  options=['--time=1', '--signal=USR2@50'], DLOJZ_FAULT='slow-steps:0.2')
