@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from conftest import TINY, latest, run_cli, run_main, srun_like, stderr_of, torchrun, wait_all
+from conftest import TINY, free_port, latest, run_cli, run_main, srun_like, stderr_of, torchrun, wait_all
 import dlojz
 from dlojzlib.data import datasets as D
 from dlojzlib.data import decode as DD
@@ -201,6 +201,22 @@ def test_exact_validation_at_any_world_size(tmp_path, cache_dir):
     # at world size 3 the shards are 9/8/8 images: 3, 2 and 2 batches of 4
     assert [r['rank'] for r in evals[3]['timing']['ranks']] == [0, 1, 2]
     assert evals[3]['val']['batches'] == 3
+
+
+def test_one_srun_task_needs_no_port_of_its_own(tmp_path, cache_dir):
+    """A one-task job (cpu.slurm, a 1-GPU job) trains even when the port its job id gives is taken:
+    nobody else has to find its store, so the system picks a free port."""
+    import socket
+    with socket.socket() as held:
+        held.bind(('127.0.0.1', free_port(20000, 30000)))
+        held.listen()
+        job_id = held.getsockname()[1] - 20000  # the port dlojz would derive from this job id
+        procs = srun_like(1, *TINY, '--test-nsteps', '2', '--cache-dir', cache_dir, '--output-dir',
+                          tmp_path / 'run', log_dir=tmp_path, job_id=job_id)
+        codes = wait_all(procs)
+    assert codes == [0], stderr_of(tmp_path, codes)
+    s = summary_of(tmp_path / 'run')
+    assert (s['status'], s['world_size']) == ('completed', 1)
 
 
 HEADS = ['--arch', 'resnet18-heads', '--test-nsteps', '3']

@@ -132,8 +132,7 @@ def get_dist_info(environ=os.environ):
         if not (0 <= rank < world and 0 <= local_rank < lws):
             raise UsageError(f'SLURM says task {rank} (local {local_rank}) of {world} with {lws} tasks on this node, '
                              f'which is inconsistent; launch dlojz with srun, one task per GPU.')
-        # A port from the job id keeps two jobs sharing a node from colliding (range 20000-39999).
-        port = 20000 + int(job_id) % 20000 if job_id.isdigit() else 29500
+        port = srun_port(environ, job_id, world)
         return DistInfo(rank=rank, local_rank=local_rank, world_size=world, local_world_size=lws,
                         # a site's suffix picks the node's fast interface (JSC: <node>i, the
                         # InfiniBand name)
@@ -141,6 +140,25 @@ def get_dist_info(environ=os.environ):
                         master_port=port, nodes=nodes,
                         launcher='slurm', job_id=job_id)
     return DistInfo(job_id=job_id)
+
+
+def srun_port(environ, job_id, world):
+    """The port of rank 0's store under srun, which every task must compute alike.
+
+    MASTER_PORT when the user sets one. One task: 0, a free port the system picks, since no other
+    task has to find it. Several: 20000 + job id % 10000, so that two jobs sharing a node differ,
+    and below Linux's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 by default), where
+    the kernel hands ports to outgoing connections (gloo's and NCCL's own, of any job on the node) at
+    any time: a CI run lost a job to EADDRINUSE on 37142 while another job's gloo mesh connected."""
+    if 'MASTER_PORT' in environ:
+        value = environ['MASTER_PORT']
+        if not (value.isdigit() and 0 < int(value) < 65536):
+            raise UsageError(f'MASTER_PORT={value!r} is not a port number (1-65535); unset it to let dlojz '
+                             f'derive one from the job id, or export a free port.')
+        return int(value)
+    if world == 1:
+        return 0
+    return 20000 + int(job_id) % 10000 if job_id.isdigit() else 29500
 
 
 # -------------------------------------------------------------------------------------------- process group
@@ -219,9 +237,11 @@ def setup(dist, device, timeout_min=None, share_gpu=False):
         with cpp_errors_held(os.environ.get('TORCH_DISTRIBUTED_DEBUG') != 'DETAIL'):
             tdist.init_process_group(backend, init_method='env://', rank=dist.rank, world_size=dist.world_size, **kw)
     except (RuntimeError, ValueError) as e:  # DistStoreError/DistNetworkError are RuntimeErrors
+        other = 'export MASTER_PORT' if dist.launcher == 'slurm' else 'torchrun --master-port'
         raise UsageError(f'could not join the process group at {dist.master_addr}:{dist.master_port} '
                          f'({first_line(e)}); check that every task started, that this address reaches rank 0\'s '
-                         f'node and that the port is free (--dist-timeout bounds this wait).') from None
+                         f'node and that the port is free ({other} chooses another; --dist-timeout bounds this '
+                         f'wait).') from None
     # NCCL collectives need GPU tensors; host-side objects go through a gloo group so that they
     # never touch the GPU (and never initialise NCCL before --nccl-debug's log is in place). Made on
     # CPU runs too, so that CPU tests exercise the structure GPU runs use; it gets --dist-timeout as
