@@ -21,10 +21,9 @@ import math
 import os
 import random
 import signal
-import socket
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 
 from dlojzlib import flags
@@ -57,16 +56,17 @@ from dlojzlib.data import augment
 from dlojzlib.data.datasets import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojzlib.dist import launch
 from dlojzlib.dist.launch import get_dist_info
-from dlojzlib.errors import CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation, translate
+from dlojzlib.errors import CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation, report_error, translate
 from dlojzlib.host import host_check, intra_op_threads, process_start_time
 from dlojzlib.measure.comm import CommTimer
 from dlojzlib.measure.power import PowerMeter
+from dlojzlib.measure.startup import StartUp
 from dlojzlib.metrics import Meters, NonFiniteGuard, PeakMemory
 from dlojzlib.modes import doctor
 from dlojzlib.modes import tune
 from dlojzlib.record import resume
 from dlojzlib.record import rundir
-from dlojzlib.record.log import Console, Logger, wandb_mode, write_json
+from dlojzlib.record.log import Console, Logger, console_lines, wandb_mode, write_json
 from dlojzlib.record.rundir import trim_metrics
 from dlojzlib.record.state import (Progress, check_form, check_resume, find_resume_checkpoint, interrupted, note_validation,
                          preempt, process_wall_s, restore, run_wall_s, save)
@@ -83,7 +83,7 @@ def seed_everything(seed):
 
 # ------------------------------------------------------------------------------------------------ building
 
-def build_model(args, num_classes, device, dist, comm=None):
+def build_model(args, num_classes, device, dist, comm=None, phase=None):
     """-> (model to train: DDP-wrapped and/or compiled, model to evaluate, plain module for state dicts).
 
     Validation runs the module without its DDP wrapper: a DDP forward may broadcast buffers (a collective),
@@ -96,7 +96,8 @@ def build_model(args, num_classes, device, dist, comm=None):
     model = model.to(device, memory_format=memory_format)
     if dist.distributed and args.sync_bn:  # before the DDP wrap, as DDP must see the final modules
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    train_model = launch.wrap_ddp(model, device, args, comm) if dist.distributed else model
+    with (phase or (lambda name: nullcontext()))('ddp_wrap'):  # its first broadcast of the weights
+        train_model = launch.wrap_ddp(model, device, args, comm) if dist.distributed else model
     eval_model = model
     if args.compile:  # DDP first, then compile: dynamo's DDPOptimizer keeps communication overlapped
         # Static shapes: an epoch's smaller last batch gets its own graph (compiled once, outside the
@@ -116,23 +117,6 @@ def build_wandb(args, dist):
     import wandb  # seconds to import: only when asked for
     return wandb.init(project='dlojz', name=os.path.basename(args.output_dir), mode=args.wandb,
                       dir=args.output_dir, config=vars(args))
-
-
-def console_lines(args, steps_per_epoch):
-    """How each record type reads on the console; metrics.jsonl and wandb get the record itself."""
-    return {
-        'train': lambda r: (f"epoch {r['epoch']}/{args.epochs} step {r['step']}/{steps_per_epoch} loss {r['loss']:.4f} "
-                            f"lr {r['lr']:.5f} | step {r['step_ms']:.1f} ms data {r['data_ms']:.1f} ms | "
-                            f"{r['img_s']:.1f} img/s | mem {r['mem_bytes'] / 2**30:.2f} GiB"),
-        'train_metrics': lambda r: (f"Train metrics at step {r['step']}: loss {r['loss']:.4f} top-1 {r['top1']:.4f} "
-                                    f"top-5 {r['top5']:.4f}"),
-        'val': lambda r: (f"Validation epoch {r['epoch']}: loss {r['loss']:.4f} top-1 {r['top1']:.4f} top-5 "
-                          f"{r['top5']:.4f} ({r['images']} images, {r['time_s']:.1f} s)"),
-        'val_ema': lambda r: (f"Validation (EMA) epoch {r['epoch']}: loss {r['loss']:.4f} top-1 {r['top1']:.4f} "
-                              f"top-5 {r['top5']:.4f}"),
-        'findlr': lambda r: (f"LR sweep step {r['global_step']}: lr {r['lr']:.3g} loss {r['loss']:.4f} (smoothed "
-                             f"{r['smoothed']:.4f})"),
-    }
 
 
 @dataclass(kw_only=True)
@@ -165,22 +149,28 @@ class Run:
     ema: object = None            # recipe.EMA with --ema-decay
     started: float = 0.0          # time.time() when the run was built: time to accuracy counts from here
     process_started: float = 0.0  # time.time() when the process started: the second clock, start-up included
+    startup: StartUp = None       # the time to the first step, by phase (measure.startup)
 
 
-def build_run(args, dist, device, say):
+def build_run(args, dist, device, say, startup=None):
     """-> (run, where it starts). The checkpoint's flags are settled first (record.resume: the seed, for one, shapes
     the data order), and the checkpoint is checked against the run before any log is opened."""
-    ckpt_path, ckpt = find_resume_checkpoint(args, dist, say)
-    if ckpt is not None:
-        check_form(args, ckpt, ckpt_path)
-        if not args.evaluate:
-            resume.resolve(args, ckpt.get('args') or {}, say)
-    data = build_data(args, dist, log=say, on_ranks=launch.on_ranks, device=device)
+    startup = startup or StartUp(time.time())
+    phase = startup.phase
+    with phase('checkpoint'):
+        ckpt_path, ckpt = find_resume_checkpoint(args, dist, say)
+        if ckpt is not None:
+            check_form(args, ckpt, ckpt_path)
+            if not args.evaluate:
+                resume.resolve(args, ckpt.get('args') or {}, say)
+    with phase('loaders'):
+        data = build_data(args, dist, log=say, on_ranks=launch.on_ranks, device=device, phase=phase)
     say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train / '
         f'{data.n_val} val images, {len(data.classes)} classes')
     comm = CommTimer(dist.world_size, CudaTimeline(device) if device.type == 'cuda' else None) \
         if dist.distributed and args.timing else None
-    model, eval_model, plain = build_model(args, len(data.classes), device, dist, comm)
+    with phase('model'):
+        model, eval_model, plain = build_model(args, len(data.classes), device, dist, comm, phase)
     steps_per_epoch = len(data.train_steps)
     total_steps = args.epochs * steps_per_epoch
     if args.test and args.test_nsteps > total_steps:
@@ -190,8 +180,9 @@ def build_run(args, dist, device, say):
     if len(data.classes) == 1:
         say(f'Warning: the data has a single class ({data.classes[0]}): every prediction is right, loss and '
             f'accuracy say nothing; check --data-dir.')
-    criterion, optimizer, scheduler, scaler = recipe.build_optimization(args, plain, steps_per_epoch,
-                                                                                    total_steps, device)
+    with phase('optimizer'):
+        criterion, optimizer, scheduler, scaler = recipe.build_optimization(args, plain, steps_per_epoch,
+                                                                            total_steps, device)
     global_batch = args.batch_size * dist.world_size * args.accum_steps
     check_resume(args, dist, ckpt_path, ckpt, data, plain, optimizer, global_batch, steps_per_epoch, total_steps)
     resumed = ckpt is not None and not args.evaluate
@@ -202,7 +193,11 @@ def build_run(args, dist, device, say):
         dropped = trim_metrics(metrics, ckpt.get('metrics_bytes'), ckpt['global_step'])
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
     chrono = Chronometer(device, phases=args.timing, sync=args.sync_timing, warmup=args.warmup_steps)
-    power, memory = PowerMeter(device, gather=launch.all_gather_object), PeakMemory(device)
+    with phase('logs_and_meters'):  # NVML's start, wandb's, the host's check
+        power, memory = PowerMeter(device, gather=launch.all_gather_object), PeakMemory(device)
+        log = Logger(metrics, say, append=resumed, lines=console_lines(args, steps_per_epoch),
+                     wandb=build_wandb(args, dist))
+        host = host_check(args.num_workers, device.type == 'cpu')
     chrono.on_steady += [memory.reset, power.window_start]  # once the warm-up steps are over
     chrono.comm = comm
     run = Run(args=args, dist=dist, device=device, data=data, model=model, eval_model=eval_model,
@@ -216,18 +211,17 @@ def build_run(args, dist, device, say):
               guard=NonFiniteGuard(device, 1 if device.type == 'cpu' and not args.findlr else 0,
                                    dist.distributed),
               stop=launch.StopSignal(),
-              log=Logger(metrics, say, append=resumed, lines=console_lines(args, steps_per_epoch),
-                         wandb=build_wandb(args, dist)),
-              global_batch=global_batch, host=host_check(args.num_workers, device.type == 'cpu'),
+              log=log, global_batch=global_batch, host=host,
               steps_per_epoch=steps_per_epoch, total_steps=total_steps,
               mix=augment.Mix(args.mixup, args.cutmix, len(data.classes), args.seed),
               ema=recipe.EMA(plain, args.ema_decay, args.ema_warmup) if args.ema_decay else None,
-              started=time.time(), process_started=process_start_time())
+              started=time.time(), process_started=process_start_time(), startup=startup)
     sync = recipe.scaler_sync_warning(optimizer, args.amp)
     run.host['warnings'] += [sync] if sync else []  # printed in the header, kept in summary.json
     if resumed:  # where this attempt starts, and what it replaced of the one before
         run.log.log(type='resume', global_step=ckpt['global_step'], checkpoint=ckpt_path, dropped_records=dropped)
-    return run, restore(run, ckpt, ckpt_path) if ckpt is not None else Progress()
+    with phase('restore'):
+        return run, restore(run, ckpt, ckpt_path) if ckpt is not None else Progress()
 
 
 # ------------------------------------------------------------------------------------------------ training
@@ -344,11 +338,13 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
     if len(run.chrono.steps) >= run.chrono.warmup:  # past the warm-up (a later epoch): this epoch's steps count for J/image
         run.power.window_start()
     bar = run.log.bar(min(run.steps_per_epoch - first, max_steps or run.steps_per_epoch), f'epoch {progress.epoch + 1}')
-    for images, labels in run.chrono.iterate(run.data.train_steps, max_steps):
+    for images, labels in run.chrono.iterate(run.startup.first_batch(run.data.train_steps), max_steps):
         if args.nccl_debug:  # the course's comm_profiler marker: tags the NCCL lines that follow
             print(f'Train step {progress.global_step + 1} - rank {run.dist.rank}', flush=True)
         lr = run.optimizer.param_groups[0]['lr']
         loss, output, labels = train_step(run, images, labels)
+        if run.startup.pending:  # the first step of this process: its end closes the start-up (one GPU sync)
+            run.startup.first_step_done(run.device)
         progress.advance(labels.shape[0] * run.dist.world_size)  # every rank's batch has this size
         # the epoch's (or --test-nsteps') last step: a checkpoint from here on owes the closing validation
         progress.end_due = progress.step == run.steps_per_epoch or progress.step - first == max_steps
@@ -447,9 +443,38 @@ def evaluate(run, epoch, progress, max_batches=None, ema=False):
 
 # ------------------------------------------------------------------------------------------------ main
 
-def main(args, dist=None):
-    """Validate the flags, join the process group, choose the run folder, then run (see _main)."""
+def main(args, dist=None, startup=None):
+    """Validate the flags, join the process group, choose the run folder, then run (see _main). startup:
+    the start-up's clock (cli's counts from the process's start; else from this call)."""
     dist = dist or get_dist_info()
+    startup = startup or StartUp(time.time())
+    with startup.phase('device'):
+        device, raw, args, share = _device(args, dist)
+    with startup.phase('process_group'):
+        launch.setup(dist, device, args.dist_timeout, share)
+    with ExitStack() as taken:
+        with startup.phase('run_folder'):
+            taken.enter_context(rundir.taken(args, dist))  # sets args.output_dir, the same on every rank
+        tee = None
+        try:
+            if args.nccl_debug:  # before the first NCCL collective, so that the communicator's INIT lines are in it
+                os.makedirs(args.output_dir, exist_ok=True)  # node-local folders: other nodes' ranks make their own
+                tee = launch.StdoutTee(os.path.join(args.output_dir, f'nccl.rank{dist.rank}.log'))
+                print(f'Train step 0 - rank {dist.rank}', flush=True)  # marker: what follows is initialisation
+            if args.loader_only or args.tune_loader or args.tune:  # no StopSignal there: the default actions
+                release_early_signals()
+            if args.loader_only or args.tune_loader:
+                return doctor.loader_mode(args, raw, dist, device)
+            if args.tune:
+                return tune.tune_mode(args, raw, dist, device)
+            return _main(args, dist, device, startup)
+        finally:
+            if tee:
+                tee.close()
+
+
+def _device(args, dist):
+    """-> (device, the flags as given, the flags checked, whether tasks share GPUs)"""
     if args.deterministic:  # cuBLAS reads it when its first handle is made: before any GPU matmul
         os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
     share = args.share_gpu or launch.mps_active()
@@ -464,24 +489,7 @@ def main(args, dist=None):
         os.environ['TORCH_DISTRIBUTED_DEBUG'] = 'DETAIL'
     if args.nccl_debug:
         launch.nccl_debug_env()
-    launch.setup(dist, device, args.dist_timeout, share)
-    with rundir.taken(args, dist):  # sets args.output_dir, the same on every rank
-        tee = None
-        try:
-            if args.nccl_debug:  # before the first NCCL collective, so that the communicator's INIT lines are in it
-                os.makedirs(args.output_dir, exist_ok=True)  # node-local folders: other nodes' ranks make their own
-                tee = launch.StdoutTee(os.path.join(args.output_dir, f'nccl.rank{dist.rank}.log'))
-                print(f'Train step 0 - rank {dist.rank}', flush=True)  # marker: what follows is initialisation
-            if args.loader_only or args.tune_loader or args.tune:  # no StopSignal there: the default actions
-                release_early_signals()
-            if args.loader_only or args.tune_loader:
-                return doctor.loader_mode(args, raw, dist, device)
-            if args.tune:
-                return tune.tune_mode(args, raw, dist, device)
-            return _main(args, dist, device)
-        finally:
-            if tee:
-                tee.close()
+    return device, raw, args, share
 
 
 def release_early_signals():
@@ -493,25 +501,28 @@ def release_early_signals():
             os.kill(os.getpid(), getattr(signal, EARLY_SIGNALS[-1]))
 
 
-def _main(args, dist, device):
+def _main(args, dist, device, startup):
     """Build the run, run its mode (train, LR sweep or evaluation), and end every way it can end with a
     summary.json that says how (errors), the power meter stopped and the logs closed."""
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     torch.use_deterministic_algorithms(args.deterministic)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
     seed_everything(args.seed)  # same seed on every rank: same initial weights, same augmentation streams
-    run, progress = build_run(args, dist, device, Console(dist.is_main))
-    print_header(run)
+    run, progress = build_run(args, dist, device, Console(dist.is_main), startup)
+    with startup.phase('header'):
+        print_header(run)
     power, extra, code = run.power, {}, 1
     run.stop.install(EARLY_SIGNALS)  # one that came during start-up stops the run at its first step boundary
     try:
         # This attempt's record from its start: a kill or a full disk leaves 'running' with this attempt's config
         # and step, never an earlier attempt's summary (a 'preempted' one) that would read as the current state.
         # Rank 0 writes; a failure there (a full disk) stops every rank.
-        launch.on_ranks(lambda: (write_json(os.path.join(args.output_dir, 'config.json'), vars(args)),
+        with startup.phase('record'):
+            launch.on_ranks(lambda: (write_json(os.path.join(args.output_dir, 'config.json'), vars(args)),
                                      write_summary(run, progress, 'running')), when=dist.is_main)
-        run.chrono.start()
-        power.start()
+        with startup.phase('meters'):
+            run.chrono.start()
+            power.start()
         if args.evaluate:  # an end-of-epoch checkpoint is the start of the next epoch
             epoch = progress.epoch - 1 if progress.step == 0 else progress.epoch
             progress.val = evaluate(run, max(0, epoch), progress, 20 if args.test else None)
@@ -556,25 +567,13 @@ def _main(args, dist, device):
         run.log.close(code)
 
 
-def report_error(e, dist):
-    """Every rank that fails says why on its own stderr, tagged with its rank and host when there are several:
-    before the process group exists as after (a rank that cannot reach rank 0, a bad image, an OOM, a dead peer),
-    since in a 32-rank job the one rank that failed is the one whose log matters. A stop (preempted,
-    interrupted, complete) is not an error: rank 0 says it."""
-    if e.label is None:
-        if dist is None or dist.is_main:
-            print(f'dlojz: {e}', file=sys.stderr, flush=True)
-        return
-    tag = f'[rank {dist.rank} on {socket.gethostname()}] ' if dist is not None and dist.world_size > 1 else ''
-    print(f'dlojz: {e.label}: {tag}{e}', file=sys.stderr, flush=True)
-
-
 def cli(argv=None):
     """python dlojz.py FLAGS -> exit code (errors lists them)."""
     dist, peer_failed, ended = None, False, False
+    startup = StartUp(process_start_time(), imports_until=time.time())  # the interpreter and the imports
     try:
         args, dist = get_args_parser().parse_args(argv), get_dist_info()  # in this order: --help first
-        main(args, dist)
+        main(args, dist, startup)
         ended = True
         return 0
     except SystemExit as e:  # argparse: --help (0) or a bad flag (2, its sentence already printed)

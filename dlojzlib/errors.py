@@ -21,6 +21,8 @@ import errno
 import os
 import re
 import shutil
+import socket
+import sys
 import tempfile
 
 
@@ -230,3 +232,16 @@ def translate(e, args, rank=0, distributed=False, step=0):
                            f'answering ({first_line(e)[:160]}); look for the first error in the other ranks\' '
                            f'output (waits are bounded by --dist-timeout, now {timeout}).', **failed)
     return None
+
+
+def report_error(e, dist):
+    """Every rank that fails says why on its own stderr, tagged with its rank and host when there are several:
+    before the process group exists as after (a rank that cannot reach rank 0, a bad image, an OOM, a dead peer),
+    since in a 32-rank job the one rank that failed is the one whose log matters. A stop (preempted,
+    interrupted, complete) is not an error: rank 0 says it."""
+    if e.label is None:
+        if dist is None or dist.is_main:
+            print(f'dlojz: {e}', file=sys.stderr, flush=True)
+        return
+    tag = f'[rank {dist.rank} on {socket.gethostname()}] ' if dist is not None and dist.world_size > 1 else ''
+    print(f'dlojz: {e.label}: {tag}{e}', file=sys.stderr, flush=True)

@@ -19,11 +19,13 @@ entries
                             as slow as hundreds of workers' on a few cores, for the signal tests
   kill-generator:<n>        SIGKILL a process generating the synthetic dataset at its n-th image (the OOM
                             killer)
+  slow-phase:<r>:<name>:<s> rank r sleeps s seconds on entering start-up phase <name> (measure.startup): the
+                            cause the start-up line must name, and not the other ranks' wait for it
 
 docs/development.md lists them beside the tests that use them. The code under test says one word
 (after_step, after_val_batch, train_sample, worker_started, checkpoint_write, before_flock,
-generator_image); with DLOJZ_FAULT unset each is one test of a constant and reads no environment, so
-the training loop pays nothing for them."""
+generator_image, startup_phase); with DLOJZ_FAULT unset each is one test of a constant and reads no
+environment, so the training loop pays nothing for them."""
 import errno
 import os
 import re
@@ -33,7 +35,8 @@ import time
 # name -> the form of its argument, as a pattern
 KNOWN = {'kill-in-checkpoint': r'\d+', 'no-flock': r'', 'slow-steps': r'\d+(\.\d*)?',
          'signal-step': r'\d+:SIG[A-Z0-9]+', 'signal-val': r'\d+:SIG[A-Z0-9]+',
-         'slow-loader': r'\d+:\d+(\.\d*)?', 'slow-worker-start': r'\d+(\.\d*)?', 'kill-generator': r'\d+'}
+         'slow-loader': r'\d+:\d+(\.\d*)?', 'slow-worker-start': r'\d+(\.\d*)?', 'kill-generator': r'\d+',
+         'slow-phase': r'\d+:[a-z_]+:\d+(\.\d*)?'}
 
 
 def parse(text, restart_count=0):
@@ -96,6 +99,14 @@ def generator_image():
     """Called before each synthetic image is generated."""
     if ARMED and 'kill-generator' in ARMED and _nth('kill-generator'):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def startup_phase(name):
+    """Called as start-up phase `name` begins."""
+    if ARMED and 'slow-phase' in ARMED:
+        rank, phase, seconds = ARMED['slow-phase'].split(':')
+        if phase == name and (os.environ.get('RANK') or os.environ.get('SLURM_PROCID') or '0') == rank:
+            time.sleep(float(seconds))
 
 
 def after_val_batch():

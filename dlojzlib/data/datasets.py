@@ -11,6 +11,7 @@ paths are data.decode).
   the device (see dlojz.py: to_device).
 """
 import colorsys
+import contextlib
 import io
 import json
 import math
@@ -32,12 +33,14 @@ from dlojzlib import failpoints
 from dlojzlib.data import augment
 from dlojzlib.data import decode
 from dlojzlib.data import handover
+from dlojzlib.data import index
 from dlojzlib.data import shards
 from dlojzlib.data import stage
 from dlojzlib.data.decode import BadImageError, Blob, source_name
 from dlojzlib.data.folder import IMG_EXTENSIONS, find_classes, scan_imagefolder  # noqa: F401 (data.datasets's API too)
 from dlojzlib.data.handover import SharedCollate
 from dlojzlib.data.workers import DataLoader, ForkContext, ignore_preemption_signals, loader_kwargs  # noqa: F401 (API)
+from dlojzlib.dist import launch
 from dlojzlib.errors import DataError, DlojzError, OutOfMemory, writable
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, never silently half-grey
@@ -423,6 +426,7 @@ class Data:
     accum: int = 1  # --accum-steps: micro-batches per optimizer step
     ahead: object = None  # --decode gpu --decode-ahead: the device the batches are decoded on, one batch ahead
     staging: dict = None  # --stage-dir: what was copied where (data.stage), or why it was not used
+    index: dict = None    # the listing's cost: folders read, the kept index used (data.index)
 
     @property
     def train_batches(self):
@@ -505,14 +509,17 @@ def train_transform(args):
     return (augment.Augmented(transform, ops) if ops else transform), None
 
 
-def build_data(args, dist, log=print, on_ranks=None, device=None):
+def build_data(args, dist, log=print, on_ranks=None, device=None, phase=None):
     """on_ranks(fn, when): run fn where `when` holds, then let every rank learn of any failure
     (distributed). device: where the training batches go; with --decode gpu --decode-ahead the
-    files' batches are decoded there one batch ahead (--fake-data has nothing to decode)."""
+    files' batches are decoded there one batch ahead (--fake-data has nothing to decode). phase: the
+    start-up's clock (measure.startup), for the synthetic data, the staging and the index."""
     on_ranks = on_ranks or (lambda fn, when=True: fn() if when else None)
-    source, staging = resolve_data_source(args), None
+    phase = phase or (lambda name: contextlib.nullcontext())
+    source, staging, cost = resolve_data_source(args), None, None
     if args.stage_dir:
-        source, staging = stage.staged_source(source, args.stage_dir, dist, on_ranks, log)
+        with phase('staging'):
+            source, staging = stage.staged_source(source, args.stage_dir, dist, on_ranks, log)
     if source.kind == 'fake':
         classes = [str(i) for i in range(args.fake_classes)]
         # Distinct batches per rank (seed + rank); train shares padded like DistributedSampler, val
@@ -524,9 +531,10 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
                     mk(val_share, args.val_batch_size, args.val_image_size, False),
                     n_train=args.fake_train_size, n_val=args.fake_val_size, accum=args.accum_steps, staging=staging)
     if source.kind == 'synthetic':  # one generator per node; the other ranks wait for it
-        on_ranks(lambda: ensure_synthetic_dataset(source.root, args.synthetic_classes, args.synthetic_train_per_class,
-                                                  args.synthetic_val_per_class, args.synthetic_seed, log=log),
-                 when=dist.local_rank == 0)
+        with phase('synthetic_data'):
+            on_ranks(lambda: ensure_synthetic_dataset(source.root, args.synthetic_classes,
+                                                      args.synthetic_train_per_class, args.synthetic_val_per_class,
+                                                      args.synthetic_seed, log=log), when=dist.local_rank == 0)
     transform, collate = train_transform(args)
     if collate is None and args.num_workers > 0 and os.environ.get('DLOJZ_HANDOVER') != 'default':
         # the batches handed over in shared slots (data.handover); DLOJZ_HANDOVER=default: torch's
@@ -539,15 +547,19 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
     if args.decode == 'fast' and args.loader == 'native' and decode.REGION.lib is None:
         log(f'Note: {decode.REGION.why_not}: --decode fast decodes whole files, not the crop\'s region alone.')
     val_transform = decode.ValTransform(args.val_resize, args.val_image_size)
+    share = lambda fn: index.shared(fn, dist, on_ranks, launch.broadcast_object)  # noqa: E731
     if source.kind == 'shards':
-        classes, splits = shards.load_index(source.root)
+        with phase('dataset_index'):  # rank 0 reads index.json and its tables
+            classes, splits = share(lambda: shards.load_index(source.root))
         train_set = ShardDataset(source.root, *splits['train'], transform, args.seed, args.skip_bad_images)
         val_set = ShardDataset(source.root, *splits['val'], val_transform, args.seed, args.skip_bad_images)
     else:
         if os.path.exists(os.path.join(source.root, 'prepare.json')) and \
                 not os.path.isdir(os.path.join(source.root, 'train')):  # prepare writes index.json last
             raise shards.incomplete(source.root, shards.INDEX)
-        classes, train_samples, val_samples = scan_imagefolder(source.root)
+        with phase('dataset_index'):  # rank 0 lists, or reuses the kept index (data.index)
+            compact, cost = share(lambda: index.list_imagefolder(source.root, args.cache_dir, args.rescan_data, log))
+            classes, train_samples, val_samples = index.expand(source.root, compact)
         train_set = ImageFolderDataset(train_samples, transform, args.seed, args.skip_bad_images)
         val_set = ImageFolderDataset(val_samples, val_transform, args.seed, args.skip_bad_images)
     if args.res_start is not None:
@@ -570,7 +582,7 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
                                           dali_device),
                     dali.DaliLoader(val_set, val_batches, False, args.val_image_size, args.seed,
                                           args.num_workers, dali_device, val_resize=args.val_resize),
-                    train_set, len(train_set), len(val_set), accum=args.accum_steps, staging=staging)
+                    train_set, len(train_set), len(val_set), accum=args.accum_steps, staging=staging, index=cost)
     # a lone process may skip its loader's start on a stop; ranks with peers agree at a step
     # boundary instead
     train_loader = DataLoader(train_set, batch_sampler=batches, collate_fn=collate,
@@ -579,4 +591,4 @@ def build_data(args, dist, log=print, on_ranks=None, device=None):
                             sampler=ShardSampler(len(val_set), dist.rank, dist.world_size))
     return Data(source, classes, train_loader, val_loader, train_set, len(train_set), len(val_set),
                 accum=args.accum_steps, ahead=device if args.decode == 'gpu' and args.decode_ahead else None,
-                staging=staging)
+                staging=staging, index=cost)

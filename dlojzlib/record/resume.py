@@ -28,6 +28,7 @@ CONTRACT = {
     'data_dir': (CHECKED, 'the same classes and number of training images'),
     'cache_dir': (CHECKED, 'the same classes and number of training images'),
     'stage_dir': (HONOURED, ''),
+    'rescan_data': (HONOURED, ''),
     'synthetic_classes': (CHECKED, 'other classes (with the synthetic data): the checkpoint\'s '
                                    'labels are others'),
     'synthetic_train_per_class': (CHECKED, 'another training set (with the synthetic data): the '

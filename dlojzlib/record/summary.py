@@ -11,6 +11,7 @@ from dlojzlib import recipe
 from dlojzlib.dist import launch
 from dlojzlib.flags import get_args_parser
 from dlojzlib.host import provenance
+from dlojzlib.measure import startup
 from dlojzlib.record.log import SUMMARY_VERSION, write_json
 
 
@@ -64,7 +65,7 @@ def write_summary(run, progress, status, error=None, extra=None):
                  'batches_per_epoch': run.steps_per_epoch, 'bad_images_skipped': run.data.bad_images,
                  'shard_file_opens': run.data.file_opens, 'gpu_decode': run.data.gpu_decode,
                  'fast_decode': run.data.fast_decode, 'handover': run.data.handover, 'dali': run.data.dali,
-                 'staging': run.data.staging},
+                 'staging': run.data.staging, 'index': run.data.index},
         'timing': timing,
         'memory': run.memory.summary(), 'host': run.host,
         'energy': energy,
@@ -74,6 +75,8 @@ def write_summary(run, progress, status, error=None, extra=None):
                              'raw': progress.reached.get('raw'), 'ema': progress.reached.get('ema')},
         **(extra or {}),
     }
+    own = [{'rank': dist.rank, 'host': socket.gethostname(), **(_startup(run) or {'total_s': None})}]
+    summary['startup'] = startup.summarize(own)  # every rank's, below, once the run completed
     if dist.distributed:
         summary['communication'] = communication_estimate(args.bucket_cap_mb, run.model_without_ddp,
                                                           dist.world_size)
@@ -84,6 +87,8 @@ def write_summary(run, progress, status, error=None, extra=None):
             summary['memory']['gpu_max_allocated_bytes_any_rank'] = max(
                 (r['gpu_max_allocated_bytes'] or 0 for r in ranks), default=0) if cuda else None
             energy.update(energy_over_ranks(ranks))
+            summary['startup'] = startup.summarize([{'rank': r['rank'], 'host': r['host'], **r['startup']}
+                                                    for r in ranks])
     if dist.is_main:
         write_json(os.path.join(args.output_dir, 'summary.json'), summary)
     return summary
@@ -101,7 +106,12 @@ def rank_report(run):
             'data_mean_s': data['mean'] if data else None, 'val_time_s': run.chrono.val_time,
             'gpu_max_allocated_bytes': memory['gpu_max_allocated_bytes'],
             'host_peak_rss_bytes': memory['host_peak_rss_bytes'],
+            'startup': _startup(run) or {'total_s': None},
             **run.power.report()}
+
+
+def _startup(run):
+    return run.startup.record() if run.startup is not None else None
 
 
 def energy_over_ranks(ranks):
@@ -229,6 +239,9 @@ def final_lines(summary, chrono, steps_per_epoch):
         per_image = f" ({e['joules_per_image']:.3f} J/image)" if e['joules_per_image'] is not None else ''
         energy = f"; energy {e['energy_j']:.1f} J" if e['energy_j'] is not None else ''
         lines.append(f">>> Peak Power during training: {e['peak_w']:.1f} W{energy}{per_image}")
+    start = startup.line(summary.get('startup'), summary.get('world_size', 1))
+    if start:
+        lines.append(start)
     m = summary['memory']
     if m['gpu_max_allocated_bytes'] is not None:
         # the byte count stays second to last: the course's tools read it there
