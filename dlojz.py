@@ -83,7 +83,7 @@ def seed_everything(seed):
 
 # ------------------------------------------------------------------------------------------------ building
 
-def build_model(args, num_classes, device, dist, comm=None, phase=None):
+def build_model(args, num_classes, device, dist, comm=None, phase=lambda name: nullcontext()):
     """-> (model to train: DDP-wrapped and/or compiled, model to evaluate, plain module for state dicts).
 
     Validation runs the module without its DDP wrapper: a DDP forward may broadcast buffers (a collective),
@@ -96,7 +96,7 @@ def build_model(args, num_classes, device, dist, comm=None, phase=None):
     model = model.to(device, memory_format=memory_format)
     if dist.distributed and args.sync_bn:  # before the DDP wrap, as DDP must see the final modules
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    with (phase or (lambda name: nullcontext()))('ddp_wrap'):  # its first broadcast of the weights
+    with phase('ddp_wrap'):  # its first broadcast of the weights
         train_model = launch.wrap_ddp(model, device, args, comm) if dist.distributed else model
     eval_model = model
     if args.compile:  # DDP first, then compile: dynamo's DDPOptimizer keeps communication overlapped

@@ -67,6 +67,11 @@ def _nth(name):
     return _hits[name] == int(ARMED[name].split(':')[0])
 
 
+def _this_rank():
+    """The launcher's rank of this process (torchrun's RANK, srun's SLURM_PROCID), as text."""
+    return os.environ.get('RANK') or os.environ.get('SLURM_PROCID') or '0'
+
+
 def _signal_group(name):
     os.killpg(os.getpgrp(), getattr(signal, ARMED[name].split(':')[1]))
 
@@ -85,7 +90,7 @@ def train_sample():
     """Called as a loader (a worker or the main process) reads a training image."""
     if ARMED and 'slow-loader' in ARMED:
         rank, seconds = ARMED['slow-loader'].split(':')
-        if (os.environ.get('RANK') or os.environ.get('SLURM_PROCID') or '0') == rank:
+        if _this_rank() == rank:
             time.sleep(float(seconds))
 
 
@@ -105,7 +110,7 @@ def startup_phase(name):
     """Called as start-up phase `name` begins."""
     if ARMED and 'slow-phase' in ARMED:
         rank, phase, seconds = ARMED['slow-phase'].split(':')
-        if phase == name and (os.environ.get('RANK') or os.environ.get('SLURM_PROCID') or '0') == rank:
+        if phase == name and _this_rank() == rank:
             time.sleep(float(seconds))
 
 

@@ -40,7 +40,6 @@ from dlojzlib.data.decode import BadImageError, Blob, source_name
 from dlojzlib.data.folder import IMG_EXTENSIONS, find_classes, scan_imagefolder  # noqa: F401 (data.datasets's API too)
 from dlojzlib.data.handover import SharedCollate
 from dlojzlib.data.workers import DataLoader, ForkContext, ignore_preemption_signals, loader_kwargs  # noqa: F401 (API)
-from dlojzlib.dist import launch
 from dlojzlib.errors import DataError, DlojzError, OutOfMemory, writable
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, never silently half-grey
@@ -509,13 +508,13 @@ def train_transform(args):
     return (augment.Augmented(transform, ops) if ops else transform), None
 
 
-def build_data(args, dist, log=print, on_ranks=None, device=None, phase=None):
+def build_data(args, dist, log=print, on_ranks=None, device=None,
+               phase=lambda name: contextlib.nullcontext()):
     """on_ranks(fn, when): run fn where `when` holds, then let every rank learn of any failure
     (distributed). device: where the training batches go; with --decode gpu --decode-ahead the
     files' batches are decoded there one batch ahead (--fake-data has nothing to decode). phase: the
     start-up's clock (measure.startup), for the synthetic data, the staging and the index."""
     on_ranks = on_ranks or (lambda fn, when=True: fn() if when else None)
-    phase = phase or (lambda name: contextlib.nullcontext())
     source, staging, cost = resolve_data_source(args), None, None
     if args.stage_dir:
         with phase('staging'):
@@ -547,10 +546,9 @@ def build_data(args, dist, log=print, on_ranks=None, device=None, phase=None):
     if args.decode == 'fast' and args.loader == 'native' and decode.REGION.lib is None:
         log(f'Note: {decode.REGION.why_not}: --decode fast decodes whole files, not the crop\'s region alone.')
     val_transform = decode.ValTransform(args.val_resize, args.val_image_size)
-    share = lambda fn: index.shared(fn, dist, on_ranks, launch.broadcast_object)  # noqa: E731
     if source.kind == 'shards':
         with phase('dataset_index'):  # rank 0 reads index.json and its tables
-            classes, splits = share(lambda: shards.load_index(source.root))
+            classes, splits = index.shared(lambda: shards.load_index(source.root), dist, on_ranks)
         train_set = ShardDataset(source.root, *splits['train'], transform, args.seed, args.skip_bad_images)
         val_set = ShardDataset(source.root, *splits['val'], val_transform, args.seed, args.skip_bad_images)
     else:
@@ -558,7 +556,8 @@ def build_data(args, dist, log=print, on_ranks=None, device=None, phase=None):
                 not os.path.isdir(os.path.join(source.root, 'train')):  # prepare writes index.json last
             raise shards.incomplete(source.root, shards.INDEX)
         with phase('dataset_index'):  # rank 0 lists, or reuses the kept index (data.index)
-            compact, cost = share(lambda: index.list_imagefolder(source.root, args.cache_dir, args.rescan_data, log))
+            compact, cost = index.shared(lambda: index.list_imagefolder(source.root, args.cache_dir,
+                                                                        args.rescan_data, log), dist, on_ranks)
             classes, train_samples, val_samples = index.expand(source.root, compact)
         train_set = ImageFolderDataset(train_samples, transform, args.seed, args.skip_bad_images)
         val_set = ImageFolderDataset(val_samples, val_transform, args.seed, args.skip_bad_images)

@@ -82,51 +82,66 @@ def _list_folder(folder):
     return sorted(files), sorted(odd)
 
 
-def split_samples(split_dir, folders, warn=warn_stderr):
-    """A split's listing (list_split) -> (classes, samples, the class folders without an image), with
-    the warnings and errors users need."""
-    classes, samples, empty = [], [], []
-    odd = [os.path.join(name, f) for name, folder in folders.items() for f in folder['odd']]
-    for name, folder in folders.items():
-        if not folder['files']:
-            empty.append(name)
-            continue
-        samples.extend((os.path.join(split_dir, name, f), len(classes)) for f in folder['files'])
-        classes.append(name)
+def split_classes(split_dir, folders, warn=warn_stderr):
+    """A split's listing (list_split) -> (classes: the folders holding an image, the class folders
+    without one), with the warnings and errors users need."""
+    classes = [name for name, folder in folders.items() if folder['files']]
+    empty = [name for name, folder in folders.items() if not folder['files']]
+    odd = sorted(os.path.join(name, f) for name, folder in folders.items() for f in folder['odd'])
     if odd:
-        warn(f'{split_dir}: {len(odd)} image name(s) are not regular files (a FIFO, a socket, a folder, a '
-             f'dangling link or one that loops) or could not be read, and are left out: {_shown(sorted(odd))}.')
+        warn(f'{split_dir}: {len(odd)} image name(s) are not regular files (a FIFO, a socket, a folder, '
+             f'a dangling link or one that loops) or could not be read, and are left out: {_shown(odd)}.')
     if not classes:
         flat = [f for f in os.listdir(split_dir) if f.lower().endswith(IMG_EXTENSIONS)]
-        hint = (f' It holds {len(flat)} images directly: ImageNet\'s raw val/ is flat; sort it into class '
-                f'folders (the usual valprep.sh script does it).') if flat else ''
+        hint = (f' It holds {len(flat)} images directly: ImageNet\'s raw val/ is flat; sort it into '
+                f'class folders (the usual valprep.sh script does it).') if flat else ''
         raise DataError(f'{split_dir} has no class folder with images; expected '
                         f'{split_dir}/<class>/*.JPEG.{hint}')
-    return classes, samples, empty
+    return classes, empty
+
+
+def samples(split_dir, classes, files):
+    """(path, label) of every image, as ImageFolder's; files: each class's file names, in order."""
+    return [(os.path.join(split_dir, c, f), label) for label, (c, names) in enumerate(zip(classes, files))
+            for f in names]
 
 
 def find_classes(split_dir, warn=warn_stderr):
     """Class folders of one split, sorted, each holding at least one image file; -> (classes,
     samples, the class folders without an image)."""
-    return split_samples(split_dir, list_split(split_dir)[0], warn)
+    folders = list_split(split_dir)[0]
+    classes, empty = split_classes(split_dir, folders, warn)
+    return classes, samples(split_dir, classes, [folders[c]['files'] for c in classes]), empty
 
 
-def scan_imagefolder(root, given='--data-dir', warn=warn_stderr):
-    """(classes, train samples, val samples) with the train/val checks users need. given: how the
-    user named root (--data-dir for training, SRC for `dlojz_data.py prepare`), for the messages."""
+def require_root(root, given='--data-dir'):
+    """The one sentence for a data folder that is missing or a file. given: how the user named root
+    (--data-dir for training, SRC for `dlojz_data.py prepare`)."""
     if not os.path.isdir(root):
         what = 'is a file, not a folder' if os.path.exists(root) else 'does not exist'
         fallback = ' (or omit it to use the built-in synthetic dataset)' if given == '--data-dir' else ''
         raise DataError(f'{given} {root} {what}; give a folder with train/<class>/ and val/<class>/ '
                         f'folders of images{fallback}.')
-    return imagefolder_samples(root, {split: list_split(os.path.join(root, split))[0] for split in ('train', 'val')},
-                               warn)
+
+
+def scan_imagefolder(root, given='--data-dir', warn=warn_stderr):
+    """(classes, train samples, val samples) with the train/val checks users need."""
+    require_root(root, given)
+    listing = {split: list_split(os.path.join(root, split))[0] for split in ('train', 'val')}
+    return imagefolder_samples(root, listing, warn)
 
 
 def imagefolder_samples(root, listing, warn=warn_stderr):
     """{'train': list_split's folders, 'val': ...} -> (classes, train samples, val samples), checked."""
-    train_classes, train, train_empty = split_samples(os.path.join(root, 'train'), listing['train'], warn)
-    val_classes, val, val_empty = split_samples(os.path.join(root, 'val'), listing['val'], warn)
+    classes = imagefolder_classes(root, listing, warn)
+    return (classes, *(samples(os.path.join(root, split), classes, [listing[split][c]['files'] for c in classes])
+                       for split in ('train', 'val')))
+
+
+def imagefolder_classes(root, listing, warn=warn_stderr):
+    """The classes of both splits' listings, checked: the same in train/ and val/."""
+    train_classes, train_empty = split_classes(os.path.join(root, 'train'), listing['train'], warn)
+    val_classes, val_empty = split_classes(os.path.join(root, 'val'), listing['val'], warn)
     if train_classes != val_classes:
         only_train = sorted(set(train_classes) - set(val_classes))[:3]
         only_val = sorted(set(val_classes) - set(train_classes))[:3]
@@ -135,6 +150,6 @@ def imagefolder_samples(root, listing, warn=warn_stderr):
                         f'both splits need the same class folders.')
     dropped = sorted(set(train_empty) & set(val_empty))
     if dropped:
-        warn(f'{root}: {len(dropped)} class folder(s) hold no image in train/ nor val/ and are not classes of '
-             f'this run: {_shown(dropped)}.')
-    return train_classes, train, val
+        warn(f'{root}: {len(dropped)} class folder(s) hold no image in train/ nor val/ and are not '
+             f'classes of this run: {_shown(dropped)}.')
+    return train_classes

@@ -17,6 +17,7 @@ import socket
 import tempfile
 
 from dlojzlib.data import folder
+from dlojzlib.dist import launch
 from dlojzlib.files import fsync_replace
 
 VERSION = 1  # of the index file's layout: another one is listed again
@@ -61,15 +62,14 @@ def write_index(path, root, listing):
 def list_imagefolder(root, cache_dir, rescan=False, log=print, warn=folder.warn_stderr):
     """Rank 0's part: the listing of `root`, from the kept index where its folders have not changed.
     -> (the compact lists every rank expands, what it cost)."""
-    if not os.path.isdir(root):
-        folder.scan_imagefolder(root)  # raises its one sentence for a missing folder or a file
+    folder.require_root(root)
     path = index_path(cache_dir, root)
     kept = None if rescan else read_index(path, root)
     listing, read = {}, 0
     for split in ('train', 'val'):
         listing[split], n = folder.list_split(os.path.join(root, split), (kept or {}).get(split))
         read += n
-    classes, train, val = folder.imagefolder_samples(root, listing, warn)
+    classes = folder.imagefolder_classes(root, listing, warn)  # the checks; every rank makes the samples
     total = sum(len(folders) for folders in listing.values())
     cost = {'index': path, 'folders': total, 'folders_listed': read, 'rescan': bool(rescan),
             'kept_index': kept is not None}
@@ -89,14 +89,10 @@ def list_imagefolder(root, cache_dir, rescan=False, log=print, warn=folder.warn_
 def expand(root, compact):
     """The compact lists -> (classes, train samples, val samples): (path, label) as ImageFolder's."""
     classes = compact['classes']
-    out = [classes]
-    for split in ('train', 'val'):
-        out.append([(os.path.join(root, split, c, f), label) for label, c in enumerate(classes)
-                    for f in compact[split][label]])
-    return tuple(out)
+    return (classes, *(folder.samples(os.path.join(root, split), classes, compact[split])
+                       for split in ('train', 'val')))
 
 
-def shared(fn, dist, on_ranks, broadcast):
+def shared(fn, dist, on_ranks):
     """fn() on global rank 0; every rank gets its result (one broadcast), or rank 0's error."""
-    result = on_ranks(fn, when=dist.rank == 0)
-    return broadcast(result) if dist.world_size > 1 else result
+    return launch.broadcast_object(on_ranks(fn, when=dist.rank == 0))

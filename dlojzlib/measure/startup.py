@@ -72,7 +72,20 @@ class StartUp:
 
     def first_batch(self, loader):
         """The loader, its start (workers forked, first batch in hand) timed as 'loader_start'."""
-        return loader if not self.pending else _FirstBatch(loader, self)
+        return loader if not self.pending else self._first_batch(loader)
+
+    def _first_batch(self, loader):
+        start = self.clock()
+        it = iter(loader)
+        try:
+            first = next(it)
+        except StopIteration:
+            return
+        finally:
+            self.segments.append(['loader_start', start, self.clock()])
+        self._batch_in_hand = self.clock()
+        yield first
+        yield from it
 
     def first_step_done(self, device=None):
         """After the first training step: on a GPU the queued work is waited for (once), so that
@@ -97,31 +110,6 @@ class StartUp:
         return {'origin': self.origin, 'total_s': total, 'phases': phases,
                 'unaccounted_s': total - sum(phases.values()),
                 'segments': [[name, start - self.origin, end - self.origin] for name, start, end in self.segments]}
-
-
-class _FirstBatch:
-    def __init__(self, loader, clock):
-        self.loader, self.startup = loader, clock
-
-    def __len__(self):
-        return len(self.loader)
-
-    def __iter__(self):
-        clock = self.startup
-        if not clock.pending:
-            yield from self.loader
-            return
-        start = clock.clock()
-        it = iter(self.loader)
-        try:
-            first = next(it)
-        except StopIteration:
-            return
-        finally:
-            clock.segments.append(['loader_start', start, clock.clock()])
-        clock._batch_in_hand = clock.clock()
-        yield first
-        yield from it
 
 
 def summarize(records):

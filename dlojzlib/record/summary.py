@@ -75,8 +75,7 @@ def write_summary(run, progress, status, error=None, extra=None):
                              'raw': progress.reached.get('raw'), 'ema': progress.reached.get('ema')},
         **(extra or {}),
     }
-    own = [{'rank': dist.rank, 'host': socket.gethostname(), **(_startup(run) or {'total_s': None})}]
-    summary['startup'] = startup.summarize(own)  # every rank's, below, once the run completed
+    starts = [rank_startup(run)]  # every rank's once the run completed (gathered below)
     if dist.distributed:
         summary['communication'] = communication_estimate(args.bucket_cap_mb, run.model_without_ddp,
                                                           dist.world_size)
@@ -87,8 +86,8 @@ def write_summary(run, progress, status, error=None, extra=None):
             summary['memory']['gpu_max_allocated_bytes_any_rank'] = max(
                 (r['gpu_max_allocated_bytes'] or 0 for r in ranks), default=0) if cuda else None
             energy.update(energy_over_ranks(ranks))
-            summary['startup'] = startup.summarize([{'rank': r['rank'], 'host': r['host'], **r['startup']}
-                                                    for r in ranks])
+            starts = [r['startup'] for r in ranks]
+    summary['startup'] = startup.summarize(starts)
     if dist.is_main:
         write_json(os.path.join(args.output_dir, 'summary.json'), summary)
     return summary
@@ -106,12 +105,14 @@ def rank_report(run):
             'data_mean_s': data['mean'] if data else None, 'val_time_s': run.chrono.val_time,
             'gpu_max_allocated_bytes': memory['gpu_max_allocated_bytes'],
             'host_peak_rss_bytes': memory['host_peak_rss_bytes'],
-            'startup': _startup(run) or {'total_s': None},
+            'startup': rank_startup(run),
             **run.power.report()}
 
 
-def _startup(run):
-    return run.startup.record() if run.startup is not None else None
+def rank_startup(run):
+    """This rank's start-up record (measure.startup), 'total_s' None before its first step."""
+    record = run.startup.record() if run.startup is not None else None
+    return {'rank': run.dist.rank, 'host': socket.gethostname(), **(record or {'total_s': None})}
 
 
 def energy_over_ranks(ranks):
