@@ -56,7 +56,8 @@ from dlojzlib.data import augment
 from dlojzlib.data.datasets import IMAGENET_MEAN, IMAGENET_STD, build_data
 from dlojzlib.dist import launch
 from dlojzlib.dist.launch import get_dist_info
-from dlojzlib.errors import CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation, report_error, translate
+from dlojzlib.errors import (CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation,
+                             report_error, translate)
 from dlojzlib.host import host_check, intra_op_threads, process_start_time
 from dlojzlib.measure.comm import CommTimer
 from dlojzlib.measure.power import PowerMeter
@@ -181,8 +182,8 @@ def build_run(args, dist, device, say, startup=None):
         say(f'Warning: the data has a single class ({data.classes[0]}): every prediction is right, loss and '
             f'accuracy say nothing; check --data-dir.')
     with phase('optimizer'):
-        criterion, optimizer, scheduler, scaler = recipe.build_optimization(args, plain, steps_per_epoch,
-                                                                            total_steps, device)
+        criterion, optimizer, scheduler, scaler = recipe.build_optimization(
+            args, plain, steps_per_epoch, total_steps, device)
     global_batch = args.batch_size * dist.world_size * args.accum_steps
     check_resume(args, dist, ckpt_path, ckpt, data, plain, optimizer, global_batch, steps_per_epoch, total_steps)
     resumed = ckpt is not None and not args.evaluate
@@ -338,12 +339,13 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
     if len(run.chrono.steps) >= run.chrono.warmup:  # past the warm-up (a later epoch): this epoch's steps count for J/image
         run.power.window_start()
     bar = run.log.bar(min(run.steps_per_epoch - first, max_steps or run.steps_per_epoch), f'epoch {progress.epoch + 1}')
-    for images, labels in run.chrono.iterate(run.startup.first_batch(run.data.train_steps), max_steps):
+    batches = run.startup.first_batch(run.data.train_steps)  # the first wait: the loader's start
+    for images, labels in run.chrono.iterate(batches, max_steps):
         if args.nccl_debug:  # the course's comm_profiler marker: tags the NCCL lines that follow
             print(f'Train step {progress.global_step + 1} - rank {run.dist.rank}', flush=True)
         lr = run.optimizer.param_groups[0]['lr']
         loss, output, labels = train_step(run, images, labels)
-        if run.startup.pending:  # the first step of this process: its end closes the start-up (one GPU sync)
+        if run.startup.pending:  # this process's first step ends its start-up (one GPU sync)
             run.startup.first_step_done(run.device)
         progress.advance(labels.shape[0] * run.dist.world_size)  # every rank's batch has this size
         # the epoch's (or --test-nsteps') last step: a checkpoint from here on owes the closing validation
@@ -444,8 +446,8 @@ def evaluate(run, epoch, progress, max_batches=None, ema=False):
 # ------------------------------------------------------------------------------------------------ main
 
 def main(args, dist=None, startup=None):
-    """Validate the flags, join the process group, choose the run folder, then run (see _main). startup:
-    the start-up's clock (cli's counts from the process's start; else from this call)."""
+    """Validate the flags, join the process group, choose the run folder, then run (see _main).
+    startup: the start-up's clock (cli's counts from the process's start; else from this call)."""
     dist = dist or get_dist_info()
     startup = startup or StartUp(time.time())
     with startup.phase('device'):
@@ -454,23 +456,19 @@ def main(args, dist=None, startup=None):
         launch.setup(dist, device, args.dist_timeout, share)
     with ExitStack() as taken:
         with startup.phase('run_folder'):
-            taken.enter_context(rundir.taken(args, dist))  # sets args.output_dir, the same on every rank
-        tee = None
-        try:
-            if args.nccl_debug:  # before the first NCCL collective, so that the communicator's INIT lines are in it
-                os.makedirs(args.output_dir, exist_ok=True)  # node-local folders: other nodes' ranks make their own
-                tee = launch.StdoutTee(os.path.join(args.output_dir, f'nccl.rank{dist.rank}.log'))
-                print(f'Train step 0 - rank {dist.rank}', flush=True)  # marker: what follows is initialisation
-            if args.loader_only or args.tune_loader or args.tune:  # no StopSignal there: the default actions
-                release_early_signals()
-            if args.loader_only or args.tune_loader:
-                return doctor.loader_mode(args, raw, dist, device)
-            if args.tune:
-                return tune.tune_mode(args, raw, dist, device)
-            return _main(args, dist, device, startup)
-        finally:
-            if tee:
-                tee.close()
+            taken.enter_context(rundir.taken(args, dist))  # sets args.output_dir on every rank
+        if args.nccl_debug:  # before the first NCCL collective: the communicator's INIT lines go in
+            os.makedirs(args.output_dir, exist_ok=True)  # node-local: each node's ranks make theirs
+            tee = launch.StdoutTee(os.path.join(args.output_dir, f'nccl.rank{dist.rank}.log'))
+            taken.callback(tee.close)  # before the run folder is released
+            print(f'Train step 0 - rank {dist.rank}', flush=True)  # what follows is initialisation
+        if args.loader_only or args.tune_loader or args.tune:  # no StopSignal: the default actions
+            release_early_signals()
+        if args.loader_only or args.tune_loader:
+            return doctor.loader_mode(args, raw, dist, device)
+        if args.tune:
+            return tune.tune_mode(args, raw, dist, device)
+        return _main(args, dist, device, startup)
 
 
 def _device(args, dist):
@@ -480,7 +478,8 @@ def _device(args, dist):
     share = args.share_gpu or launch.mps_active()
     device = launch.pick_device(args.device, dist, share)
     raw = dict(vars(args))  # the flags as given: --tune-loader passes them on to its trials
-    backend = launch.process_group_backend(device.type, torch.cuda.device_count(), dist.local_world_size, share)
+    gpus = torch.cuda.device_count()
+    backend = launch.process_group_backend(device.type, gpus, dist.local_world_size, share)
     args = flags.check_args(args, device, dist.world_size, job_id=dist.job_id, backend=backend)
     threads = intra_op_threads(args.num_workers, device.type == 'cpu', dist.local_world_size)
     if threads:  # before the first parallel op: OpenMP sizes its pool then
@@ -518,7 +517,8 @@ def _main(args, dist, device, startup):
         # and step, never an earlier attempt's summary (a 'preempted' one) that would read as the current state.
         # Rank 0 writes; a failure there (a full disk) stops every rank.
         with startup.phase('record'):
-            launch.on_ranks(lambda: (write_json(os.path.join(args.output_dir, 'config.json'), vars(args)),
+            config = os.path.join(args.output_dir, 'config.json')
+            launch.on_ranks(lambda: (write_json(config, vars(args)),
                                      write_summary(run, progress, 'running')), when=dist.is_main)
         with startup.phase('meters'):
             run.chrono.start()
@@ -570,7 +570,7 @@ def _main(args, dist, device, startup):
 def cli(argv=None):
     """python dlojz.py FLAGS -> exit code (errors lists them)."""
     dist, peer_failed, ended = None, False, False
-    startup = StartUp(process_start_time(), imports_until=time.time())  # the interpreter and the imports
+    startup = StartUp(process_start_time(), imports_until=time.time())  # 1st phase: the imports
     try:
         args, dist = get_args_parser().parse_args(argv), get_dist_info()  # in this order: --help first
         main(args, dist, startup)

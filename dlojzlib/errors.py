@@ -181,7 +181,8 @@ def loader_error_message(exc):
     worker's traceback is in the message; its last line is the original exception)."""
     text = str(exc).strip().splitlines()
     last = text[-1] if text else ''
-    # the class as the traceback names it, with or without its module's path (which moves with the code)
+    # the class as the traceback names it, with or without its module's path (which moves with the
+    # code)
     return _DATA_ERROR_PREFIX.sub('', last, count=1)
 
 
@@ -235,13 +236,14 @@ def translate(e, args, rank=0, distributed=False, step=0):
 
 
 def report_error(e, dist):
-    """Every rank that fails says why on its own stderr, tagged with its rank and host when there are several:
-    before the process group exists as after (a rank that cannot reach rank 0, a bad image, an OOM, a dead peer),
-    since in a 32-rank job the one rank that failed is the one whose log matters. A stop (preempted,
-    interrupted, complete) is not an error: rank 0 says it."""
+    """Every rank that fails says why on its own stderr, tagged with its rank and host when there
+    are several: before the process group exists as after (a rank that cannot reach rank 0, a bad
+    image, an OOM, a dead peer), since in a 32-rank job the one rank that failed is the one whose
+    log matters. A stop (preempted, interrupted, complete) is not an error: rank 0 says it."""
     if e.label is None:
         if dist is None or dist.is_main:
             print(f'dlojz: {e}', file=sys.stderr, flush=True)
         return
-    tag = f'[rank {dist.rank} on {socket.gethostname()}] ' if dist is not None and dist.world_size > 1 else ''
+    several = dist is not None and dist.world_size > 1
+    tag = f'[rank {dist.rank} on {socket.gethostname()}] ' if several else ''
     print(f'dlojz: {e.label}: {tag}{e}', file=sys.stderr, flush=True)

@@ -19,8 +19,9 @@ entries
                             as slow as hundreds of workers' on a few cores, for the signal tests
   kill-generator:<n>        SIGKILL a process generating the synthetic dataset at its n-th image (the OOM
                             killer)
-  slow-phase:<r>:<name>:<s> rank r sleeps s seconds on entering start-up phase <name> (measure.startup): the
-                            cause the start-up line must name, and not the other ranks' wait for it
+  slow-phase:<r>:<name>:<s> rank r sleeps s seconds on entering start-up phase <name>
+                            (measure.startup): the cause the start-up line must name, not the
+                            other ranks' wait for it
 
 docs/development.md lists them beside the tests that use them. The code under test says one word
 (after_step, after_val_batch, train_sample, worker_started, checkpoint_write, before_flock,
@@ -35,8 +36,8 @@ import time
 # name -> the form of its argument, as a pattern
 KNOWN = {'kill-in-checkpoint': r'\d+', 'no-flock': r'', 'slow-steps': r'\d+(\.\d*)?',
          'signal-step': r'\d+:SIG[A-Z0-9]+', 'signal-val': r'\d+:SIG[A-Z0-9]+',
-         'slow-loader': r'\d+:\d+(\.\d*)?', 'slow-worker-start': r'\d+(\.\d*)?', 'kill-generator': r'\d+',
-         'slow-phase': r'\d+:[a-z_]+:\d+(\.\d*)?'}
+         'slow-loader': r'\d+:\d+(\.\d*)?', 'slow-worker-start': r'\d+(\.\d*)?',
+         'kill-generator': r'\d+', 'slow-phase': r'\d+:[a-z_]+:\d+(\.\d*)?'}
 
 
 def parse(text, restart_count=0):

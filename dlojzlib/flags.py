@@ -93,10 +93,10 @@ def data_flags(p):
                    'synthetic dataset')
     g.add_argument('--stage-dir', help='copy the shards (dlojz_data.py prepare) to this folder on the node\'s local '
                    'disk, once per node, and read them there, e.g. $SLURM_TMPDIR; other data are read in place')
-    g.add_argument('--cache-dir', default='~/.cache/dlojz', help='where the synthetic dataset is generated, once, '
-                   'and the index of each data folder is kept for the next job')
-    g.add_argument('--rescan-data', action='store_true', help='list the data folder again rather than reuse the '
-                   'kept index of its unchanged class folders')
+    g.add_argument('--cache-dir', default='~/.cache/dlojz', help='where the synthetic dataset is '
+                   'generated, once, and the index of each data folder is kept for the next job')
+    g.add_argument('--rescan-data', action='store_true', help='list the data folder again rather '
+                   'than reuse the kept index of its unchanged class folders')
     g.add_argument('--synthetic-classes', type=POSITIVE_INT, default=10, help='synthetic dataset: number of classes')
     g.add_argument('--synthetic-train-per-class', type=POSITIVE_INT, default=64, help='synthetic: train images per class')
     g.add_argument('--synthetic-val-per-class', type=POSITIVE_INT, default=16, help='synthetic: val images per class')

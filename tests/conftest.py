@@ -91,11 +91,14 @@ def torchrun(n, *flags, timeout=300, script=DLOJZ, env=None):
 
 def srun_like(n, *flags, log_dir, job_id=None):
     """Start n dlojz tasks with the variables srun gives one task per process on one node; the job id is
-    chosen so that dlojz's port (20000 + id % 10000) is free. -> list of Popen, outputs in log_dir."""
+    chosen so that dlojz's port (20000 + id % 10000) is free. -> list of Popen, outputs in
+    log_dir."""
     job_id = free_port(20000, 30000) - 20000 if job_id is None else job_id
     procs = []
     for rank in range(n):
-        env = {**{k: v for k, v in os.environ.items() if k != 'MASTER_PORT'}, 'OMP_NUM_THREADS': '1', 'SLURM_JOB_ID': str(job_id), 'SLURM_STEP_ID': '0',
+        env = {**{k: v for k, v in os.environ.items() if k != 'MASTER_PORT'},
+               'OMP_NUM_THREADS': '1',
+               'SLURM_JOB_ID': str(job_id), 'SLURM_STEP_ID': '0',
                'SLURM_PROCID': str(rank), 'SLURM_LOCALID': str(rank), 'SLURM_NODEID': '0',
                'SLURM_NTASKS': str(n), 'SLURM_STEP_NUM_TASKS': str(n), 'SLURM_STEP_NODELIST': 'localhost',
                'SLURM_JOB_NODELIST': 'localhost', 'SLURM_STEP_TASKS_PER_NODE': str(n)}

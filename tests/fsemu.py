@@ -1,31 +1,36 @@
-"""An emulated shared parallel file system (a GPFS/Lustre-like metadata server), for tests and measurements.
+"""An emulated shared parallel file system (a GPFS/Lustre-like metadata server), for tests and
+measurements.
 
-A FUSE pass-through of SOURCE, read-only, served by ONE thread (libfuse's -s, nothreads) that sleeps --latency
-before each operation and counts it by name: N processes listing an ImageNet-shaped tree queue on one server,
-as the clients of a busy metadata server do. It runs in its own process, outside the code it measures.
+A FUSE pass-through of SOURCE, read-only, served by ONE thread (libfuse's -s, nothreads) that sleeps
+--latency before each operation and counts it by name: N processes listing an ImageNet-shaped tree
+queue on one server, as the clients of a busy metadata server do. It runs in its own process,
+outside the code it measures.
 
-    python tests/fsemu.py tree ROOT --classes 1000        # make_tree(): 1000 x (10 + 2) tiny JPEGs, ~1 s
+    python tests/fsemu.py tree ROOT --classes 1000   # make_tree(): 1000 x (10 + 2) tiny JPEGs, ~1 s
     python tests/fsemu.py serve ROOT MNT --latency 0.0005 --stats counts.json &
     kill -USR1 $!   # counts.json <- {"seq": n, "latency": L, "counts": {"getattr": 6004, ...}}
     kill -USR2 $!   # zeroes the counts, then writes the file
-    with mounted(ROOT, MNT) as fs: fs.reset(); os.listdir(MNT); fs.counts()   # in a test, after why_unavailable()
+    with mounted(ROOT, MNT) as fs: fs.reset(); os.listdir(MNT); fs.counts()   # in a test
 
-Mount options (libfuse 3.14, mfusepy 3.1.1), given as -o rather than through mfusepy's fuse_config struct, whose
-layout changed within libfuse 3.14: ro, entry_timeout=0, attr_timeout=0, negative_timeout=0 (libfuse's defaults
-are 1, 1 and 0 s), neither kernel_cache nor auto_cache (file pages are dropped at each open). There is no readdir
-cache to turn off: the kernel keeps a listing only when opendir sets fuse_file_info.cache_readdir, which mfusepy
-leaves 0. Checked by counting: a second os.stat or os.listdir of a path is counted again (tests/test_fsemu.py),
-and so are a second failed stat and a second read of a file (by hand).
+Mount options (libfuse 3.14, mfusepy 3.1.1), given as -o rather than through mfusepy's fuse_config
+struct, whose layout changed within libfuse 3.14: ro, entry_timeout=0, attr_timeout=0,
+negative_timeout=0 (libfuse's defaults are 1, 1 and 0 s), neither kernel_cache nor auto_cache (file
+pages are dropped at each open). There is no readdir cache to turn off: the kernel keeps a listing
+only when opendir sets fuse_file_info.cache_readdir, which mfusepy leaves 0. Checked by counting: a
+second os.stat or os.listdir of a path is counted again (tests/test_fsemu.py), and so are a second
+failed stat and a second read of a file (by hand).
 
 Reading the counts (measured on Linux 6.18):
-- libfuse's high-level API serves the kernel's LOOKUP with getattr, and with entry_timeout=0 the kernel looks
-  every component up again: os.stat('MNT/train/c') is 3 getattr (train, c, then c's attributes).
-- A listing is opendir, one readdir whatever its length (libfuse fills its buffer in one call), releasedir;
-  the kernel sends releasedir (and release) asynchronously after close: it may be counted a moment later.
-- readdir gives each name with its type (st_mode & S_IFMT, from the source's d_type, as Lustre and GPFS give
-  d_type), so os.scandir's entry.is_file()/is_dir() ask nothing. With --names-only (DT_UNKNOWN) every
-  entry.is_file() is an lstat, about 4 getattr per entry of MNT/train/c/: walking 1000 classes x 12 files
-  counted 60009 getattr instead of 6005.
+- libfuse's high-level API serves the kernel's LOOKUP with getattr, and with entry_timeout=0 the
+  kernel looks every component up again: os.stat('MNT/train/c') is 3 getattr (train, c, then c's
+  attributes).
+- A listing is opendir, one readdir whatever its length (libfuse fills its buffer in one call),
+  releasedir; the kernel sends releasedir (and release) asynchronously after close: it may be
+  counted a moment later.
+- readdir gives each name with its type (st_mode & S_IFMT, from the source's d_type, as Lustre and
+  GPFS give d_type), so os.scandir's entry.is_file()/is_dir() ask nothing. With --names-only
+  (DT_UNKNOWN) every entry.is_file() is an lstat, about 4 getattr per entry of MNT/train/c/: walking
+  1000 classes x 12 files counted 60009 getattr instead of 6005.
 - At latency 0 an operation costs 20-40 us (25,000-50,000 op/s); at latency L about L + 0.1-0.2 ms.
 """
 import argparse
@@ -49,11 +54,12 @@ import time
 
 HERE = os.path.abspath(__file__)
 OPTIONS = dict(ro=True, fsname='fsemu', entry_timeout=0, attr_timeout=0, negative_timeout=0)
-STAT_FIELDS = ('st_mode', 'st_nlink', 'st_uid', 'st_gid', 'st_size', 'st_blocks', 'st_blksize', 'st_rdev')
+STAT_FIELDS = ('st_mode', 'st_nlink', 'st_uid', 'st_gid', 'st_size', 'st_blocks', 'st_blksize',
+               'st_rdev')
 
 
 def serve(source, mountpoint, latency, stats_file, names_only=False):
-    """Mount and serve until unmounted (fusermount3 -u) or SIGTERM/SIGINT (libfuse unmounts then)."""
+    """Mount and serve until unmounted (fusermount3 -u) or SIGTERM/SIGINT (libfuse unmounts)."""
     import mfusepy
     source = os.path.abspath(source)
     counts, lock, seq = {}, threading.Lock(), [0]
@@ -68,8 +74,9 @@ def serve(source, mountpoint, latency, stats_file, names_only=False):
         os.replace(tmp, stats_file)   # a reader never sees half a file
 
     def on_signals():
-        # Signals are handled by sigwait in this helper thread, not by a Python handler: the serving thread
-        # sits in libfuse's C loop, where a Python handler would run only at the next file system operation.
+        # Signals are handled by sigwait in this helper thread, not by a Python handler: the serving
+        # thread sits in libfuse's C loop, where a Python handler would run only at the next file
+        # system operation.
         while True:
             if signal.sigwait({signal.SIGUSR1, signal.SIGUSR2}) == signal.SIGUSR2:
                 with lock:
@@ -90,7 +97,7 @@ def serve(source, mountpoint, latency, stats_file, names_only=False):
         use_ns = True
 
         def getattr(self, path, fh=None):
-            st = os.lstat(source + path)   # by path even with a handle: opendir's handle is 0, not an fd
+            st = os.lstat(source + path)   # by path with a handle too: opendir's is 0, not an fd
             attrs = {k: getattr(st, k) for k in STAT_FIELDS}
             attrs.update(st_atime=st.st_atime_ns, st_mtime=st.st_mtime_ns, st_ctime=st.st_ctime_ns)
             return attrs
@@ -130,13 +137,15 @@ def serve(source, mountpoint, latency, stats_file, names_only=False):
             sv = os.statvfs(source + path)
             return {k: getattr(sv, k) for k in dir(sv) if k.startswith('f_')}
 
-    for name in ('getattr', 'readdir', 'opendir', 'releasedir', 'open', 'read', 'flush', 'release', 'readlink',
-                 'access', 'statfs'):
+    for name in ('getattr', 'readdir', 'opendir', 'releasedir', 'open', 'read', 'flush', 'release',
+                 'readlink', 'access', 'statfs'):
         setattr(Passthrough, name, counted(name, getattr(Passthrough, name)))
 
-    with contextlib.suppress(OSError, AttributeError):   # Linux timer slack (50 us) would lengthen every sleep
+    # Linux's timer slack (50 us) would lengthen every sleep
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(29, 1, 0, 0, 0)   # PR_SET_TIMERSLACK, 1 ns
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})   # before any thread starts
+    # before any thread starts
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
     write()   # the file exists (seq 1) before the mount appears
     threading.Thread(target=on_signals, daemon=True).start()
     mfusepy.FUSE(Passthrough(), mountpoint, foreground=True, nothreads=True, **OPTIONS)
@@ -144,7 +153,8 @@ def serve(source, mountpoint, latency, stats_file, names_only=False):
 
 def type_bits(entry):
     """The S_IFMT bits of a source entry, from its d_type (no stat of the source)."""
-    return (statmod.S_IFLNK if entry.is_symlink() else statmod.S_IFDIR if entry.is_dir(follow_symlinks=False)
+    return (statmod.S_IFLNK if entry.is_symlink()
+            else statmod.S_IFDIR if entry.is_dir(follow_symlinks=False)
             else statmod.S_IFREG if entry.is_file(follow_symlinks=False) else 0)
 
 
@@ -185,28 +195,30 @@ class Mount:
             if state and state['seq'] > before:
                 return state['counts']
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f'fsemu server (pid {self.pid}, exit {self.proc.poll()}) wrote no counts within '
-                                   f'{timeout} s; its stderr:\n{self.stderr()}')
+                raise RuntimeError(f'fsemu server (pid {self.pid}, exit {self.proc.poll()}) wrote '
+                                   f'no counts within {timeout} s; its stderr:\n{self.stderr()}')
             time.sleep(0.001)
 
 
 @contextlib.contextmanager
 def mounted(source, mountpoint, latency=0.0005, names_only=False, timeout=20.0):
-    """Serve SOURCE at MOUNTPOINT (an existing empty folder) in a subprocess; yields a Mount. Unmounts and
-    stops that process on exit, exceptions included."""
+    """Serve SOURCE at MOUNTPOINT (an existing empty folder) in a subprocess; yields a Mount.
+    Unmounts and stops that process on exit, exceptions included."""
     mountpoint, work = os.path.realpath(mountpoint), tempfile.mkdtemp(prefix='fsemu-')
     stats_file, log_file = os.path.join(work, 'counts.json'), os.path.join(work, 'server.log')
-    cmd = [sys.executable, HERE, 'serve', source, mountpoint, '--latency', str(latency), '--stats', stats_file]
+    cmd = [sys.executable, HERE, 'serve', source, mountpoint, '--latency', str(latency),
+           '--stats', stats_file] + (['--names-only'] if names_only else [])
     with open(log_file, 'w') as log:   # a file, not a pipe: a full pipe would block the server
-        proc = subprocess.Popen(cmd + (['--names-only'] if names_only else []), stdout=log, stderr=log,
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
     fs = Mount(proc, mountpoint, stats_file, log_file)
     try:
         deadline = time.monotonic() + timeout
         while not is_mounted(mountpoint):
             if proc.poll() is not None or time.monotonic() > deadline:
-                why = f'its server exited ({proc.returncode})' if proc.poll() is not None else f'after {timeout} s'
-                raise RuntimeError(f'fsemu: {mountpoint} not mounted: {why}; its stderr:\n{fs.stderr()}')
+                exited = proc.poll() is not None
+                why = f'its server exited ({proc.returncode})' if exited else f'after {timeout} s'
+                raise RuntimeError(f'fsemu: {mountpoint} not mounted: {why}; its stderr:\n'
+                                   f'{fs.stderr()}')
             time.sleep(0.01)
         yield fs
     finally:
@@ -217,13 +229,13 @@ def mounted(source, mountpoint, latency=0.0005, names_only=False, timeout=20.0):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
                 break
-        unmount(mountpoint)   # a killed server leaves a dead mount ("transport endpoint is not connected")
+        unmount(mountpoint)   # a killed server leaves a dead mount (ENOTCONN)
         shutil.rmtree(work, ignore_errors=True)
 
 
 def is_mounted(mountpoint):
-    """From the mount table: os.path.ismount would ask the server (a counted getattr) and calls a dead FUSE
-    mount (ENOTCONN) not mounted."""
+    """From the mount table: os.path.ismount would ask the server (a counted getattr) and calls a
+    dead FUSE mount (ENOTCONN) not mounted."""
     with open('/proc/self/mounts') as f:
         return any(line.split()[1] == mountpoint.replace(' ', '\\040') for line in f)
 
@@ -233,7 +245,8 @@ def unmount(mountpoint):
         return
     tool = ['fusermount3', '-u'] if shutil.which('fusermount3') else ['umount']
     if subprocess.run(tool + [mountpoint], capture_output=True).returncode != 0:
-        subprocess.run(tool + ['-z', mountpoint], capture_output=True)   # busy: detach now, freed when closed
+        # busy: detach it now, freed when closed
+        subprocess.run(tool + ['-z', mountpoint], capture_output=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -248,7 +261,8 @@ def why_unavailable():
     try:
         importlib.import_module('mfusepy')
     except Exception as e:   # ImportError, or OSError when libfuse is missing
-        return f'the FUSE binding mfusepy is not usable ({e}): pip install mfusepy==3.1.1 (libfuse3-3 from apt)'
+        return (f'the FUSE binding mfusepy is not usable ({e}): pip install mfusepy==3.1.1 '
+                f'(libfuse3-3 from apt)')
     with tempfile.TemporaryDirectory(prefix='fsemu-trial-') as d:
         src, mnt = os.path.join(d, 'src'), os.path.join(d, 'mnt')
         os.makedirs(os.path.join(src, 'x'))
@@ -263,16 +277,18 @@ def why_unavailable():
 
 
 def make_tree(root, classes=1000, train_per_class=10, val_per_class=2, seed=0):
-    """An ImageNet-shaped tree: root/train/<wnid>/<wnid>_<i>.JPEG and root/val/<wnid>/ILSVRC2012_val_<n>.JPEG,
-    every file a decodable 32x32 JPEG of a random colour per class (one encoding per class, its bytes reused).
-    Returns the counts of classes, files and folders."""
+    """An ImageNet-shaped tree: root/train/<wnid>/<wnid>_<i>.JPEG and
+    root/val/<wnid>/ILSVRC2012_val_<n>.JPEG, every file a decodable 32x32 JPEG of a random colour
+    per class (one encoding per class, its bytes reused). Returns the counts of classes, files and
+    folders."""
     from PIL import Image
     rng = random.Random(seed)
     wnids = [f'n{w:08d}' for w in sorted(rng.sample(range(1_000_000, 16_000_000), classes))]
     n_val = 0
     for wnid in wnids:
         buf = io.BytesIO()
-        Image.new('RGB', (32, 32), tuple(rng.randrange(256) for _ in range(3))).save(buf, 'JPEG', quality=90)
+        colour = tuple(rng.randrange(256) for _ in range(3))
+        Image.new('RGB', (32, 32), colour).save(buf, 'JPEG', quality=90)
         data = buf.getvalue()
         names = [('train', f'{wnid}_{i}.JPEG') for i in range(train_per_class)]
         names += [('val', f'ILSVRC2012_val_{n_val + i + 1:08d}.JPEG') for i in range(val_per_class)]
@@ -280,11 +296,13 @@ def make_tree(root, classes=1000, train_per_class=10, val_per_class=2, seed=0):
         for split in ('train', 'val'):
             os.makedirs(os.path.join(root, split, wnid), exist_ok=True)
         for split, name in names:   # os.open/write/close: 3 system calls, half of what open() makes
-            fd = os.open(os.path.join(root, split, wnid, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            fd = os.open(os.path.join(root, split, wnid, name), flags, 0o644)
             os.write(fd, data)
             os.close(fd)
     train, val = classes * train_per_class, classes * val_per_class
-    return {'classes': classes, 'train': train, 'val': val, 'files': train + val, 'dirs': 2 + 2 * classes}
+    return {'classes': classes, 'train': train, 'val': val, 'files': train + val,
+            'dirs': 2 + 2 * classes}
 
 
 def main(argv=None):
@@ -292,18 +310,23 @@ def main(argv=None):
     sub = p.add_subparsers(dest='command', required=True)
     s = sub.add_parser('serve', help='serve SOURCE read-only at MOUNTPOINT, in the foreground')
     s.add_argument('source'), s.add_argument('mountpoint')
-    s.add_argument('--latency', type=float, default=0.0005, help='seconds slept before each operation')
-    s.add_argument('--stats', required=True, help='JSON file the counts are written to on SIGUSR1/SIGUSR2')
-    s.add_argument('--names-only', action='store_true', help='readdir gives no type bits (DT_UNKNOWN)')
+    s.add_argument('--latency', type=float, default=0.0005,
+                   help='seconds slept before each operation')
+    s.add_argument('--stats', required=True,
+                   help='JSON file the counts are written to on SIGUSR1/SIGUSR2')
+    s.add_argument('--names-only', action='store_true',
+                   help='readdir gives no type bits (DT_UNKNOWN)')
     t = sub.add_parser('tree', help='make an ImageNet-shaped tree of tiny JPEGs (make_tree)')
     t.add_argument('root')
     for flag, default in (('--classes', 1000), ('--train-per-class', 10), ('--val-per-class', 2)):
         t.add_argument(flag, type=int, default=default)
     args = p.parse_args(argv)
     if args.command == 'serve':
-        serve(args.source, args.mountpoint, args.latency, os.path.abspath(args.stats), args.names_only)
+        serve(args.source, args.mountpoint, args.latency, os.path.abspath(args.stats),
+              args.names_only)
     else:
-        print(json.dumps(make_tree(args.root, args.classes, args.train_per_class, args.val_per_class)))
+        counts = make_tree(args.root, args.classes, args.train_per_class, args.val_per_class)
+        print(json.dumps(counts))
 
 
 if __name__ == '__main__':

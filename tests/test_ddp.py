@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from conftest import TINY, free_port, latest, run_cli, run_main, srun_like, stderr_of, torchrun, wait_all
+from conftest import (TINY, free_port, latest, run_cli, run_main, srun_like, stderr_of, torchrun,
+                      wait_all)
 import dlojz
 from dlojzlib.data import datasets as D
 from dlojzlib.data import decode as DD

@@ -256,11 +256,12 @@ def test_setup_joins_with_gloo_when_ranks_share_a_gpu(monkeypatch, capsys):
 
 def test_srun_port_stays_out_of_the_ports_outgoing_connections_take():
     """A job's port in the kernel's ephemeral range can be taken by any connection on the node (a CI
-    job failed with EADDRINUSE on 37142 while another job's gloo mesh connected): every job id's port
-    lies below this machine's range."""
+    job failed with EADDRINUSE on 37142 while another job's gloo mesh connected): every job id's
+    port lies below this machine's range."""
     with open('/proc/sys/net/ipv4/ip_local_port_range') as f:
         ephemeral_low = int(f.read().split()[0])
-    ports = {get_dist_info({**SRUN, 'SLURM_JOB_ID': str(job)}).master_port for job in range(0, 200_000, 7)}
+    ports = {get_dist_info({**SRUN, 'SLURM_JOB_ID': str(job)}).master_port
+             for job in range(0, 200_000, 7)}
     assert 1024 < min(ports) and max(ports) < ephemeral_low
     assert len(ports) > 9000  # two jobs on a node rarely share one
 
@@ -268,7 +269,8 @@ def test_srun_port_stays_out_of_the_ports_outgoing_connections_take():
 def test_srun_port_from_the_user_or_the_system():
     assert get_dist_info({**SRUN, 'MASTER_PORT': '31234'}).master_port == 31234
     one_task = {**SRUN, 'SLURM_STEP_NUM_TASKS': '1', 'SLURM_PROCID': '0', 'SLURM_LOCALID': '0',
-                'SLURM_NODEID': '0', 'SLURM_STEP_TASKS_PER_NODE': '1', 'SLURM_STEP_NODELIST': 'jz001'}
+                'SLURM_NODEID': '0', 'SLURM_STEP_TASKS_PER_NODE': '1',
+                'SLURM_STEP_NODELIST': 'jz001'}
     assert get_dist_info(one_task).master_port == 0  # nobody else has to find it: a free one
     for bad in ('abc', '0', '70000'):
         with pytest.raises(UsageError, match=f"MASTER_PORT='{bad}' is not a port number"):

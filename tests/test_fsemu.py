@@ -1,5 +1,6 @@
-"""The emulated shared file system (tests/fsemu.py) counts, slows down and serializes what it serves. Each check
-would fail with a server that cached in the kernel, did not sleep, or served several requests at once."""
+"""The emulated shared file system (tests/fsemu.py) counts, slows down and serializes what it
+serves. Each check would fail with a server that cached in the kernel, did not sleep, or served
+several requests at once."""
 import contextlib
 import os
 import subprocess
@@ -46,7 +47,8 @@ def fs(source):
 
 
 def quiet_reset(fs):
-    """reset() once the kernel's asynchronous releases (releasedir after a listing) have been served."""
+    """reset() once the kernel's asynchronous releases (releasedir after a listing) have been
+    served."""
     time.sleep(0.1)
     fs.reset()
 
@@ -66,7 +68,7 @@ def test_a_listing_and_every_stat_are_counted_each_time(fs):
     fs.reset()
     for name in names:
         os.stat(os.path.join(folder, name))
-    assert fs.counts() == first   # no kernel cache of entries or attributes: the same operations again
+    assert fs.counts() == first   # no kernel cache of entries or attributes: the same operations
     quiet_reset(fs)
     os.listdir(folder)
     os.listdir(folder)
@@ -107,8 +109,8 @@ print(began, time.time())
 
 
 def test_two_processes_are_served_one_operation_at_a_time(fs):
-    """Two clients listing at the same time: a server handling their requests concurrently would finish in
-    about half the sum of the latencies; one thread cannot finish before that sum."""
+    """Two clients listing at the same time: a server handling their requests concurrently would
+    finish in about half the sum of the latencies; one thread cannot finish before that sum."""
     folder = os.path.join(fs.mountpoint, 'd')
     quiet_reset(fs)
     clients = [subprocess.Popen([sys.executable, '-c', CLIENT, folder, '3'], stdin=subprocess.PIPE,
@@ -126,14 +128,16 @@ def test_two_processes_are_served_one_operation_at_a_time(fs):
     time.sleep(0.1)   # the last releasedir
     ops = fs.total()
     assert ops >= 2 * 3 * K
-    assert max(b for b, _ in spans) < min(e for _, e in spans), spans   # they did run at the same time
+    assert max(b for b, _ in spans) < min(e for _, e in spans), spans   # they ran at the same time
     wall = max(e for _, e in spans) - min(b for b, _ in spans)
-    assert wall >= (ops - 2) * LATENCY, (wall, ops)   # - 2: releasedirs served after a client's last clock read
+    # - 2: the releasedirs served after a client's last clock read
+    assert wall >= (ops - 2) * LATENCY, (wall, ops)
 
 
 def test_names_only_listing_costs_a_getattr_per_entry(source):
-    """With the entries' types in readdir (the default, as Lustre and GPFS give d_type), os.scandir's
-    entry.is_file() asks the server nothing; with names only (DT_UNKNOWN) it costs an lstat per entry."""
+    """With the entries' types in readdir (the default, as Lustre and GPFS give d_type),
+    os.scandir's entry.is_file() asks the server nothing; with names only (DT_UNKNOWN) it costs an
+    lstat per entry."""
     getattrs = {}
     for names_only in (False, True):
         with mount(source, latency=0, names_only=names_only) as fs:
@@ -149,8 +153,10 @@ def test_make_tree_is_imagenet_shaped_with_decodable_jpegs(tmp_path):
     counts = fsemu.make_tree(str(tmp_path), classes=3, train_per_class=2, val_per_class=1)
     assert counts == {'classes': 3, 'train': 6, 'val': 3, 'files': 9, 'dirs': 8}
     classes = sorted(os.listdir(tmp_path / 'train'))
-    assert classes == sorted(os.listdir(tmp_path / 'val')) and all(c.startswith('n') for c in classes)
-    assert sorted(os.listdir(tmp_path / 'train' / classes[0])) == [f'{classes[0]}_0.JPEG', f'{classes[0]}_1.JPEG']
+    assert classes == sorted(os.listdir(tmp_path / 'val'))
+    assert all(c.startswith('n') for c in classes)
+    first = classes[0]
+    assert sorted(os.listdir(tmp_path / 'train' / first)) == [f'{first}_0.JPEG', f'{first}_1.JPEG']
     val_names = sorted(n for c in classes for n in os.listdir(tmp_path / 'val' / c))
     assert val_names == [f'ILSVRC2012_val_{i:08d}.JPEG' for i in (1, 2, 3)]
     with Image.open(tmp_path / 'val' / classes[2] / val_names[2]) as im:

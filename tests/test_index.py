@@ -1,9 +1,11 @@
-"""The dataset's index (data.index): one listing per job, kept in the cache folder and reused class folder by
-class folder while their modification times do not move; a change (a file gained or lost), a folder too
-recent to trust, a damaged index or --rescan-data lists again. The file lists are those of a fresh scan.
-Odd entries (FIFO, socket, dangling or looping link, unreadable folder) are named, never a traceback.
+"""The dataset's index (data.index): one listing per job, kept in the cache folder and reused class
+folder by class folder while their modification times do not move; a change (a file gained or lost),
+a folder too recent to trust, a damaged index or --rescan-data lists again. The file lists are those
+of a fresh scan. Odd entries (FIFO, socket, dangling or looping link, unreadable folder) are named,
+never a traceback.
 
-The metadata operations of a multi-rank start on a slow shared file system: tests/test_fsemu_start.py.
+The metadata operations of a multi-rank start on a slow shared file system:
+tests/test_fsemu_start.py.
 
 python -m pytest -q tests/test_index.py"""
 import os
@@ -43,6 +45,11 @@ class Scans:
         monkeypatch.setattr(os, 'scandir', lambda p: (self.paths.append(str(p)), real(p))[1])
 
 
+def listing(root):
+    """Both splits' folders, listed afresh."""
+    return {s: folder.list_split(str(root / s))[0] for s in ('train', 'val')}
+
+
 def listed(root, cache, **kw):
     compact, cost = index.list_imagefolder(str(root), str(cache), **kw)
     return index.expand(str(root), compact), cost
@@ -56,7 +63,8 @@ def test_the_second_job_lists_nothing_and_gets_the_same_lists(tmp_path, monkeypa
     scans = Scans(monkeypatch)
     second, cost = listed(root, cache)
     assert second == first and (cost['folders_listed'], cost['kept_index']) == (0, True)
-    assert sorted(scans.paths) == [str(root / 'train'), str(root / 'val')]  # the split folders: one read each
+    # the split folders: one read each
+    assert sorted(scans.paths) == [str(root / 'train'), str(root / 'val')]
 
 
 def test_a_changed_class_folder_is_listed_again(tmp_path, monkeypatch):
@@ -68,7 +76,7 @@ def test_a_changed_class_folder_is_listed_again(tmp_path, monkeypatch):
     (root / 'train' / 'c3' / '0.JPEG').write_bytes(b'x')
     (root / 'val' / 'c3').mkdir()
     (root / 'val' / 'c3' / '0.JPEG').write_bytes(b'x')
-    for changed in ('train/c1', 'val/c2', 'train/c3', 'val/c3'):  # changed a while ago, after the listing
+    for changed in ('train/c1', 'val/c2', 'train/c3', 'val/c3'):  # a while ago, after the listing
         age(root / changed, OLD + 3600)
     scans = Scans(monkeypatch)
     (classes, train, val), cost = listed(root, cache)
@@ -82,7 +90,8 @@ def test_a_changed_class_folder_is_listed_again(tmp_path, monkeypatch):
 
 def test_a_folder_changed_just_now_is_not_trusted_next_time(tmp_path):
     root, cache = make_tree(tmp_path / 'data'), tmp_path / 'cache'
-    (root / 'train' / 'c0' / 'late.JPEG').write_bytes(b'x')  # its time is now: a coarse clock could hide another
+    # its time is now: a coarse clock could hide another change
+    (root / 'train' / 'c0' / 'late.JPEG').write_bytes(b'x')
     assert listed(root, cache)[1]['folders_listed'] == 6
     assert listed(root, cache)[1]['folders_listed'] == 1       # c0 again, and only c0
 
@@ -92,7 +101,8 @@ def test_rescan_a_damaged_index_and_an_unwritable_cache(tmp_path):
     listed(root, cache)
     assert listed(root, cache, rescan=True)[1]['folders_listed'] == 6
     path = index.index_path(str(cache), str(root))
-    with open(path, 'r+b') as f:  # a job killed while writing cannot leave this (written and renamed) but a disk can
+    # a job killed while writing cannot leave this (written and renamed), but a disk can
+    with open(path, 'r+b') as f:
         f.truncate(100)
     got, cost = listed(root, cache)
     assert cost['folders_listed'] == 6 and got == folder.scan_imagefolder(str(root))
@@ -100,12 +110,15 @@ def test_rescan_a_damaged_index_and_an_unwritable_cache(tmp_path):
     blocked = tmp_path / 'file'
     blocked.write_text('')  # a cache "folder" that is a file: the index cannot be kept there
     got, cost = index.list_imagefolder(str(root), str(blocked), log=notes.append)
-    assert cost['index'] is None and 'could not be kept' in notes[0] and 'the next job lists' in notes[0]
-    assert not [n for n in os.listdir(os.path.dirname(path)) if n.startswith('.')]  # no temporary file left
+    assert cost['index'] is None
+    assert 'could not be kept' in notes[0] and 'the next job lists' in notes[0]
+    # no temporary file left
+    assert not [n for n in os.listdir(os.path.dirname(path)) if n.startswith('.')]
 
 
 def test_another_folder_never_reads_this_index(tmp_path):
-    a, b, cache = make_tree(tmp_path / 'a'), make_tree(tmp_path / 'b', classes=2), tmp_path / 'cache'
+    a, b = make_tree(tmp_path / 'a'), make_tree(tmp_path / 'b', classes=2)
+    cache = tmp_path / 'cache'
     listed(a, cache)
     (classes, _, _), cost = listed(b, cache)
     assert classes == ['c0', 'c1'] and cost['folders_listed'] == 4
@@ -123,8 +136,7 @@ def test_odd_entries_are_named_never_a_traceback(tmp_path):
     os.symlink('loop.JPEG', c0 / 'loop.JPEG')
     os.symlink('loopdir', root / 'train' / 'loopdir')  # a class "folder" that loops: not a class
     warnings = []
-    classes, train, _ = folder.imagefolder_samples(
-        str(root), {s: folder.list_split(str(root / s))[0] for s in ('train', 'val')}, warnings.append)
+    classes, train, _ = folder.imagefolder_samples(str(root), listing(root), warnings.append)
     assert classes == ['c0', 'c1', 'c2'] and len(train) == 12
     assert len(warnings) == 1 and '4 image name(s) are not regular files' in warnings[0]
     for name in ('fifo.JPEG', 'sock.JPEG', 'dangling.JPEG', 'loop.JPEG'):
@@ -142,8 +154,7 @@ def test_an_unreadable_class_folder_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(os, 'scandir', scandir)
     warnings = []
     with pytest.raises(DataError, match='train/ and val/ of .* hold different classes'):
-        folder.imagefolder_samples(str(root), {s: folder.list_split(str(root / s))[0] for s in ('train', 'val')},
-                                   warnings.append)
+        folder.imagefolder_samples(str(root), listing(root), warnings.append)
     assert 'c1/(the folder: Permission denied)' in warnings[0]
 
 

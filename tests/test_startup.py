@@ -1,7 +1,8 @@
-"""The time to the first step (measure.startup): phases timed on their own, nested ones cut out of their
-parent, gaps shown rather than absorbed; across ranks, the critical path names the rank and phase the others
-waited for, not the wait. End to end: a real run's phases tile the interval measured from the process's
-start, and an injected slow phase (failpoint slow-phase) is the one the `>>>` line names.
+"""The time to the first step (measure.startup): phases timed on their own, nested ones cut out of
+their parent, gaps shown rather than absorbed; across ranks, the critical path names the rank and
+phase the others waited for, not the wait. End to end: a real run's phases tile the interval
+measured from the process's start, and an injected slow phase (failpoint slow-phase) is the one the
+`>>>` line names.
 
 python -m pytest -q tests/test_startup.py"""
 import json
@@ -65,25 +66,33 @@ def rank(r, origin, segments):
         phases[name] = phases.get(name, 0.0) + b - a
     total = segments[-1][2]
     return {'rank': r, 'host': 'n', 'origin': origin, 'total_s': total, 'phases': phases,
-            'unaccounted_s': total - sum(phases.values()), 'segments': [list(seg) for seg in segments]}
+            'unaccounted_s': total - sum(phases.values()),
+            'segments': [list(seg) for seg in segments]}
 
 
 def test_the_critical_path_names_the_rank_waited_for_not_the_wait():
-    # rank 1 starts 0.5 s late and builds its model in 4 s; rank 0 built it in 1 s and waits in DDP's broadcast
-    r0 = rank(0, 1000.0, [('imports', 0, 5), ('model', 5, 6), ('ddp_wrap', 6, 9.1), ('first_step', 9.1, 10)])
-    r1 = rank(1, 1000.5, [('imports', 0, 4.6), ('model', 4.6, 8.6), ('ddp_wrap', 8.6, 8.7), ('first_step', 8.7, 9.4)])
+    # rank 1 starts 0.5 s late and builds its model in 4 s; rank 0 built it in 1 s and waits in
+    # DDP's broadcast
+    r0 = rank(0, 1000.0, [('imports', 0, 5), ('model', 5, 6), ('ddp_wrap', 6, 9.1),
+                          ('first_step', 9.1, 10)])
+    r1 = rank(1, 1000.5, [('imports', 0, 4.6), ('model', 4.6, 8.6), ('ddp_wrap', 8.6, 8.7),
+                          ('first_step', 8.7, 9.4)])
     job = summarize([r0, r1])
     assert job['critical_path'] and job['total_s'] == pytest.approx(10.0)
-    # hand count: rank 1 starts at 1000.5 (launch 0.5 s), ends its imports last, at 1005.1 (4.6 s), its model at
-    # 1009.1 (4 s), the broadcast at 1009.2 (0.1 s); rank 0 ends the first step last, at 1010.0 (0.8 s)
-    assert job['phases'] == pytest.approx({'launch': 0.5, 'imports': 4.6, 'model': 4.0, 'ddp_wrap': 0.1,
-                                           'first_step': 0.8})
-    assert job['phase_ranks'] == {'launch': 1, 'imports': 1, 'model': 1, 'ddp_wrap': 1, 'first_step': 0}
+    # hand count: rank 1 starts at 1000.5 (launch 0.5 s), ends its imports last, at 1005.1 (4.6 s),
+    # its model at 1009.1 (4 s), the broadcast at 1009.2 (0.1 s); rank 0 ends the first step last,
+    # at 1010.0 (0.8 s)
+    assert job['phases'] == pytest.approx({'launch': 0.5, 'imports': 4.6, 'model': 4.0,
+                                           'ddp_wrap': 0.1, 'first_step': 0.8})
+    assert job['phase_ranks'] == {'launch': 1, 'imports': 1, 'model': 1, 'ddp_wrap': 1,
+                                  'first_step': 0}
     assert job['unaccounted_s'] == pytest.approx(0.0, abs=1e-9)
-    assert line(job, 2).startswith('>>> Start-up: 10.0 s to the first step (critical path over 2 ranks); imports '
-                                   '4.6 s (rank 1), model 4.0 s (rank 1), first step 0.8 s (rank 0), launch 0.5 s '
-                                   '(rank 1), 1 other phases 0.1 s, unaccounted 0.0 s')
-    # the slowest rank's own largest phase after the imports is the wait: what the line must not name
+    assert line(job, 2).startswith('>>> Start-up: 10.0 s to the first step (critical path over '
+                                   '2 ranks); imports 4.6 s (rank 1), model 4.0 s (rank 1), first '
+                                   'step 0.8 s (rank 0), launch 0.5 s (rank 1), 1 other phases '
+                                   '0.1 s, unaccounted 0.0 s')
+    # the slowest rank's own largest phase after the imports is the wait: what the line must
+    # not name
     assert max(r0['phases'], key=lambda n: r0['phases'][n] * (n != 'imports')) == 'ddp_wrap'
 
 
@@ -104,23 +113,25 @@ def test_ranks_on_different_paths_fall_back_to_the_slowest_rank():
 
 
 def check_tiles(rec):
-    """A rank's phases and its remainder add up to the total measured from the process's start, and the
-    remainder is small: every second of the start-up is in a named phase."""
-    assert sum(rec['phases'].values()) + rec['unaccounted_s'] == pytest.approx(rec['total_s'], abs=1e-6)
+    """A rank's phases and its remainder add up to the total measured from the process's start, and
+    the remainder is small: every second of the start-up is in a named phase."""
+    phases = rec['phases']
+    assert sum(phases.values()) + rec['unaccounted_s'] == pytest.approx(rec['total_s'], abs=1e-6)
     assert 0 <= rec['unaccounted_s'] <= 0.02 * rec['total_s'], rec
-    assert rec['phases']['imports'] > 0 and rec['phases']['first_step'] > 0 and rec['phases']['loader_start'] > 0
+    assert phases['imports'] > 0 and phases['first_step'] > 0 and phases['loader_start'] > 0
 
 
 def test_a_run_reports_its_start_up_and_names_the_slow_phase(tmp_path, cache_dir):
-    p = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'run', '--test-nsteps', '2',
-                '--num-workers', '1', env={'DLOJZ_FAULT': 'slow-phase:0:dataset_index:4'})
+    p = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'run',
+                '--test-nsteps', '2', '--num-workers', '1',
+                env={'DLOJZ_FAULT': 'slow-phase:0:dataset_index:4'})
     assert p.returncode == 0, p.stderr[-2000:]
     s = json.loads((tmp_path / 'run' / 'summary.json').read_text())['startup']
     rec, = s['ranks']
     check_tiles(rec)
     assert s['phases']['dataset_index'] >= 4 and s['total_s'] == pytest.approx(rec['total_s'])
-    # the largest phase once the interpreter's start and the data's generation (this session's first run) are set
-    # apart: those take seconds on a loaded machine
+    # the largest phase once the interpreter's start and the data's generation (this session's first
+    # run) are set apart: those take seconds on a loaded machine
     rest = {n: v for n, v in s['phases'].items() if n not in ('imports', 'synthetic_data')}
     assert max(rest, key=rest.get) == 'dataset_index', rest
     shown = next(ln for ln in p.stdout.splitlines() if ln.startswith('>>> Start-up:'))
@@ -129,15 +140,17 @@ def test_a_run_reports_its_start_up_and_names_the_slow_phase(tmp_path, cache_dir
 
 @pytest.mark.slow
 def test_two_ranks_name_the_rank_the_other_waited_for(tmp_path, cache_dir):
-    p = torchrun(2, *TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'run', '--test-nsteps', '2',
-                 '--num-workers', '0', env={'DLOJZ_FAULT': 'slow-phase:1:model:3'})
+    p = torchrun(2, *TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'run',
+                 '--test-nsteps', '2', '--num-workers', '0',
+                 env={'DLOJZ_FAULT': 'slow-phase:1:model:3'})
     assert p.returncode == 0, p.stderr[-2000:]
     s = json.loads((tmp_path / 'run' / 'summary.json').read_text())['startup']
     assert s['critical_path'] and [r['rank'] for r in s['ranks']] == [0, 1]
     for rec in s['ranks']:
         check_tiles(rec)
     r0 = s['ranks'][0]['phases']
-    assert r0['ddp_wrap'] >= 2.5  # rank 0's own record holds the wait ...
-    assert s['phases']['model'] >= 3 and s['phase_ranks']['model'] == 1  # ... the job's names its cause
+    assert r0['ddp_wrap'] >= 2.5  # rank 0's own record holds the wait, the job's names its cause:
+    assert s['phases']['model'] >= 3 and s['phase_ranks']['model'] == 1
     assert s['phases']['ddp_wrap'] < 1.5
-    assert 'model 3.' in p.stdout and '(rank 1)' in p.stdout.split('model 3.', 1)[1][:20], p.stdout[-1500:]
+    named = p.stdout.split('model 3.', 1)
+    assert 'model 3.' in p.stdout and '(rank 1)' in named[1][:20], p.stdout[-1500:]

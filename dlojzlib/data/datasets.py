@@ -531,9 +531,10 @@ def build_data(args, dist, log=print, on_ranks=None, device=None,
                     n_train=args.fake_train_size, n_val=args.fake_val_size, accum=args.accum_steps, staging=staging)
     if source.kind == 'synthetic':  # one generator per node; the other ranks wait for it
         with phase('synthetic_data'):
-            on_ranks(lambda: ensure_synthetic_dataset(source.root, args.synthetic_classes,
-                                                      args.synthetic_train_per_class, args.synthetic_val_per_class,
-                                                      args.synthetic_seed, log=log), when=dist.local_rank == 0)
+            sizes = (args.synthetic_classes, args.synthetic_train_per_class,
+                     args.synthetic_val_per_class, args.synthetic_seed)
+            on_ranks(lambda: ensure_synthetic_dataset(source.root, *sizes, log=log),
+                     when=dist.local_rank == 0)
     transform, collate = train_transform(args)
     if collate is None and args.num_workers > 0 and os.environ.get('DLOJZ_HANDOVER') != 'default':
         # the batches handed over in shared slots (data.handover); DLOJZ_HANDOVER=default: torch's
@@ -556,8 +557,9 @@ def build_data(args, dist, log=print, on_ranks=None, device=None,
                 not os.path.isdir(os.path.join(source.root, 'train')):  # prepare writes index.json last
             raise shards.incomplete(source.root, shards.INDEX)
         with phase('dataset_index'):  # rank 0 lists, or reuses the kept index (data.index)
-            compact, cost = index.shared(lambda: index.list_imagefolder(source.root, args.cache_dir,
-                                                                        args.rescan_data, log), dist, on_ranks)
+            compact, cost = index.shared(
+                lambda: index.list_imagefolder(source.root, args.cache_dir, args.rescan_data, log),
+                dist, on_ranks)
             classes, train_samples, val_samples = index.expand(source.root, compact)
         train_set = ImageFolderDataset(train_samples, transform, args.seed, args.skip_bad_images)
         val_set = ImageFolderDataset(val_samples, val_transform, args.seed, args.skip_bad_images)
@@ -581,7 +583,8 @@ def build_data(args, dist, log=print, on_ranks=None, device=None,
                                           dali_device),
                     dali.DaliLoader(val_set, val_batches, False, args.val_image_size, args.seed,
                                           args.num_workers, dali_device, val_resize=args.val_resize),
-                    train_set, len(train_set), len(val_set), accum=args.accum_steps, staging=staging, index=cost)
+                    train_set, len(train_set), len(val_set), accum=args.accum_steps,
+                    staging=staging, index=cost)
     # a lone process may skip its loader's start on a stop; ranks with peers agree at a step
     # boundary instead
     train_loader = DataLoader(train_set, batch_sampler=batches, collate_fn=collate,

@@ -18,18 +18,18 @@ def _shown(names, n=5):
     return ', '.join(names[:n]) + (f' and {len(names) - n} more' if len(names) > n else '')
 
 
-# A folder whose modification time is this close to its listing (or later: a file server's clock ahead
-# of this host's) may change again within the same tick of a coarse clock (1 s on some file systems)
-# without its time moving: its listing is not reused (git's "racy" entries, the same cure).
+# A folder whose modification time is this close to its listing (or later: a file server's clock
+# ahead of this host's) may change again within the same tick of a coarse clock (1 s on some file
+# systems) without its time moving: its listing is not reused (git's "racy" entries, the same cure).
 RACY_NS = 2_000_000_000
 
 
 def list_split(split_dir, known=None):
     """The class folders of one split -> ({name: {'mtime_ns', 'files', 'odd'}}, folders read). A
     folder of `known` (an earlier listing) whose modification time has not moved is taken from it
-    unread: one stat instead of a listing. Only regular files (or links to them) are samples: opening
-    a FIFO named x.JPEG blocks forever, a socket or a dangling link fails; those go to 'odd', with
-    any sub-folder or link the listing cannot follow, and folders it may not read."""
+    unread: one stat instead of a listing. Only regular files (or links to them) are samples:
+    opening a FIFO named x.JPEG blocks forever, a socket or a dangling link fails; those go to
+    'odd', with any sub-folder or link the listing cannot follow, and folders it may not read."""
     if not os.path.isdir(split_dir):
         root = os.path.dirname(split_dir)
         raise DataError(f'{split_dir} does not exist; expected the ImageFolder layout '
@@ -51,8 +51,8 @@ def list_split(split_dir, known=None):
             continue
         files, odd = _list_folder(os.path.join(split_dir, name))
         read += 1
-        folders[name] = {'mtime_ns': mtime if mtime is not None and mtime < started - RACY_NS else None,
-                         'files': files, 'odd': odd}
+        trusted = mtime is not None and mtime < started - RACY_NS
+        folders[name] = {'mtime_ns': mtime if trusted else None, 'files': files, 'odd': odd}
     return folders, read
 
 
@@ -89,12 +89,13 @@ def split_classes(split_dir, folders, warn=warn_stderr):
     empty = [name for name, folder in folders.items() if not folder['files']]
     odd = sorted(os.path.join(name, f) for name, folder in folders.items() for f in folder['odd'])
     if odd:
-        warn(f'{split_dir}: {len(odd)} image name(s) are not regular files (a FIFO, a socket, a folder, '
-             f'a dangling link or one that loops) or could not be read, and are left out: {_shown(odd)}.')
+        warn(f'{split_dir}: {len(odd)} image name(s) are not regular files (a FIFO, a socket, a '
+             f'folder, a dangling link or one that loops) or could not be read, and are left out: '
+             f'{_shown(odd)}.')
     if not classes:
         flat = [f for f in os.listdir(split_dir) if f.lower().endswith(IMG_EXTENSIONS)]
-        hint = (f' It holds {len(flat)} images directly: ImageNet\'s raw val/ is flat; sort it into '
-                f'class folders (the usual valprep.sh script does it).') if flat else ''
+        hint = (f' It holds {len(flat)} images directly: ImageNet\'s raw val/ is flat; sort it '
+                f'into class folders (the usual valprep.sh script does it).') if flat else ''
         raise DataError(f'{split_dir} has no class folder with images; expected '
                         f'{split_dir}/<class>/*.JPEG.{hint}')
     return classes, empty
@@ -102,8 +103,8 @@ def split_classes(split_dir, folders, warn=warn_stderr):
 
 def samples(split_dir, classes, files):
     """(path, label) of every image, as ImageFolder's; files: each class's file names, in order."""
-    return [(os.path.join(split_dir, c, f), label) for label, (c, names) in enumerate(zip(classes, files))
-            for f in names]
+    return [(os.path.join(split_dir, c, f), label)
+            for label, (c, names) in enumerate(zip(classes, files)) for f in names]
 
 
 def find_classes(split_dir, warn=warn_stderr):
@@ -132,9 +133,11 @@ def scan_imagefolder(root, given='--data-dir', warn=warn_stderr):
 
 
 def imagefolder_samples(root, listing, warn=warn_stderr):
-    """{'train': list_split's folders, 'val': ...} -> (classes, train samples, val samples), checked."""
+    """{'train': list_split's folders, 'val': ...} -> (classes, train samples, val samples),
+    checked."""
     classes = imagefolder_classes(root, listing, warn)
-    return (classes, *(samples(os.path.join(root, split), classes, [listing[split][c]['files'] for c in classes])
+    files = {split: [listing[split][c]['files'] for c in classes] for split in ('train', 'val')}
+    return (classes, *(samples(os.path.join(root, split), classes, files[split])
                        for split in ('train', 'val')))
 
 

@@ -1,8 +1,8 @@
 """One listing of the dataset per job, and one per dataset version.
 
 Every rank listing ImageNet's 2 000 class folders itself multiplies the metadata operations of a job
-by its number of ranks, on a metadata server that every job of the cluster shares. Here global rank 0
-lists (or reads the index a previous job kept) and the others receive the file lists in one
+by its number of ranks, on a metadata server that every job of the cluster shares. Here global rank
+0 lists (or reads the index a previous job kept) and the others receive the file lists in one
 broadcast. The index is kept in the cache folder (--cache-dir/index/, never in the data folder,
 which may be read-only), one file per data folder, and the next job reuses each class folder's list
 whose modification time has not moved (one stat per folder instead of its listing: 2 002 stats for
@@ -26,13 +26,14 @@ VERSION = 1  # of the index file's layout: another one is listed again
 def index_path(cache_dir, root):
     """The index of data folder `root`: named after its real path, so a link to it shares it."""
     real = os.path.realpath(root)
-    return os.path.join(os.path.expanduser(cache_dir), 'index', hashlib.sha256(real.encode()).hexdigest()[:20]
-                        + '.json')
+    name = hashlib.sha256(real.encode()).hexdigest()[:20] + '.json'
+    return os.path.join(os.path.expanduser(cache_dir), 'index', name)
 
 
 def read_index(path, root):
-    """-> the kept listing of `root` ({'train': folders, 'val': folders}), or None when there is none
-    usable (missing, unreadable, half-written by a killed job, another layout or another folder)."""
+    """-> the kept listing of `root` ({'train': folders, 'val': folders}), or None when there is
+    none usable (missing, unreadable, half-written by a killed job, another layout or another
+    folder)."""
     try:
         with open(path) as f:
             kept = json.load(f)
@@ -47,7 +48,8 @@ def write_index(path, root, listing):
     """Keep the listing for the next job: written under a name of its own and renamed, so that two
     jobs writing at once, or a job killed while writing, never leave a half file under `path`."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f'.{os.path.basename(path)}.{socket.gethostname()}.', dir=os.path.dirname(path))
+    fd, tmp = tempfile.mkstemp(prefix=f'.{os.path.basename(path)}.{socket.gethostname()}.',
+                               dir=os.path.dirname(path))
     try:
         with os.fdopen(fd, 'w') as f:
             json.dump({'version': VERSION, 'root': os.path.realpath(root), 'splits': listing}, f,
@@ -69,7 +71,7 @@ def list_imagefolder(root, cache_dir, rescan=False, log=print, warn=folder.warn_
     for split in ('train', 'val'):
         listing[split], n = folder.list_split(os.path.join(root, split), (kept or {}).get(split))
         read += n
-    classes = folder.imagefolder_classes(root, listing, warn)  # the checks; every rank makes the samples
+    classes = folder.imagefolder_classes(root, listing, warn)  # each rank makes its samples
     total = sum(len(folders) for folders in listing.values())
     cost = {'index': path, 'folders': total, 'folders_listed': read, 'rescan': bool(rescan),
             'kept_index': kept is not None}
@@ -77,8 +79,9 @@ def list_imagefolder(root, cache_dir, rescan=False, log=print, warn=folder.warn_
         try:
             write_index(path, root, listing)
         except OSError as e:
-            log(f'Note: the dataset index could not be kept in {os.path.dirname(path)} ({e.strerror}); the next '
-                f'job lists {root} again. Give --cache-dir a writable folder to keep it.')
+            log(f'Note: the dataset index could not be kept in {os.path.dirname(path)} '
+                f'({e.strerror}); the next job lists {root} again. Give --cache-dir a writable '
+                f'folder to keep it.')
             cost['index'] = None
     compact = {'classes': classes,
                'train': [listing['train'][c]['files'] for c in classes],
@@ -87,7 +90,7 @@ def list_imagefolder(root, cache_dir, rescan=False, log=print, warn=folder.warn_
 
 
 def expand(root, compact):
-    """The compact lists -> (classes, train samples, val samples): (path, label) as ImageFolder's."""
+    """The compact lists -> (classes, train samples, val samples): ImageFolder's (path, label)."""
     classes = compact['classes']
     return (classes, *(folder.samples(os.path.join(root, split), classes, compact[split])
                        for split in ('train', 'val')))

@@ -148,13 +148,14 @@ def srun_port(environ, job_id, world):
     MASTER_PORT when the user sets one. One task: 0, a free port the system picks, since no other
     task has to find it. Several: 20000 + job id % 10000, so that two jobs sharing a node differ,
     and below Linux's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 by default), where
-    the kernel hands ports to outgoing connections (gloo's and NCCL's own, of any job on the node) at
-    any time: a CI run lost a job to EADDRINUSE on 37142 while another job's gloo mesh connected."""
+    the kernel hands ports to outgoing connections (gloo's and NCCL's own, of any job on the node)
+    at any time: a CI run lost a job to EADDRINUSE on 37142 while another job's gloo mesh connected.
+    """
     if 'MASTER_PORT' in environ:
         value = environ['MASTER_PORT']
         if not (value.isdigit() and 0 < int(value) < 65536):
-            raise UsageError(f'MASTER_PORT={value!r} is not a port number (1-65535); unset it to let dlojz '
-                             f'derive one from the job id, or export a free port.')
+            raise UsageError(f'MASTER_PORT={value!r} is not a port number (1-65535); unset it to '
+                             f'let dlojz derive one from the job id, or export a free port.')
         return int(value)
     if world == 1:
         return 0
@@ -240,8 +241,8 @@ def setup(dist, device, timeout_min=None, share_gpu=False):
         other = 'export MASTER_PORT' if dist.launcher == 'slurm' else 'torchrun --master-port'
         raise UsageError(f'could not join the process group at {dist.master_addr}:{dist.master_port} '
                          f'({first_line(e)}); check that every task started, that this address reaches rank 0\'s '
-                         f'node and that the port is free ({other} chooses another; --dist-timeout bounds this '
-                         f'wait).') from None
+                         f'node and that the port is free ({other} chooses another; '
+                         f'--dist-timeout bounds this wait).') from None
     # NCCL collectives need GPU tensors; host-side objects go through a gloo group so that they
     # never touch the GPU (and never initialise NCCL before --nccl-debug's log is in place). Made on
     # CPU runs too, so that CPU tests exercise the structure GPU runs use; it gets --dist-timeout as

@@ -109,16 +109,17 @@ class StartUp:
         total = self.end - self.origin
         return {'origin': self.origin, 'total_s': total, 'phases': phases,
                 'unaccounted_s': total - sum(phases.values()),
-                'segments': [[name, start - self.origin, end - self.origin] for name, start, end in self.segments]}
+                'segments': [[n, a - self.origin, b - self.origin] for n, a, b in self.segments]}
 
 
 def summarize(records):
-    """Every rank's record ({'rank', 'host'} and record()'s keys) -> the job's start-up, or None when
-    no rank reached its first step: 'total_s' from the first process's start to the last rank's first
-    step, and its critical path: 'launch', the time until the last process started, then for each segment in turn, the time from the end of the previous one
-    (on the last rank to end it) to its end on the last rank to end it, charged to that rank's phase
-    ('phases', 'phase_ranks'); a gap between that rank's two segments is 'unaccounted_s'. Records whose
-    segments differ (another code path) fall back to the slowest rank's own phases."""
+    """Every rank's record ({'rank', 'host'} and record()'s keys) -> the job's start-up, or None
+    when no rank reached its first step: 'total_s' from the first process's start to the last rank's
+    first step, and its critical path: 'launch', the time until the last process started, then for
+    each segment in turn, the time from the end of the previous one (on the last rank to end it) to
+    its end on the last rank to end it, charged to that rank's phase ('phases', 'phase_ranks'); a
+    gap between that rank's two segments is 'unaccounted_s'. Records whose segments differ (another
+    code path) fall back to the slowest rank's own phases."""
     done = [r for r in records if r.get('total_s') is not None]
     if not done:
         return None
@@ -126,14 +127,15 @@ def summarize(records):
     if len(names) > 1:
         slow = max(done, key=lambda r: r['origin'] + r['total_s'])
         return _ordered({'total_s': slow['total_s'], 'unaccounted_s': slow['unaccounted_s'],
-                         'phases': dict(slow['phases']), 'phase_ranks': {n: slow['rank'] for n in slow['phases']},
+                         'phases': dict(slow['phases']),
+                         'phase_ranks': {n: slow['rank'] for n in slow['phases']},
                          'critical_path': False}, done)
     start = min(r['origin'] for r in done)  # the first process's start
     prev, gap, phases, owner = start, 0.0, {}, {}
     for k, name in enumerate(next(iter(names))):
         end, late = max((r['origin'] + r['segments'][k][2], r['rank']) for r in done)
         begun = next(r['origin'] + r['segments'][k][1] for r in done if r['rank'] == late)
-        if k == 0 and begun > prev:  # that rank's process started late: the launcher's (srun, torchrun) delay
+        if k == 0 and begun > prev:  # that rank's process started late: the launcher's delay
             phases['launch'], owner['launch'] = begun - prev, late
         else:
             gap += max(0.0, begun - prev)
@@ -149,7 +151,7 @@ def summarize(records):
 
 def _ordered(job, done):
     job['phases'] = dict(sorted(job['phases'].items(), key=lambda kv: -kv[1]))
-    job['slowest_rank'] = max(done, key=lambda r: r['origin'] + r['total_s'])['rank']  # the last to step
+    job['slowest_rank'] = max(done, key=lambda r: r['origin'] + r['total_s'])['rank']  # the last
     job['ranks'] = [{k: v for k, v in r.items() if k != 'segments'} for r in done]
     return job
 
@@ -160,11 +162,18 @@ def line(startup, world_size, shown=4):
         return None
     phases = list(startup['phases'].items())
     ranks = startup['phase_ranks'] if world_size > 1 else {}
-    parts = [f'{name.replace("_", " ")} {s:.1f} s' + (f' (rank {ranks[name]})' if name in ranks else '')
-             for name, s in phases[:shown]]
+    parts = []
+    for name, s in phases[:shown]:
+        waited = f' (rank {ranks[name]})' if name in ranks else ''
+        parts.append(f'{name.replace("_", " ")} {s:.1f} s{waited}')
     if len(phases) > shown:
-        parts.append(f'{len(phases) - shown} other phases {sum(s for _, s in phases[shown:]):.1f} s')
+        rest = sum(s for _, s in phases[shown:])
+        parts.append(f'{len(phases) - shown} other phases {rest:.1f} s')
     parts.append(f'unaccounted {startup["unaccounted_s"]:.1f} s')
-    where = '' if world_size == 1 else f' (critical path over {world_size} ranks)' if startup['critical_path'] \
-        else f' (slowest rank {startup["slowest_rank"]}: the ranks took different paths)'
+    if world_size == 1:
+        where = ''
+    elif startup['critical_path']:
+        where = f' (critical path over {world_size} ranks)'
+    else:
+        where = f' (slowest rank {startup["slowest_rank"]}: the ranks took different paths)'
     return f'>>> Start-up: {startup["total_s"]:.1f} s to the first step{where}; ' + ', '.join(parts)

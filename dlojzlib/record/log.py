@@ -181,15 +181,17 @@ class Logger:
 def console_lines(args, steps_per_epoch):
     """How each record type reads on the console; metrics.jsonl and wandb get the record itself."""
     return {
-        'train': lambda r: (f"epoch {r['epoch']}/{args.epochs} step {r['step']}/{steps_per_epoch} loss {r['loss']:.4f} "
-                            f"lr {r['lr']:.5f} | step {r['step_ms']:.1f} ms data {r['data_ms']:.1f} ms | "
-                            f"{r['img_s']:.1f} img/s | mem {r['mem_bytes'] / 2**30:.2f} GiB"),
-        'train_metrics': lambda r: (f"Train metrics at step {r['step']}: loss {r['loss']:.4f} top-1 {r['top1']:.4f} "
-                                    f"top-5 {r['top5']:.4f}"),
-        'val': lambda r: (f"Validation epoch {r['epoch']}: loss {r['loss']:.4f} top-1 {r['top1']:.4f} top-5 "
-                          f"{r['top5']:.4f} ({r['images']} images, {r['time_s']:.1f} s)"),
-        'val_ema': lambda r: (f"Validation (EMA) epoch {r['epoch']}: loss {r['loss']:.4f} top-1 {r['top1']:.4f} "
-                              f"top-5 {r['top5']:.4f}"),
-        'findlr': lambda r: (f"LR sweep step {r['global_step']}: lr {r['lr']:.3g} loss {r['loss']:.4f} (smoothed "
-                             f"{r['smoothed']:.4f})"),
+        'train': lambda r: (f"epoch {r['epoch']}/{args.epochs} step {r['step']}/{steps_per_epoch} "
+                            f"loss {r['loss']:.4f} lr {r['lr']:.5f} | step {r['step_ms']:.1f} ms "
+                            f"data {r['data_ms']:.1f} ms | {r['img_s']:.1f} img/s | "
+                            f"mem {r['mem_bytes'] / 2**30:.2f} GiB"),
+        'train_metrics': lambda r: (f"Train metrics at step {r['step']}: loss {r['loss']:.4f} "
+                                    f"top-1 {r['top1']:.4f} top-5 {r['top5']:.4f}"),
+        'val': lambda r: (f"Validation epoch {r['epoch']}: loss {r['loss']:.4f} "
+                          f"top-1 {r['top1']:.4f} top-5 {r['top5']:.4f} "
+                          f"({r['images']} images, {r['time_s']:.1f} s)"),
+        'val_ema': lambda r: (f"Validation (EMA) epoch {r['epoch']}: loss {r['loss']:.4f} "
+                              f"top-1 {r['top1']:.4f} top-5 {r['top5']:.4f}"),
+        'findlr': lambda r: (f"LR sweep step {r['global_step']}: lr {r['lr']:.3g} "
+                             f"loss {r['loss']:.4f} (smoothed {r['smoothed']:.4f})"),
     }

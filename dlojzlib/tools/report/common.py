@@ -73,8 +73,9 @@ def numbers(run):
         'gpu_mem_gib': scaled(m.get('gpu_max_allocated_bytes_any_rank') or m.get('gpu_max_allocated_bytes'), 1 / GiB),
         'j_per_img': e.get('joules_per_image_all_ranks') or e.get('joules_per_image'),
         'top1': dig(run.summary, 'val', 'top1'),
-        # the time to the first step beside the steady figures, and its longest phase (measure.startup)
-        'startup_s': start.get('total_s'), 'startup_phase': next(iter(start.get('phases') or {}), None),
+        # the time to the first step beside the steady figures, its longest phase (measure.startup)
+        'startup_s': start.get('total_s'),
+        'startup_phase': next(iter(start.get('phases') or {}), None),
     }
 
 
@@ -85,7 +86,8 @@ METRICS = ['load_ms', 'compute_ms', 'step_ms', 'train_img_s', 'gpu_img_s', 'busy
 HIGHER_IS_BETTER = {'train_img_s', 'gpu_img_s', 'top1'}  # sorted best first: these descending, others ascending
 
 
-FORMATS = {'startup_s': '.1f', 'comm_pts': '.1f', 'straggler_pts': '.1f', 'rest_pts': '.1f', 'step_ms': '.1f',
+FORMATS = {'startup_s': '.1f', 'comm_pts': '.1f', 'straggler_pts': '.1f', 'rest_pts': '.1f',
+           'step_ms': '.1f',
            'top1': '.4f', 'top1_before': '.4f', 'top1_after': '.4f', 'loss_before': '.4f', 'loss_after': '.4f',
            'speedup': '.2f', 'efficiency': '.1%', 'j_per_img': '.3f', 'host_mem_gib': '.2f', 'gpu_mem_gib': '.2f',
            'mem_gib': '.3f', 'max_diff': '.3g'}
