@@ -40,7 +40,7 @@ LR = 0.1 * 8 / 256  # --base-lr 0.1 x global batch 8 / 256
 # case's folder and returns them
 CHANGES = {
     'data_dir': lambda case: ['--data-dir', case.data_copy],
-    'stage_dir': lambda case: ['--stage-dir', case.tmp / 'stage'],
+    'stage_dir': lambda case: ['--stage-dir', case.tmp / 'stage'], 'rescan_data': ['--rescan-data'],
     'cache_dir': lambda case: ['--cache-dir', case.tmp / 'c2'], 'synthetic_classes': ['--synthetic-classes', '5'],
     'synthetic_train_per_class': ['--synthetic-train-per-class', '25'],
     'synthetic_val_per_class': ['--synthetic-val-per-class', '7'], 'synthetic_seed': ['--synthetic-seed', '1'],
