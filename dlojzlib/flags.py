@@ -5,6 +5,7 @@ this module before it imports torch (seconds on a loaded node), so --help and ev
 answer at once; check_args imports torch when called."""
 import argparse
 import math
+import os
 import re
 import shutil
 import sys
@@ -74,6 +75,13 @@ FRACTION = _number(float, lambda v: 0 <= v < 1, 'in [0, 1)')
 ON_OFF = argparse.BooleanOptionalAction  # --x / --no-x
 
 
+def default_cache_dir(environ=os.environ):
+    """$XDG_CACHE_HOME/dlojz where it is set to an absolute path (the XDG rule: a relative one is
+    ignored), else ~/.cache/dlojz, as pip and torch.hub choose theirs."""
+    base = environ.get('XDG_CACHE_HOME', '')
+    return os.path.join(base if os.path.isabs(base) else '~/.cache', 'dlojz')
+
+
 def get_args_parser(add_help=True):
     p = Parser(description='dlojz: ResNet training and benchmarking', add_help=add_help, allow_abbrev=False,
                formatter_class=HelpFormatter, epilog=EXAMPLES)
@@ -93,8 +101,9 @@ def data_flags(p):
                    'synthetic dataset')
     g.add_argument('--stage-dir', help='copy the shards (dlojz_data.py prepare) to this folder on the node\'s local '
                    'disk, once per node, and read them there, e.g. $SLURM_TMPDIR; other data are read in place')
-    g.add_argument('--cache-dir', default='~/.cache/dlojz', help='where the synthetic dataset is '
-                   'generated, once, and the index of each data folder is kept for the next job')
+    g.add_argument('--cache-dir', default=default_cache_dir(), help='where the synthetic dataset is '
+                   'generated, once, and the index of each data folder is kept for the next job; default '
+                   '$XDG_CACHE_HOME/dlojz, else ~/.cache/dlojz')
     g.add_argument('--rescan-data', action='store_true', help='list the data folder again rather '
                    'than reuse the kept index of its unchanged class folders')
     g.add_argument('--synthetic-classes', type=POSITIVE_INT, default=10, help='synthetic dataset: number of classes')

@@ -97,5 +97,7 @@ def expand(root, compact):
 
 
 def shared(fn, dist, on_ranks):
-    """fn() on global rank 0; every rank gets its result (one broadcast), or rank 0's error."""
-    return launch.broadcast_object(on_ranks(fn, when=dist.rank == 0))
+    """fn() on global rank 0; every rank gets its result (one broadcast), or rank 0's error. A process
+    outside any process group (a tool, a test standing in for one rank) has no one to hear from, and
+    runs fn itself."""
+    return launch.broadcast_object(on_ranks(fn, when=dist.rank == 0 or not launch.grouped()))

@@ -373,6 +373,11 @@ def all_gather_object(obj):
     return out
 
 
+def grouped():
+    """Whether this process is in a process group (a distributed run)."""
+    return tdist.is_available() and tdist.is_initialized()
+
+
 def broadcast_object(obj, src=0):
     if not (tdist.is_available() and tdist.is_initialized()):
         return obj
