@@ -33,12 +33,12 @@ Two clocks, never mixed in one subtraction:
 - "other" is the step's time outside the named phases (scheduler, metrics, logging), measured on the
   compute clock. The phase check compares the named phases with the step span, two independent
   measurements: the named phases can never exceed their step, so `phase_sum_error` > 0 means a timing bug.
-- `device_busy` = device busy time / host time of the steady steps, and the verdict `bound` (verdict()):
-  'compute' when the device did useful work >= 90% of the time, else what the idle time went to, the
-  largest of: the data wait ('loader'), the exposed transfer of the gradient all-reduce ('communication'),
-  waiting for a late rank ('straggler'; measure.comm measures the waits in collectives, and
-  record.summary.ranks_summary splits them once every rank's numbers are gathered at the end), and the rest
-  ('host': Python, kernel launches, synchronisations).
+- `device_busy` = device busy time / host time of the steady steps. `shares` splits the steady steps'
+  time by what it went to (step_shares): the device's own work ('compute'), the exposed transfer of the
+  gradient all-reduce ('communication'), waiting for a late rank ('straggler'; measure.comm measures the
+  waits in collectives, and record.summary.ranks_summary splits them once every rank's numbers are
+  gathered at the end), the data wait ('loader') and the rest ('host': Python, kernel launches,
+  synchronisations). The verdict `bound` is the largest share.
 - The first `warmup` steps (worker start-up, cudnn autotune, compilation) are reported separately and
   left out of the statistics; `on_steady` callbacks run once, before the first steady step asks for its
   batch (peak-memory reset, start of the energy window). So are an epoch's smaller last batches: a new
@@ -61,24 +61,45 @@ PHASES = ('data', 'h2d', 'forward', 'backward', 'optimizer', 'other')
 LABELS = {'h2d': 'host to device copy', 'forward': 'inference and loss function', 'backward': 'gradient compute',
           'optimizer': 'optimizer step and weights update'}
 GPU_PHASES = ('h2d', 'forward', 'backward', 'optimizer')
-BUSY = 0.9  # device busy at least this fraction of the wall time: compute-bound
+SHARES = ('compute', 'communication', 'straggler', 'loader', 'host')  # step_shares' names
 PROBE_MIN, PROBE_EVERY = 5, 100  # probe steps: until 5 clean steps are measured, then one per 100 steps
 PROBE_MAX_S = 0.5  # the longest spin a probe queues (seconds)
 
 
+def step_shares(wall, busy, data, comm=0.0, late=0.0, data_excess=0.0):
+    """What the steady steps' time went to, from their sums (seconds, one rank or all ranks added up)
+    -> {name: seconds}, largest first (ties in SHARES' order), adding up to `wall`:
+    - 'compute': the device's own work, its busy time less the time it spent inside collectives
+      waiting for the transfer (`comm`) or for a late peer (`late`);
+    - 'communication': the exposed all-reduce; 'straggler': the wait for a late peer, and the part
+      of the data wait by which this rank's loader was slower than the fastest rank's
+      (`data_excess`: it made the others wait);
+    - 'loader': the rest of the data wait, as far as the device was idle during it (on a GPU the
+      host can wait for a batch while queued work still runs: that part is compute's);
+    - 'host': the time left, with the device idle and nothing waited for (launches, Python,
+      synchronisations). On the host clock (CPU) it is the few microseconds between steps."""
+    work = min(wall, max(0.0, busy - comm - late))
+    left, out = wall - work, {'compute': work}
+    for name, v in (('communication', comm), ('straggler', late + data_excess), ('loader', data - data_excess)):
+        out[name] = min(max(0.0, v), left)
+        left -= out[name]
+    out['host'] = left
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1], SHARES.index(kv[0]))))
+
+
 def verdict(wall, busy, data, comm=0.0, late=0.0, data_excess=0.0):
-    """What bounds a run, from sums over its steady steps (seconds, one rank or all ranks added up).
-    Inside the device's busy time, the gradient all-reduce's exposed transfer (`comm`) and the wait
-    for a late peer (`late`) are not useful work. `data_excess` is the part of the data wait by
-    which some ranks' loaders were slower than the fastest rank's: it made the others wait, so it
-    counts with the straggler."""
-    work = busy - comm - late
-    if work >= BUSY * wall:
-        return 'compute'
-    idle = wall - work
-    waits = {'loader': data - data_excess, 'communication': comm, 'straggler': late + data_excess,
-             'host': idle - data - comm - late}
-    return max(waits, key=waits.get)
+    """What bounds a run: the largest share of its steps' time (step_shares)."""
+    return next(iter(step_shares(wall, busy, data, comm, late, data_excess)))
+
+
+def percents(fractions):
+    """Fractions adding up to 1 -> whole percents adding up to 100 (largest remainders round up), so
+    that a line of shares adds up as its figures are printed."""
+    raw = {k: 100 * v for k, v in fractions.items()}
+    out = {k: math.floor(v) for k, v in raw.items()}
+    for k in sorted(raw, key=lambda k: out[k] - raw[k])[:100 - sum(out.values())]:
+        out[k] += 1
+    return out
 
 
 def describe(values):
@@ -417,7 +438,9 @@ class Chronometer:
             res['gpu_step_source'] = tot['gpu_step_source']
             res['device_busy'] = busy / total
             res['data_share'] = tot['data_s'] / total
-            res['bound'] = verdict(total, busy, tot['data_s'], tot.get('collective_s', 0.0))
+            shares = step_shares(total, busy, tot['data_s'], tot.get('collective_s', 0.0))
+            res['shares'] = {k: v / total for k, v in shares.items()}
+            res['bound'] = next(iter(shares))
             if 'collective_s' in tot:
                 res['exposed_share'] = tot['collective_s'] / total
                 res['buffers_timed'] = self.comm.buffers_timed  # False: --no-broadcast-buffers, or no hook

@@ -269,7 +269,11 @@ def test_loader_bound_gpu_throughput_comes_from_the_device_clock():
     # 19 steady steps of 132 ms, and the last one waits for the device to finish its work: 111 ms after the
     # step began (its first launch, then 110 ms of work) instead of 4 ms
     assert s['train_throughput'] == pytest.approx(128 * 19 / (19 * 0.132 + 0.107), rel=1e-6)
-    assert s['bound'] == 'loader' and s['device_busy'] == pytest.approx(19 * 0.110 / (19 * 0.132 + 0.107), rel=1e-6)
+    busy = 19 * 0.110 / (19 * 0.132 + 0.107)
+    assert s['device_busy'] == pytest.approx(busy, rel=1e-6)
+    # the device works 83 % of the steps: the largest share, the device idle for the batch the rest
+    assert s['bound'] == 'compute' and s['shares'] == pytest.approx(
+        {'compute': busy, 'loader': 1 - busy, 'host': 0.0, 'communication': 0.0, 'straggler': 0.0}, abs=1e-6)
     for rec in chrono.steady:
         assert rec['forward'] == pytest.approx(0.035) and rec['backward'] == pytest.approx(0.065)
         assert rec['other'] >= -1e-12  # the named phases lie inside the step's span
@@ -483,7 +487,12 @@ GPU_PHASES = ('h2d', 'forward', 'backward', 'optimizer')
 MATRIX = {
     # the issue's case: 20 ms of launches, 2 ms of GPU work per step (before: busy 0.985, 'compute', 12.7k)
     'host': (0.0, 0.005, 0.0005, 0.3, 256, 'host', 256 / 0.002, 256 / 0.020),
-    'loader': (0.128, 0.001, 0.0275, 0.3, 128, 'loader', 128 / 0.110, 128 / 0.132),
+    # the device idle 194 ms of each 304 ms step, waiting for the batch
+    'loader': (0.300, 0.001, 0.0275, 0.3, 128, 'loader', 128 / 0.110, 128 / 0.304),
+    # the margin: the host waits 128 ms of each 132 ms step for its batch, but the device works 110 ms of it
+    # on the step before (before issue 39: 'loader', by the 90 % busy threshold). The largest share is the
+    # device's work; the data wait's share is the 22 ms the device idled.
+    'compute, a loader just slower': (0.128, 0.001, 0.0275, 0.3, 128, 'compute', 128 / 0.110, 128 / 0.132),
     'compute': (0.002, 0.001, 0.0275, 0.3, 128, 'compute', 128 / 0.110, 128 / 0.110),
     # a launch queue shorter than a step: the host blocks in it, the device always ahead of the events
     'compute, shallow queue': (0.002, 0.001, 0.0275, 0.05, 128, 'compute', 128 / 0.110, 128 / 0.110),
@@ -503,6 +512,12 @@ def test_verdict_and_throughputs_on_fake_device_timelines(case):
     assert s['train_throughput'] == pytest.approx(train_truth, rel=0.05)
     busy_truth = (batch / gpu_truth) / (batch / train_truth)  # device work per step / wall time per step
     assert s['device_busy'] == pytest.approx(busy_truth, rel=0.05)
+    # the shares by hand: the device's work, and its idle time went to the loader where the host waited
+    # for a batch, else to the host's launches
+    idle_for = 'loader' if wait > 4 * launch else 'host'
+    assert s['shares']['compute'] == pytest.approx(busy_truth, rel=0.05)
+    assert s['shares'][idle_for] == pytest.approx(1 - busy_truth, abs=0.03)
+    assert sum(s['shares'].values()) == pytest.approx(1.0)
 
 
 def test_host_bound_steps_are_measured_by_probes():
@@ -561,14 +576,17 @@ def rank(number, works):
     return {'rank': number, 'step_median_s': chrono.stats()['step']['median'], **chrono.totals()}
 
 
-def test_waiting_for_a_straggler_is_communication():
+def test_waiting_for_a_rank_slow_in_its_forward_is_a_share_beside_the_work():
     """Rank 1 is slow in its forward pass (100 ms); rank 0's gradient all-reduce, at the end of its backward
     pass, waits for it: 95 ms of its 105 ms backward. Each GPU is busy all the time, yet by hand 95 of the
-    220 device-ms per step are waiting: the run is bound by communication, 95 / 220 of the time."""
+    220 device-ms per step are waiting, 95 / 220 of the time, and 125 working: the largest share is the devices'
+    work (before issue 39: 'communication', the largest idle share, since work was under 90 %)."""
     fast = rank(0, {'h2d': 0.001, 'forward': 0.004, 'backward': 0.105, 'optimizer': 0.0})
     slow = rank(1, {'h2d': 0.001, 'forward': 0.099, 'backward': 0.010, 'optimizer': 0.0})
     s = ranks_summary([fast, slow])
-    assert s['bound'] == 'communication' and s['comm_share'] == pytest.approx(95 / 220, rel=0.05)
+    assert s['bound'] == 'compute' and s['comm_share'] == pytest.approx(95 / 220, rel=0.05)
+    assert list(s['shares_all_ranks'])[:2] == ['compute', 'communication']
+    assert s['shares_all_ranks']['compute'] == pytest.approx(125 / 220, rel=0.05)
     assert s['device_busy_all_ranks'] == pytest.approx(1.0, rel=0.05)
     assert s['compute_headroom_all_ranks'] == pytest.approx(220 / 125, rel=0.05)
     same = ranks_summary([rank(0, {'forward': 0.05, 'backward': 0.06}), rank(1, {'forward': 0.05, 'backward': 0.06})])

@@ -120,10 +120,44 @@ def test_sweep_and_verdict_by_hand():
     assert (v['bound'], v['best']['num_workers'], v['within_budget']) == ('loader', 4, True)
     assert v['loader_over_ceiling'] == pytest.approx(800 / 3000)
     assert v['workers_for_ceiling'] == 15  # 3000 / 200 img/s per worker (the best per-worker rate)
-    assert 'loader-bound: the model could take 3.75x' in L.verdict_lines(v)[-1]
+    # fed 800 img/s, a model taking 3000 waits 1 - 800/3000 = 73 % of each step: the largest share
+    assert v['data_wait_share'] == pytest.approx(1 - 800 / 3000)
+    assert 'loader-bound (data wait 73% of each step, compute 27%): the model could take 3.75x' in \
+        L.verdict_lines(v)[-1]
+    # the margin: fed 800 img/s, a model taking 1000 computes 80 % of each step and waits 20 %. The run's
+    # '>>> Bound by' line says compute (its largest share), and so does the doctor, with the wait.
+    v = L.verdict(trials, 1000, budget=5)
+    assert v['bound'] == 'compute' and v['data_wait_share'] == pytest.approx(0.2)
+    assert L.verdict_lines(v)[-1].startswith('>>> Verdict: compute-bound (data wait 20% of each step, compute '
+                                             '80%): use --num-workers 4')
     v = L.verdict(trials, 500, budget=None)
     assert (v['bound'], v['best']['num_workers']) == ('compute', 8)
     assert L.verdict_lines(v)[-1].endswith('use --num-workers 8 --decode fast --prefetch-factor 2.')
+
+
+@pytest.mark.parametrize('feeds', [0.3, 0.45, 0.55, 0.8, 1.2])
+def test_the_doctor_says_the_word_the_run_would_say(feeds):
+    """A loader feeding `feeds` x what the model takes (1000 img/s, batch 100): on the host clock the
+    Chronometer of a run with workers loading while it computes measures a data wait of max(0, 100 / L -
+    0.1) s per step beside 0.1 s of compute. The doctor's verdict from L and the ceiling is the word the
+    run's Chronometer gives; the doctor's wait share is the one the run measures."""
+    from dlojz_chrono import Chronometer
+    clock = type('Clock', (), {'t': 0.0, '__call__': lambda self: self.t})()
+    loader_ips, ceiling = 1000 * feeds, 1000.0
+
+    def batches(steps=12):
+        for _ in range(steps):
+            clock.t += max(0.0, 100 / loader_ips - 100 / ceiling)  # the workers' batch is late by this
+            yield torch.zeros(100, 1), torch.zeros(100)
+    run = Chronometer('cpu', warmup=2, clock=clock)
+    for _ in run.iterate(batches()):
+        clock.t += 100 / ceiling  # the step's compute
+    t = run.summary(global_batch=100)
+    v = L.verdict([{'num_workers': 2, 'prefetch_factor': 2, 'pin_memory': None, 'decode': 'fast',
+                    'images_per_second': loader_ips, 'images_per_second_per_worker': loader_ips / 2,
+                    'host_peak_bytes': 1}], ceiling, budget=None)
+    assert v['bound'] == t['bound'] == ('loader' if feeds < 0.5 else 'compute')
+    assert v['data_wait_share'] == pytest.approx(t['shares']['loader'], abs=1e-9)
 
 
 @pytest.mark.slow

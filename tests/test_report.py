@@ -250,22 +250,30 @@ def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
 
 @pytest.mark.slow
 def test_a_verdict_over_all_ranks_shows_the_shares_over_all_ranks(runs, tmp_path):
-    """Rank 0 busy 99 % while the ranks together waited for data 30 % of the time: the dashboard's
-    'Bound by' row and the comparison give the all-ranks shares beside the all-ranks verdict, as the
-    run's own line does (hand-set numbers in a real 2-rank run folder)."""
+    """Rank 0 busy 99 % while the ranks together waited for data 60 % of the time: the dashboard's
+    'Bound by' row gives the all-ranks shares beside the all-ranks verdict, largest first, as the run's
+    own line does, and the comparison its all-ranks busy and data shares (hand-set numbers in a real
+    2-rank run folder). A summary from before the shares keeps its busy and data figures."""
     two = tmp_path / 'two'
     shutil.copytree(runs['ws2'], two)
     s = summary(two)
     assert s['timing'].get('bound_all_ranks')  # a 2-rank run measures every rank
-    s['timing'].update(device_busy=0.99, data_share=0.01, device_busy_all_ranks=0.6, data_share_all_ranks=0.3,
-                       bound='loader')
+    s['timing'].update(device_busy=0.99, data_share=0.01, device_busy_all_ranks=0.4, data_share_all_ranks=0.6,
+                       bound='loader', comm_share=0.0, straggler_share=0.0,
+                       shares_all_ranks={'loader': 0.6, 'compute': 0.4, 'communication': 0.0, 'straggler': 0.0,
+                                         'host': 0.0})
     (two / 'summary.json').write_text(json.dumps(s))
     code, out = make_report(tmp_path / 'rep', two)
     text = (out / 'report.md').read_text()
-    assert code == 0 and re.search(r'loader \(all ranks\): device busy 60(\.0+)? % of the steady steps, data wait '
-                                   r'30(\.0+)? %', text), text
+    assert code == 0 and ('loader (all ranks): data wait 60%, compute 40%, exposed communication 0%, waiting for a '
+                          'late rank 0%, host 0% of the steady steps') in text, text
     [row] = read_csv(out / 'comparison.csv')
-    assert (float(row['busy_pct']), float(row['data_pct'])) == pytest.approx((60.0, 30.0))
+    assert (float(row['busy_pct']), float(row['data_pct'])) == pytest.approx((40.0, 60.0))
+    del s['timing']['shares_all_ranks']
+    (two / 'summary.json').write_text(json.dumps(s))
+    code, out = make_report(tmp_path / 'rep-old', two)
+    assert code == 0 and re.search(r'loader \(all ranks\): device busy 40(\.0+)? % of the steady steps, data wait '
+                                   r'60(\.0+)? %', (out / 'report.md').read_text())
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+import dlojz_chrono as chrono
 from dlojzlib import SCRIPT, compat, tables
 from dlojzlib.data.datasets import build_data
 from dlojzlib.errors import UsageError
@@ -245,14 +246,20 @@ def _run(cmd, out):
 
 
 def verdict(trials, ceiling_ips, budget):
-    """The best trial within the memory budget against the compute ceiling (images per second)."""
+    """The best trial within the memory budget against the compute ceiling (images per second). A
+    training run fed at the loader's rate L by a model that takes C would wait for data 1 - L/C of
+    each step (the workers load while it computes) and compute L/C of it: the verdict is the
+    largest of those shares (dlojz_chrono.verdict), the word the run's own '>>> Bound by' line
+    would give."""
     fits = [t for t in trials if budget is None or t['host_peak_bytes'] <= budget]
     best = max(fits or trials, key=lambda t: t['images_per_second'])
     per_worker = max((t['images_per_second_per_worker'] for t in trials if t['num_workers'] > 0), default=None)
     v = {'best': best, 'ceiling_images_per_second': ceiling_ips, 'within_budget': bool(fits),
          'loader_over_ceiling': best['images_per_second'] / ceiling_ips,
          'workers_for_ceiling': math.ceil(ceiling_ips / per_worker) if per_worker else None}
-    v['bound'] = 'loader' if best['images_per_second'] < ceiling_ips else 'compute'
+    step = 1 / min(best['images_per_second'], ceiling_ips)  # seconds per image, both at work
+    v['data_wait_share'] = 1 - 1 / ceiling_ips / step
+    v['bound'] = chrono.verdict(step, 1 / ceiling_ips, step - 1 / ceiling_ips)
     return v
 
 
@@ -262,11 +269,15 @@ def verdict_lines(v):
     lines = [f">>> Compute ceiling (--fake-data): {v['ceiling_images_per_second']:.1f} images/second",
              f">>> Best loader setting measured: {flags}: {b['images_per_second']:.1f} images/second"
              + ('' if v['within_budget'] else ' (no setting fitted the memory budget: the fastest is shown)')]
+    need = v['workers_for_ceiling']
+    feed = f'; at the best rate per worker, about {need} workers (cores) would feed it' if need else ''
+    wait = f"data wait {v['data_wait_share']:.0%} of each step, compute {1 - v['data_wait_share']:.0%}"
     if v['bound'] == 'loader':
-        need = v['workers_for_ceiling']
-        lines.append(f">>> Verdict: loader-bound: the model could take {1 / ratio:.2f}x what the best setting feeds"
-                     + (f'; at the best rate per worker, about {need} workers (cores) would feed it' if need else '')
-                     + '.')
+        lines.append(f">>> Verdict: loader-bound ({wait}): the model could take {1 / ratio:.2f}x what the best "
+                     f"setting feeds{feed}.")
+    elif ratio < 1:  # the model still waits, less than it computes
+        lines.append(f">>> Verdict: compute-bound ({wait}): use {flags}; the model could take {1 / ratio:.2f}x "
+                     f"what it feeds{feed}.")
     else:
         lines.append(f'>>> Verdict: compute-bound: the best setting feeds {ratio:.2f}x what the model takes; '
                      f'use {flags}.')

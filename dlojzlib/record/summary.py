@@ -6,7 +6,7 @@ import math
 import os
 import socket
 
-from dlojz_chrono import verdict
+from dlojz_chrono import percents, step_shares, verdict
 from dlojzlib import recipe
 from dlojzlib.dist import launch
 from dlojzlib.flags import get_args_parser
@@ -178,7 +178,9 @@ def ranks_summary(ranks):
         r['bound'] = verdict(r['wall_s'], r['busy_s'], r['data_s'], r['comm_s'], r['late_s'])
     wall, busy, data, comm, late, excess = (sum(r[k] for r in measured) for k in
                                              ('wall_s', 'busy_s', 'data_s', 'comm_s', 'late_s', 'data_excess_s'))
-    res.update(bound=verdict(wall, busy, data, comm, late, excess), bound_all_ranks=True,
+    shares = step_shares(wall, busy, data, comm, late, excess)
+    res.update(bound=next(iter(shares)), bound_all_ranks=True,
+               shares_all_ranks={k: v / wall for k, v in shares.items()},
                device_busy_all_ranks=busy / wall, data_share_all_ranks=data / wall, comm_share=comm / wall,
                late_share=late / wall, straggler_share=(late + excess) / wall,
                # waiting for peers or the network is waiting: the headroom leaves it out
@@ -201,6 +203,41 @@ def communication_estimate(bucket_cap_mb, model, world_size):
             'ring_bytes_per_rank_per_step': 2 * (world_size - 1) / world_size * grad_bytes}
 
 
+SHARE_NAMES = {'communication': 'exposed communication', 'straggler': 'waiting for a late rank',
+               'loader': 'data wait', 'host': 'host'}
+
+
+def share_text(t):
+    """'compute 89%, exposed communication 8%, ...': every share of the steady steps, largest first,
+    in whole percents adding up to 100 (summary.json['timing']); None for a summary written before
+    the shares were (issue 39)."""
+    every = t.get('bound_all_ranks')
+    shares = t.get('shares_all_ranks' if every else 'shares')
+    if not shares:
+        return None
+    if not every and 'exposed_share' not in t:  # one process: nothing to wait for but its loader
+        shares = {k: v for k, v in shares.items() if k not in ('communication', 'straggler')}
+    names = {**SHARE_NAMES, 'compute': 'GPU work' if t.get('clock') == 'cuda-events' else 'compute'}
+    return ', '.join(f'{names[k]} {v}%' for k, v in percents(shares).items())
+
+
+def bound_line(t):
+    """'>>> Bound by: <the largest share> (<share_text>; why; headroom)' from
+    summary.json['timing']."""
+    every = t.get('bound_all_ranks')
+    split = share_text(t)
+    why = ''
+    if t['bound'] == 'communication' and t.get('achieved_bytes_per_s'):
+        why = (f"; {t['gradient_bytes_per_step'] / 2**20:.1f} MiB per step, "
+               f"{t['achieved_bytes_per_s'] / 1e9:.3g} GB/s achieved")
+    elif t['bound'] == 'straggler' and t.get('straggler_rank') is not None:
+        why = f"; rank {t['straggler_rank']} is late, bound by {t['straggler_bound']}"
+    headroom = t.get('compute_headroom_all_ranks' if every else 'compute_headroom')
+    headroom = f"; with no waiting the steps would be {headroom:.2f}x faster" if headroom else ''
+    return (f">>> Bound by: {t['bound']} ({split} of the steady steps{', all ranks' if every else ''}"
+            f"{why}{headroom})")
+
+
 def final_lines(summary, chrono, steps_per_epoch):
     """The course's '>>>' lines (Chronometer's) and dlojz's own, from the summary just written."""
     lines = chrono.display_lines(steps_per_epoch)
@@ -211,22 +248,7 @@ def final_lines(summary, chrono, steps_per_epoch):
                      f"{t['gpu_throughput']:.2f} images/second; epoch time estimate: "
                      f"{t['epoch_time_estimate_s']:.1f} s")
     if t.get('bound'):
-        device = 'GPU' if t['clock'] == 'cuda-events' else 'compute'
-        comm, why = '', ''
-        if t.get('bound_all_ranks'):
-            comm = (f", exposed communication {t['comm_share']:.0%}, waiting for a late rank "
-                    f"{t['straggler_share']:.0%}")
-            if t['bound'] == 'communication' and t.get('achieved_bytes_per_s'):
-                why = (f"; {t['gradient_bytes_per_step'] / 2**20:.1f} MiB per step, "
-                       f"{t['achieved_bytes_per_s'] / 1e9:.3g} GB/s achieved")
-            elif t['bound'] == 'straggler' and t.get('straggler_rank') is not None:
-                why = f"; rank {t['straggler_rank']} is late, bound by {t['straggler_bound']}"
-        headroom = t.get('compute_headroom_all_ranks' if t.get('bound_all_ranks') else 'compute_headroom')
-        headroom = f"; with no waiting the steps would be {headroom:.2f}x faster" if headroom else ''
-        busy, data, ranks = ((t['device_busy_all_ranks'], t['data_share_all_ranks'], ', all ranks')
-                             if t.get('bound_all_ranks') else (t['device_busy'], t['data_share'], ''))
-        lines.append(f">>> Bound by: {t['bound']} ({device} busy {busy:.0%} of the steady steps{ranks}, "
-                     f"data wait {data:.0%}{comm}{why}{headroom})")
+        lines.append(bound_line(t))
     if t.get('rank_skew') is not None:
         lines.append(f">>> Step time per rank (median): fastest rank {t['fastest_rank']} "
                      f"{t['fastest_step_median_s'] * 1e3:.1f} ms, slowest rank {t['slowest_rank']} "

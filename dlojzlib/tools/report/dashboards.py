@@ -1,8 +1,26 @@
 """The run dashboards (the course's controle_technique) and step timelines (turbo_profiler)."""
 from dlojz_chrono import PHASES
+from dlojzlib.record.summary import share_text
 from dlojzlib.tools.report.common import (COLORS, GiB, fmt, gib, guarded, hms, last_record,
                                           md_table, numbers, plt, save_fig, scaled, slug, verdict)
 from dlojzlib.tools.report.runs import dig
+
+
+def bound_cell(n, t):
+    """The run's verdict and what each share of its steady steps went to, as its '>>> Bound by' line
+    gives them; a summary from before the shares (issue 39): device busy and the waits."""
+    if not n['bound']:
+        return '—'
+    every = ' (all ranks)' if t.get('bound_all_ranks') else ''
+    late = (f" (rank {t['straggler_rank']}, bound by {t['straggler_bound']})"
+            if n['bound'] == 'straggler' and t.get('straggler_rank') is not None else '')
+    split = share_text(t)
+    if split:
+        return f"{n['bound']}{every}: {split} of the steady steps{late}"
+    waits = (f", exposed communication {fmt(scaled(t['comm_share'], 100))} %, waiting for a late rank "
+             f"{fmt(scaled(t.get('straggler_share'), 100))} %" if t.get('bound_all_ranks') else '')
+    return (f"{n['bound']}{every}: device busy {fmt(n['busy_pct'])} % of the steady steps, data wait "
+            f"{fmt(n['data_pct'])} %{waits}{late}")
 
 
 def dashboard(run, out):
@@ -23,13 +41,7 @@ def dashboard(run, out):
         ('Train throughput', f"{fmt(n['train_img_s'])} img/s (images / total time of the steady steps)"),
         ('GPU throughput', f"{fmt(n['gpu_img_s'])} img/s (global batch / device work per step, {t.get('clock')} clock, "
                            f"from {t.get('gpu_step_source') or '?'} spans)"),
-        ('Bound by', f"{n['bound']}{' (all ranks)' if t.get('bound_all_ranks') else ''}: device busy "
-                     f"{fmt(n['busy_pct'])} % of the steady steps, data wait {fmt(n['data_pct'])} %"
-                     + (f", exposed communication {fmt(scaled(t['comm_share'], 100))} %, waiting for a late rank "
-                        f"{fmt(scaled(t.get('straggler_share'), 100))} %" if t.get('bound_all_ranks') else '')
-                     + (f" (rank {t['straggler_rank']}, bound by {t['straggler_bound']})"
-                        if n['bound'] == 'straggler' and t.get('straggler_rank') is not None else '')
-                     if n['bound'] else '—'),
+        ('Bound by', bound_cell(n, t)),
         ('Epoch time estimate', f"{hms(t.get('epoch_time_estimate_s'))} ({dig(run.summary, 'data', 'batches_per_epoch')}"
                                 f" batches)"),
         ('Full validation estimate', hms(t.get('full_val_time_estimate_s'))),
