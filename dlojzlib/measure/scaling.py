@@ -192,6 +192,31 @@ def collective_waits(timing):
             max(r['late_s'] / r['steady_steps'] for r in ranks))
 
 
+def step_split(timing):
+    """A run's mean steady step split by what it went to (seconds per step, mean over its ranks, from
+    their sums): {'step', 'work' (the device's own work: busy time less the waits in collectives),
+    'data' (the data wait), 'comm' (the transfer every rank waited for), 'late' (the wait for a late
+    rank)}. Means over the ranks, so that for each rank step = work + data + comm + late + the host's
+    rest holds for the mean too. work None where the run did not measure the device's busy time,
+    comm and late None where the ranks did not time their collectives; None without steady steps."""
+    ranks = [r for r in timing.get('ranks') or [] if r.get('steady_steps')]
+    if not ranks:  # one process: its own sums; a launcher's world of one all-reduces with itself
+        tot = timing.get('totals') or {}
+        if not tot.get('steady_steps'):
+            return None
+        n, collective = tot['steady_steps'], tot.get('collective_s', 0.0)
+        work = tot['busy_s'] - collective if tot.get('busy_s') is not None else None
+        return {'step': tot['wall_s'] / n, 'work': work / n if work is not None else None,
+                'data': tot['data_s'] / n, 'comm': collective / n, 'late': 0.0}
+    mean = lambda f: statistics.fmean(f(r) / r['steady_steps'] for r in ranks)  # noqa: E731
+    hooked = timing.get('comm_measured') == 'all-reduce hook'
+    busy = all(r.get('busy_s') is not None for r in ranks)
+    return {'step': mean(lambda r: r['wall_s']), 'data': mean(lambda r: r['data_s']),
+            'comm': mean(lambda r: r['comm_s']) if hooked else None,
+            'late': mean(lambda r: r['late_s']) if hooked else None,
+            'work': mean(lambda r: r['busy_s'] - r['comm_s'] - r['late_s']) if hooked and busy else None}
+
+
 def measured_from_summary(summary):
     """What a multi-rank dlojz run measured -> dict(gpus, images_per_s, exposed_s, late_s: collective_waits)."""
     t = summary.get('timing') or {}

@@ -87,6 +87,7 @@ HIGHER_IS_BETTER = {'train_img_s', 'gpu_img_s', 'top1'}  # sorted best first: th
 
 
 FORMATS = {'startup_s': '.1f', 'comm_pts': '.1f', 'straggler_pts': '.1f', 'rest_pts': '.1f',
+           'compute_slowed_pts': '.1f', 'loader_slowed_pts': '.1f',
            'step_ms': '.1f',
            'top1': '.4f', 'top1_before': '.4f', 'top1_after': '.4f', 'loss_before': '.4f', 'loss_after': '.4f',
            'speedup': '.2f', 'efficiency': '.1%', 'j_per_img': '.3f', 'host_mem_gib': '.2f', 'gpu_mem_gib': '.2f',
