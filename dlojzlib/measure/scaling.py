@@ -2,7 +2,8 @@
 
     python dlojz_scaling.py --summary runs/one-gpu/summary.json --machine a100 --gpus 1,4,8,32
     torchrun --nproc_per_node 2 dlojz_scaling.py --probe probe.json     # all-reduce bandwidth, this world size
-    python dlojz_scaling.py --summary runs/cpu-1rank/summary.json --link probe.json --gpus 1,2,3
+    python dlojz_scaling.py --summary runs/cpu-1rank/summary.json --link probe.json --gpus 1,2,3 \
+        --slowed-from runs/cpu-2ranks/summary.json     # the compute slowed term, measured at 2 ranks
 
 The model (docs/scaling.md says it in prose):
 
@@ -26,16 +27,23 @@ The model (docs/scaling.md says it in prose):
   N independent draws from it (exact for the empirical distribution: expected_max); the straggler term is
   that minus the mean step. A steady run whose steps vary by 1 % loses little; a loader that delivers in
   bursts loses more with every rank added.
-* Step at N: t_step + straggler(N) + max(0, end of the last all-reduce - end of the backward): only the
-  communication the backward cannot hide is added (at least the last bucket's). img/s = N x batch /
-  step(N); efficiency = t_step / step(N); each term's share of step(N) is what it costs in points.
+* Compute slowed: each rank's own work per step w (the one device's busy time less its waits in
+  collectives) grows by a fraction s(N) at N ranks, and the backward with it (slowdown()): from cores the
+  ranks of a node share (CPU ranks of t threads on C cores: s = max(1, N t / C) - 1), from a run at M >= 2
+  ranks of the same flags (--slowed-from: its measured work against the one device's, what the other
+  ranks' communication took from each rank, taken as is at every N >= 2, with the cores' share on top), or
+  none. The forecast says which.
+* Step at N: t_step + s(N) w + straggler(N) + max(0, end of the last all-reduce - end of the backward):
+  only the communication the backward cannot hide is added (at least the last bucket's). img/s = N x batch
+  / step(N); efficiency = t_step / step(N); each term's share of step(N) is what it costs in points.
 * Checked against what was measured: given runs at some world sizes (--measured), their exposed
-  communication per step (measure.comm, the transfer every rank waited for) is set beside the model's, which
-  tests the overlap the model assumes, and their img/s beside the forecast.
-* Left out, so the forecast is an upper bound: compute slowed by communication kernels or threads sharing
-  the device (NCCL uses SMs; gloo uses CPU threads), data-loader limits at scale, DDP's own per-bucket
-  copies and buffer broadcast, CPU oversubscription (more ranks than cores), topology effects (a ring
-  through a slow PCIe hop).
+  communication per step (measure.comm, the transfer every rank waited for), their wait for a late rank
+  and their work grown per step are set beside the model's, which tests the overlap and the slowdown the
+  model assumes, and their img/s beside the forecast.
+* Left out, so the forecast is an upper bound where nothing measured the slowdown: compute slowed by
+  communication kernels or threads sharing the device (NCCL uses SMs; gloo uses CPU threads) unless
+  --slowed-from measured it, data-loader limits at scale, DDP's own per-bucket copies and buffer broadcast,
+  topology effects (a ring through a slow PCIe hop).
 
 Pure functions (no torch import at module level): the probe imports torch.distributed when it runs.
 """
@@ -126,11 +134,15 @@ def expected_max(samples, n):
 
 
 def forecast(step_s, backward_s, batch_per_device, grad_bytes, link, gpus=(1, 2, 4, 8),
-             bucket_cap_mb=25.0, first_bucket_bytes=FIRST_BUCKET_BYTES, step_samples=None):
+             bucket_cap_mb=25.0, first_bucket_bytes=FIRST_BUCKET_BYTES, step_samples=None, work_s=None,
+             slowed=None):
     """-> one dict per GPU count: gpus, nodes, comm_s (all-reduce time, hidden or not), exposed_s,
     straggler_s (the wait for the slowest rank, from step_samples: one rank's measured steady step times),
-    step_s, images_per_s (all ranks), efficiency (vs linear from one device), comm_pts and straggler_pts
-    (what each term costs, in points of efficiency)."""
+    slowed_s (the device's work per step grown: work_s, the one device's work per step, times
+    slowed(n), the fraction by which n ranks slow it: slowdown()), step_s, images_per_s (all ranks),
+    efficiency (vs linear from one device), comm_pts, straggler_pts and slowed_pts (what each term
+    costs, in points of efficiency). The backward grows with the work, so the all-reduce overlaps
+    more of it."""
     if not 0 <= backward_s <= step_s:
         raise ValueError(f'the backward ({backward_s:.4g} s) must lie inside the step ({step_s:.4g} s).')
     sizes = bucket_sizes(grad_bytes, bucket_cap_mb, first_bucket_bytes)
@@ -138,14 +150,38 @@ def forecast(step_s, backward_s, batch_per_device, grad_bytes, link, gpus=(1, 2,
     rows = []
     for n in gpus:
         comm = lambda b, n=n: allreduce_s(b, n, link)
-        exposed = exposed_comm_s(sizes, backward_s, comm)
+        grown = slowed(n) if slowed and work_s else 0.0
+        exposed = exposed_comm_s(sizes, backward_s * (1 + grown), comm)
         straggler = expected_max(step_samples, n) - mean if step_samples else 0.0
-        step = step_s + straggler + exposed
+        step = step_s + grown * (work_s or 0.0) + straggler + exposed
         rows.append({'gpus': n, 'nodes': layout(n, link.ranks_per_node)[0], 'comm_s': sum(map(comm, sizes)),
-                     'exposed_s': exposed, 'straggler_s': straggler, 'step_s': step,
-                     'images_per_s': n * batch_per_device / step, 'efficiency': step_s / step,
-                     'comm_pts': 100 * exposed / step, 'straggler_pts': 100 * straggler / step})
+                     'exposed_s': exposed, 'straggler_s': straggler, 'slowed_s': grown * (work_s or 0.0),
+                     'step_s': step, 'images_per_s': n * batch_per_device / step, 'efficiency': step_s / step,
+                     'comm_pts': 100 * exposed / step, 'straggler_pts': 100 * straggler / step,
+                     'slowed_pts': 100 * grown * (work_s or 0.0) / step})
     return rows
+
+
+def slowdown(threads=None, cores=None, measured=None):
+    """-> (n -> the fraction by which n ranks on a node slow each rank's work, the source in words).
+
+    - cores: the cores the ranks of a node share (CPU ranks), each rank computing on `threads` of
+      them: past one thread per core, each rank's work takes n x threads / cores as long. None: the
+      ranks do not share their compute (a GPU each).
+    - measured: (m, fraction) from a run at m >= 2 ranks of the same flags (measured_from_summary's
+      work against the one device's): what the other ranks' communication took from each rank's work
+      (NCCL kernels on its SMs, gloo's threads on its cores), taken as is at every n >= 2 (it does
+      not depend on the number of peers), with the cores' share on top.
+    One rank is never slowed."""
+    share = (lambda n: max(1.0, n * threads / cores)) if cores else (lambda n: 1.0)
+    if measured:
+        m, f = measured
+        words = f'measured at {m} ranks ({f:+.1%} work per step)'
+        words += f', and {cores} cores shared by ranks of {threads} thread(s)' if cores else ''
+        return (lambda n: (1 + f) * share(n) / share(m) - 1 if n > 1 else 0.0), words
+    if cores:
+        return (lambda n: share(n) - 1), f'{cores} cores shared by ranks of {threads} thread(s)'
+    return (lambda n: 0.0), 'none: no run at 2 or more ranks given (--slowed-from), the ranks share no cores'
 
 
 # ------------------------------------------------------------------------------------ from a dlojz run
@@ -175,10 +211,20 @@ def inputs_from_summary(summary):
     full = max((i for i in images if i), default=None)
     samples = [s for k, (s, i) in enumerate(zip(steps, images)) if k >= t.get('warmup_steps', 1) and i == full
                and s is not None]
+    split = step_split(t) or {}
     return {'step_s': batch / rate, 'backward_s': backward, 'batch_per_device': batch,
             'grad_bytes': comm['gradient_bytes_per_step'],
             'bucket_cap_mb': summary.get('config', {}).get('bucket_cap_mb', 25.0),
-            'step_samples': samples if len(samples) >= 2 else None}
+            'step_samples': samples if len(samples) >= 2 else None, 'work_s': split.get('work')}
+
+
+def shared_cores(summary):
+    """(threads per rank, usable cores) of a CPU run's summary.json, where its ranks would share the
+    host's cores; (None, None) for a GPU run."""
+    host = summary.get('host') or {}
+    if (summary.get('provenance') or {}).get('device', 'cpu') != 'cpu' or not host.get('usable_cores'):
+        return None, None
+    return host.get('torch_threads') or 1, host['usable_cores']
 
 
 def collective_waits(timing):
@@ -200,6 +246,8 @@ def step_split(timing):
     rest holds for the mean too. work None where the run did not measure the device's busy time,
     comm and late None where the ranks did not time their collectives; None without steady steps."""
     ranks = [r for r in timing.get('ranks') or [] if r.get('steady_steps')]
+    if any(r.get('wall_s') is None or r.get('data_s') is None for r in ranks):
+        return None
     if not ranks:  # one process: its own sums; a launcher's world of one all-reduces with itself
         tot = timing.get('totals') or {}
         if not tot.get('steady_steps'):
@@ -218,11 +266,12 @@ def step_split(timing):
 
 
 def measured_from_summary(summary):
-    """What a multi-rank dlojz run measured -> dict(gpus, images_per_s, exposed_s, late_s: collective_waits)."""
+    """What a multi-rank dlojz run measured -> dict(gpus, images_per_s, exposed_s, late_s: collective_waits,
+    work_s: each rank's own work per step, mean over the ranks: step_split)."""
     t = summary.get('timing') or {}
     exposed, late = collective_waits(t)
     return {'gpus': summary.get('world_size', 1), 'images_per_s': t.get('steady_images_per_s'),
-            'exposed_s': exposed, 'late_s': late}
+            'exposed_s': exposed, 'late_s': late, 'work_s': (step_split(t) or {}).get('work')}
 
 
 def machine_link(machine):
@@ -282,22 +331,28 @@ def fit_ring(points, ranks):
 
 # ------------------------------------------------------------------------------------------ output
 
-def table(rows, measured=None):
+def table(rows, measured=None, work_s=None):
     """Text table of forecast rows; measured: {gpus: measured_from_summary(...)} adds the measured img/s,
-    efficiency points and exposed communication beside the model's."""
-    head = f"{'GPUs':>5} {'nodes':>5} {'all-reduce ms':>13} {'exposed ms':>10} {'straggler ms':>12} {'step ms':>8} " \
-           f"{'img/s':>10} {'efficiency':>10} {'comm pts':>8} {'strag pts':>9}" + \
-           (f" {'measured':>10} {'error':>7} {'meas. exposed ms':>16} {'meas. late ms':>13}" if measured else '')
+    error, exposed communication, wait for a late rank and work grown per step (against the one
+    device's work_s) beside the model's."""
+    head = f"{'GPUs':>5} {'nodes':>5} {'all-reduce ms':>13} {'exposed ms':>10} {'straggler ms':>12} " \
+           f"{'slowed ms':>9} {'step ms':>8} {'img/s':>10} {'efficiency':>10} {'comm pts':>8} " \
+           f"{'strag pts':>9} {'slow pts':>8}"
+    if measured:
+        head += f" {'measured':>10} {'error':>7} {'meas. exposed ms':>16} {'meas. late ms':>13} " \
+                f"{'meas. slowed ms':>15}"
     lines = [head]
+    ms = lambda v: f"{v * 1e3:.2f}" if v is not None else '-'  # noqa: E731
     for r in rows:
         line = f"{r['gpus']:>5} {r['nodes']:>5} {r['comm_s'] * 1e3:>13.2f} {r['exposed_s'] * 1e3:>10.2f} " \
-               f"{r['straggler_s'] * 1e3:>12.2f} {r['step_s'] * 1e3:>8.1f} {r['images_per_s']:>10.1f} " \
-               f"{r['efficiency']:>10.1%} {r['comm_pts']:>8.1f} {r['straggler_pts']:>9.1f}"
+               f"{r['straggler_s'] * 1e3:>12.2f} {r.get('slowed_s', 0.0) * 1e3:>9.2f} {r['step_s'] * 1e3:>8.1f} " \
+               f"{r['images_per_s']:>10.1f} {r['efficiency']:>10.1%} {r['comm_pts']:>8.1f} " \
+               f"{r['straggler_pts']:>9.1f} {r.get('slowed_pts', 0.0):>8.1f}"
         m = (measured or {}).get(r['gpus'])
         if m and m['images_per_s']:
-            ms = lambda v: f"{v * 1e3:.2f}" if v is not None else '-'  # noqa: E731
+            grown = m['work_s'] - work_s if m.get('work_s') is not None and work_s is not None else None
             line += f" {m['images_per_s']:>10.1f} {r['images_per_s'] / m['images_per_s'] - 1:>+7.1%} " \
-                    f"{ms(m['exposed_s']):>16} {ms(m['late_s']):>13}"
+                    f"{ms(m['exposed_s']):>16} {ms(m['late_s']):>13} {ms(grown):>15}"
         lines.append(line)
     return lines
 
@@ -328,6 +383,10 @@ def main(argv=None):
     p.add_argument('--measured', nargs='*', default=[], metavar='SUMMARY',
                    help='summary.json of runs at other world sizes: their img/s and exposed communication beside '
                         'the forecast')
+    p.add_argument('--slowed-from', metavar='SUMMARY', help='summary.json of a run of the same flags at 2 or more '
+                   'ranks: its work per step against the one device\'s is the compute slowed term (docs/scaling.md)')
+    p.add_argument('--cores', type=int, metavar='N', help='cores the ranks of a node share (CPU ranks); default: the '
+                   'one-device run\'s usable cores when it ran on the CPU; 0: they share none (a GPU each)')
     p.add_argument('--probe', metavar='JSON', help='run the all-reduce probe on this torchrun group (gloo) and '
                    'write its points and fit')
     a = p.parse_args(argv)
@@ -338,7 +397,22 @@ def main(argv=None):
         if not a.summary or bool(a.machine) == bool(a.link):
             raise ValueError('give --summary and one of --machine or --link.')
         with open(a.summary) as f:
-            x = inputs_from_summary(json.load(f))
+            reference = json.load(f)
+        x = inputs_from_summary(reference)
+        threads, cores = shared_cores(reference)
+        if a.cores is not None:
+            if a.cores < 0:
+                raise ValueError(f'--cores must be 0 or more, not {a.cores}.')
+            threads, cores = threads or 1, a.cores or None
+        measured_slowdown = None
+        if a.slowed_from:
+            with open(a.slowed_from) as f:
+                m = measured_from_summary(json.load(f))
+            if m['gpus'] < 2 or m['work_s'] is None or x['work_s'] is None:
+                raise ValueError(f'--slowed-from needs a run at 2 or more ranks, and both runs with their work per '
+                                 f'step measured (phase timing on); {a.slowed_from} has {m["gpus"]} rank(s).')
+            measured_slowdown = (m['gpus'], m['work_s'] / x['work_s'] - 1)
+        slowed, slowed_source = slowdown(threads, cores, measured_slowdown)
         if a.machine:
             link = machine_link(a.machine)
         else:
@@ -351,7 +425,7 @@ def main(argv=None):
                 m = measured_from_summary(json.load(f))
             measured[m['gpus']] = m
         gpus = sorted({int(g) for g in a.gpus.split(',')} | set(measured))
-        rows = forecast(link=link, gpus=gpus, **x)
+        rows = forecast(link=link, gpus=gpus, slowed=slowed, **x)
     except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
         print(f'dlojz_scaling: error: {e}', file=sys.stderr)
         return 2
@@ -361,7 +435,8 @@ def main(argv=None):
         ', no per-step times: no straggler term'
     print(f"one device: step {x['step_s'] * 1e3:.1f} ms, backward {x['backward_s'] * 1e3:.1f} ms, "
           f"batch {x['batch_per_device']}, gradients {x['grad_bytes'] / 2**20:.1f} MiB{spread}; link {asdict(link)}")
-    print('\n'.join(table(rows, measured)))
+    print(f'compute slowed: {slowed_source}')
+    print('\n'.join(table(rows, measured, x['work_s'])))
     return 0
 
 
