@@ -119,6 +119,11 @@ def test_dataloader_trial_table_matches_summaries(runs, tmp_path, capsys):
         per, warm = s['timing']['per_step'], s['timing']['warmup_steps']
         load = statistics.fmean(d + h for d, h in zip(per['data'][warm:], per['h2d'][warm:]))
         assert float(row['load_ms']) == pytest.approx(load * 1e3, rel=1e-9)
+        # both means (the figure stacks them): together the mean step, the copy counted once
+        compute = statistics.fmean(c - h for c, h in zip(per['compute'][warm:], per['h2d'][warm:]))
+        assert float(row['compute_ms']) == pytest.approx(compute * 1e3, rel=1e-9)
+        mean_step = statistics.fmean(per['step'][warm:]) * 1e3
+        assert float(row['load_ms']) + float(row['compute_ms']) == pytest.approx(mean_step, rel=0.01)
         assert float(row['step_ms']) == pytest.approx(statistics.median(per['step'][warm:]) * 1e3, rel=1e-9)
         steady = per['step'][warm:]  # a rate is a sum: images of the steady steps / their time
         assert float(row['train_img_s']) == pytest.approx(8 * len(steady) / sum(steady), rel=1e-9)

@@ -11,8 +11,9 @@ from dlojzlib.tools.report.common import (COLORS, DERIVED_KEYS, HIGHER_IS_BETTER
 from dlojzlib.tools.report.runs import ReportError
 
 
-HELP_COLUMNS = ('load_ms: mean data wait + host-to-device copy per step; compute_ms: median compute per step (GPU: '
-                'device time of the step\'s work; CPU: step without the data wait); step_ms: median step; '
+HELP_COLUMNS = ('load_ms: mean data wait + host-to-device copy per step; compute_ms: mean compute per step, the copy '
+                'left out (GPU: device time of the step\'s work; CPU: step without the data wait), so that load_ms + '
+                'compute_ms is the mean step; step_ms: median step; '
                 'train_img_s = images / total time of the steady steps; gpu_img_s = global batch / device work per '
                 'step (clean spans, docs/chronometer.md); busy_pct: device busy time / step time over the steady '
                 'steps and data_pct: data wait / step time (both summed over the ranks when every rank was '
@@ -85,8 +86,10 @@ def plot_comparison(columns, rows, out):
     fig, ax = p.subplots(figsize=(8, 1 + 0.55 * len(rows)))
     y = range(len(rows))[::-1]
     load = [r['load_ms'] or 0 for r in rows]
-    ax.barh(y, load, color=COLORS['data'], label='loading (data wait + copy), mean')
-    ax.barh(y, [r['compute_ms'] or 0 for r in rows], left=load, color=COLORS['forward'], label='compute, median')
+    # both means per step (sums over the steady steps / their number): a bar is the mean step
+    ax.barh(y, load, color=COLORS['data'], label='loading (data wait + copy), mean per step')
+    ax.barh(y, [r['compute_ms'] or 0 for r in rows], left=load, color=COLORS['forward'],
+            label='compute (the copy left out), mean per step')
     for yi, r, l in zip(y, rows, load):
         ax.text(l + (r['compute_ms'] or 0), yi, f"  {fmt(r['train_img_s'])} img/s", va='center', fontsize=8)
     ax.set_yticks(list(y), labels, fontsize=7)
