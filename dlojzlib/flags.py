@@ -52,7 +52,7 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f'dlojz: error: {message}; see python dlojz.py --help.\n')
 
 
-def _number(cast, ok, rule):
+def number(cast, ok, rule):
     """An argparse type: an int or float (`cast`) for which `ok` holds; the error says `rule`."""
     def parse(text):
         try:
@@ -65,11 +65,12 @@ def _number(cast, ok, rule):
     return parse
 
 
-POSITIVE_INT = _number(int, lambda v: v > 0, 'positive')
-COUNT = _number(int, lambda v: v >= 0, '0 or more')
-POSITIVE = _number(float, lambda v: v > 0 and math.isfinite(v), 'positive')
-NON_NEGATIVE = _number(float, lambda v: v >= 0 and math.isfinite(v), '0 or more')
-FRACTION = _number(float, lambda v: 0 <= v < 1, 'in [0, 1)')
+POSITIVE_INT = number(int, lambda v: v > 0, 'positive')
+COUNT = number(int, lambda v: v >= 0, '0 or more')
+POSITIVE = number(float, lambda v: v > 0 and math.isfinite(v), 'positive')
+NON_NEGATIVE = number(float, lambda v: v >= 0 and math.isfinite(v), '0 or more')
+FRACTION = number(float, lambda v: 0 <= v < 1, 'in [0, 1)')
+SEED = number(int, lambda v: 0 <= v < 2 ** 32, 'from 0 to 4294967295 (what numpy\'s generators take)')
 
 
 ON_OFF = argparse.BooleanOptionalAction  # --x / --no-x
@@ -109,7 +110,7 @@ def data_flags(p):
     g.add_argument('--synthetic-classes', type=POSITIVE_INT, default=10, help='synthetic dataset: number of classes')
     g.add_argument('--synthetic-train-per-class', type=POSITIVE_INT, default=64, help='synthetic: train images per class')
     g.add_argument('--synthetic-val-per-class', type=POSITIVE_INT, default=16, help='synthetic: val images per class')
-    g.add_argument('--synthetic-seed', type=int, default=0, help='synthetic dataset content seed')
+    g.add_argument('--synthetic-seed', type=SEED, default=0, help='synthetic dataset content seed')
     g.add_argument('--fake-data', action='store_true', help='random uint8 batches in memory, no decoding: '
                    'the compute ceiling')
     g.add_argument('--fake-train-size', type=POSITIVE_INT, default=1281167, help='--fake-data: images per epoch')
@@ -164,7 +165,7 @@ def model_flags(p):
     g = p.add_argument_group('model')
     g.add_argument('--arch', default='resnet50', help=f'one of {", ".join(ARCHS)}')
     g.add_argument('--sd-prob', type=FRACTION, default=0.5, help='-sd archs: drop probability of the last block')
-    g.add_argument('--n-heads', type=_number(int, lambda v: v >= 2, 'at least 2 (head 0 for training plus at '
+    g.add_argument('--n-heads', type=number(int, lambda v: v >= 2, 'at least 2 (head 0 for training plus at '
                    'least one other)'), default=3, help='-heads archs: number of classifier heads')
     g.add_argument('--grad-checkpointing', action='store_true', help='recompute ResNet stage activations in '
                    'backward (less memory, ~30%% more compute)')
@@ -241,7 +242,7 @@ def run_flags(p):
     g.add_argument('--test', action='store_true', help='benchmark mode: --test-nsteps train steps, 20 val batches')
     g.add_argument('--test-nsteps', type=POSITIVE_INT, default=None, help='train steps in test mode (default 50; implies '
                    '--test)')
-    g.add_argument('--seed', type=int, default=123, help='weights, data order and augmentation (same on every rank)')
+    g.add_argument('--seed', type=SEED, default=123, help='weights, data order and augmentation (same on every rank)')
     g.add_argument('--device', choices=['auto', 'cuda', 'cpu'], default='auto', help='where the model runs (auto: '
                    'the CUDA GPU of this process when PyTorch sees one, else the CPU)')
     g.add_argument('--output-dir', default=None, help='run directory (default runs/<run name>, else '
@@ -319,14 +320,14 @@ def tuning_flags(p):
     g.add_argument('--tune', action='store_true', help='measured trials over batch size, precision, channels-last '
                    'and compile, each in its own process; prints a recommended command line and a scaling forecast; '
                    'writes tune.json/.csv into --output-dir')
-    g.add_argument('--tune-budget', type=float, default=30.0, metavar='MIN', help='--tune: minutes for the whole '
+    g.add_argument('--tune-budget', type=POSITIVE, default=30.0, metavar='MIN', help='--tune: minutes for the whole '
                    'sweep (resumed parts included); trials that would not fit are skipped and listed')
-    g.add_argument('--tune-steps', type=int, default=20, help='--tune: steady training steps per trial (after 3 '
+    g.add_argument('--tune-steps', type=POSITIVE_INT, default=20, help='--tune: steady training steps per trial (after 3 '
                    'warm-up steps)')
-    g.add_argument('--tune-memory-gib', type=float, default=None, help='--tune: largest memory peak a batch may '
+    g.add_argument('--tune-memory-gib', type=POSITIVE, default=None, help='--tune: largest memory peak a batch may '
                    'reach, GiB (GPU memory on a GPU, host peak on CPU); default: until out of memory (GPU) or '
                    '--tune-max-batch')
-    g.add_argument('--tune-max-batch', type=int, default=1024, help='--tune: largest batch per device tried')
+    g.add_argument('--tune-max-batch', type=POSITIVE_INT, default=1024, help='--tune: largest batch per device tried')
     g.add_argument('--tune-machine', default=None, help='--tune: machine profile of dlojz_slurm.py (a100, h100, v100, '
                    'generic) for the scaling forecast; default: a100 on a GPU, none on CPU')
 
@@ -413,6 +414,12 @@ def check_flags(args):
          'after 8 of them, while --res-start changes the size every few epochs; drop one of the two.'),
         (args.static_graph and args.arch.endswith('-heads'), f'--static-graph needs the same parameters used at '
          f'every step, but {args.arch} uses a different head from step to step; drop --static-graph.'),
+        # a ResNet's last feature map is the image / 32, rounded up: at 32 px or less 1 x 1, where BatchNorm
+        # has a single value per channel to normalise in a batch of one (it raises)
+        (args.batch_size == 1 and min(args.image_size, args.res_start or args.image_size) <= 32
+         and not (loader_mode or args.evaluate),
+         f'-b 1 at {min(args.image_size, args.res_start or args.image_size)} px leaves BatchNorm one value per '
+         f'channel in the last block (a 1 x 1 feature map); give -b 2 or more, or an image size above 32.'),
     ]
     for refused, sentence in refusals:
         if refused:

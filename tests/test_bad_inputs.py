@@ -188,3 +188,66 @@ def test_incomplete_shards(synth, tmp_path, cache_dir, capsys, remove):
     S.prepare(synth, dst, shard_size_mb=4, log=lambda m: None)
     assert os.path.exists(os.path.join(dst, remove))
     shutil.rmtree(dst)
+
+
+def no_val(dst):
+    with open(os.path.join(dst, 'index.json')) as f:
+        index = json.load(f)
+    del index['splits']['val']
+    with open(os.path.join(dst, 'index.json'), 'w') as f:
+        json.dump(index, f)
+
+
+def fewer_classes(dst):
+    with open(os.path.join(dst, 'index.json')) as f:
+        index = json.load(f)
+    index['classes'] = index['classes'][:2]  # the tables still hold labels 0 to 3
+    with open(os.path.join(dst, 'index.json'), 'w') as f:
+        json.dump(index, f)
+
+
+def truncate(name, keep=40):
+    def edit(dst):
+        with open(os.path.join(dst, name), 'r+b') as f:
+            f.truncate(keep)
+    return edit
+
+
+def not_json(dst):
+    with open(os.path.join(dst, 'index.json'), 'w') as f:
+        f.write('{"format": ')
+
+
+def shard_cut(dst):
+    """The first training shard loses its second half after prepare."""
+    with open(os.path.join(dst, 'index.json')) as f:
+        first = json.load(f)['splits']['train']['shards'][0]['name']
+    truncate(first, os.path.getsize(os.path.join(dst, first)) // 2)(dst)
+
+
+@pytest.mark.parametrize('edit, file, words', [
+    (truncate('index-train.npy'), 'index-train.npy', 'not a table numpy can read'),
+    (no_val, 'index.json', 'no train and val splits'),
+    (fewer_classes, 'index-train.npy', 'labels from 0 to 3 for the 2 classes'),
+    (not_json, 'index.json', 'not JSON'),
+    (shard_cut, 'train-00000.tar', 'bytes, where index-train.npy reads up to byte'),
+], ids=['damaged table', 'no val split', 'fewer classes than labels', 'unparseable index', 'shard cut short'])
+def test_a_damaged_shards_folder_is_named_with_the_fix(synth, tmp_path, cache_dir, capsys, edit, file, words):
+    """dlojz's own files read on trust (issue 40): a numpy error or a KeyError traceback, an IndexError in
+    the middle of an epoch, an unparseable index.json called missing. Now: the damaged file named, with
+    the fix that works (a new prepare of a deleted folder; prepare itself resumes a finished folder as
+    finished), before anything is written."""
+    dst = str(tmp_path / 'shards')
+    S.prepare(synth, dst, shard_size_mb=4, log=lambda m: None)
+    edit(dst)
+    code, out, err = cli(capsys, '--data-dir', dst, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'out',
+                         '--test-nsteps', '1')
+    line = one_line(err)
+    assert code == 2 and f'{os.path.join(dst, file)} is damaged' in line and words in line, line
+    assert f'delete {dst} and prepare it again' in line
+    assert not (tmp_path / 'out').exists()
+    shutil.rmtree(dst)  # the sentence's fix: a new prepare of the deleted folder trains
+    S.prepare(synth, dst, shard_size_mb=4, log=lambda m: None)
+    code, out, err = cli(capsys, '--data-dir', dst, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'out',
+                         '--test-nsteps', '1')
+    assert code == 0, err[-2000:]

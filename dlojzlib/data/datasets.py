@@ -40,7 +40,7 @@ from dlojzlib.data.decode import BadImageError, Blob, source_name
 from dlojzlib.data.folder import IMG_EXTENSIONS, find_classes, scan_imagefolder  # noqa: F401 (data.datasets's API too)
 from dlojzlib.data.handover import SharedCollate
 from dlojzlib.data.workers import DataLoader, ForkContext, ignore_preemption_signals, loader_kwargs  # noqa: F401 (API)
-from dlojzlib.errors import DataError, DlojzError, OutOfMemory, writable
+from dlojzlib.errors import DataError, DlojzError, OutOfMemory, UsageError, writable
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, never silently half-grey
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -510,6 +510,28 @@ def train_transform(args):
 
 def build_data(args, dist, log=print, on_ranks=None, device=None,
                phase=lambda name: contextlib.nullcontext()):
+    """The data of a run (build_loaders), refused where an epoch cannot hold one training step."""
+    data = build_loaders(args, dist, log, on_ranks, device, phase)
+    if not (args.evaluate or args.loader_only or args.tune_loader):
+        check_fits(args, dist.world_size, data)
+    return data
+
+
+def check_fits(args, world_size, data):
+    """Refuse a global batch larger than the training set (its step would draw images twice, padded
+    by the sampler) and an epoch with no step, before anything is trained or written."""
+    gb = args.batch_size * args.accum_steps * world_size
+    how = f'-b {args.batch_size} x --accum-steps {args.accum_steps} x {world_size} process(es)'
+    if gb > data.n_train:
+        raise UsageError(f'the global batch of {gb} images ({how}) is larger than the training set '
+                         f'({data.n_train} images); lower -b or --accum-steps, or train on more data.')
+    if len(data.train_steps) == 0:
+        raise UsageError(f'an epoch of {data.n_train} training images holds no step of {gb} images ({how}); '
+                         f'lower -b or --accum-steps.')
+
+
+def build_loaders(args, dist, log=print, on_ranks=None, device=None,
+                  phase=lambda name: contextlib.nullcontext()):
     """on_ranks(fn, when): run fn where `when` holds, then let every rank learn of any failure
     (distributed). device: where the training batches go; with --decode gpu --decode-ahead the
     files' batches are decoded there one batch ahead (--fake-data has nothing to decode). phase: the

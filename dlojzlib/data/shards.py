@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import io
 import json
+import math
 import os
 import sys
 import tarfile
@@ -30,6 +31,7 @@ from PIL import Image
 from dlojzlib import files
 from dlojzlib.data.folder import scan_imagefolder
 from dlojzlib.errors import DataError, DlojzError, disk_full, writable
+from dlojzlib.flags import number
 
 FORMAT = 'dlojz-shards-v1'
 INDEX = 'index.json'
@@ -173,11 +175,15 @@ def prepare(src, dst, max_side=None, shard_size_mb=256, log=print, stop_after=No
 
 
 def is_shards(root):
+    """Whether root is a shards folder: its index.json says so, or it cannot be read but the
+    prepare's other files are there (load_index then says what is damaged)."""
     try:
         with open(os.path.join(root, INDEX)) as f:
             return json.load(f).get('format') == FORMAT
-    except (OSError, ValueError, AttributeError):
+    except OSError:
         return False
+    except (ValueError, AttributeError):  # unparseable, or not an object
+        return any(os.path.exists(os.path.join(root, n)) for n in ('prepare.json', 'index-train.npy'))
 
 
 def incomplete(root, missing):
@@ -188,20 +194,74 @@ def incomplete(root, missing):
                      f'(it resumes, keeping the shards already written).')
 
 
+def damaged(root, name, what):
+    """The DataError for a file of a shards folder that prepare wrote and something changed since."""
+    return DataError(f'{os.path.join(root, name)} is damaged ({what}); delete {root} and prepare it again: '
+                     f'python dlojz_data.py prepare SRC {root}.')
+
+
 def load_index(root):
-    """-> (classes, {split: (shard names, table)}); the table's rows: shard, offset, size, label."""
-    with open(os.path.join(root, INDEX)) as f:
-        index = json.load(f)
+    """-> (classes, {split: (shard names, table)}); the table's rows: shard, offset, size, label.
+    Every part checked before a worker reads by it: index.json's form, each table's shape, type and
+    ranges (shard numbers, labels below the classes, samples inside their shard's size), and that
+    the shards are there."""
+    try:
+        with open(os.path.join(root, INDEX)) as f:
+            index = json.load(f)
+    except FileNotFoundError:
+        raise incomplete(root, INDEX) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise damaged(root, INDEX, f'not JSON: {e}') from None
+    splits_meta = index.get('splits') if isinstance(index, dict) else None
+    classes = index.get('classes') if isinstance(index, dict) else None
+    if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes):
+        raise damaged(root, INDEX, 'no list of class names')
+    if not isinstance(splits_meta, dict) or not {'train', 'val'} <= set(splits_meta):
+        raise damaged(root, INDEX, 'it lists no train and val splits')
     splits = {}
-    for split, meta in index['splits'].items():
-        path = os.path.join(root, f'index-{split}.npy')
+    for split, meta in splits_meta.items():
+        shard_list = meta.get('shards') if isinstance(meta, dict) else None
+        if not isinstance(shard_list, list) or not all(isinstance(s, dict) and isinstance(s.get('name'), str)
+                                                       for s in shard_list):
+            raise damaged(root, INDEX, f'the {split} split has no list of shards')
+        names = [s['name'] for s in shard_list]
+        name = f'index-{split}.npy'
+        path = os.path.join(root, name)
         if not os.path.isfile(path):
-            raise incomplete(root, os.path.basename(path))
-        missing = [s['name'] for s in meta['shards'] if not os.path.isfile(os.path.join(root, s['name']))]
+            raise incomplete(root, name)
+        missing = [n for n in names if not os.path.isfile(os.path.join(root, n))]
         if missing:
             raise incomplete(root, f"{len(missing)} shard(s) of {split}, {missing[0]} first,")
-        splits[split] = ([s['name'] for s in meta['shards']], np.load(path))
-    return index['classes'], splits
+        try:
+            table = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise damaged(root, name, f'not a table numpy can read: {e}') from None
+        splits[split] = (names, check_table(root, name, table, names, len(classes)))
+    return classes, splits
+
+
+def check_table(root, name, table, names, n_classes):
+    """A split's table as prepare wrote it (int64 rows of shard, offset, size, label), or the
+    sentence saying how it is not. What it cannot see: bytes changed inside a shard (the decoder
+    names that sample, or --skip-bad-images skips it)."""
+    if table.ndim != 2 or table.shape[1] != 4 or table.dtype.kind not in 'iu' or len(table) == 0:
+        raise damaged(root, name, f'a {table.dtype} array of shape {table.shape}, where prepare writes rows '
+                                  f'of 4 integers')
+    shard, offset, size, label = table.T
+    if shard.min() < 0 or shard.max() >= len(names):
+        raise damaged(root, name, f'shard numbers from {shard.min()} to {shard.max()} for {len(names)} shards')
+    if label.min() < 0 or label.max() >= n_classes:
+        raise damaged(root, name, f'labels from {label.min()} to {label.max()} for the {n_classes} classes of '
+                                  f'{INDEX}')
+    if offset.min() < 0 or size.min() <= 0:
+        raise damaged(root, name, 'a negative offset or an empty sample')
+    ends = np.zeros(len(names), dtype=np.int64)
+    np.maximum.at(ends, shard, offset + size)
+    for k, end in enumerate(ends):
+        if end > os.path.getsize(os.path.join(root, names[k])):
+            raise damaged(root, names[k], f'{os.path.getsize(os.path.join(root, names[k]))} bytes, where '
+                                          f'{name} reads up to byte {end}')
+    return table
 
 
 class ShardReader:
@@ -228,6 +288,12 @@ class ShardReader:
         return f.read(size)
 
 
+# below 16 px an image keeps nothing of what it shows, and every training crop is upsampled from it
+MAX_SIDE = number(int, lambda v: v >= 16, 'an integer of 16 pixels or more')
+# a shard smaller than one file holds one image: the per-image file opens shards are there to save
+SHARD_MB = number(float, lambda v: 1 <= v <= 2 ** 20 and math.isfinite(v), 'from 1 to 1048576 MiB')
+
+
 def main(argv=None):
     """`python dlojz_data.py prepare SRC DST ...` (argv: what follows dlojz_data.py) -> exit code."""
     top = argparse.ArgumentParser(prog='dlojz_data.py', description='Data tools of dlojz. The training data '
@@ -239,9 +305,10 @@ def main(argv=None):
     p = commands.add_parser('prepare', help=description, description=description)
     p.add_argument('src', help='ImageFolder root: SRC/train/<class>/*.JPEG, SRC/val/<class>/*.JPEG')
     p.add_argument('dst', help='folder for the shards (created; an interrupted prepare continues there)')
-    p.add_argument('--max-side', type=int, default=None, help='re-encode images whose longer side exceeds N '
-                   'pixels (JPEG quality 90); default: store the files as they are')
-    p.add_argument('--shard-size', type=float, default=256, help='shard size, MiB of source files (default 256)')
+    p.add_argument('--max-side', type=MAX_SIDE, default=None, help='re-encode images whose longer side exceeds N '
+                   'pixels (JPEG quality 90; N >= 16); default: store the files as they are')
+    p.add_argument('--shard-size', type=SHARD_MB, default=256, help='shard size, MiB of source files (default 256; '
+                   'at least 1)')
     a = top.parse_args(argv)
     try:
         prepare(a.src, a.dst, a.max_side, a.shard_size)

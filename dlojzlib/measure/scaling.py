@@ -53,6 +53,8 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
+from dlojzlib.flags import COUNT
+
 FIRST_BUCKET_BYTES = 2 ** 20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES: DDP's first bucket, 1 MiB
 
 
@@ -374,18 +376,29 @@ def _probe_main(path):
         tdist.destroy_process_group()
 
 
+def gpu_counts(text):
+    """--gpus '1,2,4' -> [1, 2, 4]; an argparse type (its error: one sentence)."""
+    try:
+        counts = [int(g) for g in text.split(',')]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f'must be positive whole numbers separated by commas, e.g. 1,2,4 (got {text})')
+    return counts
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--summary', help='summary.json of a one-rank run (under torchrun or srun)')
     p.add_argument('--machine', help='interconnect from dist/machines.py (a100, h100, v100, generic)')
     p.add_argument('--link', help='interconnect from a --probe json (one node: ring bandwidth and latency)')
-    p.add_argument('--gpus', default='1,2,4,8', help='GPU (rank) counts, comma separated')
+    p.add_argument('--gpus', type=gpu_counts, default='1,2,4,8', help='GPU (rank) counts, comma separated')
     p.add_argument('--measured', nargs='*', default=[], metavar='SUMMARY',
                    help='summary.json of runs at other world sizes: their img/s and exposed communication beside '
                         'the forecast')
     p.add_argument('--slowed-from', metavar='SUMMARY', help='summary.json of a run of the same flags at 2 or more '
                    'ranks: its work per step against the one device\'s is the compute slowed term (docs/scaling.md)')
-    p.add_argument('--cores', type=int, metavar='N', help='cores the ranks of a node share (CPU ranks); default: the '
+    p.add_argument('--cores', type=COUNT, metavar='N', help='cores the ranks of a node share (CPU ranks); default: the '
                    'one-device run\'s usable cores when it ran on the CPU; 0: they share none (a GPU each)')
     p.add_argument('--probe', metavar='JSON', help='run the all-reduce probe on this torchrun group (gloo) and '
                    'write its points and fit')
@@ -401,8 +414,6 @@ def main(argv=None):
         x = inputs_from_summary(reference)
         threads, cores = shared_cores(reference)
         if a.cores is not None:
-            if a.cores < 0:
-                raise ValueError(f'--cores must be 0 or more, not {a.cores}.')
             threads, cores = threads or 1, a.cores or None
         measured_slowdown = None
         if a.slowed_from:
@@ -424,7 +435,7 @@ def main(argv=None):
             with open(path) as f:
                 m = measured_from_summary(json.load(f))
             measured[m['gpus']] = m
-        gpus = sorted({int(g) for g in a.gpus.split(',')} | set(measured))
+        gpus = sorted(set(a.gpus) | set(measured))
         rows = forecast(link=link, gpus=gpus, slowed=slowed, **x)
     except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
         print(f'dlojz_scaling: error: {e}', file=sys.stderr)

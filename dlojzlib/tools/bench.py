@@ -33,6 +33,7 @@ import numpy as np
 from PIL import Image
 
 from dlojzlib import ROOT, SCRIPT
+from dlojzlib.flags import COUNT, POSITIVE_INT, SEED
 from dlojzlib.record.rundir import run_record
 
 
@@ -197,22 +198,30 @@ def main(argv=None):
     sub = p.add_subparsers(dest='cmd', required=True)
     c = sub.add_parser('corpus', help='write an ImageNet-like ImageFolder')
     c.add_argument('root')
-    c.add_argument('--images', type=int, default=1000)
-    c.add_argument('--seed', type=int, default=0)
+    c.add_argument('--images', type=POSITIVE_INT, default=1000)
+    c.add_argument('--seed', type=SEED, default=0)
     for name in ('compare', 'one'):
         q = sub.add_parser(name)
         if name == 'one':
             q.add_argument('pipeline')
         q.add_argument('root')
-        q.add_argument('--image-size', type=int, default=224)
-        q.add_argument('-b', '--batch-size', type=int, default=32)
-        q.add_argument('--steps', type=int, default=60, help='batches measured (after --warmup)')
-        q.add_argument('--warmup', type=int, default=3)
+        q.add_argument('--image-size', type=POSITIVE_INT, default=224)
+        q.add_argument('-b', '--batch-size', type=POSITIVE_INT, default=32)
+        q.add_argument('--steps', type=POSITIVE_INT, default=60, help='batches measured (after --warmup)')
+        q.add_argument('--warmup', type=COUNT, default=3)
         if name == 'compare':
-            q.add_argument('--repeats', type=int, default=3)
-            q.add_argument('--cpu', type=int, default=0, help='the core every pipeline is pinned to')
+            q.add_argument('--repeats', type=POSITIVE_INT, default=3)
+            q.add_argument('--cpu', type=COUNT, default=0, help='the core every pipeline is pinned to')
             q.add_argument('--pipelines', default=None, help='comma-separated; default classic,fast,shards[,dali]')
     a = p.parse_args(argv)
+    if a.cmd == 'compare' and a.cpu not in os.sched_getaffinity(0):
+        p.error(f'--cpu {a.cpu} is not a core this process may run on; choose one of '
+                f'{", ".join(map(str, sorted(os.sched_getaffinity(0))))}.')
+    known = ('classic', 'fast', 'shards', 'dali', 'fast-whole', 'fast-torch-handover', 'dlojz-dali')
+    unknown = [n for n in (a.pipelines.split(',') if getattr(a, 'pipelines', None) else [])
+               + ([a.pipeline] if a.cmd == 'one' else []) if n not in known]
+    if unknown:
+        p.error(f'unknown pipeline {unknown[0]!r}; choose among {", ".join(known)}.')
     from dlojzlib.data import dali  # is DALI installed (one import of torch, in the parent only)
     if a.cmd == 'corpus':
         make_corpus(a.root, a.images, seed=a.seed)

@@ -21,6 +21,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from dlojzlib.flags import POSITIVE_INT
 from dlojzlib.tools.report.batchnorm import batchnorm_view
 from dlojzlib.tools.report.common import guarded, shown, text_table, verdict
 from dlojzlib.tools.report.communication import communication_view
@@ -86,7 +87,7 @@ def get_args_parser():
     p.add_argument('--sort', default='train_img_s', help='comparison column to sort by, best first (throughputs and '
                                                          'top1 descending, times and memory ascending); default '
                                                          'train_img_s')
-    p.add_argument('--comm-steps', type=int, default=10, help='training steps shown in the communication figure')
+    p.add_argument('--comm-steps', type=POSITIVE_INT, default=10, help='training steps shown in the communication figure')
     return p
 
 

@@ -1,0 +1,115 @@
+"""Every command answers a bad input with one sentence (issue 40): a table of bad inputs per command, each
+run as a user would (a subprocess of the command's script), checked for the exit code, no traceback, the
+one error line naming what is wrong, and that nothing already written changed (the folders the case
+touches are listed with their sizes and modification times before and after).
+
+Kinds: a number out of its range (every command), a combination that leaves nothing to do, a value that
+would become code (the Slurm generator), dlojz's own files damaged, staging folders that cannot be used.
+
+python -m pytest -q -m slow tests/test_input_sweep.py"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TINY
+
+pytestmark = pytest.mark.slow
+
+
+def tree(*folders):
+    """{path: (size, mtime_ns)} of every file under the folders (what 'nothing changed' compares)."""
+    out = {}
+    for folder in folders:
+        for dirpath, _, names in os.walk(folder):
+            for n in names:
+                p = os.path.join(dirpath, n)
+                st = os.lstat(p)
+                out[p] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def run(script, *argv, cwd=ROOT, env=None):
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, argv)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def refused(r, words, code=2):
+    """Exit `code`, no traceback, one error line holding each of `words`."""
+    text = r.stdout + r.stderr
+    assert r.returncode == code, (r.returncode, text[-2000:])
+    assert 'Traceback' not in text, text[-3000:]
+    errors = [line for line in r.stderr.splitlines() if 'error:' in line]
+    assert len(errors) == 1, r.stderr
+    for w in words:
+        assert w in errors[0], (w, errors[0])
+
+
+@pytest.fixture(scope='module')
+def written(tmp_path_factory, cache_dir):
+    """A finished run folder and a prepared shards folder, which a refused command must leave as they
+    are."""
+    root = tmp_path_factory.mktemp('written')
+    r = run('dlojz.py', *TINY, '--test-nsteps', '2', '--cache-dir', cache_dir, '--output-dir', root / 'run')
+    assert r.returncode == 0, r.stderr[-2000:]
+    synth = [d for d in os.listdir(cache_dir) if d.startswith('synthetic')][0]
+    r = run('dlojz_data.py', 'prepare', os.path.join(cache_dir, synth), root / 'shards', '--shard-size', 2)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return root, os.path.join(cache_dir, synth)
+
+
+# (command, argv with {run}, {shards}, {synth}, {cache}, {new} for paths, the words of the error line)
+CASES = {
+    # dlojz.py: numbers where they enter, and combinations with nothing to do
+    'seed negative': ('dlojz.py', ['--seed', '-1'], ['--seed', '-1']),
+    'synthetic seed too large': ('dlojz.py', ['--synthetic-seed', str(2 ** 32)], ['--synthetic-seed']),
+    'tune budget negative': ('dlojz.py', ['--tune-budget', '-1'], ['--tune-budget', '-1']),
+    'tune steps zero': ('dlojz.py', ['--tune-steps', '0'], ['--tune-steps']),
+    'tune max batch negative': ('dlojz.py', ['--tune-max-batch', '-8'], ['--tune-max-batch']),
+    'batch of one at 32 px': ('dlojz.py', [*TINY, '--cache-dir', '{cache}', '-b', '1', '--output-dir', '{new}'], ['-b 1', '32 px']),
+    'global batch over the training set': (
+        'dlojz.py', [*TINY, '--cache-dir', '{cache}', '-b', '2', '--accum-steps', '400', '--output-dir',
+                     '{new}'],
+        ['global batch of 800', 'training set (96 images)']),
+    # dlojz_data.py prepare
+    'prepare max side negative': ('dlojz_data.py', ['prepare', '{synth}', '{new}', '--max-side', '-5'],
+                                  ['--max-side', '-5']),
+    'prepare shard size zero': ('dlojz_data.py', ['prepare', '{synth}', '{new}', '--shard-size', '0'],
+                                ['--shard-size', '0']),
+    'prepare shard size nan': ('dlojz_data.py', ['prepare', '{synth}', '{shards}', '--shard-size', 'nan'],
+                               ['--shard-size']),
+    # dlojz_slurm.py: values that become lines of a script
+    'slurm time not a time': ('dlojz_slurm.py', ['--dry-run', '--time', 'two hours'], ['--time']),
+    'slurm account with a newline': ('dlojz_slurm.py', ['--dry-run', '--account', 'me\n#SBATCH --mem=1'],
+                                     ['--account']),
+    'slurm qos with a space': ('dlojz_slurm.py', ['--dry-run', '--qos', 'a b'], ['--qos']),
+    'slurm gpus zero': ('dlojz_slurm.py', ['--dry-run', '--gpus', '0'], ['--gpus 0']),
+    # dlojz_scaling.py
+    'forecast gpus not numbers': ('dlojz_scaling.py', ['--summary', 'x', '--machine', 'a100', '--gpus', '1,x'],
+                                  ['--gpus', '1,x']),
+    'forecast cores negative': ('dlojz_scaling.py', ['--summary', 'x', '--machine', 'a100', '--cores', '-1'],
+                                ['--cores']),
+    # dlojz_bench.py
+    'bench corpus of no image': ('dlojz_bench.py', ['corpus', '{new}', '--images', '0'], ['--images']),
+    'bench a core not ours': ('dlojz_bench.py', ['compare', '{synth}', '--cpu', '4096'], ['--cpu 4096']),
+    'bench unknown pipeline': ('dlojz_bench.py', ['compare', '{synth}', '--pipelines', 'classic,turbo'],
+                               ['turbo']),
+    # dlojz_report.py
+    'report comm steps zero': ('dlojz_report.py', ['{run}', '--out', '{new}', '--comm-steps', '0'],
+                               ['--comm-steps']),
+}
+
+
+@pytest.mark.parametrize('case', CASES)
+def test_a_bad_input_is_one_sentence_and_changes_nothing(case, written, tmp_path, cache_dir):
+    root, synth = written
+    script, argv, words = CASES[case]
+    paths = {'run': root / 'run', 'shards': root / 'shards', 'synth': synth, 'new': tmp_path / 'new',
+             'cache': cache_dir}
+    argv = [a.format(**paths) if isinstance(a, str) else a for a in argv]
+    before = tree(root, synth)
+    r = run(script, *argv)
+    refused(r, words)
+    assert tree(root, synth) == before
+    assert not os.path.exists(paths['new']), os.listdir(paths['new'])
