@@ -112,6 +112,37 @@ def test_an_epoch_holds_the_native_images_in_order(coords, world_size):
     assert (val.int() - ref.int()).abs().float().mean() < 2.5
 
 
+@pytest.fixture(scope='module')
+def ramp16(tmp_path_factory):
+    """An ImageFolder of one class: 12 copies of a 16-bit grayscale PNG, a horizontal ramp over the whole
+    16-bit range (Pillow opens it as mode I;16)."""
+    row = np.round(np.linspace(0, 65535, 400)).astype(np.uint16)
+    img = Image.fromarray(np.tile(row, (300, 1)))
+    root = tmp_path_factory.mktemp('ramp16')
+    for split in ('train', 'val'):
+        (root / split / 'a').mkdir(parents=True)
+        for i in range(12):
+            img.save(root / split / 'a' / f'{i:02d}.png')
+    return root
+
+
+@needs_dali
+def test_both_loaders_see_the_same_levels_of_a_16_bit_png(ramp16):
+    """Issue 40: DALI decoded a 16-bit PNG as a ramp while every native path saw pure white, so the two
+    loaders trained on different pixels. The validation batches (the same center crops) and the
+    training batches (the same boxes and flips) now agree within DALI's resampling, and neither is
+    white (a ramp over 0..255 averages about 128)."""
+    native, dali = data_of(ramp16, 'native'), data_of(ramp16, 'dali')
+    v_native = torch.cat([x for x, _ in native.val_loader]).float()
+    v_dali = torch.cat([x for x, _ in dali.val_loader]).float()
+    assert abs(v_native.mean() - 127.5) < 20 and (v_native - v_dali).abs().mean() < 2.5
+    for d in (native, dali):
+        d.set_epoch(0)
+    t_native = torch.cat([x for x, _ in native.train_loader]).float()
+    t_dali = torch.cat([x for x, _ in dali.train_loader]).float()
+    assert t_native.mean() < 200 and (t_native - t_dali).abs().mean() < 2.5
+
+
 @needs_dali
 def test_a_resumed_epoch_gives_the_rest_of_the_epoch(coords):
     data = data_of(coords, 'dali')

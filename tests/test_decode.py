@@ -643,3 +643,38 @@ def test_torchvision_decoder_deprecation_is_said_once(capsys):
     assert capsys.readouterr().err.count('dlojz: note: torchvision deprecates decode_jpeg') == 1
     # the process's warning state is swapped at the first call only: the decode thread runs beside training
     assert len(entered) == 1
+
+
+def gray16(path, values):
+    """A 16-bit grayscale PNG holding `values` (uint16, 2-D)."""
+    Image.fromarray(np.asarray(values, dtype=np.uint16)).save(path)
+    return str(path)
+
+
+def test_a_16_bit_png_keeps_its_levels_on_every_native_path(tmp_path):
+    """Issue 40: every native path decoded a 16-bit grayscale PNG as pure white (Pillow's
+    convert('RGB') saturates mode I;16). The levels, by hand: 65535 x k / 255 for k = 0..255 along a
+    row, each scaled back by 255 / 65535 and rounded, gives k; 32768 (half) gives 128 (127.5 rounded
+    half up, as DALI's decoder does). The training transforms (pil, fast), validation, and prepare's
+    --max-side re-encoding (a JPEG of the scaled levels) all see a gray ramp, not white."""
+    row = np.array([round(65535 * k / 255) for k in range(256)])
+    path = gray16(tmp_path / 'ramp.png', np.tile(row, (64, 1)))
+    img = np.asarray(DD.load_rgb(path))
+    assert img.shape == (64, 256, 3) and (img[0, :, 0] == np.arange(256)).all() and (img[..., 1] == img[..., 0]).all()
+    half = np.asarray(DD.load_rgb(gray16(tmp_path / 'half.png', np.full((8, 8), 32768))))
+    assert (half == 128).all()
+    for transform in (DD.TrainTransform(64), DD.FastTrainTransform(64)):
+        x = transform(path, random.Random(0))
+        assert x.float().mean() < 200, (type(transform).__name__, x.float().mean())  # white: 255
+    val = DD.ValTransform(72, 64)(path)
+    assert abs(val.float().mean() - 127.5) < 20, val.float().mean()  # the middle of the ramp
+    from dlojzlib.data import shards
+    data, ext = shards.encode(path, max_side=32)
+    assert ext == 'jpg' and abs(np.asarray(Image.open(io.BytesIO(data))).mean() - 127.5) < 10
+
+
+def test_floating_point_pixels_are_refused_in_one_sentence(tmp_path):
+    path = tmp_path / 'float.tif'
+    Image.fromarray(np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8), 'F').save(path)
+    with pytest.raises(DD.BadImageError, match=r'cannot decode image .*float.tif .*floating-point pixels'):
+        DD.load_rgb(str(path))

@@ -66,6 +66,24 @@ def read_bytes(src):
         raise BadImageError(f'cannot read image {src} ({e.strerror}); check the data directory.') from None
 
 
+HIGH_BIT_GRAY = ('I;16', 'I;16B', 'I;16L', 'I;16N', 'I')  # Pillow's 16-bit gray (Pillow < 11: 'I')
+
+
+def to_rgb(img):
+    """An opened image as 8-bit RGB. 16-bit gray (a PNG's 'I;16', or 'I' holding 0..65535) is scaled
+    by 255 / 65535 and rounded, as DALI's decoder does; Pillow's convert('RGB') saturates it
+    instead (everything above 255 turns white). 48-bit RGB PNGs Pillow already opens as 8-bit RGB
+    (the high bytes: at most one level below DALI's rounding). Floating-point pixels have no range
+    to scale from: refused (ValueError)."""
+    if img.mode in HIGH_BIT_GRAY:
+        a = np.clip(np.asarray(img).astype(np.int64), 0, 65535)
+        return Image.fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), 'L').convert('RGB')
+    if img.mode == 'F':
+        raise ValueError('floating-point pixels (mode F) have no range to scale to 8 bits; convert the file '
+                         'to an 8- or 16-bit PNG or a JPEG')
+    return img.convert('RGB')
+
+
 def load_rgb(src):
     """Decode any image real ImageNet holds (a path or a Blob) into RGB; raise BadImageError naming
     the file otherwise."""
@@ -74,7 +92,7 @@ def load_rgb(src):
         with (io.BytesIO(src.data) if isinstance(src, Blob) else open(src, 'rb')) as f:
             img = Image.open(f)
             img.load()  # force the decode here so a truncated file fails now, with its name
-            return img.convert('RGB')
+            return to_rgb(img)
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError... depending on the damage
         raise BadImageError(f'cannot decode image {name} ({type(e).__name__}: {e}); remove or replace it, '
                             f'or pass --skip-bad-images to replace bad files and count them.') from None

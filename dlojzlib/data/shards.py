@@ -29,6 +29,7 @@ import numpy as np
 from PIL import Image
 
 from dlojzlib import files
+from dlojzlib.data.decode import to_rgb
 from dlojzlib.data.folder import scan_imagefolder
 from dlojzlib.errors import DataError, DlojzError, disk_full, writable
 from dlojzlib.flags import number
@@ -73,7 +74,7 @@ def encode(path, max_side, quality=90):
     img = Image.open(io.BytesIO(data))
     if max(img.size) <= max_side:
         return data, ext
-    img = img.convert('RGB')
+    img = to_rgb(img)
     scale = max_side / max(img.size)
     img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))), Image.BILINEAR,
                      reducing_gap=3.0)
