@@ -369,6 +369,8 @@ def check_flags(args):
     mode = '--loader-only' if args.loader_only else '--tune-loader'
     worker_ops = args.randaugment or args.trivialaugment or args.random_erasing  # data.augment.worker_ops
     refusals = [
+        (args.stage_dir is not None and not args.stage_dir.strip(), '--stage-dir is empty (what "$SLURM_TMPDIR" '
+         'gives where the variable is unset); give a folder on the node\'s local disk, or leave --stage-dir out.'),
         (args.arch not in ARCHS, f'unknown --arch {args.arch}; choose one of {", ".join(ARCHS)}.'),
         (args.val_image_size > args.val_resize, f'--val-image-size {args.val_image_size} is larger than '
          f'--val-resize {args.val_resize}; the center crop must fit in the resized image.'),

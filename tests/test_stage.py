@@ -57,6 +57,43 @@ def test_copy_is_whole_and_a_second_start_copies_nothing(shards, tmp_path):
     assert 'nothing to copy' in lines[-1]
 
 
+@pytest.mark.parametrize('damage', ['delete', 'truncate'])
+def test_a_copy_changed_after_staging_is_copied_again(shards, tmp_path, damage):
+    """Issue 40: a staged shard deleted or truncated on the local disk after a complete copy read "already
+    holds the 14 files ... nothing to copy", then the run failed and advised a new prepare. The copy is
+    checked against what was copied (each file's size) at every start: the changed file is copied again,
+    and only it."""
+    local = str(tmp_path / 'local')
+    rec = G.stage(shards, local, log=lambda m: None)
+    name = [n for n, _, _ in G.files_to_copy(shards) if n.endswith('.tar')][0]
+    path = os.path.join(rec['dir'], name)
+    if damage == 'delete':
+        os.remove(path)
+    else:
+        with open(path, 'r+b') as f:
+            f.truncate(os.path.getsize(path) // 2)
+    lines = []
+    again = G.stage(shards, local, log=lines.append)
+    assert again['copied_bytes'] == os.path.getsize(os.path.join(shards, name)) and not again['skipped']
+    assert any(f'1 file(s) of the copy in {rec["dir"]} changed since it was made ({name} first' in x
+               for x in lines), lines
+    assert same_files(shards, rec['dir'])
+
+
+@pytest.mark.parametrize('where', ['the same folder', 'empty'])
+def test_a_stage_dir_that_cannot_be_used_is_refused(shards, cache_dir, tmp_path, capsys, where):
+    """--stage-dir equal to --data-dir copied the dataset into itself; --stage-dir "" (an unset
+    $SLURM_TMPDIR in quotes) was silently ignored. Both: one sentence, exit 2, nothing written."""
+    stage_dir = shards if where == 'the same folder' else ''
+    before = sorted(os.listdir(shards))
+    code = dlojz.cli([*TINY, '--cache-dir', cache_dir, '--data-dir', shards, '--test-nsteps', '1',
+                      '--output-dir', str(tmp_path / 'run'), '--stage-dir', stage_dir])
+    err = capsys.readouterr().err
+    assert code == 2 and 'Traceback' not in err
+    assert ('is the shards folder' if stage_dir else '--stage-dir is empty') in err, err
+    assert sorted(os.listdir(shards)) == before and not (tmp_path / 'run').exists()
+
+
 def test_progress_lines_give_bytes_rate_and_time_left(shards, tmp_path, monkeypatch):
     monkeypatch.setattr(G, 'CHUNK', 2**20)
     ticks = iter(range(0, 10000, 2))  # a clock that advances 2 s per read: 1 MiB every 2 s

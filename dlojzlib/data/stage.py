@@ -10,7 +10,9 @@ prepare`) are those files.
 - Each file is copied under a temporary name, fsynced, renamed, then entered in a journal with the source's
   size and mtime; the folder is complete once `.dlojz-staged.json` (written last) lists every file. A copy
   killed mid-way is never taken for a complete one: its next start keeps the journaled files and copies the
-  rest. A requeued job whose node still holds the complete copy copies nothing.
+  rest. A requeued job whose node still holds the complete copy copies nothing; a file of the copy deleted
+  or truncated since (its size no longer the one copied) is copied again. Bytes changed at the same size are
+  not seen here (the decoder names that sample).
 - The local disk's free space is checked before the first byte; a disk that fills during the copy gets the
   same sentence (DiskFull, exit 6) and the unfinished file is removed.
 - Only shards are staged: an ImageFolder tree (a million small files) is what the advice says not to copy.
@@ -78,9 +80,14 @@ def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usa
     with open(os.path.join(dest, '.lock'), 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another job on this node copying the same data: wait for it
         done = _read_json(os.path.join(dest, DONE))
+        changed = _changed(dest, files)
         if done == {'source': os.path.realpath(src), 'files': [list(f) for f in files]}:
-            log(f'Staging: {dest} already holds the {len(files)} files of {src} ({_mb(total)}); nothing to copy')
-            return record
+            if not changed:
+                log(f'Staging: {dest} already holds the {len(files)} files of {src} ({_mb(total)}); nothing to '
+                    f'copy')
+                return record
+            log(f'Staging: {len(changed)} file(s) of the copy in {dest} changed since it was made ({changed[0]} '
+                f'first: removed, or not the size copied); copying them again')
         kept = _journaled(dest, files)
         todo = [f for f in files if tuple(f) not in kept]
         need = sum(size for _, size, _ in todo)
@@ -155,6 +162,20 @@ def _filled(stage_dir, copied, need, usage):
                     f'leave --stage-dir out to read the shards in place.')
 
 
+def _changed(dest, files):
+    """The names of the files whose copy in dest is missing or not the size copied (a file deleted or
+    truncated on the local disk since). What it cannot see: bytes changed at the same size (the
+    decoder names that sample, or --skip-bad-images skips it)."""
+    out = []
+    for name, size, _ in files:
+        try:
+            if os.path.getsize(os.path.join(dest, name)) != size:
+                out.append(name)
+        except OSError:
+            out.append(name)
+    return out
+
+
 def _journaled(dest, files):
     """The files an earlier copy finished: journaled with the source's size and mtime, and present
     at that size (a source prepared again, or a file removed since, is copied again)."""
@@ -197,8 +218,10 @@ def staged_source(source, stage_dir, dist, on_ranks, log=print):
                'are copied to the local disk, and these are read where they are')
         log(f'Note: {why}.')
         return source, {'asked': asked, 'used': False, 'reason': why}
-    if os.path.realpath(stage_dir).startswith(os.path.realpath(source.root) + os.sep):
-        raise UsageError(f'--stage-dir {stage_dir} is inside the shards folder {source.root}; pass a folder on the '
+    real, root = os.path.realpath(stage_dir), os.path.realpath(source.root)
+    if real == root or real.startswith(root + os.sep):
+        where = 'is' if real == root else 'is inside'
+        raise UsageError(f'--stage-dir {stage_dir} {where} the shards folder {source.root}; pass a folder on the '
                          f'node\'s local disk, such as $SLURM_TMPDIR.')
     say = log if dist.rank == 0 else (lambda m: print(f'[rank {dist.rank}] {m}', flush=True))
     record = on_ranks(lambda: stage(source.root, stage_dir, say), when=dist.local_rank == 0)
