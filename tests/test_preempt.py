@@ -163,6 +163,30 @@ def test_sigterm_to_the_process_group_with_workers(tmp_path, cache_dir, six_epoc
     assert train_losses(out) == six_epochs
 
 
+@pytest.mark.slow  # 25 s each
+@pytest.mark.parametrize('second', ['SIGINT', 'SIGTERM'])
+def test_a_second_signal_during_an_interrupt_keeps_the_record(tmp_path, cache_dir, second):
+    """Issue 40: Ctrl-C on a run under GNU timeout (SIGINT from the terminal's group, then from timeout
+    forwarding it), Ctrl-C pressed twice, or SIGTERM right after it, all to the whole process group with 2
+    workers: exit 130, a worker's traceback and summary.json left 'running', no resume command. Now: exit
+    130, no traceback anywhere, summary.json 'interrupted' with the checkpoint to continue from, and the
+    command that does it; the run resumes."""
+    out = tmp_path / 'run'
+    p = start(out, cache_dir, '-e', '6', '--num-workers', '2', '--chkpt-every', '2')
+    wait_for_steps(out, 5, p)
+    os.killpg(p.pid, signal.SIGINT)
+    time.sleep(0.02)  # the second one lands in the first one's shutdown
+    os.killpg(p.pid, getattr(signal, second))
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and 'Traceback' not in err, err[-3000:]
+    summary = json.load(open(out / 'summary.json'))
+    assert summary['status'] == 'interrupted' and f'--resume auto --output-dir {out}' in err, err[-2000:]
+    assert '--resume auto' in summary['error']
+    r = run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', out, *LONG, '-e', '6', '--num-workers', '2',
+                '--resume', 'auto', '--test-nsteps', '8')
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_a_worker_dying_during_a_checkpoint_write_is_reported_after_it(tmp_path, monkeypatch):
     """PyTorch's DataLoader raises from its SIGCHLD handler when a worker dies; during a checkpoint
     write that lost the checkpoint. The handler now runs once the file is in place."""
@@ -245,3 +269,33 @@ def test_a_stop_signal_during_start_up_stops_at_the_first_step(tmp_path, cache_d
     summary = json.load(open(out / 'summary.json'))
     assert summary['status'] == 'preempted' and summary['global_step'] == 0
     assert list_checkpoints(str(out)) == [] and 'at step 0; no checkpoint (no step had run).' in err
+
+
+def test_the_stop_handlers_hold_what_comes_after_an_interrupt():
+    """StopSignal by hand, with real signals to this process: the first Ctrl-C interrupts (KeyboardInterrupt);
+    a second one and a SIGTERM after it are held, not raised and not taken for a stop; a Ctrl-C while a
+    stop is under way (SIGUSR2 first: its checkpoint comes at the step boundary) is held too."""
+    from dlojzlib.dist.launch import StopSignal
+    before = signal.getsignal(signal.SIGINT)
+    stop = StopSignal().install()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs at the next bytecode
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.interrupted and stop.held == ['SIGINT', 'SIGTERM'] and stop.received is None
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # no traceback in the teardown after it
+    signal.signal(signal.SIGINT, before)
+    stop = StopSignal().install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert stop.received == 'SIGUSR2' and stop.held == ['SIGINT'] and not stop.interrupted
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is before

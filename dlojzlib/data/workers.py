@@ -28,6 +28,10 @@ def ignore_preemption_signals(worker_id=None):
     workers at exit. A thread reads the sender of each SIGTERM (sigwaitinfo), blocked for the
     worker's other threads."""
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    # Ctrl-C reaches the terminal's whole foreground group, workers included: the main process's
+    # interrupt ends them (the loader's shutdown), while their own KeyboardInterrupt printed a
+    # worker's traceback when a second one came as they exited (issue 40)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not hasattr(signal, 'sigwaitinfo'):  # not Linux: PyTorch's own handler stays
         return
     parent = os.getppid()

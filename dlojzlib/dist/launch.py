@@ -446,6 +446,7 @@ class StopSignal:
 
     def __init__(self):
         self.received, self._old = None, {}
+        self.interrupted, self.held = False, []  # Ctrl-C under way; the signals that came after it
         self._work = self._flag = None  # the all-reduce started at the previous step
 
     def install(self, pending=()):
@@ -454,6 +455,7 @@ class StopSignal:
         if threading.current_thread() is threading.main_thread():  # Python only allows it there
             for s in self.SIGNALS:
                 self._old[s] = signal.signal(s, self._handler)
+            self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
         if pending and self.received is None:
             self.received = pending[-1]
         global _received
@@ -462,11 +464,27 @@ class StopSignal:
 
     def _handler(self, signum, frame):
         global _received
+        if self.interrupted:  # the interrupt's shutdown is under way: it writes the record
+            self.held.append(signal.Signals(signum).name)
+            return
         self.received = _received = signal.Signals(signum).name
 
+    def _interrupt(self, signum, frame):
+        """Ctrl-C: the first interrupts the step, as Python's own handler does. One that comes once a
+        stop or an interrupt is under way (pressed twice; the terminal's and `timeout`'s, both; during
+        the checkpoint a stop signal asked for) is held, so that the shutdown ends with its record
+        written: a second KeyboardInterrupt raised inside it left summary.json 'running'."""
+        if self.interrupted or self.received is not None:
+            self.held.append('SIGINT')
+            return
+        self.interrupted = True
+        raise KeyboardInterrupt
+
     def restore(self):
+        """The handlers as they were; after an interrupt, Ctrl-C stays held until the process ends
+        (the process group's teardown follows), so that no traceback comes after the record."""
         for s, old in self._old.items():
-            signal.signal(s, old)
+            signal.signal(s, signal.SIG_IGN if s == signal.SIGINT and self.interrupted else old)
         self._old = {}
 
     def agreed(self):
