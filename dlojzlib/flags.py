@@ -344,10 +344,44 @@ def parse_randaugment(text):
     return n, m
 
 
+# The DLOJZ_* variables: what dlojz.py reads, and what its scripts and tests set. A name not here is a
+# misspelling (DLOJZ_DATADIR) that would change nothing: refused.
+ENVIRONMENT = {
+    'DLOJZ_DATA_DIR': None,  # a folder (data.datasets.resolve_data_source checks it)
+    'DLOJZ_HANDOVER': (r'default', 'default'),  # torch's own collate instead of the shared slots
+    'DLOJZ_REGION_DECODE': (r'[01]', '0 or 1'),  # 0: --decode fast decodes whole files
+    # appended to the first node's name (srun): the name of its high-speed interface
+    'DLOJZ_MASTER_SUFFIX': (r'[A-Za-z0-9._-]*', 'a host-name suffix such as -ib0'),
+    'DLOJZ_FAULT': None,  # the crash tests' failpoints (failpoints.parse checks it)
+    'DLOJZ_RUN': None, 'DLOJZ_VENV': None,  # the slurm/ scripts' (the run name, the environment)
+    'DLOJZ_REQUIRE_GPU': None, 'DLOJZ_SLURM_SETUP': None, 'DLOJZ_STUB_LOG': None,  # the tests'
+}
+
+
+def check_environment(environ=os.environ):
+    """Refuse a DLOJZ_* variable dlojz does not know, or a value it does not understand, naming the
+    variable (one sentence; it would otherwise be ignored)."""
+    threads = environ.get('OMP_NUM_THREADS', '')
+    if threads and not re.fullmatch(r'0*[1-9]\d*(,\d+)*', threads):  # OpenMP ignores a bad value, silently
+        raise UsageError(f'OMP_NUM_THREADS={threads!r} is not a number of threads; give a positive integer, or '
+                         f'unset it (dlojz then gives each process its share of the cores).')
+    for name in sorted(environ):
+        if not name.startswith('DLOJZ_'):
+            continue
+        if name not in ENVIRONMENT:
+            raise UsageError(f'{name} is set, but dlojz reads no such variable (it reads '
+                             f'{", ".join(list(ENVIRONMENT)[:5])}); unset it, or correct its name.')
+        form, value = ENVIRONMENT[name], environ[name]
+        if form is not None and value and not re.fullmatch(form[0], value):
+            raise UsageError(f'{name}={value!r} is not a value dlojz understands (it takes {form[1]}); '
+                             f'correct it, or unset it.')
+
+
 def check_flags(args):
     """Refuse flag combinations that mean nothing whatever the machine, and resolve the defaults
     that depend only on other flags (idempotent: check_args calls it again). -> args; raises
     UsageError."""
+    check_environment()
     if args.test_nsteps is not None:
         args.test = True
     elif args.test:

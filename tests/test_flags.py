@@ -5,6 +5,7 @@ dlojz.py` answers --help, a bad flag and a refused flag combination without impo
 on a loaded node), checked in a fresh interpreter that runs the script's own entry path.
 
 Run: python -m pytest -q tests/test_flags.py"""
+import re
 import subprocess
 import sys
 
@@ -138,3 +139,19 @@ def test_resume_auto_needs_a_run_folder():
     assert flags.check_args(parse(), CPU, job_id='4242').resume == 'auto'
     # the slurm/ scripts pass it to every run
     assert flags.check_args(parse('--loader-only'), CPU).resume is None
+
+
+def test_the_environment_dlojz_reads_is_checked():
+    """Issue 40: a DLOJZ_ variable with a misspelt name or value, or OMP_NUM_THREADS that is not a number,
+    was ignored (OpenMP ignores a bad value too); each is one sentence naming the variable."""
+    from dlojzlib.errors import UsageError
+    ok = {'DLOJZ_HANDOVER': 'default', 'DLOJZ_REGION_DECODE': '0', 'DLOJZ_MASTER_SUFFIX': '-ib0',
+          'DLOJZ_RUN': 'my run', 'OMP_NUM_THREADS': '4', 'PATH': '/bin', 'DLOJZ_DATA_DIR': '/anywhere'}
+    flags.check_environment(ok)
+    for env, words in (({'DLOJZ_DATADIR': '/x'}, 'DLOJZ_DATADIR is set, but dlojz reads no such variable'),
+                       ({'DLOJZ_HANDOVER': 'defualt'}, "DLOJZ_HANDOVER='defualt' is not a value"),
+                       ({'DLOJZ_REGION_DECODE': 'off'}, 'it takes 0 or 1'),
+                       ({'DLOJZ_MASTER_SUFFIX': '-ib0; rm -rf'}, 'DLOJZ_MASTER_SUFFIX'),
+                       ({'OMP_NUM_THREADS': '0'}, 'OMP_NUM_THREADS'), ({'OMP_NUM_THREADS': 'four'}, 'positive')):
+        with pytest.raises(UsageError, match=re.escape(words)):
+            flags.check_environment({**ok, **env})

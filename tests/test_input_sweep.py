@@ -4,10 +4,13 @@ one error line naming what is wrong, and that nothing already written changed (t
 touches are listed with their sizes and modification times before and after).
 
 Kinds: a number out of its range (every command), a combination that leaves nothing to do, a value that
-would become code (the Slurm generator), dlojz's own files damaged, staging folders that cannot be used.
+would become code (the Slurm generator), the environment dlojz reads, dlojz's own files damaged, staging
+folders that cannot be used. Decoding (16-bit images) is tests/test_decode.py's and tests/test_dali.py's; a
+second signal, tests/test_preempt.py's.
 
 python -m pytest -q -m slow tests/test_input_sweep.py"""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -56,10 +59,14 @@ def written(tmp_path_factory, cache_dir):
     synth = [d for d in os.listdir(cache_dir) if d.startswith('synthetic')][0]
     r = run('dlojz_data.py', 'prepare', os.path.join(cache_dir, synth), root / 'shards', '--shard-size', 2)
     assert r.returncode == 0, r.stderr[-2000:]
+    shutil.copytree(root / 'shards', root / 'damaged')
+    with open(root / 'damaged' / 'index-val.npy', 'r+b') as f:
+        f.truncate(30)
     return root, os.path.join(cache_dir, synth)
 
 
-# (command, argv with {run}, {shards}, {synth}, {cache}, {new} for paths, the words of the error line)
+# (command, argv with {run}, {shards}, {damaged}, {synth}, {cache}, {new} for paths, the words of the error
+# line[, the environment])
 CASES = {
     # dlojz.py: numbers where they enter, and combinations with nothing to do
     'seed negative': ('dlojz.py', ['--seed', '-1'], ['--seed', '-1']),
@@ -72,6 +79,24 @@ CASES = {
         'dlojz.py', [*TINY, '--cache-dir', '{cache}', '-b', '2', '--accum-steps', '400', '--output-dir',
                      '{new}'],
         ['global batch of 800', 'training set (96 images)']),
+    # dlojz.py: the environment it reads
+    'a DLOJZ_ variable misspelt': ('dlojz.py', ['--fake-data', '--output-dir', '{new}'], ['DLOJZ_DATADIR'],
+                                   {'DLOJZ_DATADIR': '{shards}'}),
+    'a DLOJZ_ value misspelt': ('dlojz.py', ['--fake-data', '--output-dir', '{new}'], ["DLOJZ_HANDOVER='defualt'"],
+                                {'DLOJZ_HANDOVER': 'defualt'}),
+    'OMP_NUM_THREADS not a number': ('dlojz.py', ['--fake-data', '--output-dir', '{new}'], ['OMP_NUM_THREADS'],
+                                     {'OMP_NUM_THREADS': 'four'}),
+    'the data folder named by its variable': (
+        'dlojz.py', [*TINY, '--cache-dir', '{cache}', '--output-dir', '{new}'], ['$DLOJZ_DATA_DIR', 'unset it'],
+        {'DLOJZ_DATA_DIR': '{new}-missing'}),
+    # dlojz.py: its own files, and staging
+    'a damaged shard table': ('dlojz.py', [*TINY, '--cache-dir', '{cache}', '--data-dir', '{damaged}',
+                                           '--output-dir', '{new}'], ['index-val.npy is damaged']),
+    'staging into the data folder': ('dlojz.py', [*TINY, '--cache-dir', '{cache}', '--data-dir', '{shards}',
+                                                  '--stage-dir', '{shards}', '--output-dir', '{new}'],
+                                     ['is the shards folder']),
+    'staging to an empty name': ('dlojz.py', [*TINY, '--cache-dir', '{cache}', '--data-dir', '{shards}',
+                                              '--stage-dir', '', '--output-dir', '{new}'], ['--stage-dir is empty']),
     # dlojz_data.py prepare
     'prepare max side negative': ('dlojz_data.py', ['prepare', '{synth}', '{new}', '--max-side', '-5'],
                                   ['--max-side', '-5']),
@@ -104,12 +129,13 @@ CASES = {
 @pytest.mark.parametrize('case', CASES)
 def test_a_bad_input_is_one_sentence_and_changes_nothing(case, written, tmp_path, cache_dir):
     root, synth = written
-    script, argv, words = CASES[case]
-    paths = {'run': root / 'run', 'shards': root / 'shards', 'synth': synth, 'new': tmp_path / 'new',
-             'cache': cache_dir}
+    script, argv, words, *env = CASES[case]
+    paths = {'run': root / 'run', 'shards': root / 'shards', 'damaged': root / 'damaged', 'synth': synth,
+             'new': tmp_path / 'new', 'cache': cache_dir}
     argv = [a.format(**paths) if isinstance(a, str) else a for a in argv]
+    env = {k: v.format(**paths) for k, v in (env[0] if env else {}).items()}
     before = tree(root, synth)
-    r = run(script, *argv)
+    r = run(script, *argv, env=env)
     refused(r, words)
     assert tree(root, synth) == before
     assert not os.path.exists(paths['new']), os.listdir(paths['new'])

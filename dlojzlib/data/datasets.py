@@ -32,6 +32,7 @@ from dlojzlib import compat
 from dlojzlib import failpoints
 from dlojzlib.data import augment
 from dlojzlib.data import decode
+from dlojzlib.data import folder
 from dlojzlib.data import handover
 from dlojzlib.data import index
 from dlojzlib.data import shards
@@ -64,7 +65,8 @@ def resolve_data_source(args, environ=os.environ):
     if args.data_dir:
         kind = 'shards' if shards.is_shards(args.data_dir) else 'imagefolder'
         return DataSource(kind, args.data_dir, '--data-dir')
-    if environ.get('DLOJZ_DATA_DIR'):
+    if environ.get('DLOJZ_DATA_DIR'):  # named as the variable, never as a flag the user did not give
+        folder.require_root(environ['DLOJZ_DATA_DIR'], '$DLOJZ_DATA_DIR')
         kind = 'shards' if shards.is_shards(environ['DLOJZ_DATA_DIR']) else 'imagefolder'
         return DataSource(kind, environ['DLOJZ_DATA_DIR'], '$DLOJZ_DATA_DIR is set')
     # Jean Zay: a copy on the user's scratch, then the centre's dataset store $DSDIR (read-only,
