@@ -23,7 +23,6 @@ from PIL import ImageFile
 from dlojzlib import failpoints
 from dlojzlib.data import augment
 from dlojzlib.data import decode
-from dlojzlib.data import folder
 from dlojzlib.data import handover
 from dlojzlib.data import index
 from dlojzlib.data import shards
@@ -49,6 +48,7 @@ class DataSource:
     kind: str    # 'imagefolder', 'shards' (data.shards), 'synthetic' or 'fake'
     root: str    # folder holding train/ and val/ ('' for fake)
     reason: str  # one line for the user: why this source
+    given: str = '--data-dir'  # how the user named root, for the sentence when it is missing
 
 
 def resolve_data_source(args, environ=os.environ):
@@ -58,9 +58,8 @@ def resolve_data_source(args, environ=os.environ):
         kind = 'shards' if shards.is_shards(args.data_dir) else 'imagefolder'
         return DataSource(kind, args.data_dir, '--data-dir')
     if environ.get('DLOJZ_DATA_DIR'):  # named as the variable, never as a flag the user did not give
-        folder.require_root(environ['DLOJZ_DATA_DIR'], '$DLOJZ_DATA_DIR')
         kind = 'shards' if shards.is_shards(environ['DLOJZ_DATA_DIR']) else 'imagefolder'
-        return DataSource(kind, environ['DLOJZ_DATA_DIR'], '$DLOJZ_DATA_DIR is set')
+        return DataSource(kind, environ['DLOJZ_DATA_DIR'], '$DLOJZ_DATA_DIR is set', '$DLOJZ_DATA_DIR')
     # Jean Zay: a copy on the user's scratch, then the centre's dataset store $DSDIR (read-only,
     # shared)
     for var, sub in (('ALL_CCFRSCRATCH', 'imagenet'), ('DSDIR', 'imagenet'), ('DSDIR', 'imagenet/RawImages')):
@@ -440,7 +439,8 @@ def build_loaders(args, dist, log=print, on_ranks=None, device=None,
             raise shards.incomplete(source.root, shards.INDEX)
         with phase('dataset_index'):  # rank 0 lists, or reuses the kept index (data.index)
             compact, cost = index.shared(
-                lambda: index.list_imagefolder(source.root, args.cache_dir, args.rescan_data, log),
+                lambda: index.list_imagefolder(source.root, args.cache_dir, args.rescan_data, log,
+                                               given=source.given),
                 dist, on_ranks)
             classes, train_samples, val_samples = index.expand(source.root, compact)
         train_set = ImageFolderDataset(train_samples, transform, args.seed, args.skip_bad_images)

@@ -61,10 +61,10 @@ def write_index(path, root, listing):
         raise
 
 
-def list_imagefolder(root, cache_dir, rescan=False, log=print, warn=folder.warn_stderr):
+def list_imagefolder(root, cache_dir, rescan=False, log=print, warn=folder.warn_stderr, given='--data-dir'):
     """Rank 0's part: the listing of `root`, from the kept index where its folders have not changed.
-    -> (the compact lists every rank expands, what it cost)."""
-    folder.require_root(root)
+    -> (the compact lists every rank expands, what it cost). given: how the user named root."""
+    folder.require_root(root, given)
     path = index_path(cache_dir, root)
     kept = None if rescan else read_index(path, root)
     listing, read = {}, 0
