@@ -33,12 +33,12 @@ Two clocks, never mixed in one subtraction:
 - "other" is the step's time outside the named phases (scheduler, metrics, logging), measured on the
   compute clock. The phase check compares the named phases with the step span, two independent
   measurements: the named phases can never exceed their step, so `phase_sum_error` > 0 means a timing bug.
-- `device_busy` = device busy time / host time of the steady steps. `shares` splits the steady steps'
-  time by what it went to (step_shares): the device's own work ('compute'), the exposed transfer of the
-  gradient all-reduce ('communication'), waiting for a late rank ('straggler'; measure.comm measures the
-  waits in collectives, and record.summary.ranks_summary splits them once every rank's numbers are
-  gathered at the end), the data wait ('loader') and the rest ('host': Python, kernel launches,
-  synchronisations). The verdict `bound` is the largest share.
+- `device_busy` = device busy time / host time of the steady steps. `shares` splits the steady
+  steps' time by what it went to (step_shares): the device's own work ('compute'), the exposed
+  transfer of the gradient all-reduce ('communication'), waiting for a late rank ('straggler';
+  measure.comm measures the waits in collectives, and record.summary.ranks_summary splits them once
+  every rank's numbers are gathered at the end), the data wait ('loader') and the rest ('host':
+  Python, kernel launches, synchronisations). The verdict `bound` is the largest share.
 - The first `warmup` steps (worker start-up, cudnn autotune, compilation) are reported separately and
   left out of the statistics; `on_steady` callbacks run once, before the first steady step asks for its
   batch (peak-memory reset, start of the energy window). So are an epoch's smaller last batches: a new
@@ -67,8 +67,8 @@ PROBE_MAX_S = 0.5  # the longest spin a probe queues (seconds)
 
 
 def step_shares(wall, busy, data, comm=0.0, late=0.0, data_excess=0.0):
-    """What the steady steps' time went to, from their sums (seconds, one rank or all ranks added up)
-    -> {name: seconds}, largest first (ties in SHARES' order), adding up to `wall`:
+    """What the steady steps' time went to, from their sums (seconds, one rank or all ranks added
+    up) -> {name: seconds}, largest first (ties in SHARES' order), adding up to `wall`:
     - 'compute': the device's own work, its busy time less the time it spent inside collectives
       waiting for the transfer (`comm`) or for a late peer (`late`);
     - 'communication': the exposed all-reduce; 'straggler': the wait for a late peer, and the part
@@ -80,7 +80,9 @@ def step_shares(wall, busy, data, comm=0.0, late=0.0, data_excess=0.0):
       synchronisations). On the host clock (CPU) it is the few microseconds between steps."""
     work = min(wall, max(0.0, busy - comm - late))
     left, out = wall - work, {'compute': work}
-    for name, v in (('communication', comm), ('straggler', late + data_excess), ('loader', data - data_excess)):
+    waits = (('communication', comm), ('straggler', late + data_excess),
+             ('loader', data - data_excess))
+    for name, v in waits:
         out[name] = min(max(0.0, v), left)
         left -= out[name]
     out['host'] = left

@@ -70,7 +70,8 @@ COUNT = number(int, lambda v: v >= 0, '0 or more')
 POSITIVE = number(float, lambda v: v > 0 and math.isfinite(v), 'positive')
 NON_NEGATIVE = number(float, lambda v: v >= 0 and math.isfinite(v), '0 or more')
 FRACTION = number(float, lambda v: 0 <= v < 1, 'in [0, 1)')
-SEED = number(int, lambda v: 0 <= v < 2 ** 32, 'from 0 to 4294967295 (what numpy\'s generators take)')
+SEED = number(int, lambda v: 0 <= v < 2 ** 32,
+              'from 0 to 4294967295 (what numpy\'s generators take)')
 
 
 ON_OFF = argparse.BooleanOptionalAction  # --x / --no-x
@@ -102,9 +103,9 @@ def data_flags(p):
                    'synthetic dataset')
     g.add_argument('--stage-dir', help='copy the shards (dlojz_data.py prepare) to this folder on the node\'s local '
                    'disk, once per node, and read them there, e.g. $SLURM_TMPDIR; other data are read in place')
-    g.add_argument('--cache-dir', default=default_cache_dir(), help='where the synthetic dataset is '
-                   'generated, once, and the index of each data folder is kept for the next job; default '
-                   '$XDG_CACHE_HOME/dlojz, else ~/.cache/dlojz')
+    g.add_argument('--cache-dir', default=default_cache_dir(), help='where the synthetic dataset '
+                   'is generated, once, and the index of each data folder is kept for the next '
+                   'job; default $XDG_CACHE_HOME/dlojz, else ~/.cache/dlojz')
     g.add_argument('--rescan-data', action='store_true', help='list the data folder again rather '
                    'than reuse the kept index of its unchanged class folders')
     g.add_argument('--synthetic-classes', type=POSITIVE_INT, default=10, help='synthetic dataset: number of classes')
@@ -165,8 +166,8 @@ def model_flags(p):
     g = p.add_argument_group('model')
     g.add_argument('--arch', default='resnet50', help=f'one of {", ".join(ARCHS)}')
     g.add_argument('--sd-prob', type=FRACTION, default=0.5, help='-sd archs: drop probability of the last block')
-    g.add_argument('--n-heads', type=number(int, lambda v: v >= 2, 'at least 2 (head 0 for training plus at '
-                   'least one other)'), default=3, help='-heads archs: number of classifier heads')
+    heads = number(int, lambda v: v >= 2, 'at least 2 (head 0 for training plus another)')
+    g.add_argument('--n-heads', type=heads, default=3, help='-heads archs: classifier heads')
     g.add_argument('--grad-checkpointing', action='store_true', help='recompute ResNet stage activations in '
                    'backward (less memory, ~30%% more compute)')
 
@@ -242,7 +243,8 @@ def run_flags(p):
     g.add_argument('--test', action='store_true', help='benchmark mode: --test-nsteps train steps, 20 val batches')
     g.add_argument('--test-nsteps', type=POSITIVE_INT, default=None, help='train steps in test mode (default 50; implies '
                    '--test)')
-    g.add_argument('--seed', type=SEED, default=123, help='weights, data order and augmentation (same on every rank)')
+    g.add_argument('--seed', type=SEED, default=123, help='weights, data order and augmentation '
+                   '(same on every rank)')
     g.add_argument('--device', choices=['auto', 'cuda', 'cpu'], default='auto', help='where the model runs (auto: '
                    'the CUDA GPU of this process when PyTorch sees one, else the CPU)')
     g.add_argument('--output-dir', default=None, help='run directory (default runs/<run name>, else '
@@ -320,14 +322,16 @@ def tuning_flags(p):
     g.add_argument('--tune', action='store_true', help='measured trials over batch size, precision, channels-last '
                    'and compile, each in its own process; prints a recommended command line and a scaling forecast; '
                    'writes tune.json/.csv into --output-dir')
-    g.add_argument('--tune-budget', type=POSITIVE, default=30.0, metavar='MIN', help='--tune: minutes for the whole '
-                   'sweep (resumed parts included); trials that would not fit are skipped and listed')
-    g.add_argument('--tune-steps', type=POSITIVE_INT, default=20, help='--tune: steady training steps per trial (after 3 '
-                   'warm-up steps)')
-    g.add_argument('--tune-memory-gib', type=POSITIVE, default=None, help='--tune: largest memory peak a batch may '
-                   'reach, GiB (GPU memory on a GPU, host peak on CPU); default: until out of memory (GPU) or '
-                   '--tune-max-batch')
-    g.add_argument('--tune-max-batch', type=POSITIVE_INT, default=1024, help='--tune: largest batch per device tried')
+    g.add_argument('--tune-budget', type=POSITIVE, default=30.0, metavar='MIN', help='--tune: '
+                   'minutes for the whole sweep (resumed parts included); trials that would not '
+                   'fit are skipped and listed')
+    g.add_argument('--tune-steps', type=POSITIVE_INT, default=20, help='--tune: steady training '
+                   'steps per trial (after 3 warm-up steps)')
+    g.add_argument('--tune-memory-gib', type=POSITIVE, default=None, help='--tune: largest memory '
+                   'peak a batch may reach, GiB (GPU memory on a GPU, host peak on CPU); default: '
+                   'until out of memory (GPU) or --tune-max-batch')
+    g.add_argument('--tune-max-batch', type=POSITIVE_INT, default=1024, help='--tune: largest '
+                   'batch per device tried')
     g.add_argument('--tune-machine', default=None, help='--tune: machine profile of dlojz_slurm.py (a100, h100, v100, '
                    'generic) for the scaling forecast; default: a100 on a GPU, none on CPU')
 
@@ -344,8 +348,8 @@ def parse_randaugment(text):
     return n, m
 
 
-# The DLOJZ_* variables: what dlojz.py reads, and what its scripts and tests set. A name not here is a
-# misspelling (DLOJZ_DATADIR) that would change nothing: refused.
+# The DLOJZ_* variables: what dlojz.py reads, and what its scripts and tests set. A name not here is
+# a misspelling (DLOJZ_DATADIR) that would change nothing: refused.
 ENVIRONMENT = {
     'DLOJZ_DATA_DIR': None,  # a folder (data.datasets.resolve_data_source checks it)
     'DLOJZ_HANDOVER': (r'default', 'default'),  # torch's own collate instead of the shared slots
@@ -362,9 +366,11 @@ def check_environment(environ=os.environ):
     """Refuse a DLOJZ_* variable dlojz does not know, or a value it does not understand, naming the
     variable (one sentence; it would otherwise be ignored)."""
     threads = environ.get('OMP_NUM_THREADS', '')
-    if threads and not re.fullmatch(r'0*[1-9]\d*(,\d+)*', threads):  # OpenMP ignores a bad value, silently
-        raise UsageError(f'OMP_NUM_THREADS={threads!r} is not a number of threads; give a positive integer, or '
-                         f'unset it (dlojz then gives each process its share of the cores).')
+    # OpenMP ignores a bad value, silently
+    if threads and not re.fullmatch(r'0*[1-9]\d*(,\d+)*', threads):
+        raise UsageError(f'OMP_NUM_THREADS={threads!r} is not a number of threads; give a positive '
+                         f'integer, or unset it (dlojz then gives each process its share of the '
+                         f'cores).')
     for name in sorted(environ):
         if not name.startswith('DLOJZ_'):
             continue
@@ -373,8 +379,8 @@ def check_environment(environ=os.environ):
                              f'{", ".join(list(ENVIRONMENT)[:5])}); unset it, or correct its name.')
         form, value = ENVIRONMENT[name], environ[name]
         if form is not None and value and not re.fullmatch(form[0], value):
-            raise UsageError(f'{name}={value!r} is not a value dlojz understands (it takes {form[1]}); '
-                             f'correct it, or unset it.')
+            raise UsageError(f'{name}={value!r} is not a value dlojz understands (it takes '
+                             f'{form[1]}); correct it, or unset it.')
 
 
 def check_flags(args):
@@ -402,9 +408,11 @@ def check_flags(args):
     args.cudnn_benchmark = args.cudnn_benchmark and not args.deterministic
     mode = '--loader-only' if args.loader_only else '--tune-loader'
     worker_ops = args.randaugment or args.trivialaugment or args.random_erasing  # data.augment.worker_ops
+    smallest = min(args.image_size, args.res_start or args.image_size)  # px (--res-start's start)
     refusals = [
-        (args.stage_dir is not None and not args.stage_dir.strip(), '--stage-dir is empty (what "$SLURM_TMPDIR" '
-         'gives where the variable is unset); give a folder on the node\'s local disk, or leave --stage-dir out.'),
+        (args.stage_dir is not None and not args.stage_dir.strip(), '--stage-dir is empty (what '
+         '"$SLURM_TMPDIR" gives where the variable is unset); give a folder on the node\'s local '
+         'disk, or leave --stage-dir out.'),
         (args.arch not in ARCHS, f'unknown --arch {args.arch}; choose one of {", ".join(ARCHS)}.'),
         (args.val_image_size > args.val_resize, f'--val-image-size {args.val_image_size} is larger than '
          f'--val-resize {args.val_resize}; the center crop must fit in the resized image.'),
@@ -450,12 +458,11 @@ def check_flags(args):
          'after 8 of them, while --res-start changes the size every few epochs; drop one of the two.'),
         (args.static_graph and args.arch.endswith('-heads'), f'--static-graph needs the same parameters used at '
          f'every step, but {args.arch} uses a different head from step to step; drop --static-graph.'),
-        # a ResNet's last feature map is the image / 32, rounded up: at 32 px or less 1 x 1, where BatchNorm
-        # has a single value per channel to normalise in a batch of one (it raises)
-        (args.batch_size == 1 and min(args.image_size, args.res_start or args.image_size) <= 32
-         and not (loader_mode or args.evaluate),
-         f'-b 1 at {min(args.image_size, args.res_start or args.image_size)} px leaves BatchNorm one value per '
-         f'channel in the last block (a 1 x 1 feature map); give -b 2 or more, or an image size above 32.'),
+        # a ResNet's last feature map is the image / 32, rounded up: at 32 px or less 1 x 1, where
+        # BatchNorm has a single value per channel to normalise in a batch of one (it raises)
+        (args.batch_size == 1 and smallest <= 32 and not (loader_mode or args.evaluate),
+         f'-b 1 at {smallest} px leaves BatchNorm one value per channel in the last block (a 1 x 1 '
+         f'feature map); give -b 2 or more, or an image size above 32.'),
     ]
     for refused, sentence in refusals:
         if refused:

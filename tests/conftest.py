@@ -14,8 +14,9 @@ import pytest
 if 'MPLCONFIGDIR' not in os.environ:
     os.environ['MPLCONFIGDIR'] = tempfile.mkdtemp(prefix='dlojz-tests-matplotlib-')
     atexit.register(shutil.rmtree, os.environ['MPLCONFIGDIR'], True)
-# dlojz's own cache (the synthetic data, each data folder's index) defaults to $XDG_CACHE_HOME/dlojz: a
-# test that leaves --cache-dir out writes to a temporary folder, never to the user's cache.
+# dlojz's own cache (the synthetic data, each data folder's index) defaults to
+# $XDG_CACHE_HOME/dlojz: a test that leaves --cache-dir out writes to a temporary folder, never to
+# the user's cache.
 os.environ['XDG_CACHE_HOME'] = tempfile.mkdtemp(prefix='dlojz-tests-cache-')
 atexit.register(shutil.rmtree, os.environ['XDG_CACHE_HOME'], True)
 

@@ -233,10 +233,10 @@ def shard_cut(dst):
     (shard_cut, 'train-00000.tar', 'bytes, where index-train.npy reads up to byte'),
 ], ids=['damaged table', 'no val split', 'fewer classes than labels', 'unparseable index', 'shard cut short'])
 def test_a_damaged_shards_folder_is_named_with_the_fix(synth, tmp_path, cache_dir, capsys, edit, file, words):
-    """dlojz's own files read on trust (issue 40): a numpy error or a KeyError traceback, an IndexError in
-    the middle of an epoch, an unparseable index.json called missing. Now: the damaged file named, with
-    the fix that works (a new prepare of a deleted folder; prepare itself resumes a finished folder as
-    finished), before anything is written."""
+    """dlojz's own files read on trust (issue 40): a numpy error or a KeyError traceback, an
+    IndexError in the middle of an epoch, an unparseable index.json called missing. Now: the damaged
+    file named, with the fix that works (a new prepare of a deleted folder; prepare itself resumes a
+    finished folder as finished), before anything is written."""
     dst = str(tmp_path / 'shards')
     S.prepare(synth, dst, shard_size_mb=4, log=lambda m: None)
     edit(dst)

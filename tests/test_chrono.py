@@ -489,9 +489,9 @@ MATRIX = {
     'host': (0.0, 0.005, 0.0005, 0.3, 256, 'host', 256 / 0.002, 256 / 0.020),
     # the device idle 194 ms of each 304 ms step, waiting for the batch
     'loader': (0.300, 0.001, 0.0275, 0.3, 128, 'loader', 128 / 0.110, 128 / 0.304),
-    # the margin: the host waits 128 ms of each 132 ms step for its batch, but the device works 110 ms of it
-    # on the step before (before issue 39: 'loader', by the 90 % busy threshold). The largest share is the
-    # device's work; the data wait's share is the 22 ms the device idled.
+    # the margin: the host waits 128 ms of each 132 ms step for its batch, but the device works 110
+    # ms of it on the step before (before issue 39: 'loader', by the 90 % busy threshold). The
+    # largest share is the device's work; the data wait's share is the 22 ms the device idled.
     'compute, a loader just slower': (0.128, 0.001, 0.0275, 0.3, 128, 'compute', 128 / 0.110, 128 / 0.132),
     'compute': (0.002, 0.001, 0.0275, 0.3, 128, 'compute', 128 / 0.110, 128 / 0.110),
     # a launch queue shorter than a step: the host blocks in it, the device always ahead of the events
@@ -512,8 +512,8 @@ def test_verdict_and_throughputs_on_fake_device_timelines(case):
     assert s['train_throughput'] == pytest.approx(train_truth, rel=0.05)
     busy_truth = (batch / gpu_truth) / (batch / train_truth)  # device work per step / wall time per step
     assert s['device_busy'] == pytest.approx(busy_truth, rel=0.05)
-    # the shares by hand: the device's work, and its idle time went to the loader where the host waited
-    # for a batch, else to the host's launches
+    # the shares by hand: the device's work, and its idle time went to the loader where the host
+    # waited for a batch, else to the host's launches
     idle_for = 'loader' if wait > 4 * launch else 'host'
     assert s['shares']['compute'] == pytest.approx(busy_truth, rel=0.05)
     assert s['shares'][idle_for] == pytest.approx(1 - busy_truth, abs=0.03)
@@ -577,10 +577,11 @@ def rank(number, works):
 
 
 def test_waiting_for_a_rank_slow_in_its_forward_is_a_share_beside_the_work():
-    """Rank 1 is slow in its forward pass (100 ms); rank 0's gradient all-reduce, at the end of its backward
-    pass, waits for it: 95 ms of its 105 ms backward. Each GPU is busy all the time, yet by hand 95 of the
-    220 device-ms per step are waiting, 95 / 220 of the time, and 125 working: the largest share is the devices'
-    work (before issue 39: 'communication', the largest idle share, since work was under 90 %)."""
+    """Rank 1 is slow in its forward pass (100 ms); rank 0's gradient all-reduce, at the end of its
+    backward pass, waits for it: 95 ms of its 105 ms backward. Each GPU is busy all the time, yet by
+    hand 95 of the 220 device-ms per step are waiting, 95 / 220 of the time, and 125 working: the
+    largest share is the devices' work (before issue 39: 'communication', the largest idle share,
+    since work was under 90 %)."""
     fast = rank(0, {'h2d': 0.001, 'forward': 0.004, 'backward': 0.105, 'optimizer': 0.0})
     slow = rank(1, {'h2d': 0.001, 'forward': 0.099, 'backward': 0.010, 'optimizer': 0.0})
     s = ranks_summary([fast, slow])

@@ -317,8 +317,8 @@ def test_the_hooks_add_no_host_read_to_a_training_step(tmp_path):
 
 def test_a_run_that_mostly_computes_reads_compute_with_its_waits_in_order():
     """Issue 39's two gloo ranks on the loopback: 284 ms steps, 23 ms of exposed transfer every rank
-    waits for, and rank 0 waits 17 ms more for rank 1. By hand, of the 2 x 284 ms: work 505 ms (88.9 %),
-    communication 46 (8.1 %), late rank 17 (3.0 %), data wait 0. Before issue 39 it read
+    waits for, and rank 0 waits 17 ms more for rank 1. By hand, of the 2 x 284 ms: work 505 ms
+    (88.9 %), communication 46 (8.1 %), late rank 17 (3.0 %), data wait 0. Before issue 39 it read
     'communication', the largest idle share, as work was under 90 %; its line said 'busy 100 %'
     beside 'exposed communication 8 %'."""
     s = ranks_summary([report(0, 10, 0.0, 0.284, 0.040, link=0.023), report(1, 10, 0.0, 0.284, 0.023)])
@@ -350,5 +350,6 @@ def test_each_share_reads_its_own_name_where_it_is_the_largest():
     assert verdict(1.0, 1.0, 0.0, comm=0.51) == 'communication' and verdict(1.0, 1.0, 0.0, comm=0.49) == 'compute'
     assert verdict(1.0, 1.0, 0.0, comm=0.1, late=0.5) == 'straggler'
     assert verdict(1.0, 0.30, 0.2, data_excess=0.15) == 'host'  # 0.5 s with the device idle and nothing waited for
-    # on a GPU the host may wait for a batch while the device works: only the idle part is the loader's
+    # on a GPU the host may wait for a batch while the device works: only the idle part is the
+    # loader's
     assert verdict(1.0, 0.7, 0.9) == 'compute'

@@ -114,8 +114,8 @@ def test_an_epoch_holds_the_native_images_in_order(coords, world_size):
 
 @pytest.fixture(scope='module')
 def ramp16(tmp_path_factory):
-    """An ImageFolder of one class: 12 copies of a 16-bit grayscale PNG, a horizontal ramp over the whole
-    16-bit range (Pillow opens it as mode I;16)."""
+    """An ImageFolder of one class: 12 copies of a 16-bit grayscale PNG, a horizontal ramp over the
+    whole 16-bit range (Pillow opens it as mode I;16)."""
     row = np.round(np.linspace(0, 65535, 400)).astype(np.uint16)
     img = Image.fromarray(np.tile(row, (300, 1)))
     root = tmp_path_factory.mktemp('ramp16')
@@ -128,8 +128,8 @@ def ramp16(tmp_path_factory):
 
 @needs_dali
 def test_both_loaders_see_the_same_levels_of_a_16_bit_png(ramp16):
-    """Issue 40: DALI decoded a 16-bit PNG as a ramp while every native path saw pure white, so the two
-    loaders trained on different pixels. The validation batches (the same center crops) and the
+    """Issue 40: DALI decoded a 16-bit PNG as a ramp while every native path saw pure white, so the
+    two loaders trained on different pixels. The validation batches (the same center crops) and the
     training batches (the same boxes and flips) now agree within DALI's resampling, and neither is
     white (a ramp over 0..255 averages about 128)."""
     native, dali = data_of(ramp16, 'native'), data_of(ramp16, 'dali')

@@ -110,14 +110,15 @@ def test_a_slow_link_reads_communication_and_measures_the_slowdown(tmp_path, cac
 
 
 def test_a_slow_loader_on_one_rank_reads_straggler_and_names_it(tmp_path, cache_dir):
-    """Rank 1's loader sleeps 50 ms per image (800 ms per batch, three to five times the step's compute):
-    rank 0 waits for it at every step, mostly in DDP's buffer broadcast before the forward pass. By hand,
-    over both ranks, the wait for the late rank is 2 x 800 ms of each 2 x (800 + compute) ms, the largest
-    share: the run is bound by a straggler, rank 1, itself bound by its loader. (At 20 ms per image, 320 ms
-    per batch, the compute of a loaded machine outgrew the wait and the largest share was compute, as it
-    should be then: issue 39's long tier, beside a 12 GB process. With 10 ms per image rank 0's measured
-    wait was 97 ms per step once in about ten runs, against 100: on 2 shared cores rank 0 then reached the
-    all-reduce 40 ms after rank 1, which the sums net out.)"""
+    """Rank 1's loader sleeps 50 ms per image (800 ms per batch, three to five times the step's
+    compute): rank 0 waits for it at every step, mostly in DDP's buffer broadcast before the forward
+    pass. By hand, over both ranks, the wait for the late rank is 2 x 800 ms of each 2 x (800 +
+    compute) ms, the largest share: the run is bound by a straggler, rank 1, itself bound by its
+    loader. (At 20 ms per image, 320 ms per batch, the compute of a loaded machine outgrew the wait
+    and the largest share was compute, as it should be then: issue 39's long tier, beside a 12 GB
+    process. With 10 ms per image rank 0's measured wait was 97 ms per step once in about ten runs,
+    against 100: on 2 shared cores rank 0 then reached the all-reduce 40 ms after rank 1, which the
+    sums net out.)"""
     p = torchrun(2, *FLAGS, '--cache-dir', cache_dir, '--output-dir', tmp_path,
                  env={'DLOJZ_FAULT': 'slow-loader:1:0.05'})
     assert p.returncode == 0, p.stderr[-3000:]
@@ -140,11 +141,11 @@ def test_alike_fast_ranks_read_compute(tmp_path):
 
 
 def test_two_ranks_that_mostly_compute_read_compute_with_their_waits_in_order(tmp_path, cache_dir):
-    """Issue 39's run: two gloo ranks on the loopback, unthrottled (ResNet-18, 64 px, 16 images per rank).
-    The ranks compute most of each step and wait a little for the all-reduce and for each other: the
-    verdict is compute, and the line gives every share, largest first, in whole percents adding up to 100.
-    Before issue 39 it read 'communication' (work under 90 %, the exposed all-reduce the largest idle
-    share), beside 'busy 100 %'."""
+    """Issue 39's run: two gloo ranks on the loopback, unthrottled (ResNet-18, 64 px, 16 images per
+    rank). The ranks compute most of each step and wait a little for the all-reduce and for each
+    other: the verdict is compute, and the line gives every share, largest first, in whole percents
+    adding up to 100. Before issue 39 it read 'communication' (work under 90 %, the exposed
+    all-reduce the largest idle share), beside 'busy 100 %'."""
     p = torchrun(2, *FLAGS, '--image-size', '64', '--val-resize', '72', '--val-image-size', '64',
                  '--cache-dir', cache_dir, '--output-dir', tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]

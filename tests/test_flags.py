@@ -142,8 +142,8 @@ def test_resume_auto_needs_a_run_folder():
 
 
 def test_the_environment_dlojz_reads_is_checked():
-    """Issue 40: a DLOJZ_ variable with a misspelt name or value, or OMP_NUM_THREADS that is not a number,
-    was ignored (OpenMP ignores a bad value too); each is one sentence naming the variable."""
+    """Issue 40: a DLOJZ_ variable with a misspelt name or value, or OMP_NUM_THREADS that is not a
+    number, was ignored (OpenMP ignores a bad value too); each is one sentence naming it."""
     from dlojzlib.errors import UsageError
     ok = {'DLOJZ_HANDOVER': 'default', 'DLOJZ_REGION_DECODE': '0', 'DLOJZ_MASTER_SUFFIX': '-ib0',
           'DLOJZ_RUN': 'my run', 'OMP_NUM_THREADS': '4', 'PATH': '/bin', 'DLOJZ_DATA_DIR': '/anywhere'}

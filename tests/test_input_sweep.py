@@ -1,12 +1,12 @@
-"""Every command answers a bad input with one sentence (issue 40): a table of bad inputs per command, each
-run as a user would (a subprocess of the command's script), checked for the exit code, no traceback, the
-one error line naming what is wrong, and that nothing already written changed (the folders the case
-touches are listed with their sizes and modification times before and after).
+"""Every command answers a bad input with one sentence (issue 40): a table of bad inputs per
+command, each run as a user would (a subprocess of the command's script), checked for the exit code,
+no traceback, the one error line naming what is wrong, and that nothing already written changed (the
+folders the case touches are listed with their sizes and modification times before and after).
 
-Kinds: a number out of its range (every command), a combination that leaves nothing to do, a value that
-would become code (the Slurm generator), the environment dlojz reads, dlojz's own files damaged, staging
-folders that cannot be used. Decoding (16-bit images) is tests/test_decode.py's and tests/test_dali.py's; a
-second signal, tests/test_preempt.py's.
+Kinds: a number out of its range (every command), a combination that leaves nothing to do, a value
+that would become code (the Slurm generator), the environment dlojz reads, dlojz's own files
+damaged, staging folders that cannot be used. Decoding (16-bit images) is tests/test_decode.py's and
+tests/test_dali.py's; a second signal, tests/test_preempt.py's.
 
 python -m pytest -q -m slow tests/test_input_sweep.py"""
 import os
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 
 def tree(*folders):
-    """{path: (size, mtime_ns)} of every file under the folders (what 'nothing changed' compares)."""
+    """{path: (size, mtime_ns)} of every file under the folders: what 'nothing changed' reads."""
     out = {}
     for folder in folders:
         for dirpath, _, names in os.walk(folder):
@@ -51,8 +51,8 @@ def refused(r, words, code=2):
 
 @pytest.fixture(scope='module')
 def written(tmp_path_factory, cache_dir):
-    """A finished run folder and a prepared shards folder, which a refused command must leave as they
-    are."""
+    """A finished run folder and a prepared shards folder, which a refused command must leave as
+    they are."""
     root = tmp_path_factory.mktemp('written')
     r = run('dlojz.py', *TINY, '--test-nsteps', '2', '--cache-dir', cache_dir, '--output-dir', root / 'run')
     assert r.returncode == 0, r.stderr[-2000:]
@@ -65,8 +65,8 @@ def written(tmp_path_factory, cache_dir):
     return root, os.path.join(cache_dir, synth)
 
 
-# (command, argv with {run}, {shards}, {damaged}, {synth}, {cache}, {new} for paths, the words of the error
-# line[, the environment])
+# (command, argv with {run}, {shards}, {damaged}, {synth}, {cache}, {new} for paths, the words of
+# the error line[, the environment])
 CASES = {
     # dlojz.py: numbers where they enter, and combinations with nothing to do
     'seed negative': ('dlojz.py', ['--seed', '-1'], ['--seed', '-1']),

@@ -124,8 +124,9 @@ def test_sweep_and_verdict_by_hand():
     assert v['data_wait_share'] == pytest.approx(1 - 800 / 3000)
     assert 'loader-bound (data wait 73% of each step, compute 27%): the model could take 3.75x' in \
         L.verdict_lines(v)[-1]
-    # the margin: fed 800 img/s, a model taking 1000 computes 80 % of each step and waits 20 %. The run's
-    # '>>> Bound by' line says compute (its largest share), and so does the doctor, with the wait.
+    # the margin: fed 800 img/s, a model taking 1000 computes 80 % of each step and waits 20 %. The
+    # run's '>>> Bound by' line says compute (its largest share), and so does the doctor, with the
+    # wait.
     v = L.verdict(trials, 1000, budget=5)
     assert v['bound'] == 'compute' and v['data_wait_share'] == pytest.approx(0.2)
     assert L.verdict_lines(v)[-1].startswith('>>> Verdict: compute-bound (data wait 20% of each step, compute '
@@ -137,10 +138,10 @@ def test_sweep_and_verdict_by_hand():
 
 @pytest.mark.parametrize('feeds', [0.3, 0.45, 0.55, 0.8, 1.2])
 def test_the_doctor_says_the_word_the_run_would_say(feeds):
-    """A loader feeding `feeds` x what the model takes (1000 img/s, batch 100): on the host clock the
-    Chronometer of a run with workers loading while it computes measures a data wait of max(0, 100 / L -
-    0.1) s per step beside 0.1 s of compute. The doctor's verdict from L and the ceiling is the word the
-    run's Chronometer gives; the doctor's wait share is the one the run measures."""
+    """A loader feeding `feeds` x what the model takes (1000 img/s, batch 100): on the host clock
+    the Chronometer of a run with workers loading while it computes measures a data wait of max(0,
+    100 / L - 0.1) s per step beside 0.1 s of compute. The doctor's verdict from L and the ceiling
+    is the word the run's Chronometer gives; the doctor's wait share is the one the run measures."""
     from dlojz_chrono import Chronometer
     clock = type('Clock', (), {'t': 0.0, '__call__': lambda self: self.t})()
     loader_ips, ceiling = 1000 * feeds, 1000.0

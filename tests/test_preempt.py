@@ -166,11 +166,11 @@ def test_sigterm_to_the_process_group_with_workers(tmp_path, cache_dir, six_epoc
 @pytest.mark.slow  # 25 s each
 @pytest.mark.parametrize('second', ['SIGINT', 'SIGTERM'])
 def test_a_second_signal_during_an_interrupt_keeps_the_record(tmp_path, cache_dir, second):
-    """Issue 40: Ctrl-C on a run under GNU timeout (SIGINT from the terminal's group, then from timeout
-    forwarding it), Ctrl-C pressed twice, or SIGTERM right after it, all to the whole process group with 2
-    workers: exit 130, a worker's traceback and summary.json left 'running', no resume command. Now: exit
-    130, no traceback anywhere, summary.json 'interrupted' with the checkpoint to continue from, and the
-    command that does it; the run resumes."""
+    """Issue 40: Ctrl-C on a run under GNU timeout (SIGINT from the terminal's group, then from
+    timeout forwarding it), Ctrl-C pressed twice, or SIGTERM right after it, all to the whole
+    process group with 2 workers: exit 130, a worker's traceback and summary.json left 'running', no
+    resume command. Now: exit 130, no traceback anywhere, summary.json 'interrupted' with the
+    checkpoint to continue from, and the command that does it; the run resumes."""
     out = tmp_path / 'run'
     p = start(out, cache_dir, '-e', '6', '--num-workers', '2', '--chkpt-every', '2')
     wait_for_steps(out, 5, p)
@@ -272,9 +272,10 @@ def test_a_stop_signal_during_start_up_stops_at_the_first_step(tmp_path, cache_d
 
 
 def test_the_stop_handlers_hold_what_comes_after_an_interrupt():
-    """StopSignal by hand, with real signals to this process: the first Ctrl-C interrupts (KeyboardInterrupt);
-    a second one and a SIGTERM after it are held, not raised and not taken for a stop; a Ctrl-C while a
-    stop is under way (SIGUSR2 first: its checkpoint comes at the step boundary) is held too."""
+    """StopSignal by hand, with real signals to this process: the first Ctrl-C interrupts
+    (KeyboardInterrupt); a second one and a SIGTERM after it are held, not raised and not taken for
+    a stop; a Ctrl-C while a stop is under way (SIGUSR2 first: its checkpoint comes at the step
+    boundary) is held too."""
     from dlojzlib.dist.launch import StopSignal
     before = signal.getsignal(signal.SIGINT)
     stop = StopSignal().install()

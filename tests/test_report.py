@@ -211,9 +211,9 @@ def test_sweep_of_gpu_runs_uses_gpu_memory_and_the_gpu_size(runs, tmp_path):
 
 
 def scaling_pair(runs, tmp_path, step2, img_s2):
-    """Hand-made sums in real run folders. One process: 100 ms a step of 8 images (80 img/s), 95 ms of
-    work, 5 of data wait. Two ranks at `step2` s a step: each 103 ms of work, 6 of data wait, 10 of
-    transfer; rank 0 also waits 5 ms for rank 1 (busy = work + the waits in collectives)."""
+    """Hand-made sums in real run folders. One process: 100 ms a step of 8 images (80 img/s), 95 ms
+    of work, 5 of data wait. Two ranks at `step2` s a step: each 103 ms of work, 6 of data wait, 10
+    of transfer; rank 0 also waits 5 ms for rank 1 (busy = work + the waits in collectives)."""
     one, two = tmp_path / 'one', tmp_path / 'two'
     shutil.copytree(runs['ws1'], one)
     shutil.copytree(runs['ws2'], two)
@@ -232,10 +232,10 @@ def scaling_pair(runs, tmp_path, step2, img_s2):
 
 @pytest.mark.slow
 def test_scaling_splits_the_lost_efficiency_as_measured(runs, tmp_path):
-    """Two ranks at 125 ms (128 img/s): by hand, efficiency 128 / 80 / 2 = 80 %; of the 20 points lost,
-    10 / 125 = 8.0 are communication, the mean wait for the late rank 2.5 / 125 = 2.0, the work grown
-    by 8 ms 6.4, the data wait grown by 1 ms 0.8, and the rest 2.8: the ranks' host time, 125 - 103 - 6 -
-    10 - 2.5 = 3.5 ms (2.8 points), where the one process had none."""
+    """Two ranks at 125 ms (128 img/s): by hand, efficiency 128 / 80 / 2 = 80 %; of the 20 points
+    lost, 10 / 125 = 8.0 are communication, the mean wait for the late rank 2.5 / 125 = 2.0, the
+    work grown by 8 ms 6.4, the data wait grown by 1 ms 0.8, and the rest 2.8: the ranks' host time,
+    125 - 103 - 6 - 10 - 2.5 = 3.5 ms (2.8 points), where the one process had none."""
     sc, one, two = scaling_pair(runs, tmp_path, 0.125, 128.0)
     row = sc['rows'][1]
     assert row['efficiency'] == pytest.approx(0.8) and row['step_ms'] == pytest.approx(125.0)
@@ -250,9 +250,9 @@ def test_scaling_splits_the_lost_efficiency_as_measured(runs, tmp_path):
 def test_a_loss_the_measured_terms_cannot_explain_is_a_large_rest(runs, tmp_path):
     """The same sums, but the two ranks' steps take 200 ms (80 img/s: efficiency 50 %) while nothing
     they measured grew more than above: the 50 points lost are 10 / 200 = 5.0 communication, 1.25
-    straggler, 4.0 compute slowed, 0.5 loader slowed, and a rest of 39.25 points, shown as such. Before
-    issue 39 the compute slowed and the loader were in the rest as well; a split that made its
-    terms add up (scaled to the loss) would hide it."""
+    straggler, 4.0 compute slowed, 0.5 loader slowed, and a rest of 39.25 points, shown as such.
+    Before issue 39 the compute slowed and the loader were in the rest as well; a split that made
+    its terms add up (scaled to the loss) would hide it."""
     sc, _, _ = scaling_pair(runs, tmp_path, 0.200, 80.0)
     row = sc['rows'][1]
     assert row['efficiency'] == pytest.approx(0.5)
@@ -279,9 +279,9 @@ def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
 @pytest.mark.slow
 def test_a_verdict_over_all_ranks_shows_the_shares_over_all_ranks(runs, tmp_path):
     """Rank 0 busy 99 % while the ranks together waited for data 60 % of the time: the dashboard's
-    'Bound by' row gives the all-ranks shares beside the all-ranks verdict, largest first, as the run's
-    own line does, and the comparison its all-ranks busy and data shares (hand-set numbers in a real
-    2-rank run folder). A summary from before the shares keeps its busy and data figures."""
+    'Bound by' row gives the all-ranks shares beside the all-ranks verdict, largest first, as the
+    run's own line does, and the comparison its all-ranks busy and data shares (hand-set numbers in
+    a real 2-rank run folder). A summary from before the shares keeps its busy and data figures."""
     two = tmp_path / 'two'
     shutil.copytree(runs['ws2'], two)
     s = summary(two)

@@ -196,9 +196,10 @@ def test_slowdown_by_hand():
 
 
 def test_forecast_with_slowed_compute_by_hand():
-    """The by-hand case above (step 1 s, backward 0.5 s, two 1 MiB buckets at 1 s each), with 0.9 s of
-    work per step slowed by half at 2 ranks: 0.45 s more work, the backward 0.75 s, so buckets ready at
-    0.375 and 0.75, sent 0.375..1.375, 1.375..2.375: exposed 1.625 s; step 1 + 0.45 + 1.625 = 3.075 s."""
+    """The by-hand case above (step 1 s, backward 0.5 s, two 1 MiB buckets at 1 s each), with 0.9 s
+    of work per step slowed by half at 2 ranks: 0.45 s more work, the backward 0.75 s, so buckets
+    ready at 0.375 and 0.75, sent 0.375..1.375, 1.375..2.375: exposed 1.625 s; step 1 + 0.45 + 1.625
+    = 3.075 s."""
     link = S.Link(intra_bw=MiB, intra_lat=0.0)
     rows = S.forecast(1.0, 0.5, 32, 2 * MiB, link, gpus=(1, 2), bucket_cap_mb=1, work_s=0.9,
                       slowed=lambda n: 0.5 if n > 1 else 0.0)
@@ -209,8 +210,8 @@ def test_forecast_with_slowed_compute_by_hand():
 
 
 def test_cli_takes_the_slowdown_from_a_run_at_two_ranks(tmp_path):
-    """The one device works 90 ms of its 100 ms steps; two ranks, 108 ms each (20 % more): the forecast
-    says where its compute slowed term comes from and prints it beside the measured one."""
+    """The one device works 90 ms of its 100 ms steps; two ranks, 108 ms each (20 % more): the
+    forecast says where its compute slowed term comes from and prints it beside the measured one."""
     one = summary(totals={'steady_steps': 10, 'wall_s': 1.0, 'busy_s': 0.9, 'data_s': 0.1})
     one['provenance'], one['host'] = {'device': 'cuda'}, {'usable_cores': 16, 'torch_threads': 4}
     ranks = [{'rank': k, 'steady_steps': 10, 'wall_s': 1.3, 'data_s': 0.1, 'busy_s': 1.08 + 0.1, 'comm_s': 0.1,

@@ -59,10 +59,10 @@ def test_copy_is_whole_and_a_second_start_copies_nothing(shards, tmp_path):
 
 @pytest.mark.parametrize('damage', ['delete', 'truncate'])
 def test_a_copy_changed_after_staging_is_copied_again(shards, tmp_path, damage):
-    """Issue 40: a staged shard deleted or truncated on the local disk after a complete copy read "already
-    holds the 14 files ... nothing to copy", then the run failed and advised a new prepare. The copy is
-    checked against what was copied (each file's size) at every start: the changed file is copied again,
-    and only it."""
+    """Issue 40: a staged shard deleted or truncated on the local disk after a complete copy read
+    "already holds the 14 files ... nothing to copy", then the run failed and advised a new prepare.
+    The copy is checked against what was copied (each file's size) at every start: the changed file
+    is copied again, and only it."""
     local = str(tmp_path / 'local')
     rec = G.stage(shards, local, log=lambda m: None)
     name = [n for n, _, _ in G.files_to_copy(shards) if n.endswith('.tar')][0]

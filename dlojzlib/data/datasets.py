@@ -30,8 +30,8 @@ from dlojzlib.data import stage
 from dlojzlib.data.decode import BadImageError, Blob, source_name
 from dlojzlib.data.folder import IMG_EXTENSIONS, find_classes, scan_imagefolder  # noqa: F401 (data.datasets's API too)
 from dlojzlib.data.handover import SharedCollate
-from dlojzlib.data.synthetic import (SYNTH_VERSION, _texture, ensure_synthetic_dataset,  # noqa: F401 (API)
-                                     synthetic_image)
+from dlojzlib.data.synthetic import (  # noqa: F401 (data.datasets's API too)
+    SYNTH_VERSION, _texture, ensure_synthetic_dataset, synthetic_image)
 from dlojzlib.data.workers import DataLoader, ForkContext, ignore_preemption_signals, loader_kwargs  # noqa: F401 (API)
 from dlojzlib.errors import DataError, UsageError
 
@@ -57,9 +57,10 @@ def resolve_data_source(args, environ=os.environ):
     if args.data_dir:
         kind = 'shards' if shards.is_shards(args.data_dir) else 'imagefolder'
         return DataSource(kind, args.data_dir, '--data-dir')
-    if environ.get('DLOJZ_DATA_DIR'):  # named as the variable, never as a flag the user did not give
-        kind = 'shards' if shards.is_shards(environ['DLOJZ_DATA_DIR']) else 'imagefolder'
-        return DataSource(kind, environ['DLOJZ_DATA_DIR'], '$DLOJZ_DATA_DIR is set', '$DLOJZ_DATA_DIR')
+    if environ.get('DLOJZ_DATA_DIR'):  # named as the variable, never as a flag not given
+        root = environ['DLOJZ_DATA_DIR']
+        kind = 'shards' if shards.is_shards(root) else 'imagefolder'
+        return DataSource(kind, root, '$DLOJZ_DATA_DIR is set', '$DLOJZ_DATA_DIR')
     # Jean Zay: a copy on the user's scratch, then the centre's dataset store $DSDIR (read-only,
     # shared)
     for var, sub in (('ALL_CCFRSCRATCH', 'imagenet'), ('DSDIR', 'imagenet'), ('DSDIR', 'imagenet/RawImages')):
@@ -383,10 +384,11 @@ def check_fits(args, world_size, data):
     how = f'-b {args.batch_size} x --accum-steps {args.accum_steps} x {world_size} process(es)'
     if gb > data.n_train:
         raise UsageError(f'the global batch of {gb} images ({how}) is larger than the training set '
-                         f'({data.n_train} images); lower -b or --accum-steps, or train on more data.')
+                         f'({data.n_train} images); lower -b or --accum-steps, or train on more '
+                         f'data.')
     if len(data.train_steps) == 0:
-        raise UsageError(f'an epoch of {data.n_train} training images holds no step of {gb} images ({how}); '
-                         f'lower -b or --accum-steps.')
+        raise UsageError(f'an epoch of {data.n_train} training images holds no step of {gb} '
+                         f'images ({how}); lower -b or --accum-steps.')
 
 
 def build_loaders(args, dist, log=print, on_ranks=None, device=None,

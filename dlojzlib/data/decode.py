@@ -79,8 +79,8 @@ def to_rgb(img):
         a = np.clip(np.asarray(img).astype(np.int64), 0, 65535)
         return Image.fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), 'L').convert('RGB')
     if img.mode == 'F':
-        raise ValueError('floating-point pixels (mode F) have no range to scale to 8 bits; convert the file '
-                         'to an 8- or 16-bit PNG or a JPEG')
+        raise ValueError('floating-point pixels (mode F) have no range to scale to 8 bits; '
+                         'convert the file to an 8- or 16-bit PNG or a JPEG')
     return img.convert('RGB')
 
 

@@ -120,8 +120,8 @@ def require_root(root, given='--data-dir'):
     (--data-dir for training, SRC for `dlojz_data.py prepare`)."""
     if not os.path.isdir(root):
         what = 'is a file, not a folder' if os.path.exists(root) else 'does not exist'
-        fallback = {'--data-dir': ' (or omit it to use the built-in synthetic dataset)',
-                    '$DLOJZ_DATA_DIR': ' (or unset it to use the built-in synthetic dataset)'}.get(given, '')
+        how = {'--data-dir': 'omit', '$DLOJZ_DATA_DIR': 'unset'}.get(given)
+        fallback = f' (or {how} it to use the built-in synthetic dataset)' if how else ''
         raise DataError(f'{given} {root} {what}; give a folder with train/<class>/ and val/<class>/ '
                         f'folders of images{fallback}.')
 

@@ -61,7 +61,8 @@ def write_index(path, root, listing):
         raise
 
 
-def list_imagefolder(root, cache_dir, rescan=False, log=print, warn=folder.warn_stderr, given='--data-dir'):
+def list_imagefolder(root, cache_dir, rescan=False, log=print, warn=folder.warn_stderr,
+                     given='--data-dir'):
     """Rank 0's part: the listing of `root`, from the kept index where its folders have not changed.
     -> (the compact lists every rank expands, what it cost). given: how the user named root."""
     folder.require_root(root, given)
@@ -97,7 +98,7 @@ def expand(root, compact):
 
 
 def shared(fn, dist, on_ranks):
-    """fn() on global rank 0; every rank gets its result (one broadcast), or rank 0's error. A process
-    outside any process group (a tool, a test standing in for one rank) has no one to hear from, and
-    runs fn itself."""
+    """fn() on global rank 0; every rank gets its result (one broadcast), or rank 0's error. A
+    process outside any process group (a tool, a test standing in for one rank) has no one to hear
+    from, and runs fn itself."""
     return launch.broadcast_object(on_ranks(fn, when=dist.rank == 0 or not launch.grouped()))

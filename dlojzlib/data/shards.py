@@ -184,7 +184,8 @@ def is_shards(root):
     except OSError:
         return False
     except (ValueError, AttributeError):  # unparseable, or not an object
-        return any(os.path.exists(os.path.join(root, n)) for n in ('prepare.json', 'index-train.npy'))
+        others = ('prepare.json', 'index-train.npy')
+        return any(os.path.exists(os.path.join(root, n)) for n in others)
 
 
 def incomplete(root, missing):
@@ -196,9 +197,9 @@ def incomplete(root, missing):
 
 
 def damaged(root, name, what):
-    """The DataError for a file of a shards folder that prepare wrote and something changed since."""
-    return DataError(f'{os.path.join(root, name)} is damaged ({what}); delete {root} and prepare it again: '
-                     f'python dlojz_data.py prepare SRC {root}.')
+    """The DataError for a file of a shards folder that something changed after prepare wrote it."""
+    return DataError(f'{os.path.join(root, name)} is damaged ({what}); delete {root} and prepare '
+                     f'it again: python dlojz_data.py prepare SRC {root}.')
 
 
 def load_index(root):
@@ -222,8 +223,8 @@ def load_index(root):
     splits = {}
     for split, meta in splits_meta.items():
         shard_list = meta.get('shards') if isinstance(meta, dict) else None
-        if not isinstance(shard_list, list) or not all(isinstance(s, dict) and isinstance(s.get('name'), str)
-                                                       for s in shard_list):
+        named = lambda s: isinstance(s, dict) and isinstance(s.get('name'), str)  # noqa: E731
+        if not isinstance(shard_list, list) or not all(map(named, shard_list)):
             raise damaged(root, INDEX, f'the {split} split has no list of shards')
         names = [s['name'] for s in shard_list]
         name = f'index-{split}.npy'
@@ -246,22 +247,23 @@ def check_table(root, name, table, names, n_classes):
     sentence saying how it is not. What it cannot see: bytes changed inside a shard (the decoder
     names that sample, or --skip-bad-images skips it)."""
     if table.ndim != 2 or table.shape[1] != 4 or table.dtype.kind not in 'iu' or len(table) == 0:
-        raise damaged(root, name, f'a {table.dtype} array of shape {table.shape}, where prepare writes rows '
-                                  f'of 4 integers')
+        raise damaged(root, name, f'a {table.dtype} array of shape {table.shape}, where prepare '
+                                  f'writes rows of 4 integers')
     shard, offset, size, label = table.T
     if shard.min() < 0 or shard.max() >= len(names):
-        raise damaged(root, name, f'shard numbers from {shard.min()} to {shard.max()} for {len(names)} shards')
+        raise damaged(root, name, f'shard numbers from {shard.min()} to {shard.max()} for '
+                                  f'{len(names)} shards')
     if label.min() < 0 or label.max() >= n_classes:
-        raise damaged(root, name, f'labels from {label.min()} to {label.max()} for the {n_classes} classes of '
-                                  f'{INDEX}')
+        raise damaged(root, name, f'labels from {label.min()} to {label.max()} for the '
+                                  f'{n_classes} classes of {INDEX}')
     if offset.min() < 0 or size.min() <= 0:
         raise damaged(root, name, 'a negative offset or an empty sample')
     ends = np.zeros(len(names), dtype=np.int64)
     np.maximum.at(ends, shard, offset + size)
     for k, end in enumerate(ends):
         if end > os.path.getsize(os.path.join(root, names[k])):
-            raise damaged(root, names[k], f'{os.path.getsize(os.path.join(root, names[k]))} bytes, where '
-                                          f'{name} reads up to byte {end}')
+            size = os.path.getsize(os.path.join(root, names[k]))
+            raise damaged(root, names[k], f'{size} bytes, where {name} reads up to byte {end}')
     return table
 
 
@@ -306,10 +308,11 @@ def main(argv=None):
     p = commands.add_parser('prepare', help=description, description=description)
     p.add_argument('src', help='ImageFolder root: SRC/train/<class>/*.JPEG, SRC/val/<class>/*.JPEG')
     p.add_argument('dst', help='folder for the shards (created; an interrupted prepare continues there)')
-    p.add_argument('--max-side', type=MAX_SIDE, default=None, help='re-encode images whose longer side exceeds N '
-                   'pixels (JPEG quality 90; N >= 16); default: store the files as they are')
-    p.add_argument('--shard-size', type=SHARD_MB, default=256, help='shard size, MiB of source files (default 256; '
-                   'at least 1)')
+    p.add_argument('--max-side', type=MAX_SIDE, default=None, help='re-encode images whose longer '
+                   'side exceeds N pixels (JPEG quality 90; N >= 16); default: store the files as '
+                   'they are')
+    p.add_argument('--shard-size', type=SHARD_MB, default=256, help='shard size, MiB of source '
+                   'files (default 256; at least 1)')
     a = top.parse_args(argv)
     try:
         prepare(a.src, a.dst, a.max_side, a.shard_size)

@@ -7,12 +7,12 @@ prepare`) are those files.
 
 - One process per node copies (local rank 0); the node's other ranks wait for it (dist.launch.on_ranks), and a
   second job on the same node waits on a lock instead of copying the same files beside it.
-- Each file is copied under a temporary name, fsynced, renamed, then entered in a journal with the source's
-  size and mtime; the folder is complete once `.dlojz-staged.json` (written last) lists every file. A copy
-  killed mid-way is never taken for a complete one: its next start keeps the journaled files and copies the
-  rest. A requeued job whose node still holds the complete copy copies nothing; a file of the copy deleted
-  or truncated since (its size no longer the one copied) is copied again. Bytes changed at the same size are
-  not seen here (the decoder names that sample).
+- Each file is copied under a temporary name, fsynced, renamed, then entered in a journal with the
+  source's size and mtime; the folder is complete once `.dlojz-staged.json` (written last) lists
+  every file. A copy killed mid-way is never taken for a complete one: its next start keeps the
+  journaled files and copies the rest. A requeued job whose node still holds the complete copy
+  copies nothing; a file of the copy deleted or truncated since (its size no longer the one copied)
+  is copied again. Bytes changed at the same size are not seen here (the decoder names that sample).
 - The local disk's free space is checked before the first byte; a disk that fills during the copy gets the
   same sentence (DiskFull, exit 6) and the unfinished file is removed.
 - Only shards are staged: an ImageFolder tree (a million small files) is what the advice says not to copy.
@@ -83,11 +83,11 @@ def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usa
         changed = _changed(dest, files)
         if done == {'source': os.path.realpath(src), 'files': [list(f) for f in files]}:
             if not changed:
-                log(f'Staging: {dest} already holds the {len(files)} files of {src} ({_mb(total)}); nothing to '
-                    f'copy')
+                log(f'Staging: {dest} already holds the {len(files)} files of {src} '
+                    f'({_mb(total)}); nothing to copy')
                 return record
-            log(f'Staging: {len(changed)} file(s) of the copy in {dest} changed since it was made ({changed[0]} '
-                f'first: removed, or not the size copied); copying them again')
+            log(f'Staging: {len(changed)} file(s) of the copy in {dest} changed since it was made '
+                f'({changed[0]} first: removed, or not the size copied); copying them again')
         kept = _journaled(dest, files)
         todo = [f for f in files if tuple(f) not in kept]
         need = sum(size for _, size, _ in todo)
@@ -163,8 +163,8 @@ def _filled(stage_dir, copied, need, usage):
 
 
 def _changed(dest, files):
-    """The names of the files whose copy in dest is missing or not the size copied (a file deleted or
-    truncated on the local disk since). What it cannot see: bytes changed at the same size (the
+    """The names of the files whose copy in dest is missing or not the size copied (a file deleted
+    or truncated on the local disk since). What it cannot see: bytes changed at the same size (the
     decoder names that sample, or --skip-bad-images skips it)."""
     out = []
     for name, size, _ in files:
@@ -221,8 +221,8 @@ def staged_source(source, stage_dir, dist, on_ranks, log=print):
     real, root = os.path.realpath(stage_dir), os.path.realpath(source.root)
     if real == root or real.startswith(root + os.sep):
         where = 'is' if real == root else 'is inside'
-        raise UsageError(f'--stage-dir {stage_dir} {where} the shards folder {source.root}; pass a folder on the '
-                         f'node\'s local disk, such as $SLURM_TMPDIR.')
+        raise UsageError(f'--stage-dir {stage_dir} {where} the shards folder {source.root}; pass a '
+                         f'folder on the node\'s local disk, such as $SLURM_TMPDIR.')
     say = log if dist.rank == 0 else (lambda m: print(f'[rank {dist.rank}] {m}', flush=True))
     record = on_ranks(lambda: stage(source.root, stage_dir, say), when=dist.local_rank == 0)
     nodes = [r for r in launch.all_gather_object(record) if r]  # one per node, its local rank 0's

@@ -470,10 +470,10 @@ class StopSignal:
         self.received = _received = signal.Signals(signum).name
 
     def _interrupt(self, signum, frame):
-        """Ctrl-C: the first interrupts the step, as Python's own handler does. One that comes once a
-        stop or an interrupt is under way (pressed twice; the terminal's and `timeout`'s, both; during
-        the checkpoint a stop signal asked for) is held, so that the shutdown ends with its record
-        written: a second KeyboardInterrupt raised inside it left summary.json 'running'."""
+        """Ctrl-C: the first interrupts the step, as Python's own handler does. One that comes once
+        a stop or an interrupt is under way (pressed twice; the terminal's and `timeout`'s, both;
+        during the checkpoint a stop signal asked for) is held, so that the shutdown ends with its
+        record written: a second KeyboardInterrupt raised inside it left summary.json 'running'."""
         if self.interrupted or self.received is not None:
             self.held.append('SIGINT')
             return

@@ -1,9 +1,9 @@
 """Scaling forecast: img/s and efficiency at 1..N GPUs from one measured single-device run.
 
     python dlojz_scaling.py --summary runs/one-gpu/summary.json --machine a100 --gpus 1,4,8,32
-    torchrun --nproc_per_node 2 dlojz_scaling.py --probe probe.json     # all-reduce bandwidth, this world size
+    torchrun --nproc_per_node 2 dlojz_scaling.py --probe probe.json   # all-reduce bandwidth here
     python dlojz_scaling.py --summary runs/cpu-1rank/summary.json --link probe.json --gpus 1,2,3 \
-        --slowed-from runs/cpu-2ranks/summary.json     # the compute slowed term, measured at 2 ranks
+        --slowed-from runs/cpu-2ranks/summary.json   # the compute slowed term, measured at 2 ranks
 
 The model (docs/scaling.md says it in prose):
 
@@ -28,22 +28,23 @@ The model (docs/scaling.md says it in prose):
   that minus the mean step. A steady run whose steps vary by 1 % loses little; a loader that delivers in
   bursts loses more with every rank added.
 * Compute slowed: each rank's own work per step w (the one device's busy time less its waits in
-  collectives) grows by a fraction s(N) at N ranks, and the backward with it (slowdown()): from cores the
-  ranks of a node share (CPU ranks of t threads on C cores: s = max(1, N t / C) - 1), from a run at M >= 2
-  ranks of the same flags (--slowed-from: its measured work against the one device's, what the other
-  ranks' communication took from each rank, taken as is at every N >= 2, with the cores' share on top), or
-  none. The forecast says which.
-* Step at N: t_step + s(N) w + straggler(N) + max(0, end of the last all-reduce - end of the backward):
-  only the communication the backward cannot hide is added (at least the last bucket's). img/s = N x batch
-  / step(N); efficiency = t_step / step(N); each term's share of step(N) is what it costs in points.
+  collectives) grows by a fraction s(N) at N ranks, and the backward with it (slowdown()): from
+  cores the ranks of a node share (CPU ranks of t threads on C cores: s = max(1, N t / C) - 1), from
+  a run at M >= 2 ranks of the same flags (--slowed-from: its measured work against the one
+  device's, what the other ranks' communication took from each rank, taken as is at every N >= 2,
+  with the cores' share on top), or none. The forecast says which.
+* Step at N: t_step + s(N) w + straggler(N) + max(0, end of the last all-reduce - end of the
+  backward): only the communication the backward cannot hide is added (at least the last bucket's).
+  img/s = N x batch / step(N); efficiency = t_step / step(N); each term's share of step(N) is what
+  it costs in points.
 * Checked against what was measured: given runs at some world sizes (--measured), their exposed
-  communication per step (measure.comm, the transfer every rank waited for), their wait for a late rank
-  and their work grown per step are set beside the model's, which tests the overlap and the slowdown the
-  model assumes, and their img/s beside the forecast.
+  communication per step (measure.comm, the transfer every rank waited for), their wait for a late
+  rank and their work grown per step are set beside the model's, which tests the overlap and the
+  slowdown the model assumes, and their img/s beside the forecast.
 * Left out, so the forecast is an upper bound where nothing measured the slowdown: compute slowed by
   communication kernels or threads sharing the device (NCCL uses SMs; gloo uses CPU threads) unless
-  --slowed-from measured it, data-loader limits at scale, DDP's own per-bucket copies and buffer broadcast,
-  topology effects (a ring through a slow PCIe hop).
+  --slowed-from measured it, data-loader limits at scale, DDP's own per-bucket copies and buffer
+  broadcast, topology effects (a ring through a slow PCIe hop).
 
 Pure functions (no torch import at module level): the probe imports torch.distributed when it runs.
 """
@@ -136,8 +137,8 @@ def expected_max(samples, n):
 
 
 def forecast(step_s, backward_s, batch_per_device, grad_bytes, link, gpus=(1, 2, 4, 8),
-             bucket_cap_mb=25.0, first_bucket_bytes=FIRST_BUCKET_BYTES, step_samples=None, work_s=None,
-             slowed=None):
+             bucket_cap_mb=25.0, first_bucket_bytes=FIRST_BUCKET_BYTES, step_samples=None,
+             work_s=None, slowed=None):
     """-> one dict per GPU count: gpus, nodes, comm_s (all-reduce time, hidden or not), exposed_s,
     straggler_s (the wait for the slowest rank, from step_samples: one rank's measured steady step times),
     slowed_s (the device's work per step grown: work_s, the one device's work per step, times
@@ -155,12 +156,14 @@ def forecast(step_s, backward_s, batch_per_device, grad_bytes, link, gpus=(1, 2,
         grown = slowed(n) if slowed and work_s else 0.0
         exposed = exposed_comm_s(sizes, backward_s * (1 + grown), comm)
         straggler = expected_max(step_samples, n) - mean if step_samples else 0.0
-        step = step_s + grown * (work_s or 0.0) + straggler + exposed
-        rows.append({'gpus': n, 'nodes': layout(n, link.ranks_per_node)[0], 'comm_s': sum(map(comm, sizes)),
-                     'exposed_s': exposed, 'straggler_s': straggler, 'slowed_s': grown * (work_s or 0.0),
-                     'step_s': step, 'images_per_s': n * batch_per_device / step, 'efficiency': step_s / step,
-                     'comm_pts': 100 * exposed / step, 'straggler_pts': 100 * straggler / step,
-                     'slowed_pts': 100 * grown * (work_s or 0.0) / step})
+        slow = grown * (work_s or 0.0)
+        step = step_s + slow + straggler + exposed
+        rows.append({'gpus': n, 'nodes': layout(n, link.ranks_per_node)[0],
+                     'comm_s': sum(map(comm, sizes)), 'exposed_s': exposed,
+                     'straggler_s': straggler,
+                     'slowed_s': slow, 'step_s': step, 'images_per_s': n * batch_per_device / step,
+                     'efficiency': step_s / step, 'comm_pts': 100 * exposed / step,
+                     'straggler_pts': 100 * straggler / step, 'slowed_pts': 100 * slow / step})
     return rows
 
 
@@ -183,7 +186,8 @@ def slowdown(threads=None, cores=None, measured=None):
         return (lambda n: (1 + f) * share(n) / share(m) - 1 if n > 1 else 0.0), words
     if cores:
         return (lambda n: share(n) - 1), f'{cores} cores shared by ranks of {threads} thread(s)'
-    return (lambda n: 0.0), 'none: no run at 2 or more ranks given (--slowed-from), the ranks share no cores'
+    return (lambda n: 0.0), ('none: no run at 2 or more ranks given (--slowed-from), the ranks '
+                             'share no cores')
 
 
 # ------------------------------------------------------------------------------------ from a dlojz run
@@ -224,7 +228,8 @@ def shared_cores(summary):
     """(threads per rank, usable cores) of a CPU run's summary.json, where its ranks would share the
     host's cores; (None, None) for a GPU run."""
     host = summary.get('host') or {}
-    if (summary.get('provenance') or {}).get('device', 'cpu') != 'cpu' or not host.get('usable_cores'):
+    device = (summary.get('provenance') or {}).get('device', 'cpu')
+    if device != 'cpu' or not host.get('usable_cores'):
         return None, None
     return host.get('torch_threads') or 1, host['usable_cores']
 
@@ -241,12 +246,13 @@ def collective_waits(timing):
 
 
 def step_split(timing):
-    """A run's mean steady step split by what it went to (seconds per step, mean over its ranks, from
-    their sums): {'step', 'work' (the device's own work: busy time less the waits in collectives),
-    'data' (the data wait), 'comm' (the transfer every rank waited for), 'late' (the wait for a late
-    rank)}. Means over the ranks, so that for each rank step = work + data + comm + late + the host's
-    rest holds for the mean too. work None where the run did not measure the device's busy time,
-    comm and late None where the ranks did not time their collectives; None without steady steps."""
+    """A run's mean steady step split by what it went to (seconds per step, mean over its ranks,
+    from their sums): {'step', 'work' (the device's own work: busy time less the waits in
+    collectives), 'data' (the data wait), 'comm' (the transfer every rank waited for), 'late' (the
+    wait for a late rank)}. Means over the ranks, so that for each rank step = work + data + comm +
+    late + the host's rest holds for the mean too. work None where the run did not measure the
+    device's busy time, comm and late None where the ranks did not time their collectives; None
+    without steady steps."""
     ranks = [r for r in timing.get('ranks') or [] if r.get('steady_steps')]
     if any(r.get('wall_s') is None or r.get('data_s') is None for r in ranks):
         return None
@@ -264,12 +270,13 @@ def step_split(timing):
     return {'step': mean(lambda r: r['wall_s']), 'data': mean(lambda r: r['data_s']),
             'comm': mean(lambda r: r['comm_s']) if hooked else None,
             'late': mean(lambda r: r['late_s']) if hooked else None,
-            'work': mean(lambda r: r['busy_s'] - r['comm_s'] - r['late_s']) if hooked and busy else None}
+            'work': (mean(lambda r: r['busy_s'] - r['comm_s'] - r['late_s'])
+                     if hooked and busy else None)}
 
 
 def measured_from_summary(summary):
-    """What a multi-rank dlojz run measured -> dict(gpus, images_per_s, exposed_s, late_s: collective_waits,
-    work_s: each rank's own work per step, mean over the ranks: step_split)."""
+    """What a multi-rank dlojz run measured -> dict(gpus, images_per_s, exposed_s, late_s:
+    collective_waits, work_s: each rank's own work per step, mean over the ranks: step_split)."""
     t = summary.get('timing') or {}
     exposed, late = collective_waits(t)
     return {'gpus': summary.get('world_size', 1), 'images_per_s': t.get('steady_images_per_s'),
@@ -337,7 +344,8 @@ def table(rows, measured=None, work_s=None):
     """Text table of forecast rows; measured: {gpus: measured_from_summary(...)} adds the measured img/s,
     error, exposed communication, wait for a late rank and work grown per step (against the one
     device's work_s) beside the model's."""
-    head = f"{'GPUs':>5} {'nodes':>5} {'all-reduce ms':>13} {'exposed ms':>10} {'straggler ms':>12} " \
+    head = f"{'GPUs':>5} {'nodes':>5} {'all-reduce ms':>13} {'exposed ms':>10} " \
+           f"{'straggler ms':>12} " \
            f"{'slowed ms':>9} {'step ms':>8} {'img/s':>10} {'efficiency':>10} {'comm pts':>8} " \
            f"{'strag pts':>9} {'slow pts':>8}"
     if measured:
@@ -346,13 +354,15 @@ def table(rows, measured=None, work_s=None):
     lines = [head]
     ms = lambda v: f"{v * 1e3:.2f}" if v is not None else '-'  # noqa: E731
     for r in rows:
-        line = f"{r['gpus']:>5} {r['nodes']:>5} {r['comm_s'] * 1e3:>13.2f} {r['exposed_s'] * 1e3:>10.2f} " \
-               f"{r['straggler_s'] * 1e3:>12.2f} {r.get('slowed_s', 0.0) * 1e3:>9.2f} {r['step_s'] * 1e3:>8.1f} " \
+        line = f"{r['gpus']:>5} {r['nodes']:>5} {r['comm_s'] * 1e3:>13.2f} " \
+               f"{r['exposed_s'] * 1e3:>10.2f} {r['straggler_s'] * 1e3:>12.2f} " \
+               f"{r.get('slowed_s', 0.0) * 1e3:>9.2f} {r['step_s'] * 1e3:>8.1f} " \
                f"{r['images_per_s']:>10.1f} {r['efficiency']:>10.1%} {r['comm_pts']:>8.1f} " \
                f"{r['straggler_pts']:>9.1f} {r.get('slowed_pts', 0.0):>8.1f}"
         m = (measured or {}).get(r['gpus'])
         if m and m['images_per_s']:
-            grown = m['work_s'] - work_s if m.get('work_s') is not None and work_s is not None else None
+            both = m.get('work_s') is not None and work_s is not None
+            grown = m['work_s'] - work_s if both else None
             line += f" {m['images_per_s']:>10.1f} {r['images_per_s'] / m['images_per_s'] - 1:>+7.1%} " \
                     f"{ms(m['exposed_s']):>16} {ms(m['late_s']):>13} {ms(grown):>15}"
         lines.append(line)
@@ -383,7 +393,8 @@ def gpu_counts(text):
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f'must be positive whole numbers separated by commas, e.g. 1,2,4 (got {text})')
+        raise argparse.ArgumentTypeError(f'must be positive whole numbers separated by commas, '
+                                         f'e.g. 1,2,4 (got {text})')
     return counts
 
 
@@ -392,14 +403,17 @@ def main(argv=None):
     p.add_argument('--summary', help='summary.json of a one-rank run (under torchrun or srun)')
     p.add_argument('--machine', help='interconnect from dist/machines.py (a100, h100, v100, generic)')
     p.add_argument('--link', help='interconnect from a --probe json (one node: ring bandwidth and latency)')
-    p.add_argument('--gpus', type=gpu_counts, default='1,2,4,8', help='GPU (rank) counts, comma separated')
+    p.add_argument('--gpus', type=gpu_counts, default='1,2,4,8', help='GPU (rank) counts, comma '
+                   'separated')
     p.add_argument('--measured', nargs='*', default=[], metavar='SUMMARY',
                    help='summary.json of runs at other world sizes: their img/s and exposed communication beside '
                         'the forecast')
-    p.add_argument('--slowed-from', metavar='SUMMARY', help='summary.json of a run of the same flags at 2 or more '
-                   'ranks: its work per step against the one device\'s is the compute slowed term (docs/scaling.md)')
-    p.add_argument('--cores', type=COUNT, metavar='N', help='cores the ranks of a node share (CPU ranks); default: the '
-                   'one-device run\'s usable cores when it ran on the CPU; 0: they share none (a GPU each)')
+    p.add_argument('--slowed-from', metavar='SUMMARY', help='summary.json of a run of the same '
+                   'flags at 2 or more ranks: its work per step against the one device\'s is the '
+                   'compute slowed term (docs/scaling.md)')
+    p.add_argument('--cores', type=COUNT, metavar='N', help='cores the ranks of a node share (CPU '
+                   'ranks); default: the one-device run\'s usable cores when it ran on the CPU; 0: '
+                   'they share none (a GPU each)')
     p.add_argument('--probe', metavar='JSON', help='run the all-reduce probe on this torchrun group (gloo) and '
                    'write its points and fit')
     a = p.parse_args(argv)
@@ -420,8 +434,9 @@ def main(argv=None):
             with open(a.slowed_from) as f:
                 m = measured_from_summary(json.load(f))
             if m['gpus'] < 2 or m['work_s'] is None or x['work_s'] is None:
-                raise ValueError(f'--slowed-from needs a run at 2 or more ranks, and both runs with their work per '
-                                 f'step measured (phase timing on); {a.slowed_from} has {m["gpus"]} rank(s).')
+                raise ValueError(f'--slowed-from needs a run at 2 or more ranks, and both runs '
+                                 f'with their work per step measured (phase timing on); '
+                                 f'{a.slowed_from} has {m["gpus"]} rank(s).')
             measured_slowdown = (m['gpus'], m['work_s'] / x['work_s'] - 1)
         slowed, slowed_source = slowdown(threads, cores, measured_slowdown)
         if a.machine:

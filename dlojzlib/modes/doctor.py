@@ -270,14 +270,16 @@ def verdict_lines(v):
              f">>> Best loader setting measured: {flags}: {b['images_per_second']:.1f} images/second"
              + ('' if v['within_budget'] else ' (no setting fitted the memory budget: the fastest is shown)')]
     need = v['workers_for_ceiling']
-    feed = f'; at the best rate per worker, about {need} workers (cores) would feed it' if need else ''
-    wait = f"data wait {v['data_wait_share']:.0%} of each step, compute {1 - v['data_wait_share']:.0%}"
+    feed = f'; at the best rate per worker, about {need} workers (cores) would feed it' if need \
+        else ''
+    share = v['data_wait_share']
+    wait = f"data wait {share:.0%} of each step, compute {1 - share:.0%}"
     if v['bound'] == 'loader':
-        lines.append(f">>> Verdict: loader-bound ({wait}): the model could take {1 / ratio:.2f}x what the best "
-                     f"setting feeds{feed}.")
+        lines.append(f">>> Verdict: loader-bound ({wait}): the model could take {1 / ratio:.2f}x "
+                     f"what the best setting feeds{feed}.")
     elif ratio < 1:  # the model still waits, less than it computes
-        lines.append(f">>> Verdict: compute-bound ({wait}): use {flags}; the model could take {1 / ratio:.2f}x "
-                     f"what it feeds{feed}.")
+        lines.append(f">>> Verdict: compute-bound ({wait}): use {flags}; the model could take "
+                     f"{1 / ratio:.2f}x what it feeds{feed}.")
     else:
         lines.append(f'>>> Verdict: compute-bound: the best setting feeds {ratio:.2f}x what the model takes; '
                      f'use {flags}.')

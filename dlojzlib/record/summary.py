@@ -234,8 +234,8 @@ def bound_line(t):
         why = f"; rank {t['straggler_rank']} is late, bound by {t['straggler_bound']}"
     headroom = t.get('compute_headroom_all_ranks' if every else 'compute_headroom')
     headroom = f"; with no waiting the steps would be {headroom:.2f}x faster" if headroom else ''
-    return (f">>> Bound by: {t['bound']} ({split} of the steady steps{', all ranks' if every else ''}"
-            f"{why}{headroom})")
+    ranks = ', all ranks' if every else ''
+    return f">>> Bound by: {t['bound']} ({split} of the steady steps{ranks}{why}{headroom})"
 
 
 def final_lines(summary, chrono, steps_per_epoch):

@@ -207,11 +207,13 @@ def main(argv=None):
         q.add_argument('root')
         q.add_argument('--image-size', type=POSITIVE_INT, default=224)
         q.add_argument('-b', '--batch-size', type=POSITIVE_INT, default=32)
-        q.add_argument('--steps', type=POSITIVE_INT, default=60, help='batches measured (after --warmup)')
+        q.add_argument('--steps', type=POSITIVE_INT, default=60,
+                       help='batches measured (after --warmup)')
         q.add_argument('--warmup', type=COUNT, default=3)
         if name == 'compare':
             q.add_argument('--repeats', type=POSITIVE_INT, default=3)
-            q.add_argument('--cpu', type=COUNT, default=0, help='the core every pipeline is pinned to')
+            q.add_argument('--cpu', type=COUNT, default=0,
+                           help='the core every pipeline is pinned to')
             q.add_argument('--pipelines', default=None, help='comma-separated; default classic,fast,shards[,dali]')
     a = p.parse_args(argv)
     if a.cmd == 'compare' and a.cpu not in os.sched_getaffinity(0):

@@ -164,20 +164,20 @@ def environment(m):
 # Slurm's time formats (sbatch --time): minutes, minutes:seconds, hours:minutes:seconds, days-hours,
 # days-hours:minutes, days-hours:minutes:seconds
 TIME_FORMAT = re.compile(r'(\d+-)?\d+(:\d{1,2}){0,2}')
-# what an account, a QOS or a partition (a comma-separated list) is made of: a value written into the
-# script must not end its line or start another
+# what an account, a QOS or a partition (a comma-separated list) is made of: a value written into
+# the script must not end its line or start another
 NAME_FORMAT = re.compile(r'[A-Za-z0-9_.@+-]+(,[A-Za-z0-9_.@+-]+)*')
 
 
 def check_values(time_limit, account, qos, partition):
     """Refuse a value that is not of Slurm's form before it is written into a script."""
     if not TIME_FORMAT.fullmatch(time_limit):
-        raise ValueError(f'--time {time_limit!r} is not a Slurm time limit; give HH:MM:SS, MM, MM:SS or '
-                         f'D-HH[:MM[:SS]] (e.g. 02:00:00 or 1-12).')
+        raise ValueError(f'--time {time_limit!r} is not a Slurm time limit; give HH:MM:SS, MM, '
+                         f'MM:SS or D-HH[:MM[:SS]] (e.g. 02:00:00 or 1-12).')
     for flag, value in (('--account', account), ('--qos', qos), ('--partition', partition)):
         if value is not None and not NAME_FORMAT.fullmatch(value):
-            raise ValueError(f'{flag} {value!r} is not a Slurm name; use letters, digits and _ . @ + - only '
-                             f'(a comma between partitions).')
+            raise ValueError(f'{flag} {value!r} is not a Slurm name; use letters, digits and '
+                             f'_ . @ + - only (a comma between partitions).')
 
 
 def render(machine, gpus, time_limit='02:00:00', account=None, qos=None, partition=None, ranks_per_gpu=1):

@@ -500,10 +500,11 @@ def test_fake_data_resnet50_is_compute_bound(gpu_bound):
 
 def test_slow_loader_is_loader_bound_by_the_device_clock(tmp_path, cache_dir, gpu_bound, monkeypatch):
     """The same run behind a loader that takes three times the GPU's step time per batch: the device
-    idles two thirds of each step, so the verdict (the largest share) is 'loader' (at twice, the GPU's
-    work and its idle time are even: issue 39's rule would be a coin toss), and the device clock still measures the GPU's work per step (as without the wait,
-    within 25 %: clocks ramp after idling) while host step minus data wait sees only the kernel
-    launches, which the GPU runs during the next wait."""
+    idles two thirds of each step, so the verdict (the largest share) is 'loader' (at twice, the
+    GPU's work and its idle time are even: issue 39's rule would be a coin toss), and the device
+    clock still measures the GPU's work per step (as without the wait, within 25 %: clocks ramp
+    after idling) while host step minus data wait sees only the kernel launches, which the GPU runs
+    during the next wait."""
     gpu_step = gpu_bound['timing']['stats']['compute']['median']
     wait = max(0.05, 3 * gpu_step)
     fast = datasets.FakeLoader.__iter__

@@ -87,7 +87,8 @@ def get_args_parser():
     p.add_argument('--sort', default='train_img_s', help='comparison column to sort by, best first (throughputs and '
                                                          'top1 descending, times and memory ascending); default '
                                                          'train_img_s')
-    p.add_argument('--comm-steps', type=POSITIVE_INT, default=10, help='training steps shown in the communication figure')
+    p.add_argument('--comm-steps', type=POSITIVE_INT, default=10,
+                   help='training steps shown in the communication figure')
     return p
 
 

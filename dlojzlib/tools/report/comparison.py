@@ -11,15 +11,16 @@ from dlojzlib.tools.report.common import (COLORS, DERIVED_KEYS, HIGHER_IS_BETTER
 from dlojzlib.tools.report.runs import ReportError
 
 
-HELP_COLUMNS = ('load_ms: mean data wait + host-to-device copy per step; compute_ms: mean compute per step, the copy '
-                'left out (GPU: device time of the step\'s work; CPU: step without the data wait), so that load_ms + '
-                'compute_ms is the mean step; step_ms: median step; '
-                'train_img_s = images / total time of the steady steps; gpu_img_s = global batch / device work per '
-                'step (clean spans, docs/chronometer.md); busy_pct: device busy time / step time over the steady '
-                'steps and data_pct: data wait / step time (both summed over the ranks when every rank was '
-                'measured); bound: compute, loader, host, '
-                'communication or straggler; host_mem_gib: peak RSS (VmHWM) of rank 0; gpu_mem_gib: max allocated '
-                '(any rank); j_per_img: GPU energy per image (all ranks); top1: last validation.')
+HELP_COLUMNS = ('load_ms: mean data wait + host-to-device copy per step; compute_ms: mean compute '
+                'per step, the copy left out (GPU: device time of the step\'s work; CPU: step '
+                'without the data wait), so that load_ms + compute_ms is the mean step; step_ms: '
+                'median step; train_img_s = images / total time of the steady steps; gpu_img_s = '
+                'global batch / device work per step (clean spans, docs/chronometer.md); busy_pct: '
+                'device busy time / step time over the steady steps and data_pct: data wait / step '
+                'time (both summed over the ranks when every rank was measured); bound: compute, '
+                'loader, host, communication or straggler; host_mem_gib: peak RSS (VmHWM) of rank '
+                '0; gpu_mem_gib: max allocated (any rank); j_per_img: GPU energy per image (all '
+                'ranks); top1: last validation.')
 
 
 def differing_keys(runs):

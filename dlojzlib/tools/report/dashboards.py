@@ -17,10 +17,11 @@ def bound_cell(n, t):
     split = share_text(t)
     if split:
         return f"{n['bound']}{every}: {split} of the steady steps{late}"
-    waits = (f", exposed communication {fmt(scaled(t['comm_share'], 100))} %, waiting for a late rank "
-             f"{fmt(scaled(t.get('straggler_share'), 100))} %" if t.get('bound_all_ranks') else '')
-    return (f"{n['bound']}{every}: device busy {fmt(n['busy_pct'])} % of the steady steps, data wait "
-            f"{fmt(n['data_pct'])} %{waits}{late}")
+    waits = (f", exposed communication {fmt(scaled(t['comm_share'], 100))} %, waiting for a late "
+             f"rank {fmt(scaled(t.get('straggler_share'), 100))} "
+             f"%" if t.get('bound_all_ranks') else '')
+    return (f"{n['bound']}{every}: device busy {fmt(n['busy_pct'])} % of the steady steps, data "
+            f"wait {fmt(n['data_pct'])} %{waits}{late}")
 
 
 def dashboard(run, out):

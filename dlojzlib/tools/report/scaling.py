@@ -7,8 +7,10 @@ from dlojzlib.tools.report.common import group_runs, label, md_table, numbers, p
 
 
 # the measured terms of a lost efficiency: (step_split's key, the column, the figure's legend)
-TERMS = (('comm', 'comm_pts', 'exposed communication'), ('late', 'straggler_pts', 'waiting for a late rank'),
-         ('work', 'compute_slowed_pts', 'compute slowed'), ('data', 'loader_slowed_pts', 'loader slowed'))
+TERMS = (('comm', 'comm_pts', 'exposed communication'),
+         ('late', 'straggler_pts', 'waiting for a late rank'),
+         ('work', 'compute_slowed_pts', 'compute slowed'),
+         ('data', 'loader_slowed_pts', 'loader slowed'))
 COLUMNS = ['comm_pts', 'straggler_pts', 'compute_slowed_pts', 'loader_slowed_pts', 'rest_pts']
 
 
@@ -18,20 +20,21 @@ def scalings(runs):
 
     Each world size's lost efficiency (1 - efficiency, in points) is split, from the runs' measured
     sums (measure.scaling.step_split: seconds per step, mean over the ranks), into: exposed
-    communication (comm_pts), waiting for a late rank (straggler_pts), the device's own work per step
-    grown (compute_slowed_pts: communication kernels or threads sharing the device or the cores) and
-    the data wait grown (loader_slowed_pts), each = its seconds per step above the smallest world
-    size's / the step at that world size (medians over the runs). What they leave of the loss is
-    rest_pts, shown, never spread over them: the host's own time grown (launches, Python), and the
-    difference between the throughput and the steps (noise between runs). A term the runs did not
-    measure is None, and its part stays in the rest."""
+    communication (comm_pts), waiting for a late rank (straggler_pts), the device's own work per
+    step grown (compute_slowed_pts: communication kernels or threads sharing the device or the
+    cores) and the data wait grown (loader_slowed_pts), each = its seconds per step above the
+    smallest world size's / the step at that world size (medians over the runs). What they leave of
+    the loss is rest_pts, shown, never spread over them: the host's own time grown (launches,
+    Python), and the difference between the throughput and the steps (noise between runs). A term
+    the runs did not measure is None, and its part stays in the rest."""
     out = []
     for g in group_runs(runs, {'lr'}):
         by_ws = {}
         for r in g:
             img_s = numbers(r)['train_img_s']
             if r.status == 'completed' and img_s:
-                by_ws.setdefault(r.world_size, []).append((img_s, step_split(r.get('timing') or {})))
+                split = step_split(r.get('timing') or {})
+                by_ws.setdefault(r.world_size, []).append((img_s, split))
         if len(by_ws) < 2:
             continue
         base_ws = min(by_ws)
@@ -43,8 +46,8 @@ def scalings(runs):
         for ws, v in sorted(by_ws.items()):
             img_s = statistics.median(i for i, _ in v)
             row = {'world_size': ws, 'runs': len(v), 'global_batch': ws * g[0].batch_size, 'train_img_s': img_s,
-                   'speedup': img_s / base, 'efficiency': img_s / base / (ws / base_ws), 'step_ms': None,
-                   **dict.fromkeys(COLUMNS)}
+                   'speedup': img_s / base, 'efficiency': img_s / base / (ws / base_ws),
+                   'step_ms': None, **dict.fromkeys(COLUMNS)}
             split = medians(v)
             if split.get('step') and base_split.get('step'):
                 row['step_ms'] = split['step'] * 1e3
@@ -52,7 +55,8 @@ def scalings(runs):
                     if split.get(key) is not None and base_split.get(key) is not None:
                         row[column] = 100 * (split[key] - base_split[key]) / split['step']
                 if row['comm_pts'] is not None:
-                    row['rest_pts'] = 100 * (1 - row['efficiency']) - sum(row[c] or 0.0 for c in COLUMNS[:-1])
+                    named = sum(row[c] or 0.0 for c in COLUMNS[:-1])
+                    row['rest_pts'] = 100 * (1 - row['efficiency']) - named
             rows.append(row)
         out.append({'label': label(g[0]) + f', {g[0].batch_size} images per process', 'rows': rows})
     return out
@@ -102,10 +106,12 @@ def scaling_view(rep):
         lines += md_table(['world_size', 'runs', 'global_batch', 'train_img_s', 'speedup', 'efficiency', 'step_ms',
                            *COLUMNS],
                           s['rows']) + ['', f'![scaling]({plot_scaling(s, i, rep.out)})', '']
-    return ['## Scaling', '', 'Median train img/s of the runs at each world size; efficiency = speedup / '
-            '(processes / smallest processes). The lost points (100 - efficiency %) split as measured by the '
-            'ranks, each term its seconds per step above the smallest world size\'s / the step (step_ms): '
-            'exposed communication (comm_pts), waiting for a late rank (straggler_pts), the device\'s own '
-            'work grown (compute_slowed_pts: communication sharing the device or the cores), the data wait '
-            'grown (loader_slowed_pts), and what they leave unexplained (rest_pts: the host\'s time, noise '
-            'between runs), shown as it is.', ''] + lines if lines else []
+    return ['## Scaling', '', 'Median train img/s of the runs at each world size; efficiency = '
+            'speedup / (processes / smallest processes). The lost points (100 - efficiency %) '
+            'split as measured by the ranks, each term its seconds per step above the smallest '
+            'world size\'s / the step (step_ms): exposed communication (comm_pts), waiting for a '
+            'late rank (straggler_pts), the device\'s own work grown (compute_slowed_pts: '
+            'communication sharing the device or the cores), the data wait grown '
+            '(loader_slowed_pts), and what they leave unexplained (rest_pts: the host\'s time, '
+            'noise between runs), shown as it is.', ''] + \
+        lines if lines else []
