@@ -231,8 +231,10 @@ def shard_cut(dst):
     (fewer_classes, 'index-train.npy', 'labels from 0 to 3 for the 2 classes'),
     (not_json, 'index.json', 'not JSON'),
     (shard_cut, 'train-00000.tar', 'bytes, where index-train.npy reads up to byte'),
-], ids=['damaged table', 'no val split', 'fewer classes than labels', 'unparseable index', 'shard cut short'])
-def test_a_damaged_shards_folder_is_named_with_the_fix(synth, tmp_path, cache_dir, capsys, edit, file, words):
+], ids=['damaged table', 'no val split', 'fewer classes than labels', 'unparseable index',
+        'shard cut short'])
+def test_a_damaged_shards_folder_is_named_with_the_fix(synth, tmp_path, cache_dir, capsys, edit,
+                                                       file, words):
     """dlojz's own files read on trust (issue 40): a numpy error or a KeyError traceback, an
     IndexError in the middle of an epoch, an unparseable index.json called missing. Now: the damaged
     file named, with the fix that works (a new prepare of a deleted folder; prepare itself resumes a
@@ -240,14 +242,14 @@ def test_a_damaged_shards_folder_is_named_with_the_fix(synth, tmp_path, cache_di
     dst = str(tmp_path / 'shards')
     S.prepare(synth, dst, shard_size_mb=4, log=lambda m: None)
     edit(dst)
-    code, out, err = cli(capsys, '--data-dir', dst, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'out',
-                         '--test-nsteps', '1')
+    flags = ['--data-dir', dst, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'out',
+             '--test-nsteps', '1']
+    code, out, err = cli(capsys, *flags)
     line = one_line(err)
     assert code == 2 and f'{os.path.join(dst, file)} is damaged' in line and words in line, line
     assert f'delete {dst} and prepare it again' in line
     assert not (tmp_path / 'out').exists()
     shutil.rmtree(dst)  # the sentence's fix: a new prepare of the deleted folder trains
     S.prepare(synth, dst, shard_size_mb=4, log=lambda m: None)
-    code, out, err = cli(capsys, '--data-dir', dst, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'out',
-                         '--test-nsteps', '1')
+    code, out, err = cli(capsys, *flags)
     assert code == 0, err[-2000:]

@@ -273,7 +273,8 @@ def test_loader_bound_gpu_throughput_comes_from_the_device_clock():
     assert s['device_busy'] == pytest.approx(busy, rel=1e-6)
     # the device works 83 % of the steps: the largest share, the device idle for the batch the rest
     assert s['bound'] == 'compute' and s['shares'] == pytest.approx(
-        {'compute': busy, 'loader': 1 - busy, 'host': 0.0, 'communication': 0.0, 'straggler': 0.0}, abs=1e-6)
+        {'compute': busy, 'loader': 1 - busy, 'host': 0.0, 'communication': 0.0, 'straggler': 0.0},
+        abs=1e-6)
     for rec in chrono.steady:
         assert rec['forward'] == pytest.approx(0.035) and rec['backward'] == pytest.approx(0.065)
         assert rec['other'] >= -1e-12  # the named phases lie inside the step's span
@@ -492,7 +493,8 @@ MATRIX = {
     # the margin: the host waits 128 ms of each 132 ms step for its batch, but the device works 110
     # ms of it on the step before (before issue 39: 'loader', by the 90 % busy threshold). The
     # largest share is the device's work; the data wait's share is the 22 ms the device idled.
-    'compute, a loader just slower': (0.128, 0.001, 0.0275, 0.3, 128, 'compute', 128 / 0.110, 128 / 0.132),
+    'compute, a loader just slower': (0.128, 0.001, 0.0275, 0.3, 128, 'compute', 128 / 0.110,
+                                      128 / 0.132),
     'compute': (0.002, 0.001, 0.0275, 0.3, 128, 'compute', 128 / 0.110, 128 / 0.110),
     # a launch queue shorter than a step: the host blocks in it, the device always ahead of the events
     'compute, shallow queue': (0.002, 0.001, 0.0275, 0.05, 128, 'compute', 128 / 0.110, 128 / 0.110),

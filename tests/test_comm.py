@@ -321,14 +321,16 @@ def test_a_run_that_mostly_computes_reads_compute_with_its_waits_in_order():
     (88.9 %), communication 46 (8.1 %), late rank 17 (3.0 %), data wait 0. Before issue 39 it read
     'communication', the largest idle share, as work was under 90 %; its line said 'busy 100 %'
     beside 'exposed communication 8 %'."""
-    s = ranks_summary([report(0, 10, 0.0, 0.284, 0.040, link=0.023), report(1, 10, 0.0, 0.284, 0.023)])
+    s = ranks_summary([report(0, 10, 0.0, 0.284, 0.040, link=0.023),
+                       report(1, 10, 0.0, 0.284, 0.023)])
     assert s['bound'] == 'compute'
-    assert s['shares_all_ranks'] == pytest.approx({'compute': 0.505 / 0.568, 'communication': 0.046 / 0.568,
-                                                   'straggler': 0.017 / 0.568, 'loader': 0.0, 'host': 0.0})
+    by_hand = {'compute': 0.505, 'communication': 0.046, 'straggler': 0.017, 'loader': 0.0,
+               'host': 0.0}
+    assert s['shares_all_ranks'] == pytest.approx({k: v / 0.568 for k, v in by_hand.items()})
     line = next(x for x in final_lines_for(s) if x.startswith('>>> Bound by'))
-    assert line.startswith('>>> Bound by: compute (compute 89%, exposed communication 8%, waiting for a late '
-                           'rank 3%, data wait 0%, host 0% of the steady steps, all ranks; with no waiting the '
-                           'steps would be 1.12x faster)'), line
+    assert line.startswith('>>> Bound by: compute (compute 89%, exposed communication 8%, waiting '
+                           'for a late rank 3%, data wait 0%, host 0% of the steady steps, all '
+                           'ranks; with no waiting the steps would be 1.12x faster)'), line
 
 
 def test_the_shares_line_adds_up_as_printed():
@@ -337,7 +339,8 @@ def test_the_shares_line_adds_up_as_printed():
     from dlojz_chrono import percents
     assert percents({'a': 1 / 3, 'b': 1 / 3, 'c': 1 / 3}) == {'a': 34, 'b': 33, 'c': 33}
     got = percents({'compute': 0.889, 'communication': 0.081, 'straggler': 0.030, 'loader': 0.0})
-    assert list(got.items()) == [('compute', 89), ('communication', 8), ('straggler', 3), ('loader', 0)]
+    assert list(got.items()) == [('compute', 89), ('communication', 8), ('straggler', 3),
+                                 ('loader', 0)]
     assert sum(percents({'x': 0.125, 'y': 0.125, 'z': 0.75}).values()) == 100
 
 
@@ -347,9 +350,11 @@ def test_each_share_reads_its_own_name_where_it_is_the_largest():
     themselves when they exceed the work, and only then."""
     from dlojz_chrono import verdict
     assert verdict(1.0, 0.40, 0.60) == 'loader' and verdict(1.0, 0.60, 0.40) == 'compute'
-    assert verdict(1.0, 1.0, 0.0, comm=0.51) == 'communication' and verdict(1.0, 1.0, 0.0, comm=0.49) == 'compute'
+    assert verdict(1.0, 1.0, 0.0, comm=0.51) == 'communication'
+    assert verdict(1.0, 1.0, 0.0, comm=0.49) == 'compute'
     assert verdict(1.0, 1.0, 0.0, comm=0.1, late=0.5) == 'straggler'
-    assert verdict(1.0, 0.30, 0.2, data_excess=0.15) == 'host'  # 0.5 s with the device idle and nothing waited for
+    # 0.5 s with the device idle and nothing waited for
+    assert verdict(1.0, 0.30, 0.2, data_excess=0.15) == 'host'
     # on a GPU the host may wait for a batch while the device works: only the idle part is the
     # loader's
     assert verdict(1.0, 0.7, 0.9) == 'compute'

@@ -660,7 +660,8 @@ def test_a_16_bit_png_keeps_its_levels_on_every_native_path(tmp_path):
     row = np.array([round(65535 * k / 255) for k in range(256)])
     path = gray16(tmp_path / 'ramp.png', np.tile(row, (64, 1)))
     img = np.asarray(DD.load_rgb(path))
-    assert img.shape == (64, 256, 3) and (img[0, :, 0] == np.arange(256)).all() and (img[..., 1] == img[..., 0]).all()
+    assert img.shape == (64, 256, 3) and (img[0, :, 0] == np.arange(256)).all()
+    assert (img[..., 1] == img[..., 0]).all()
     half = np.asarray(DD.load_rgb(gray16(tmp_path / 'half.png', np.full((8, 8), 32768))))
     assert (half == 128).all()
     for transform in (DD.TrainTransform(64), DD.FastTrainTransform(64)):
@@ -676,5 +677,6 @@ def test_a_16_bit_png_keeps_its_levels_on_every_native_path(tmp_path):
 def test_floating_point_pixels_are_refused_in_one_sentence(tmp_path):
     path = tmp_path / 'float.tif'
     Image.fromarray(np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8), 'F').save(path)
-    with pytest.raises(DD.BadImageError, match=r'cannot decode image .*float.tif .*floating-point pixels'):
+    with pytest.raises(DD.BadImageError,
+                       match=r'cannot decode image .*float.tif .*floating-point pixels'):
         DD.load_rgb(str(path))

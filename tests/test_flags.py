@@ -146,12 +146,14 @@ def test_the_environment_dlojz_reads_is_checked():
     number, was ignored (OpenMP ignores a bad value too); each is one sentence naming it."""
     from dlojzlib.errors import UsageError
     ok = {'DLOJZ_HANDOVER': 'default', 'DLOJZ_REGION_DECODE': '0', 'DLOJZ_MASTER_SUFFIX': '-ib0',
-          'DLOJZ_RUN': 'my run', 'OMP_NUM_THREADS': '4', 'PATH': '/bin', 'DLOJZ_DATA_DIR': '/anywhere'}
+          'DLOJZ_RUN': 'my run', 'OMP_NUM_THREADS': '4', 'PATH': '/bin',
+          'DLOJZ_DATA_DIR': '/anywhere'}
     flags.check_environment(ok)
-    for env, words in (({'DLOJZ_DATADIR': '/x'}, 'DLOJZ_DATADIR is set, but dlojz reads no such variable'),
+    for env, words in (({'DLOJZ_DATADIR': '/x'}, 'DLOJZ_DATADIR is set, but dlojz reads no such'),
                        ({'DLOJZ_HANDOVER': 'defualt'}, "DLOJZ_HANDOVER='defualt' is not a value"),
                        ({'DLOJZ_REGION_DECODE': 'off'}, 'it takes 0 or 1'),
                        ({'DLOJZ_MASTER_SUFFIX': '-ib0; rm -rf'}, 'DLOJZ_MASTER_SUFFIX'),
-                       ({'OMP_NUM_THREADS': '0'}, 'OMP_NUM_THREADS'), ({'OMP_NUM_THREADS': 'four'}, 'positive')):
+                       ({'OMP_NUM_THREADS': '0'}, 'OMP_NUM_THREADS'),
+                       ({'OMP_NUM_THREADS': 'four'}, 'positive')):
         with pytest.raises(UsageError, match=re.escape(words)):
             flags.check_environment({**ok, **env})

@@ -168,16 +168,18 @@ def test_a_process_outside_a_group_lists_for_itself_whatever_its_rank(tmp_path):
     (CI's DALI stage got None here, and a TypeError)."""
     from types import SimpleNamespace
     root = make_tree(tmp_path / 'data')
+    on_ranks = lambda fn, when=True: fn() if when else None  # noqa: E731 (no group: launch's way)
     got = index.shared(lambda: index.list_imagefolder(str(root), str(tmp_path / 'cache')),
-                       SimpleNamespace(rank=1, world_size=2), lambda fn, when=True: fn() if when else None)
-    by_hand = tuple([(str(root / split / f'c{c}' / f'{i}.JPEG'), c) for c in range(3) for i in range(n)]
-                    for split, n in (('train', 4), ('val', 2)))
+                       SimpleNamespace(rank=1, world_size=2), on_ranks)
+    by_hand = tuple([(str(root / split / f'c{c}' / f'{i}.JPEG'), c) for c in range(3)
+                     for i in range(n)] for split, n in (('train', 4), ('val', 2)))
     assert index.expand(str(root), got[0])[1:] == by_hand
 
 
 def test_the_default_cache_follows_xdg_cache_home():
     from dlojzlib import flags
-    assert flags.default_cache_dir({'XDG_CACHE_HOME': '/scratch/me/cache'}) == '/scratch/me/cache/dlojz'
+    got = flags.default_cache_dir({'XDG_CACHE_HOME': '/scratch/me/cache'})
+    assert got == '/scratch/me/cache/dlojz'
     for unset in ({}, {'XDG_CACHE_HOME': ''}, {'XDG_CACHE_HOME': 'relative'}):
         assert flags.default_cache_dir(unset) == '~/.cache/dlojz'
     # the test session's own: a temporary folder (conftest), so no test writes to the user's cache

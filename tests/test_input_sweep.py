@@ -35,7 +35,8 @@ def tree(*folders):
 
 def run(script, *argv, cwd=ROOT, env=None):
     return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, argv)], cwd=cwd,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
 
 
 def refused(r, words, code=2):
@@ -54,10 +55,12 @@ def written(tmp_path_factory, cache_dir):
     """A finished run folder and a prepared shards folder, which a refused command must leave as
     they are."""
     root = tmp_path_factory.mktemp('written')
-    r = run('dlojz.py', *TINY, '--test-nsteps', '2', '--cache-dir', cache_dir, '--output-dir', root / 'run')
+    r = run('dlojz.py', *TINY, '--test-nsteps', '2', '--cache-dir', cache_dir,
+            '--output-dir', root / 'run')
     assert r.returncode == 0, r.stderr[-2000:]
     synth = [d for d in os.listdir(cache_dir) if d.startswith('synthetic')][0]
-    r = run('dlojz_data.py', 'prepare', os.path.join(cache_dir, synth), root / 'shards', '--shard-size', 2)
+    r = run('dlojz_data.py', 'prepare', os.path.join(cache_dir, synth), root / 'shards',
+            '--shard-size', 2)
     assert r.returncode == 0, r.stderr[-2000:]
     shutil.copytree(root / 'shards', root / 'damaged')
     with open(root / 'damaged' / 'index-val.npy', 'r+b') as f:
@@ -66,62 +69,63 @@ def written(tmp_path_factory, cache_dir):
 
 
 # (command, argv with {run}, {shards}, {damaged}, {synth}, {cache}, {new} for paths, the words of
-# the error line[, the environment])
+# the error line[, the environment]); T: a run of the tiny config into {new}
+T = [*TINY, '--cache-dir', '{cache}', '--output-dir', '{new}']
+FAKE = ['--fake-data', '--output-dir', '{new}']
+FORECAST = '--summary x --machine a100'.split()
 CASES = {
     # dlojz.py: numbers where they enter, and combinations with nothing to do
     'seed negative': ('dlojz.py', ['--seed', '-1'], ['--seed', '-1']),
-    'synthetic seed too large': ('dlojz.py', ['--synthetic-seed', str(2 ** 32)], ['--synthetic-seed']),
+    'synthetic seed too large': ('dlojz.py', ['--synthetic-seed', str(2 ** 32)],
+                                 ['--synthetic-seed']),
     'tune budget negative': ('dlojz.py', ['--tune-budget', '-1'], ['--tune-budget', '-1']),
     'tune steps zero': ('dlojz.py', ['--tune-steps', '0'], ['--tune-steps']),
     'tune max batch negative': ('dlojz.py', ['--tune-max-batch', '-8'], ['--tune-max-batch']),
-    'batch of one at 32 px': ('dlojz.py', [*TINY, '--cache-dir', '{cache}', '-b', '1', '--output-dir', '{new}'], ['-b 1', '32 px']),
-    'global batch over the training set': (
-        'dlojz.py', [*TINY, '--cache-dir', '{cache}', '-b', '2', '--accum-steps', '400', '--output-dir',
-                     '{new}'],
-        ['global batch of 800', 'training set (96 images)']),
+    'batch of one at 32 px': ('dlojz.py', [*T, '-b', '1'], ['-b 1', '32 px']),
+    'global batch over the training set': ('dlojz.py', [*T, '-b', '2', '--accum-steps', '400'],
+                                           ['global batch of 800', 'training set (96 images)']),
     # dlojz.py: the environment it reads
-    'a DLOJZ_ variable misspelt': ('dlojz.py', ['--fake-data', '--output-dir', '{new}'], ['DLOJZ_DATADIR'],
+    'a DLOJZ_ variable misspelt': ('dlojz.py', FAKE, ['DLOJZ_DATADIR'],
                                    {'DLOJZ_DATADIR': '{shards}'}),
-    'a DLOJZ_ value misspelt': ('dlojz.py', ['--fake-data', '--output-dir', '{new}'], ["DLOJZ_HANDOVER='defualt'"],
+    'a DLOJZ_ value misspelt': ('dlojz.py', FAKE, ["DLOJZ_HANDOVER='defualt'"],
                                 {'DLOJZ_HANDOVER': 'defualt'}),
-    'OMP_NUM_THREADS not a number': ('dlojz.py', ['--fake-data', '--output-dir', '{new}'], ['OMP_NUM_THREADS'],
+    'OMP_NUM_THREADS not a number': ('dlojz.py', FAKE, ['OMP_NUM_THREADS'],
                                      {'OMP_NUM_THREADS': 'four'}),
-    'the data folder named by its variable': (
-        'dlojz.py', [*TINY, '--cache-dir', '{cache}', '--output-dir', '{new}'], ['$DLOJZ_DATA_DIR', 'unset it'],
-        {'DLOJZ_DATA_DIR': '{new}-missing'}),
+    'the data folder named by its variable': ('dlojz.py', T, ['$DLOJZ_DATA_DIR', 'unset it'],
+                                              {'DLOJZ_DATA_DIR': '{new}-missing'}),
     # dlojz.py: its own files, and staging
-    'a damaged shard table': ('dlojz.py', [*TINY, '--cache-dir', '{cache}', '--data-dir', '{damaged}',
-                                           '--output-dir', '{new}'], ['index-val.npy is damaged']),
-    'staging into the data folder': ('dlojz.py', [*TINY, '--cache-dir', '{cache}', '--data-dir', '{shards}',
-                                                  '--stage-dir', '{shards}', '--output-dir', '{new}'],
-                                     ['is the shards folder']),
-    'staging to an empty name': ('dlojz.py', [*TINY, '--cache-dir', '{cache}', '--data-dir', '{shards}',
-                                              '--stage-dir', '', '--output-dir', '{new}'], ['--stage-dir is empty']),
+    'a damaged shard table': ('dlojz.py', [*T, '--data-dir', '{damaged}'],
+                              ['index-val.npy is damaged']),
+    'staging into the data folder': ('dlojz.py', [*T, '--data-dir', '{shards}', '--stage-dir',
+                                                  '{shards}'], ['is the shards folder']),
+    'staging to an empty name': ('dlojz.py', [*T, '--data-dir', '{shards}', '--stage-dir', ''],
+                                 ['--stage-dir is empty']),
     # dlojz_data.py prepare
-    'prepare max side negative': ('dlojz_data.py', ['prepare', '{synth}', '{new}', '--max-side', '-5'],
+    'prepare max side negative': ('dlojz_data.py', 'prepare {synth} {new} --max-side -5'.split(),
                                   ['--max-side', '-5']),
-    'prepare shard size zero': ('dlojz_data.py', ['prepare', '{synth}', '{new}', '--shard-size', '0'],
+    'prepare shard size zero': ('dlojz_data.py', 'prepare {synth} {new} --shard-size 0'.split(),
                                 ['--shard-size', '0']),
-    'prepare shard size nan': ('dlojz_data.py', ['prepare', '{synth}', '{shards}', '--shard-size', 'nan'],
+    'prepare shard size nan': ('dlojz_data.py', 'prepare {synth} {shards} --shard-size nan'.split(),
                                ['--shard-size']),
     # dlojz_slurm.py: values that become lines of a script
     'slurm time not a time': ('dlojz_slurm.py', ['--dry-run', '--time', 'two hours'], ['--time']),
-    'slurm account with a newline': ('dlojz_slurm.py', ['--dry-run', '--account', 'me\n#SBATCH --mem=1'],
-                                     ['--account']),
+    'slurm account with a newline': ('dlojz_slurm.py', ['--dry-run', '--account',
+                                                        'me\n#SBATCH --mem=1'], ['--account']),
     'slurm qos with a space': ('dlojz_slurm.py', ['--dry-run', '--qos', 'a b'], ['--qos']),
     'slurm gpus zero': ('dlojz_slurm.py', ['--dry-run', '--gpus', '0'], ['--gpus 0']),
     # dlojz_scaling.py
-    'forecast gpus not numbers': ('dlojz_scaling.py', ['--summary', 'x', '--machine', 'a100', '--gpus', '1,x'],
+    'forecast gpus not numbers': ('dlojz_scaling.py', [*FORECAST, '--gpus', '1,x'],
                                   ['--gpus', '1,x']),
-    'forecast cores negative': ('dlojz_scaling.py', ['--summary', 'x', '--machine', 'a100', '--cores', '-1'],
-                                ['--cores']),
+    'forecast cores negative': ('dlojz_scaling.py', [*FORECAST, '--cores', '-1'], ['--cores']),
     # dlojz_bench.py
-    'bench corpus of no image': ('dlojz_bench.py', ['corpus', '{new}', '--images', '0'], ['--images']),
-    'bench a core not ours': ('dlojz_bench.py', ['compare', '{synth}', '--cpu', '4096'], ['--cpu 4096']),
-    'bench unknown pipeline': ('dlojz_bench.py', ['compare', '{synth}', '--pipelines', 'classic,turbo'],
-                               ['turbo']),
+    'bench corpus of no image': ('dlojz_bench.py', 'corpus {new} --images 0'.split(),
+                                 ['--images']),
+    'bench a core not ours': ('dlojz_bench.py', 'compare {synth} --cpu 4096'.split(),
+                              ['--cpu 4096']),
+    'bench unknown pipeline': ('dlojz_bench.py', ['compare', '{synth}', '--pipelines',
+                                                  'classic,turbo'], ['turbo']),
     # dlojz_report.py
-    'report comm steps zero': ('dlojz_report.py', ['{run}', '--out', '{new}', '--comm-steps', '0'],
+    'report comm steps zero': ('dlojz_report.py', '{run} --out {new} --comm-steps 0'.split(),
                                ['--comm-steps']),
 }
 
@@ -130,8 +134,8 @@ CASES = {
 def test_a_bad_input_is_one_sentence_and_changes_nothing(case, written, tmp_path, cache_dir):
     root, synth = written
     script, argv, words, *env = CASES[case]
-    paths = {'run': root / 'run', 'shards': root / 'shards', 'damaged': root / 'damaged', 'synth': synth,
-             'new': tmp_path / 'new', 'cache': cache_dir}
+    paths = {'run': root / 'run', 'shards': root / 'shards', 'damaged': root / 'damaged',
+             'synth': synth, 'new': tmp_path / 'new', 'cache': cache_dir}
     argv = [a.format(**paths) if isinstance(a, str) else a for a in argv]
     env = {k: v.format(**paths) for k, v in (env[0] if env else {}).items()}
     before = tree(root, synth)

@@ -129,8 +129,8 @@ def test_sweep_and_verdict_by_hand():
     # wait.
     v = L.verdict(trials, 1000, budget=5)
     assert v['bound'] == 'compute' and v['data_wait_share'] == pytest.approx(0.2)
-    assert L.verdict_lines(v)[-1].startswith('>>> Verdict: compute-bound (data wait 20% of each step, compute '
-                                             '80%): use --num-workers 4')
+    assert L.verdict_lines(v)[-1].startswith('>>> Verdict: compute-bound (data wait 20% of each '
+                                             'step, compute 80%): use --num-workers 4')
     v = L.verdict(trials, 500, budget=None)
     assert (v['bound'], v['best']['num_workers']) == ('compute', 8)
     assert L.verdict_lines(v)[-1].endswith('use --num-workers 8 --decode fast --prefetch-factor 2.')
@@ -148,7 +148,7 @@ def test_the_doctor_says_the_word_the_run_would_say(feeds):
 
     def batches(steps=12):
         for _ in range(steps):
-            clock.t += max(0.0, 100 / loader_ips - 100 / ceiling)  # the workers' batch is late by this
+            clock.t += max(0.0, 100 / loader_ips - 100 / ceiling)  # the workers' batch is this late
             yield torch.zeros(100, 1), torch.zeros(100)
     run = Chronometer('cpu', warmup=2, clock=clock)
     for _ in run.iterate(batches()):

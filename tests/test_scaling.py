@@ -66,9 +66,9 @@ def test_forecast_rows_by_hand():
     # 0.25..1.25, 1.25..2.25
     link = S.Link(intra_bw=MiB, intra_lat=0.0)
     rows = S.forecast(1.0, 0.5, 32, 2 * MiB, link, gpus=(1, 2), bucket_cap_mb=1)
-    assert rows[0] == {'gpus': 1, 'nodes': 1, 'comm_s': 0.0, 'exposed_s': 0.0, 'straggler_s': 0.0, 'step_s': 1.0,
-                       'images_per_s': 32.0, 'efficiency': 1.0, 'comm_pts': 0.0, 'straggler_pts': 0.0,
-                       'slowed_s': 0.0, 'slowed_pts': 0.0}
+    assert rows[0] == {'gpus': 1, 'nodes': 1, 'comm_s': 0.0, 'exposed_s': 0.0, 'straggler_s': 0.0,
+                       'step_s': 1.0, 'images_per_s': 32.0, 'efficiency': 1.0, 'comm_pts': 0.0,
+                       'straggler_pts': 0.0, 'slowed_s': 0.0, 'slowed_pts': 0.0}
     two = rows[1]
     assert two['comm_s'] == pytest.approx(2.0) and two['exposed_s'] == pytest.approx(1.75)
     assert two['step_s'] == pytest.approx(2.75)
@@ -155,8 +155,8 @@ def test_measured_from_summary():
              {'rank': 1, 'steady_steps': 10, 'comm_s': 0.2, 'late_s': 0.0}]
     m = S.measured_from_summary({'world_size': 2, 'timing': {'steady_images_per_s': 50.0, 'ranks': ranks,
                                                              'comm_measured': 'all-reduce hook'}})
-    assert m == {'gpus': 2, 'images_per_s': 50.0, 'exposed_s': pytest.approx(0.02), 'late_s': pytest.approx(0.05),
-                 'work_s': None}
+    assert m == {'gpus': 2, 'images_per_s': 50.0, 'exposed_s': pytest.approx(0.02),
+                 'late_s': pytest.approx(0.05), 'work_s': None}
     m = S.measured_from_summary({'world_size': 2, 'timing': {'steady_images_per_s': 50.0}})
     assert m['exposed_s'] is None and m['late_s'] is None
 
@@ -177,7 +177,8 @@ def test_cli_error_is_one_sentence(tmp_path):
     two.write_text(json.dumps({'world_size': 2, 'timing': {'steady_images_per_s': 150.0}}))
     r = subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_scaling.py'), '--summary', str(path),
                         '--machine', 'a100', '--gpus', '1,8', '--measured', str(two)], capture_output=True, text=True)
-    assert r.returncode == 0 and len(r.stdout.splitlines()) == 6, r.stderr  # 1, 2 (measured) and 8 GPUs
+    # the source line, the head, 1, 2 (measured) and 8 GPUs
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 6, r.stderr
     assert 'measured' in r.stdout.splitlines()[2] and '150.0' in r.stdout.splitlines()[4]
 
 
@@ -186,9 +187,11 @@ def test_slowdown_by_hand():
     take twice as long. A 2-rank run measured 20 % more work per step on 2 cores: at 3 ranks
     1.2 x 1.5 - 1 = 0.8. GPUs measured 5 % at 2 ranks: 5 % at 8."""
     cores, words = S.slowdown(threads=1, cores=2)
-    assert [cores(n) for n in (1, 2, 3, 4)] == pytest.approx([0.0, 0.0, 0.5, 1.0]) and '2 cores' in words
+    assert [cores(n) for n in (1, 2, 3, 4)] == pytest.approx([0.0, 0.0, 0.5, 1.0])
+    assert '2 cores' in words
     both, words = S.slowdown(threads=1, cores=2, measured=(2, 0.2))
-    assert [both(n) for n in (1, 2, 3)] == pytest.approx([0.0, 0.2, 0.8]) and 'measured at 2 ranks' in words
+    assert [both(n) for n in (1, 2, 3)] == pytest.approx([0.0, 0.2, 0.8])
+    assert 'measured at 2 ranks' in words
     gpu, words = S.slowdown(measured=(2, 0.05))
     assert [gpu(n) for n in (1, 2, 8)] == pytest.approx([0.0, 0.05, 0.05]) and 'cores' not in words
     none, words = S.slowdown()
@@ -206,7 +209,8 @@ def test_forecast_with_slowed_compute_by_hand():
     assert rows[0]['step_s'] == 1.0 and rows[0]['slowed_pts'] == 0.0
     two = rows[1]
     assert (two['slowed_s'], two['exposed_s'], two['step_s']) == pytest.approx((0.45, 1.625, 3.075))
-    assert two['slowed_pts'] == pytest.approx(100 * 0.45 / 3.075) and two['efficiency'] == pytest.approx(1 / 3.075)
+    assert two['slowed_pts'] == pytest.approx(100 * 0.45 / 3.075)
+    assert two['efficiency'] == pytest.approx(1 / 3.075)
 
 
 def test_cli_takes_the_slowdown_from_a_run_at_two_ranks(tmp_path):
@@ -214,23 +218,26 @@ def test_cli_takes_the_slowdown_from_a_run_at_two_ranks(tmp_path):
     forecast says where its compute slowed term comes from and prints it beside the measured one."""
     one = summary(totals={'steady_steps': 10, 'wall_s': 1.0, 'busy_s': 0.9, 'data_s': 0.1})
     one['provenance'], one['host'] = {'device': 'cuda'}, {'usable_cores': 16, 'torch_threads': 4}
-    ranks = [{'rank': k, 'steady_steps': 10, 'wall_s': 1.3, 'data_s': 0.1, 'busy_s': 1.08 + 0.1, 'comm_s': 0.1,
-              'late_s': 0.0} for k in (0, 1)]
+    ranks = [{'rank': k, 'steady_steps': 10, 'wall_s': 1.3, 'data_s': 0.1, 'busy_s': 1.08 + 0.1,
+              'comm_s': 0.1, 'late_s': 0.0} for k in (0, 1)]
     two = {'world_size': 2, 'timing': {'steady_images_per_s': 123.0, 'ranks': ranks,
                                        'comm_measured': 'all-reduce hook'}}
     paths = [tmp_path / 'one.json', tmp_path / 'two.json']
     for path, s in zip(paths, (one, two)):
         path.write_text(json.dumps(s))
-    run = lambda *extra: subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_scaling.py'), '--summary',  # noqa
-                                         str(paths[0]), '--machine', 'a100', '--gpus', '1,2', *extra],
-                                        capture_output=True, text=True)
+    def run(*extra):
+        return subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_scaling.py'), '--summary',
+                               str(paths[0]), '--machine', 'a100', '--gpus', '1,2', *extra],
+                              capture_output=True, text=True)
     r = run('--slowed-from', str(paths[1]), '--measured', str(paths[1]))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[1] == 'compute slowed: measured at 2 ranks (+20.0% work per step)'
-    assert lines[4].split()[5] == '18.00' and lines[4].split()[-1] == '18.00'  # model and measured, ms
+    # the work grown, ms: the model's and the measured
+    assert lines[4].split()[5] == '18.00' and lines[4].split()[-1] == '18.00'
     r = run('--slowed-from', str(paths[0]))
-    assert r.returncode == 2 and r.stderr.startswith('dlojz_scaling: error: --slowed-from needs a run at 2')
+    assert r.returncode == 2
+    assert r.stderr.startswith('dlojz_scaling: error: --slowed-from needs a run at 2')
     r = run('--cores', '-1')
     assert r.returncode == 2 and 'Traceback' not in r.stderr
 

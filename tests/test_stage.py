@@ -74,7 +74,8 @@ def test_a_copy_changed_after_staging_is_copied_again(shards, tmp_path, damage):
             f.truncate(os.path.getsize(path) // 2)
     lines = []
     again = G.stage(shards, local, log=lines.append)
-    assert again['copied_bytes'] == os.path.getsize(os.path.join(shards, name)) and not again['skipped']
+    assert not again['skipped']
+    assert again['copied_bytes'] == os.path.getsize(os.path.join(shards, name))
     assert any(f'1 file(s) of the copy in {rec["dir"]} changed since it was made ({name} first' in x
                for x in lines), lines
     assert same_files(shards, rec['dir'])
