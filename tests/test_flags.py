@@ -157,3 +157,11 @@ def test_the_environment_dlojz_reads_is_checked():
                        ({'OMP_NUM_THREADS': 'four'}, 'positive')):
         with pytest.raises(UsageError, match=re.escape(words)):
             flags.check_environment({**ok, **env})
+
+
+def test_an_lr_sweep_must_go_up():
+    """Issue 40: --findlr --lr 1e-9 swept from 1e-8 down to 1e-9 and suggested a rate from it."""
+    from dlojzlib.errors import UsageError
+    with pytest.raises(UsageError, match=r'--findlr sweeps the learning rate up from 1e-8 to --lr'):
+        flags.check_flags(flags.get_args_parser().parse_args(['--findlr', '--lr', '1e-9']))
+    flags.check_flags(flags.get_args_parser().parse_args(['--findlr', '--lr', '1']))

@@ -81,6 +81,8 @@ CASES = {
     'tune budget negative': ('dlojz.py', ['--tune-budget', '-1'], ['--tune-budget', '-1']),
     'tune steps zero': ('dlojz.py', ['--tune-steps', '0'], ['--tune-steps']),
     'tune max batch negative': ('dlojz.py', ['--tune-max-batch', '-8'], ['--tune-max-batch']),
+    'an LR sweep whose end is below its start': ('dlojz.py', ['--findlr', '--lr', '1e-9'],
+                                                 ['--findlr', '--lr 1e-09']),
     'batch of one at 32 px': ('dlojz.py', [*T, '-b', '1'], ['-b 1', '32 px']),
     'global batch over the training set': ('dlojz.py', [*T, '-b', '2', '--accum-steps', '400'],
                                            ['global batch of 800', 'training set (96 images)']),
