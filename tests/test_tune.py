@@ -115,6 +115,19 @@ def test_preempted_sweep_continues_its_table(tmp_path):
     assert len(third.calls) == 9
 
 
+@pytest.mark.parametrize('text', ['[1, 2]', '{"trials": "b8"}', '{"trials": [', '\x00\xff'])
+def test_a_damaged_tune_json_is_kept_aside_and_the_sweep_starts_afresh(tmp_path, text):
+    """Issue 40: a tune.json that is a list, holds no list of trials, is cut short or is not text
+    raised AttributeError (or started over silently, overwriting it). Now: a note, the file kept as
+    tune.json.damaged, and the whole sweep measured afresh."""
+    (tmp_path / 'tune.json').write_bytes(text.encode('latin-1'))
+    said, runner = [], FakeRunner()
+    record = T.Tuner(args_for(tmp_path), ['--arch', 'resnet18'], False, said.append, runner).sweep()
+    assert len(runner.calls) == 9 and len(record['trials']) == 9
+    assert (tmp_path / 'tune.json.damaged').read_bytes() == text.encode('latin-1')
+    assert any('tune.json is damaged' in m and 'tune.json.damaged' in m for m in said), said
+
+
 def test_recommendation_and_lr_rule(tmp_path):
     best = dict(T.row_from(fake_summary(40, 'bf16', True), 0, '', 40, 'bf16', True, False, False),
                 name='b40-bf16-cl-eager')

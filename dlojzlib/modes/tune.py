@@ -151,7 +151,17 @@ class Tuner:
         try:
             with open(self.path) as f:
                 old = json.load(f)
-        except (OSError, ValueError):
+        except FileNotFoundError:
+            old = None
+        except (OSError, ValueError) as e:
+            old = {'damaged': f'{type(e).__name__}: {e}'}
+        trials = old.get('trials') if isinstance(old, dict) else None
+        readable = isinstance(trials, list) and all(isinstance(t, dict) for t in trials)
+        if old is not None and not readable:
+            # a tune.json this sweep cannot continue from: kept aside, never overwritten
+            os.replace(self.path, self.path + '.damaged')
+            self.say(f'Note: {self.path} is damaged (no list of trials); it is kept as '
+                     f'{self.path}.damaged and the sweep starts afresh.')
             old = None
         if old and old.get('base_argv') == self.base and old.get('status') != 'completed':
             return old
