@@ -74,8 +74,9 @@ def test_every_site_script_trains_with_its_sites_set_up(slurm, workdir, cache_di
     for machine, gpus, ranks in SITE_SCRIPTS:  # all submitted at once: Slurm runs what fits side by side
         name = S.script_name(machine, gpus, ranks)
         data = ['--data-dir', shards] if S.MACHINES[machine].get('stage') else []
+        # -b 4: 16 tasks x 4 = 64 images a step, within TINY's 96 (a larger global batch is refused)
         jobs[name] = submit_site(slurm, workdir, name, cache_dir, tmp_path / name, tmp_path / f'{name}.stubs',
-                                 '--test-nsteps', '1', data=data)
+                                 '--test-nsteps', '1', '-b', '4', data=data)
     for machine, gpus, ranks in SITE_SCRIPTS:
         name = S.script_name(machine, gpus, ranks)
         job, m = jobs[name], S.MACHINES[machine]
