@@ -131,6 +131,8 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
                 sizes = list(results)
             except BrokenProcessPool:
                 shutil.rmtree(tmp, ignore_errors=True)  # the next run generates it again from the start
+                for p in procs:  # reaped, so that each exit code says how it ended (None until then)
+                    p.join(timeout=10)
                 died = sorted({-p.exitcode for p in procs if p.exitcode is not None and p.exitcode < 0})
                 why = ', '.join(signal.Signals(s).name for s in died) or 'an unknown cause'
                 cls = OutOfMemory if signal.SIGKILL in died else DlojzError
