@@ -171,10 +171,10 @@ def test_a_second_signal_during_an_interrupt_keeps_the_record(tmp_path, cache_di
     process group with 2 workers: exit 130, a worker's traceback and summary.json left 'running', no
     resume command. Now: exit 130, no traceback anywhere, summary.json 'interrupted' with the
     checkpoint to continue from, and the command that does it; the run resumes. SIGTERM 20 ms after
-    SIGINT once (in 4 runs of the long tier) stopped the run as a preemption instead: the stop signal's
-    handler ran before the interrupt's, which CPython's order (lowest signal first) should not allow
-    and which is not understood yet; the run still ended with one status that says so (preempted,
-    exit 5, its checkpoint and the resume command), which is what the issue asks of it."""
+    SIGINT once (in 4 runs of the long tier) stopped the run as a preemption instead: the stop
+    signal's handler ran before the interrupt's, which CPython's order (lowest signal first) should
+    not allow and which is not understood yet; the run still ended with one status that says so
+    (preempted, exit 5, its checkpoint and the resume command), which is what the issue asks."""
     out = tmp_path / 'run'
     p = start(out, cache_dir, '-e', '6', '--num-workers', '2', '--chkpt-every', '2')
     wait_for_steps(out, 5, p)
