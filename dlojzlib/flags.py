@@ -432,9 +432,9 @@ def check_flags(args):
         (loader_mode and (args.fake_data or args.evaluate or args.findlr or args.resume),
          f'{mode} measures the data loader of a new run; drop --fake-data, --evaluate, --findlr and --resume.'),
         (args.findlr and args.resume, '--findlr starts from a fresh model; drop --resume.'),
-        (args.findlr and args.lr is not None and args.lr <= 1e-8, f'--findlr sweeps the learning rate '
-         f'up from 1e-8 to --lr, and --lr {args.lr} is not above it; give a larger --lr (default '
-         f'10), or leave it out.'),
+        (args.findlr and (args.lr or 1.0) <= 1e-8, f'--findlr sweeps the learning rate up from '
+         f'1e-8 to --lr, and --lr {args.lr} is not above it; give a larger --lr (default 10), or '
+         f'leave it out.'),
         (args.overwrite and args.resume, '--overwrite starts the run folder afresh and --resume continues it; drop '
          'one (the slurm/ scripts pass --resume auto: give the new run another --run-name or --output-dir).'),
         (args.decode == 'gpu' and (worker_ops or args.res_start is not None),

@@ -1,5 +1,5 @@
-"""The built-in synthetic dataset: ImageNet-like JPEGs, generated once into --cache-dir (data.datasets
-chooses it when no data folder is given).
+"""The built-in synthetic dataset: ImageNet-like JPEGs, generated once into --cache-dir
+(data.datasets chooses it when no data folder is given).
 
 ImageNet train images are mostly 500x375/375x500/500x333 JPEGs of ~110 KB at quality ~90. We draw a
 1/f^beta luminance texture (the spectrum of natural scenes) tinted by a class hue, and paste a
@@ -55,8 +55,8 @@ def synthetic_image(seed, split, label, index, num_classes):
     r = rng.uniform(0.2, 0.35) * min(w, h)
     cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
     sides, rot = 3 + label % 5, rng.uniform(0, 2 * np.pi)
-    pts = [(cx + r * math.cos(rot + 2 * math.pi * k / sides), cy + r * math.sin(rot + 2 * math.pi * k / sides))
-           for k in range(sides)]
+    angles = [rot + 2 * math.pi * k / sides for k in range(sides)]
+    pts = [(cx + r * math.cos(a), cy + r * math.sin(a)) for a in angles]
     mask = Image.new('L', (w, h), 0)
     ImageDraw.Draw(mask).polygon(pts, fill=255)
     m = np.asarray(mask, np.float32)[..., None] / 255.0
@@ -94,7 +94,7 @@ def pool_worker_signals():
     else (Slurm signals every process of the step) do not, as for the loader's workers
     (data.workers)."""
     for s in (signal.SIGTERM, signal.SIGUSR2):
-        signal.signal(s, signal.SIG_DFL)  # not dlojz.py's early-signal recorder, inherited by the fork
+        signal.signal(s, signal.SIG_DFL)  # not dlojz.py's early-signal recorder, inherited
     ignore_preemption_signals()
 
 
@@ -104,8 +104,8 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
     marker = os.path.join(root, 'COMPLETE.json')
     if os.path.exists(marker):
         return False
-    writable(os.path.dirname(root), '--cache-dir', 'the synthetic dataset is generated there, once: pass --cache-dir '
-             'with a writable folder')
+    writable(os.path.dirname(root), '--cache-dir', 'the synthetic dataset is generated there, '
+             'once: pass --cache-dir with a writable folder')
     tmp = f'{root}.tmp-{os.getpid()}'
     jobs = []
     for split, per_class in (('train', train_per_class), ('val', val_per_class)):
@@ -113,7 +113,8 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
             folder = os.path.join(tmp, split, f'n{label:08d}')
             os.makedirs(folder, exist_ok=True)
             jobs += [(seed, split, label, i, num_classes,
-                      os.path.join(folder, f'{split}_{label:04d}_{i:05d}.JPEG')) for i in range(per_class)]
+                      os.path.join(folder, f'{split}_{label:04d}_{i:05d}.JPEG'))
+                     for i in range(per_class)]
     workers = workers or min(len(os.sched_getaffinity(0)), 8)
     log(f'Generating the synthetic dataset: {len(jobs)} JPEGs into {root} ({workers} processes)')
     if workers > 1:
@@ -124,26 +125,30 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
         # otherwise take the signal first. ProcessPoolExecutor, not multiprocessing.Pool: a worker
         # that dies all the same (the OOM killer's SIGKILL) breaks the executor, which raises, where
         # Pool.map waited forever for the lost task.
-        with ProcessPoolExecutor(workers, mp_context=ForkContext(), initializer=pool_worker_signals) as pool:
-            results = pool.map(_write_one, jobs, chunksize=8)  # submits every chunk: the workers are forked
+        with ProcessPoolExecutor(workers, mp_context=ForkContext(),
+                                 initializer=pool_worker_signals) as pool:
+            # submits every chunk: the workers are forked
+            results = pool.map(_write_one, jobs, chunksize=8)
             procs = compat.pool_processes(pool)
             try:
                 sizes = list(results)
             except BrokenProcessPool:
-                shutil.rmtree(tmp, ignore_errors=True)  # the next run generates it again from the start
-                for p in procs:  # reaped, so that each exit code says how it ended (None until then)
+                shutil.rmtree(tmp, ignore_errors=True)  # the next run generates it again
+                for p in procs:  # reaped, so that each exit code says how it ended (else None)
                     p.join(timeout=10)
-                died = sorted({-p.exitcode for p in procs if p.exitcode is not None and p.exitcode < 0})
+                died = sorted({-p.exitcode for p in procs if (p.exitcode or 0) < 0})
                 why = ', '.join(signal.Signals(s).name for s in died) or 'an unknown cause'
                 cls = OutOfMemory if signal.SIGKILL in died else DlojzError
-                raise cls(f'a process generating the synthetic dataset into {root} was killed ({why}'
-                          + ('; most likely by the kernel\'s out-of-memory killer' if cls is OutOfMemory else '')
-                          + '); nothing was kept: run again on a node with free memory, or ask Slurm for more '
-                            '(--mem).') from None
+                oom = '; most likely by the kernel\'s out-of-memory killer' if cls is OutOfMemory \
+                    else ''
+                raise cls(f'a process generating the synthetic dataset into {root} was killed '
+                          f'({why}{oom}); nothing was kept: run again on a node with free memory, or '
+                          f'ask Slurm for more (--mem).') from None
     else:
         sizes = [_write_one(j) for j in jobs]
     with open(os.path.join(tmp, 'COMPLETE.json'), 'w') as f:
-        json.dump({'version': SYNTH_VERSION, 'images': len(jobs), 'mean_bytes': float(np.mean(sizes))}, f)
+        json.dump({'version': SYNTH_VERSION, 'images': len(jobs),
+                   'mean_bytes': float(np.mean(sizes))}, f)
     try:
         os.replace(tmp, root)  # atomic: a half-generated cache is never taken for a complete one
     except OSError:
