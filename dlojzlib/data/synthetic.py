@@ -142,8 +142,8 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
                 oom = '; most likely by the kernel\'s out-of-memory killer' if cls is OutOfMemory \
                     else ''
                 raise cls(f'a process generating the synthetic dataset into {root} was killed '
-                          f'({why}{oom}); nothing was kept: run again on a node with free memory, or '
-                          f'ask Slurm for more (--mem).') from None
+                          f'({why}{oom}); nothing was kept: run again on a node with free memory, '
+                          f'or ask Slurm for more (--mem).') from None
     else:
         sizes = [_write_one(j) for j in jobs]
     with open(os.path.join(tmp, 'COMPLETE.json'), 'w') as f:
