@@ -143,9 +143,8 @@ def prepare_cli(*argv):
 
 def test_max_side_reencodes_and_trains(folder, tmp_path):
     dst = str(tmp_path / 'small')
-    r = subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_data.py'), 'prepare', folder, dst, '--max-side',
-                        '64', '--shard-size', str(SHARD_MB)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    # the tool's main in this process: a fresh interpreter would import torch again (4 s on 2 cores)
+    assert S.main(['prepare', folder, dst, '--max-side', '64', '--shard-size', str(SHARD_MB)]) == 0
     ds = D.ShardDataset(dst, *S.load_index(dst)[1]['train'], transform=lambda src, rng: DD.load_rgb(src))
     sizes = {ds[i][0].size for i in range(len(ds))}
     assert max(max(s) for s in sizes) == 64  # ImageNet-sized sources, longer side now 64
@@ -155,11 +154,26 @@ def test_max_side_reencodes_and_trains(folder, tmp_path):
     assert '--data-dir' not in r.stderr and 'synthetic' not in r.stderr  # prepare's own words, not training's
 
 
-def test_data_tool_help():
-    for argv, words in ((['--help'], 'prepare'), (['prepare', '--help'], '--max-side')):
-        r = subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_data.py'), *argv], capture_output=True,
-                           text=True)
-        assert r.returncode == 0 and words in r.stdout and 'ImageFolder tree' in r.stdout, r.stdout + r.stderr
+# The data tool run as `python dlojz_data.py ...` would be (runpy, __main__), saying at its exit
+# whether torch was imported on the way: its help and its refusals need no torch (4 s on 2 cores).
+TOOL = """
+import atexit, runpy, sys
+atexit.register(lambda: print('TORCH', 'torch' in sys.modules))
+sys.argv = ['dlojz_data.py'] + sys.argv[1:]
+runpy.run_path('dlojz_data.py', run_name='__main__')
+"""
+
+
+def test_data_tool_help_comes_before_torch(tmp_path):
+    for argv, code, words in ((['--help'], 0, 'ImageFolder tree'),
+                              (['prepare', '--help'], 0, '--max-side'),
+                              (['prepare', str(tmp_path / 'no'), str(tmp_path / 'x')], 2,
+                               'does not exist')):
+        r = subprocess.run([sys.executable, '-c', TOOL, *argv], capture_output=True, text=True,
+                           cwd=ROOT)
+        said = r.stdout + r.stderr
+        assert r.returncode == code and words in said, said
+        assert r.stdout.splitlines()[-1] == 'TORCH False', said
 
 
 def test_a_source_image_that_does_not_decode_is_refused_by_name(folder, tmp_path):
