@@ -80,6 +80,16 @@ def abandon_iterator(it):
     it._shutdown = True
 
 
+def shutdown_workers(it):
+    """Stop the workers of a multiprocessing DataLoader iterator now, as its __del__ would: torch
+    has no public call. Needed once a batch raised: the re-raised exception's traceback holds
+    frames that hold the iterator, a reference cycle, so its __del__ waits for the cyclic garbage
+    collector, which can finalize its queues first; the workers never get their stop message and
+    are terminated 5 s later (MP_STATUS_CHECK_INTERVAL), in whatever the process does then.
+    _shutdown_workers does nothing the second time. torch 2.4 to 2.14."""
+    it._shutdown_workers()
+
+
 def ddp_buffer_sync(ddp):
     """DDP's broadcast of rank 0's buffers before each forward pass, as a bound method, or None
     where this torch has no _sync_buffers (then the broadcast is not timed, and summary.json says

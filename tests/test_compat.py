@@ -63,6 +63,16 @@ def test_a_dataloader_keeps_its_persistent_iterator_where_compat_reads_it():
     assert it._shutdown and all(not w.is_alive() for w in it._workers)
 
 
+def test_a_dataloader_iterator_stops_its_workers_when_asked():
+    loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2, num_workers=1)
+    it = iter(loader)
+    assert next(it).tolist() == [0, 1]
+    assert hasattr(it, '_shutdown_workers'), '_MultiProcessingDataLoaderIter._shutdown_workers'
+    compat.shutdown_workers(it)
+    assert not any(w.is_alive() for w in it._workers)
+    compat.shutdown_workers(it)  # the second time does nothing (the iterator's __del__ calls it)
+
+
 def test_ddp_has_the_buffer_broadcast_comm_times():
     """On a one-rank gloo group: DDP's _sync_buffers is there and can be replaced. An in-memory
     store: no port, and no MASTER_* variable left for the tests after this one."""
@@ -107,7 +117,7 @@ def test_a_dali_pipeline_keeps_its_native_half_where_compat_reads_it():
 
 PRIVATE = re.compile(r'(?<!self)\.(_sleep|_foreach_lerp_|_foreach_copy_|_standard_gamma|'
                      r'_new_shared|_iterator|_MultiProcessingDataLoaderIter|_sync_buffers|'
-                     r'_processes|_actions|_pipe)\b|'
+                     r'_processes|_actions|_pipe|_shutdown_workers)\b|'
                      r"'_(workers|shutdown|sync_buffers|step_supports_amp_scaling|pipe)'")
 
 

@@ -119,12 +119,16 @@ def test_bad_image_stops_with_its_name_or_is_skipped_and_counted(synth, tmp_path
     lenient = D.ImageFolderDataset(train, DD.FastTrainTransform(32), skip_bad_images=True)
     img, label = lenient[index]
     assert img.shape == (3, 32, 32) and lenient.bad_images == 1
-    # through a worker process: the message still names the file
-    loader = torch.utils.data.DataLoader(strict, batch_size=len(train), num_workers=1)
+    # through a worker process of dlojz's loader: the message still names the file
+    loader = D.DataLoader(strict, batch_size=len(train), num_workers=1)
+    it = iter(loader)
     with pytest.raises(DD.BadImageError) as e:
-        next(iter(loader))
+        next(it)
     assert 'train_0001_00002.JPEG' in loader_error_message(e.value)
     assert loader_error_message(e.value).startswith('cannot decode image')
+    # and its worker is stopped now: left to the garbage collector (the exception holds the
+    # iterator in a cycle), it was terminated 5 s later, in whatever the process did then
+    assert it._workers and not any(w.is_alive() for w in it._workers)
 
 
 def test_augmentation_is_per_sample_and_worker_independent(synth):

@@ -244,6 +244,24 @@ def test_a_signal_while_the_workers_start_spares_them(persistent):
         list(plain)
 
 
+def test_workers_end_on_their_parents_sigterm_whatever_init_they_are_given():
+    """dlojz's loader forks its workers with SIGTERM blocked and installs the init that unblocks it
+    for its parent, whatever worker_init_fn the caller passes, or none: a loader made without
+    loader_kwargs had workers that nothing could stop, and the process's exit (multiprocessing
+    terminates its daemon workers by SIGTERM) waited for them forever."""
+    loader = datasets.DataLoader(list(range(12)), batch_size=3, num_workers=1,
+                                 worker_init_fn=lambda worker_id: None)
+    it = iter(loader)
+    assert next(it).tolist() == [0, 1, 2]
+    worker, = it._workers
+    worker.terminate()  # SIGTERM from the parent
+    worker.join(timeout=10)
+    if worker.is_alive():  # the defect: free the test process before failing
+        os.kill(worker.pid, signal.SIGKILL)
+        pytest.fail('the worker ignored its parent\'s SIGTERM')
+    assert worker.exitcode == 0
+
+
 def catches(pid, sig):
     """True once the process has a handler for sig (/proc/<pid>/status SigCgt, a hex mask of
     signals)."""

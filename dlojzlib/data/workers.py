@@ -4,6 +4,7 @@ their parent.
 
 Slurm signals every process of a step, DataLoader workers included; the main process owns those
 signals and checkpoints at a step boundary (dist.launch.StopSignal)."""
+import functools
 import multiprocessing as mp
 import os
 import signal
@@ -17,6 +18,9 @@ from dlojzlib.data.handover import Materialized, SharedCollate
 from dlojzlib.dist import launch
 
 
+_installed_in = None  # the pid of the worker whose signals ignore_preemption_signals has set
+
+
 def ignore_preemption_signals(worker_id=None):
     """DataLoader workers survive SIGTERM and SIGUSR2 sent by anyone but their parent. Slurm signals
     every process of a step (scancel, the time limit, --signal=USR2@120), workers included; the main
@@ -27,6 +31,10 @@ def ignore_preemption_signals(worker_id=None):
     shutdown) still ends the worker: ignoring it too would leave the main process waiting for its
     workers at exit. A thread reads the sender of each SIGTERM (sigwaitinfo), blocked for the
     worker's other threads."""
+    global _installed_in
+    if _installed_in == os.getpid():  # a caller's own init called it already (DataLoader below)
+        return
+    _installed_in = os.getpid()
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     # Ctrl-C reaches the terminal's whole foreground group, workers included: the main process's
     # interrupt ends them (the loader's shutdown), while their own KeyboardInterrupt printed a
@@ -99,6 +107,9 @@ class DataLoader(torch.utils.data.DataLoader):
     def __init__(self, *args, abort_on_stop=False, **kwargs):
         if kwargs.get('num_workers'):
             kwargs['multiprocessing_context'] = ForkContext(abort_on_stop)
+            # forked with SIGTERM blocked: without this init no one could stop them, the exit of
+            # the main process included (multiprocessing terminates its daemons by SIGTERM)
+            kwargs['worker_init_fn'] = functools.partial(_init_worker, kwargs.get('worker_init_fn'))
         super().__init__(*args, **kwargs)
         self.abort_on_stop = abort_on_stop
 
@@ -110,10 +121,47 @@ class DataLoader(torch.utils.data.DataLoader):
             self.collate_fn.new_generation()  # workers are forked now: they get fresh permits
         try:
             it = super().__iter__()
-            return Materialized(it) if shared else it
         except _StartStopped as e:
             _abandon(e.__traceback__)
             return iter(())
+        if compat.is_multiprocessing_iterator(it):
+            it = StopsWorkersOnError(it)
+        return Materialized(it) if shared else it
+
+
+def _init_worker(init, worker_id):
+    """The caller's worker_init_fn, then the signals' (a signal that came meanwhile is pending)."""
+    if init is not None:
+        init(worker_id)
+    ignore_preemption_signals(worker_id)
+
+
+class StopsWorkersOnError:
+    """A loader iterator with workers, stopped at once when a batch raises (a bad image, a worker
+    killed): otherwise its workers would wait for the garbage collector and be terminated 5 s
+    later (compat.shutdown_workers). The run ends on such an error; the iterator is not used
+    again. Other attributes are the wrapped iterator's."""
+
+    def __init__(self, it):
+        self._it = it
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise
+        except BaseException:
+            compat.shutdown_workers(self._it)
+            raise
+
+    def __len__(self):
+        return len(self._it)
+
+    def __getattr__(self, name):
+        return getattr(self._it, name)
 
 
 def _abandon(tb):
@@ -131,8 +179,6 @@ def _abandon(tb):
 def loader_kwargs(args):
     kw = dict(num_workers=args.num_workers, pin_memory=args.pin_memory)
     if args.num_workers > 0:
-        # the 'fork' context of DataLoader: the workers inherit the blocked signal mask and the
-        # shared counters
-        kw.update(persistent_workers=args.persistent_workers, prefetch_factor=args.prefetch_factor,
-                  worker_init_fn=ignore_preemption_signals)
+        # torch refuses these without workers
+        kw.update(persistent_workers=args.persistent_workers, prefetch_factor=args.prefetch_factor)
     return kw

@@ -374,7 +374,7 @@ def compare_decode(root, size=224, batch_size=64, steps=20, warmup=2, repeats=5,
     fast; and fast from `shards`, a prepared copy of root), `workers` workers each (1: per core),
     alternated `repeats` times -> {name: [img/s per repeat]}."""
     from dlojzlib.data.datasets import DataLoader, EpochSampler, FastTrainTransform, ImageFolderDataset, ShardDataset, \
-        TrainTransform, scan_imagefolder, ignore_preemption_signals
+        TrainTransform, scan_imagefolder
     from dlojzlib.data.shards import load_index
     _, train, _ = scan_imagefolder(root)
     datasets = {'dlojz-pil': lambda: ImageFolderDataset(train, TrainTransform(size), seed=0),
@@ -386,9 +386,8 @@ def compare_decode(root, size=224, batch_size=64, steps=20, warmup=2, repeats=5,
     for name, make_ds in datasets.items():
         def make(make_ds=make_ds):
             ds = make_ds()
-            return DataLoader(ds, batch_size=batch_size, sampler=EpochSampler(ds, 0), num_workers=workers,
-                              worker_init_fn=ignore_preemption_signals if workers else None,
-                              multiprocessing_context='fork' if workers else None)
+            return DataLoader(ds, batch_size=batch_size, sampler=EpochSampler(ds, 0),
+                              num_workers=workers)
         loaders[name] = make
     results = {k: [] for k in loaders}
     for _ in range(repeats):
