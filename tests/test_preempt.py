@@ -324,3 +324,7 @@ def test_the_stop_handlers_hold_what_comes_after_an_interrupt():
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGINT) is before
+    # the stop was this run's: a loader made next in this process (the loader doctor's) still
+    # iterates, where it returned no batch, and the doctor asked for the next epoch forever
+    from dlojzlib.dist import launch
+    assert launch.stop_received() is None

@@ -486,6 +486,8 @@ class StopSignal:
         for s, old in self._old.items():
             signal.signal(s, signal.SIG_IGN if s == signal.SIGINT and self.interrupted else old)
         self._old = {}
+        global _received
+        _received = None  # the run is over: a loader made next in this process is not stopped
 
     def agreed(self):
         """True on every rank at the same step once one rank got a signal, so that no rank stops or
