@@ -129,13 +129,14 @@ def test_truncated_checkpoint_is_skipped_and_old_ones_pruned(tmp_path, cache_dir
     assert names == ['checkpoint-00000006.pt', 'checkpoint-00000008.pt']
     newest = out / names[-1]
     newest.write_bytes(newest.read_bytes()[:1000])  # what a crash during a non-atomic copy leaves
-    summary = json.loads((out / 'summary.json').read_text())  # and a run killed before its end (a completed one
-    (out / 'summary.json').write_text(json.dumps({**summary, 'status': 'running'}))  # would say so, and stop)
+    # and a run killed before its end (a completed one would say so, and stop)
+    summary = json.loads((out / 'summary.json').read_text())
+    (out / 'summary.json').write_text(json.dumps({**summary, 'status': 'running'}))
     capfd.readouterr()
     # in this process (a fresh one would import torch again: 4 s); --test-nsteps: the run's steps in
     # all, those before the resume included
-    code = dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--test-nsteps', '8',
-                      '--resume', 'auto', '--log-interval', '1'])
+    code = dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(out),
+                      '--test-nsteps', '8', '--resume', 'auto', '--log-interval', '1'])
     said, err = capfd.readouterr()
     assert code == 0, err[-2000:]
     assert 'warning' in err and 'checkpoint-00000008.pt cannot be read' in err
