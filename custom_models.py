@@ -104,7 +104,8 @@ def resnet_with_stochastic_depth(base='resnet152', p_L=0.5, sd_mode='batch', num
     block, layers = RESNETS[base]
     sd_block = BottleneckSD if block is Bottleneck else BasicBlockSD
     model = ResNet(sd_block, layers, num_classes=num_classes)
-    blocks = [b for stage in (model.layer1, model.layer2, model.layer3, model.layer4) for b in stage]
+    blocks = [b for stage in (model.layer1, model.layer2, model.layer3,
+                              model.layer4) for b in stage]
     for idx, b in enumerate(blocks, start=1):
         b.drop_prob = p_L * idx / len(blocks)
         b.sd_mode = sd_mode
@@ -120,7 +121,8 @@ def _frozen_bn_stats(module):
     """Keep BatchNorm running statistics unchanged while a checkpointed stage is recomputed in the
     backward pass; without this each training step would update them twice."""
     bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    saved = [(m.momentum, m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None)
+    saved = [(m.momentum,
+              m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None)
              for m in bns]
     for m in bns:
         m.momentum = 0.0  # running = (1 - 0) * running + 0 * batch statistic

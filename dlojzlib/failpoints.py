@@ -47,11 +47,12 @@ def parse(text, restart_count=0):
     for entry in filter(None, (e.strip() for e in (text or '').split(','))):
         name, _, arg = entry.partition(':')
         if name not in KNOWN:
-            raise ValueError(f'DLOJZ_FAULT names an unknown failpoint {name!r}; known: {", ".join(KNOWN)}.')
+            raise ValueError(f'DLOJZ_FAULT names an unknown failpoint {name!r}; known: '
+                             f'{", ".join(KNOWN)}.')
         if not re.fullmatch(KNOWN[name], arg) or (name.startswith('signal-') and
                                                   not hasattr(signal, arg.split(':')[1])):
-            raise ValueError(f'DLOJZ_FAULT: failpoint {name} takes an argument of the form {KNOWN[name]!r} '
-                             f'(got {arg!r}); see dlojzlib/failpoints.py.')
+            raise ValueError(f'DLOJZ_FAULT: failpoint {name} takes an argument of the form '
+                             f'{KNOWN[name]!r} (got {arg!r}); see dlojzlib/failpoints.py.')
         armed[name] = arg
     if restart_count:  # slow steps are for the attempt that Slurm stops; the requeued one runs at full speed
         armed.pop('slow-steps', None)

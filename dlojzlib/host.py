@@ -48,7 +48,8 @@ def host_memory(pid='self'):
 
 def git_sha():
     try:
-        sha = subprocess.run(['git', '-C', ROOT, 'rev-parse', 'HEAD'], capture_output=True, text=True,
+        sha = subprocess.run(['git', '-C', ROOT, 'rev-parse', 'HEAD'], capture_output=True,
+                             text=True,
                              timeout=5).stdout.strip()
         dirty = subprocess.run(['git', '-C', ROOT, 'status', '--porcelain', '--untracked-files=no'],
                                capture_output=True, text=True, timeout=5).stdout.strip()
@@ -70,7 +71,8 @@ def usable_cores():
         return os.cpu_count() or 1
 
 
-def intra_op_threads(num_workers, cpu_device, local_ranks=1, usable=None, node=None, environ=os.environ):
+def intra_op_threads(num_workers, cpu_device, local_ranks=1, usable=None, node=None,
+                     environ=os.environ):
     """torch's intra-op threads for this process, or None to leave them to OMP_NUM_THREADS when it
     is set. torch's default is every core of the affinity mask; ranks that share one mask (torchrun
     or mpirun without binding) would each take all of them, and on a GPU the main process, which
@@ -85,7 +87,8 @@ def intra_op_threads(num_workers, cpu_device, local_ranks=1, usable=None, node=N
     return max(1, share if cpu_device else share - num_workers)
 
 
-def host_check(num_workers, cpu_device, cores=usable_cores, load=os.getloadavg, threads=torch.get_num_threads,
+def host_check(num_workers, cpu_device, cores=usable_cores, load=os.getloadavg,
+               threads=torch.get_num_threads,
                node_cores=os.cpu_count):
     """What a benchmark's figures depend on besides the flags: usable cores, the node's load before
     the run, torch's intra-op threads, the workers; with a sentence for each way they can spoil the
@@ -94,13 +97,15 @@ def host_check(num_workers, cpu_device, cores=usable_cores, load=os.getloadavg, 
     main = t if cpu_device else 1  # on a GPU the main process needs about a core to launch kernels
     warnings = []
     if num_workers + main > usable:
-        warnings.append(f'{num_workers} loader workers + {main} compute thread(s) exceed the {usable} usable cores: '
-                        f'they will compete (lower --num-workers, or OMP_NUM_THREADS on CPU).')
+        warnings.append(f'{num_workers} loader workers + {main} compute thread(s) exceed the '
+                        f'{usable} usable cores: they will compete (lower --num-workers, or '
+                        f'OMP_NUM_THREADS on CPU).')
     total = node_cores() or usable
     if load1 > 0.75 * total:
-        warnings.append(f'this node was already busy before the run (load average {load1:.1f} on {total} cores): '
-                        f'timings may be slower than on an idle node.')
-    return {'usable_cores': usable, 'node_cores': total, 'load_avg_1m_before': load1, 'torch_threads': t,
+        warnings.append(f'this node was already busy before the run (load average {load1:.1f} on '
+                        f'{total} cores): timings may be slower than on an idle node.')
+    return {'usable_cores': usable, 'node_cores': total, 'load_avg_1m_before': load1,
+            'torch_threads': t,
             'torch_threads_from': 'OMP_NUM_THREADS' if os.environ.get('OMP_NUM_THREADS') else 'dlojz',
             'num_workers': num_workers, 'warnings': warnings}
 
@@ -109,11 +114,14 @@ def provenance(device, dist):
     import torchvision
     prov = {
         'dlojz_sha': git_sha(), 'dlojz_py_sha256': file_hash(SCRIPT),
-        'python': sys.version.split()[0], 'torch': torch.__version__, 'torchvision': torchvision.__version__,
-        'cuda': torch.version.cuda, 'cudnn': torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        'python': sys.version.split()[0], 'torch': torch.__version__,
+        'torchvision': torchvision.__version__,
+        'cuda': torch.version.cuda,
+        'cudnn': torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         'nccl': None, 'host': socket.gethostname(), 'platform': platform.platform(),
         'cpu_count': usable_cores(), 'slurm_job_id': dist.job_id or None,
-        'launcher': dist.launcher, 'device': str(device), 'device_name': platform.processor() or 'cpu',
+        'launcher': dist.launcher, 'device': str(device),
+        'device_name': platform.processor() or 'cpu',
         'gpu_total_memory_bytes': None, 'driver': None,
         'time': datetime.datetime.now().isoformat(timespec='seconds'),
     }

@@ -38,7 +38,8 @@ class NonFiniteGuard:
         """Read the first bad step (a MIN all-reduce first when distributed) and raise if there is
         one, together with `also` (0-d tensors on the device) in the same read: the log line's loss
         comes with it, so the guard and the log line share one sync. -> the values of `also`."""
-        bad = launch.all_reduce_(self.first_bad.clone(), 'min') if self.distributed else self.first_bad
+        bad = (launch.all_reduce_(self.first_bad.clone(), 'min') if self.distributed
+               else self.first_bad)
         # float64 holds every step count exactly, and GOOD = 2**62 too
         values = torch.stack([bad.double(), *(t.detach().double() for t in also)]).tolist()
         if values[0] < self.GOOD:

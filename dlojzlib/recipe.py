@@ -34,7 +34,8 @@ def param_groups(model, wd, wd_norm_bias=True, adaptive=False):
     if wd_norm_bias:
         return [group(params, wd, True)]
     flat = [p for p in params if p.ndim <= 1]
-    return [group([p for p in params if p.ndim > 1], wd, True)] + ([group(flat, 0.0, False)] if flat else [])
+    return ([group([p for p in params if p.ndim > 1], wd, True)]
+            + ([group(flat, 0.0, False)] if flat else []))
 
 
 def build_optimizer(args, model, lr, device):
@@ -48,7 +49,8 @@ def build_optimizer(args, model, lr, device):
     if args.optimizer == 'adamw':
         return torch.optim.AdamW(groups, lr=lr, betas=(args.mom, 0.999), **fused)
     from timm import optim as timm_optim  # seconds to import: only when asked for
-    cls = {'lars': timm_optim.Lars, 'lamb': timm_optim.Lamb, 'lion': timm_optim.Lion}[args.optimizer]
+    cls = {'lars': timm_optim.Lars, 'lamb': timm_optim.Lamb,
+           'lion': timm_optim.Lion}[args.optimizer]
     kw = {'momentum': args.mom} if args.optimizer == 'lars' else \
         {'betas': (args.mom, 0.999 if args.optimizer == 'lamb' else 0.99)}
     return cls(groups, lr=lr, **kw, **timm_foreach(cls, device))
@@ -88,9 +90,10 @@ def scaler_sync_warning(optimizer, amp):
     found_inf with .item() to decide whether to step. None when there is no such wait."""
     if amp != 'fp16' or compat.fuses_amp_scaling(optimizer):
         return None
-    return (f'--amp fp16 with {type(optimizer).__name__}: the loss scaler reads the inf/NaN flag on the host at every '
-            f'step (a GPU synchronisation; only fused optimizers take it on the device); use --amp bf16 where the '
-            f'GPU has it (compute capability 8.0+), or --optimizer sgd/adamw.')
+    return (f'--amp fp16 with {type(optimizer).__name__}: the loss scaler reads the inf/NaN flag '
+            f'on the host at every step (a GPU synchronisation; only fused optimizers take it on '
+            f'the device); use --amp bf16 where the GPU has it (compute capability 8.0+), or '
+            f'--optimizer sgd/adamw.')
 
 
 def lr_factor(schedule, step, warmup, total, power=2.0):
@@ -145,14 +148,16 @@ class EMA:
             theirs = [t.detach() for t in list(model.parameters()) + list(model.buffers())]
             floats = [(a, b) for a, b in zip(mine, theirs) if a.is_floating_point()]
             ints = [(a, b) for a, b in zip(mine, theirs) if not a.is_floating_point()]
-            self._pairs = (model, [a for a, _ in floats], [b for _, b in floats], [a for a, _ in ints],
+            self._pairs = (model, [a for a, _ in floats], [b for _, b in floats],
+                           [a for a, _ in ints],
                            [b for _, b in ints])
         return self._pairs[1:]
 
     @torch.no_grad()
     def update(self, model):
         self.updates += 1
-        decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
+        decay = (min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup
+                 else self.decay)
         averaged, current, int_mine, int_theirs = self.pairs(model)
         compat.foreach_lerp_(averaged, current, 1 - decay)
         if int_mine:  # BatchNorm's counters: one multi-tensor copy (torch >= 2.1), not one launch per layer
@@ -234,7 +239,8 @@ def find_lr(run, progress, train_step, beta=0.98, explode=4.0):
 
     def curve():
         suggested, reason = suggest_lr(lrs, losses)
-        return {'lr': lrs, 'loss': losses, 'steps': len(lrs), 'stopped': why, 'suggested_lr': suggested,
+        return {'lr': lrs, 'loss': losses, 'steps': len(lrs), 'stopped': why,
+                'suggested_lr': suggested,
                 'suggestion': reason}
 
     def batches():  # the sweep crosses epoch boundaries
@@ -255,23 +261,26 @@ def find_lr(run, progress, train_step, beta=0.98, explode=4.0):
         lrs.append(lr)
         losses.append(loss)
         if len(lrs) % run.args.log_interval == 0:
-            run.log.log(type='findlr', global_step=progress.global_step, lr=lr, loss=loss, smoothed=smoothed)
+            run.log.log(type='findlr', global_step=progress.global_step, lr=lr, loss=loss,
+                        smoothed=smoothed)
         if smoothed > explode * best:
             why = f'smoothed loss {smoothed:.3g} passed {explode:g}x its minimum {best:.3g} at lr {lr:.3g}'
             break
         if run.stop.agreed():
             run.chrono.finish()
             run.stop.settle()
-            raise Preempted(f'the LR sweep was stopped by {run.stop.received or "a signal on another rank"} at '
-                            f'step {progress.global_step}; its curve so far is in summary.json; run it again to '
-                            f'sweep further.', findlr=curve())
+            raise Preempted(f'the LR sweep was stopped by '
+                            f'{run.stop.received or "a signal on another rank"} at step '
+                            f'{progress.global_step}; its curve so far is in summary.json; run it '
+                            f'again to sweep further.', findlr=curve())
     run.stop.settle()  # the sweep ended: a signal during its last step changes nothing
     run.chrono.finish()
-    run.log.print(f'LR sweep: {len(lrs)} steps, lr {lrs[0] if lrs else 1e-8:.3g} to {lrs[-1] if lrs else 1e-8:.3g}; '
-                  f'stopped: {why}')
+    run.log.print(f'LR sweep: {len(lrs)} steps, lr {lrs[0] if lrs else 1e-8:.3g} to '
+                  f'{lrs[-1] if lrs else 1e-8:.3g}; stopped: {why}')
     result = curve()
     if result['suggested_lr'] is None:
         run.log.print(f'LR sweep: no suggestion ({result["suggestion"]})')
     else:
-        run.log.print(f'LR sweep: suggested --lr {result["suggested_lr"]:.3g} ({result["suggestion"]})')
+        run.log.print(f'LR sweep: suggested --lr {result["suggested_lr"]:.3g} '
+                      f'({result["suggestion"]})')
     return result

@@ -122,8 +122,8 @@ def require_root(root, given='--data-dir'):
         what = 'is a file, not a folder' if os.path.exists(root) else 'does not exist'
         how = {'--data-dir': 'omit', '$DLOJZ_DATA_DIR': 'unset'}.get(given)
         fallback = f' (or {how} it to use the built-in synthetic dataset)' if how else ''
-        raise DataError(f'{given} {root} {what}; give a folder with train/<class>/ and val/<class>/ '
-                        f'folders of images{fallback}.')
+        raise DataError(f'{given} {root} {what}; give a folder with train/<class>/ and '
+                        f'val/<class>/ folders of images{fallback}.')
 
 
 def scan_imagefolder(root, given='--data-dir', warn=warn_stderr):
@@ -149,9 +149,9 @@ def imagefolder_classes(root, listing, warn=warn_stderr):
     if train_classes != val_classes:
         only_train = sorted(set(train_classes) - set(val_classes))[:3]
         only_val = sorted(set(val_classes) - set(train_classes))[:3]
-        raise DataError(f'train/ and val/ of {root} hold different classes ({len(train_classes)} vs '
-                        f'{len(val_classes)}; only in train: {only_train}, only in val: {only_val}); '
-                        f'both splits need the same class folders.')
+        raise DataError(f'train/ and val/ of {root} hold different classes ({len(train_classes)} '
+                        f'vs {len(val_classes)}; only in train: {only_train}, only in val: '
+                        f'{only_val}); both splits need the same class folders.')
     dropped = sorted(set(train_empty) & set(val_empty))
     if dropped:
         warn(f'{root}: {len(dropped)} class folder(s) hold no image in train/ nor val/ and are not '

@@ -50,8 +50,8 @@ def make(workers, prefetch_factor, batch_size, max_image_size, shm=SHM):
     except OSError:
         free = None
     if free is not None and need > SHM_SHARE * free:
-        return None, (f'the shared batch slots would take {need / 2**20:.0f} MiB of the {free / 2**20:.0f} MiB free '
-                      f'in {shm}')
+        return None, (f'the shared batch slots would take {need / 2**20:.0f} MiB of the '
+                      f'{free / 2**20:.0f} MiB free in {shm}')
     try:
         return SharedCollate(workers, prefetch_factor, batch_size, max_image_size), None
     except (RuntimeError, OSError) as e:  # ENOSPC, a limit: torch's own hand-over still works

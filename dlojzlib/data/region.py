@@ -85,7 +85,8 @@ class RegionDecoder:
             self._decoder = n.Decoder(device_id=n.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
                                       backends=[n.Backend(n.BackendKind.CPU_ONLY)])
             # the crop is drawn from the header's size, unrotated (as simplejpeg and PIL decode it)
-            self._params = n.DecodeParams(apply_exif_orientation=False, color_spec=n.SRGB, sample_format=n.I_RGB)
+            self._params = n.DecodeParams(apply_exif_orientation=False, color_spec=n.SRGB,
+                                          sample_format=n.I_RGB)
             self._pid = os.getpid()
             return _made_quietly(lambda: self._decode(data, top, left, h, w))
         return self._decode(data, top, left, h, w)

@@ -35,7 +35,8 @@ from dlojzlib import compat
 
 
 class CommTimer:
-    def __init__(self, world_size, timeline=None, group=None, clock=time.perf_counter, all_reduce=None):
+    def __init__(self, world_size, timeline=None, group=None, clock=time.perf_counter,
+                 all_reduce=None):
         self.world_size, self.timeline, self.clock = world_size, timeline, clock
         # all_reduce(tensor) -> a torch.futures.Future of [tensor]: tests give a fake one
         self.all_reduce = all_reduce or (
@@ -94,7 +95,8 @@ def _seconds(marks):
     if isinstance(marks[0][0], float):
         return [(start, end) for start, end, _ in marks]
     origin = marks[0][0]  # events: seconds after the first one, on the device's clock
-    return [(origin.elapsed_time(start) / 1e3, origin.elapsed_time(end) / 1e3) for start, end, _ in marks]
+    return [(origin.elapsed_time(start) / 1e3,
+             origin.elapsed_time(end) / 1e3) for start, end, _ in marks]
 
 
 def resolve(marks, buffers=()):

@@ -67,8 +67,8 @@ def wandb_mode(requested, environ=os.environ, connect=socket.create_connection, 
             why = f'{host}:{port} cannot be reached from this node ({e.strerror or type(e).__name__})'
     if why is None:
         return 'online', None
-    return 'offline', (f'--wandb online: {why}; logging offline instead, into <output-dir>/wandb: upload it with '
-                       f'`wandb sync` from a node that has the network.')
+    return 'offline', (f'--wandb online: {why}; logging offline instead, into <output-dir>/wandb: '
+                       f'upload it with `wandb sync` from a node that has the network.')
 
 
 class Console:
@@ -120,7 +120,8 @@ class Logger:
         try:
             # unbuffered bytes: a record a full disk refuses is cut off whole (log), never left
             # half-written
-            self.f = open_for_write(path, 'ab' if append else 'wb', buffering=0) if console.enabled else None
+            self.f = open_for_write(path, 'ab' if append else 'wb',
+                                    buffering=0) if console.enabled else None
         except OSError as e:
             if no_space(e):
                 raise disk_full(path, disk_usage) from None
@@ -183,15 +184,15 @@ def console_lines(args, steps_per_epoch):
     return {
         'train': lambda r: (f"epoch {r['epoch']}/{args.epochs} step {r['step']}/{steps_per_epoch} "
                             f"loss {r['loss']:.4f} lr {r['lr']:.5f} | step {r['step_ms']:.1f} ms "
-                            f"data {r['data_ms']:.1f} ms | {r['img_s']:.1f} img/s | "
-                            f"mem {r['mem_bytes'] / 2**30:.2f} GiB"),
+                            f"data {r['data_ms']:.1f} ms | {r['img_s']:.1f} img/s | mem "
+                            f"{r['mem_bytes'] / 2**30:.2f} GiB"),
         'train_metrics': lambda r: (f"Train metrics at step {r['step']}: loss {r['loss']:.4f} "
                                     f"top-1 {r['top1']:.4f} top-5 {r['top5']:.4f}"),
-        'val': lambda r: (f"Validation epoch {r['epoch']}: loss {r['loss']:.4f} "
-                          f"top-1 {r['top1']:.4f} top-5 {r['top5']:.4f} "
-                          f"({r['images']} images, {r['time_s']:.1f} s)"),
-        'val_ema': lambda r: (f"Validation (EMA) epoch {r['epoch']}: loss {r['loss']:.4f} "
-                              f"top-1 {r['top1']:.4f} top-5 {r['top5']:.4f}"),
-        'findlr': lambda r: (f"LR sweep step {r['global_step']}: lr {r['lr']:.3g} "
-                             f"loss {r['loss']:.4f} (smoothed {r['smoothed']:.4f})"),
+        'val': lambda r: (f"Validation epoch {r['epoch']}: loss {r['loss']:.4f} top-1 "
+                          f"{r['top1']:.4f} top-5 {r['top5']:.4f} ({r['images']} images, "
+                          f"{r['time_s']:.1f} s)"),
+        'val_ema': lambda r: (f"Validation (EMA) epoch {r['epoch']}: loss {r['loss']:.4f} top-1 "
+                              f"{r['top1']:.4f} top-5 {r['top5']:.4f}"),
+        'findlr': lambda r: (f"LR sweep step {r['global_step']}: lr {r['lr']:.3g} loss "
+                             f"{r['loss']:.4f} (smoothed {r['smoothed']:.4f})"),
     }

@@ -26,7 +26,8 @@ HELP_COLUMNS = ('load_ms: mean data wait + host-to-device copy per step; compute
 def differing_keys(runs):
     """Config keys (and world size) whose values are not the same in every run."""
     keys = sorted(set().union(*(r.config for r in runs)) - PATH_KEYS - DERIVED_KEYS)
-    diff = [k for k in keys if len({json.dumps(r.config.get(k), sort_keys=True, default=str) for r in runs}) > 1]
+    diff = [k for k in keys if len({json.dumps(r.config.get(k), sort_keys=True,
+                                               default=str) for r in runs}) > 1]
     if len({r.world_size for r in runs}) > 1:
         diff.append('world_size')
     return diff
@@ -44,7 +45,8 @@ def comparison(runs, sort='train_img_s'):
         rows.append(row)
     columns = ['run', 'status'] + flags + METRICS
     if sort not in columns:
-        raise ReportError(f'--sort {sort} is not a column of this comparison; choose one of {", ".join(columns)}.')
+        raise ReportError(f'--sort {sort} is not a column of this comparison; choose one of '
+                          f'{", ".join(columns)}.')
     return columns, sort_rows(rows, sort)
 
 
@@ -92,7 +94,8 @@ def plot_comparison(columns, rows, out):
     ax.barh(y, [r['compute_ms'] or 0 for r in rows], left=load, color=COLORS['forward'],
             label='compute (the copy left out), mean per step')
     for yi, r, l in zip(y, rows, load):
-        ax.text(l + (r['compute_ms'] or 0), yi, f"  {fmt(r['train_img_s'])} img/s", va='center', fontsize=8)
+        ax.text(l + (r['compute_ms'] or 0), yi, f"  {fmt(r['train_img_s'])} img/s", va='center',
+                fontsize=8)
     ax.set_yticks(list(y), labels, fontsize=7)
     ax.set_xlabel('ms per step')
     ax.set_xlim(0, max(l + (r['compute_ms'] or 0) for r, l in zip(rows, load)) * 1.3)
@@ -106,14 +109,17 @@ def comparison_view(rep):
     columns, rows = comparison(rep.runs, rep.sort)
     rep.table = columns, rows
     tables.write_csv(os.path.join(rep.out, 'comparison.csv'), columns, rows)
-    md = ['## Comparison', '', f'Sorted by `{rep.sort}`, best first; also in [comparison.csv](comparison.csv). '
-          f'Flags shown are those that differ between the runs. {HELP_COLUMNS}', '']
+    md = ['## Comparison', '',
+          f'Sorted by `{rep.sort}`, best first; also in [comparison.csv](comparison.csv). Flags '
+          f'shown are those that differ between the runs. {HELP_COLUMNS}', '']
     md += md_table(shown(columns, rows), rows) + ['']
     rep.per_config = by_config(columns, rows, rep.sort)
     if rep.per_config:
-        md += ['Per configuration, median of the completed runs (the machine is noisy: compare these):', '']
+        md += ['Per configuration, median of the completed runs (the machine is noisy: compare '
+               'these):', '']
         md += md_table(shown(*rep.per_config), rep.per_config[1]) + ['']
         tables.write_csv(os.path.join(rep.out, 'comparison-by-config.csv'), *rep.per_config)
-    png = guarded('comparison figure', lambda: plot_comparison(*(rep.per_config or (columns, rows)), rep.out),
+    png = guarded('comparison figure',
+                  lambda: plot_comparison(*(rep.per_config or (columns, rows)), rep.out),
                   rep.problems)
     return md + ([f'![comparison]({png})', ''] if isinstance(png, str) else [])

@@ -21,5 +21,6 @@ def diff_view(rep):
         return []
     a, b = rep.runs
     return ['## Diff', '', f'`{a.name}` vs `{b.name}`:', ''] + md_table(
-        ['section', 'key', 'a', 'b'], [dict(zip(('section', 'key', 'a', 'b'), d)) for d in config_diff(a, b)],
+        ['section', 'key', 'a', 'b'],
+        [dict(zip(('section', 'key', 'a', 'b'), d)) for d in config_diff(a, b)],
         ['', 'key', a.name, b.name]) + ['']

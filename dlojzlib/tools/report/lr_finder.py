@@ -30,7 +30,8 @@ def plot_lr(run, lrs, losses, sm, cut, suggested, out):
     ax.plot(lrs[:cut], losses[:cut], color='#9ecae1', lw=1, label='loss')
     ax.plot(lrs[:cut], sm, color='navy', label='smoothed (centered mean)')
     if suggested:
-        ax.axvline(suggested, color='#d62728', ls='--', label=f'suggested lr {suggested:.3g} (steepest descent)')
+        ax.axvline(suggested, color='#d62728', ls='--',
+                   label=f'suggested lr {suggested:.3g} (steepest descent)')
     ax.set_ylim(*lr_plot_ylim(losses[:cut], sm))
     ax.set_xscale('log')
     ax.set_xlabel('learning rate')
@@ -51,10 +52,11 @@ def lr_finder_view(rep):
         lrs, losses = fl['lr'], [v if v is not None else float('nan') for v in fl['loss']]
         sm, cut, suggested, why = lr_suggestion(lrs, losses)
         lines += [f'### {r.name}', '', f"{len(lrs)} steps from lr {lrs[0]:.3g} to {lrs[-1]:.3g}; " +
-                  (f"**suggested lr {suggested:.3g}** ({why})." if suggested else f"no suggestion: {why}."), '']
+                  (f"**suggested lr {suggested:.3g}** "
+                   f"({why})." if suggested else f"no suggestion: {why}."), '']
         if len(lrs) < FINDLR_MIN_STEPS:
-            lines += [f'A sweep of fewer than {FINDLR_MIN_STEPS} steps places the suggestion coarsely; sweep '
-                      f'longer (--test-nsteps).', '']
+            lines += [f'A sweep of fewer than {FINDLR_MIN_STEPS} steps places the suggestion '
+                      f'coarsely; sweep longer (--test-nsteps).', '']
         if fl.get('stopped'):  # dlojz stops a sweep when the loss diverges
             lines += [f"The sweep ended: {fl['stopped']}.", '']
         if cut:

@@ -28,7 +28,8 @@ def metric_sync_view(rep):
             agree = all(len(v) == 1 for v in steps.values())
             lines += [f'### {r.name}', '', f"After compute() every rank holds the same values: "
                       f"{'yes' if agree else '**no**'} ({len(steps)} syncs).", '']
-            lines += md_table(['step', 'rank', 'loss_before', 'loss_after', 'top1_before', 'top1_after'],
+            lines += md_table(['step', 'rank', 'loss_before', 'loss_after', 'top1_before',
+                               'top1_after'],
                               rows_s) + ['']
     return ['## Metric sync log', '', 'Per-rank training metrics before (local) and after (synced) '
             'the meters\' compute(), from `--metric-sync-log`.', ''] + lines if lines else []

@@ -70,8 +70,8 @@ def load_run(path):
     run.config = dict(dig(run.summary, 'config') or config or {})
     version = dig(run.summary, 'version')
     if run.summary is not None and isinstance(version, int) and version > SUMMARY_VERSION:
-        run.notes.append(f'summary.json is version {version}, newer than this report ({SUMMARY_VERSION}): '
-                         f'fields it does not know are ignored')
+        run.notes.append(f'summary.json is version {version}, newer than this report '
+                         f'({SUMMARY_VERSION}): fields it does not know are ignored')
     bad, metrics = 0, os.path.join(path, 'metrics.jsonl')
     try:
         with open(metrics) as f:
@@ -90,8 +90,9 @@ def load_run(path):
         run.notes.append(f'{bad} unreadable line(s) in metrics.jsonl (cut by a crash?)')
     run.records, repeated = latest_records(run.records)
     if repeated:
-        run.notes.append(f'{repeated} record(s) of metrics.jsonl were logged again by a resumed run (written '
-                         f'before dlojz trimmed them on resume): each step is counted once, from the resumed run')
+        run.notes.append(f'{repeated} record(s) of metrics.jsonl were logged again by a resumed '
+                         f'run (written before dlojz trimmed them on resume): each step is counted '
+                         f'once, from the resumed run')
     return run
 
 
@@ -104,7 +105,8 @@ def latest_records(records):
         if isinstance(r.get('global_step'), int):
             last[(r.get('type'), r['global_step'])] = i
     kept = [r for i, r in enumerate(records)
-            if not isinstance(r.get('global_step'), int) or last[(r.get('type'), r['global_step'])] == i]
+            if not isinstance(r.get('global_step'),
+                              int) or last[(r.get('type'), r['global_step'])] == i]
     return kept, len(records) - len(kept)
 
 
@@ -118,7 +120,8 @@ def collect_runs(paths):
     found, skipped = [], []
     for p in paths:
         if not os.path.exists(p):
-            raise ReportError(f'{p} does not exist; pass run directories written by dlojz.py (--output-dir).')
+            raise ReportError(f'{p} does not exist; pass run directories written by dlojz.py '
+                              f'(--output-dir).')
         if is_run_dir(p):
             found.append(p)
         elif os.path.isdir(p) and (subs := sorted(os.path.join(p, d) for d in os.listdir(p)
@@ -127,8 +130,9 @@ def collect_runs(paths):
         else:
             skipped.append(p)
     if not found:
-        raise ReportError(f'no dlojz run directory among {" ".join(paths)}; pass folders written by dlojz.py '
-                          f'--output-dir (they hold summary.json, config.json, metrics.jsonl).')
+        raise ReportError(f'no dlojz run directory among {" ".join(paths)}; pass folders written '
+                          f'by dlojz.py --output-dir (they hold summary.json, config.json, '
+                          f'metrics.jsonl).')
     runs = [load_run(p) for p in dict.fromkeys(os.path.abspath(p) for p in found)]
     names = [r.name for r in runs]
     for r in runs:  # two runs named alike in different folders: name them by parent/name

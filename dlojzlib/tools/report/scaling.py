@@ -45,7 +45,8 @@ def scalings(runs):
         rows = []
         for ws, v in sorted(by_ws.items()):
             img_s = statistics.median(i for i, _ in v)
-            row = {'world_size': ws, 'runs': len(v), 'global_batch': ws * g[0].batch_size, 'train_img_s': img_s,
+            row = {'world_size': ws, 'runs': len(v), 'global_batch': ws * g[0].batch_size,
+                   'train_img_s': img_s,
                    'speedup': img_s / base, 'efficiency': img_s / base / (ws / base_ws),
                    'step_ms': None, **dict.fromkeys(COLUMNS)}
             split = medians(v)
@@ -103,7 +104,8 @@ def scaling_view(rep):
     lines = []
     for i, s in enumerate(scalings(rep.runs), 1):
         lines += [f'### {s["label"]}', '']
-        lines += md_table(['world_size', 'runs', 'global_batch', 'train_img_s', 'speedup', 'efficiency', 'step_ms',
+        lines += md_table(['world_size', 'runs', 'global_batch', 'train_img_s', 'speedup',
+                           'efficiency', 'step_ms',
                            *COLUMNS],
                           s['rows']) + ['', f'![scaling]({plot_scaling(s, i, rep.out)})', '']
     return ['## Scaling', '', 'Median train img/s of the runs at each world size; efficiency = '

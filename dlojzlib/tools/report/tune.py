@@ -16,7 +16,8 @@ def plot_tune(run, trials, out):
         ts = sorted(ts, key=lambda t: t['batch'])
         b = [t['batch'] for t in ts]
         a1.plot(b, [t['images_per_s'] for t in ts], 'o-', color=f'C{i % 10}', label=key)
-        a2.plot(b, [(t['memory_bytes'] or 0) / GiB for t in ts], 'o-', color=f'C{i % 10}', label=key)
+        a2.plot(b, [(t['memory_bytes'] or 0) / GiB for t in ts], 'o-', color=f'C{i % 10}',
+                label=key)
     for ax, label in ((a1, 'images/second'), (a2, 'memory peak, GiB')):
         ax.set_xscale('log', base=2)
         ax.set_xlabel('batch per device')
@@ -30,18 +31,21 @@ def tune_view(rep):
     """The tuner's trials (--tune): its table, the recommended command, the scaling forecast, a
     figure."""
     def section(r, tune):
-        rows = [{'batch': t['batch'], 'amp': t['amp'], 'channels_last': t['channels_last'], 'compile': t['compile'],
+        rows = [{'batch': t['batch'], 'amp': t['amp'], 'channels_last': t['channels_last'],
+                 'compile': t['compile'],
                  'img_s': t['images_per_s'], 'step_ms': t['step_ms'],
                  'memory_gib': (t['memory_bytes'] or 0) / GiB if t['memory_bytes'] is not None else None,
                  'bound': t['bound'], 'status': t['status']} for t in tune['trials']]
         lines = md_table(list(rows[0]), rows) + ['']
         rec = tune.get('recommended')
         if rec:
-            lines += [f"Recommended ({rec['images_per_s']:.1f} img/s): `{rec['command']}`; {rec['lr_rule']}.", '']
+            lines += [f"Recommended ({rec['images_per_s']:.1f} img/s): `{rec['command']}`; "
+                      f"{rec['lr_rule']}.", '']
         if tune.get('skipped'):
             lines += [f"Skipped for the time budget: {', '.join(tune['skipped'])}.", '']
         if tune.get('forecast'):
             lines += ['Scaling forecast (docs/scaling.md: an upper bound):', '']
-            lines += md_table(['gpus', 'nodes', 'images_per_s', 'efficiency'], tune['forecast']) + ['']
+            lines += md_table(['gpus', 'nodes', 'images_per_s', 'efficiency'],
+                              tune['forecast']) + ['']
         return lines + [f"![tuning]({plot_tune(r, tune['trials'], rep.out)})", '']
     return trials_sections(rep, 'Tuning', 'tune', section)
