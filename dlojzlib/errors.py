@@ -54,8 +54,9 @@ class NonFiniteLoss(DlojzError):
     status, exit_code = 'nan', 3
 
     def __init__(self, step):
-        super().__init__(f'the loss became NaN or infinite at step {step}; training stopped there and no '
-                         f'checkpoint was written after it; lower --lr, use --amp bf16/off, or check the data.',
+        super().__init__(f'the loss became NaN or infinite at step {step}; training stopped there '
+                         f'and no checkpoint was written after it; lower --lr, use --amp bf16/off, '
+                         f'or check the data.',
                          failed_step=step)
 
 
@@ -65,11 +66,13 @@ class NonFiniteValidation(NonFiniteLoss):
     """
 
     def __init__(self, epoch, step):
-        DlojzError.__init__(self, f'the validation loss of epoch {epoch} (after step {step}) is NaN or infinite '
-                                  f'although the training loss was finite: the weights or the BatchNorm statistics '
-                                  f'hold non-finite values; the run stopped before the checkpoint that closes the '
-                                  f'epoch; resume from an earlier checkpoint with a lower --lr or --amp bf16/off, or '
-                                  f'check the data.', failed_step=step)
+        DlojzError.__init__(self,
+                            f'the validation loss of epoch {epoch} (after step {step}) is NaN or '
+                                  f'infinite although the training loss was finite: the weights or '
+                                  f'the BatchNorm statistics hold non-finite values; the run '
+                                  f'stopped before the checkpoint that closes the epoch; resume '
+                                  f'from an earlier checkpoint with a lower --lr or --amp '
+                                  f'bf16/off, or check the data.', failed_step=step)
 
 
 class CommFailure(DlojzError):
@@ -100,8 +103,8 @@ EARLY_SIGNALS = []
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # no space left, disk quota exceeded
 
 
-RESUME_AFTER_FULL = ('earlier checkpoints are kept: free some space (or choose another --output-dir) and continue '
-                     'with --resume auto.')
+RESUME_AFTER_FULL = ('earlier checkpoints are kept: free some space (or choose another '
+                     '--output-dir) and continue with --resume auto.')
 
 
 def disk_full(path, usage=None, then=RESUME_AFTER_FULL):
@@ -112,8 +115,8 @@ def disk_full(path, usage=None, then=RESUME_AFTER_FULL):
         free = f'{(usage or shutil.disk_usage)(folder).free / 2**20:.0f} MiB free'
     except OSError:
         free = 'free space unknown'
-    return DiskFull(f'no space left on {folder} ({free}) while writing {os.path.basename(path)}; {then}',
-                    disk_full_path=path)
+    return DiskFull(f'no space left on {folder} ({free}) while writing {os.path.basename(path)}; '
+                    f'{then}', disk_full_path=path)
 
 
 class Complete(DlojzError):
@@ -160,10 +163,14 @@ def first_line(e):
 # libtorch_cpu.so's gloo/transport/tcp; a hung peer in the middle of DDP's backward gives
 # "Application timeout caused pair closure", not "Timed out waiting"). Gloo raises them as plain
 # RuntimeErrors, some through autograd's engine.
-COMM_FAILURE_PATTERNS = ('connection reset by peer', 'connection closed by peer', 'timed out waiting',
-                         'application timeout caused pair closure', 'socket timeout', 'connect timeout',
-                         'broken pipe', 'nccl communicator was aborted', 'watchdog caught collective',
-                         'distbackenderror', 'processgroupnccl', 'processgroupgloo', 'gloo/transport')
+COMM_FAILURE_PATTERNS = ('connection reset by peer', 'connection closed by peer',
+                         'timed out waiting',
+                         'application timeout caused pair closure', 'socket timeout',
+                         'connect timeout',
+                         'broken pipe', 'nccl communicator was aborted',
+                         'watchdog caught collective',
+                         'distbackenderror', 'processgroupnccl', 'processgroupgloo',
+                         'gloo/transport')
 
 
 def is_comm_failure(exc):
@@ -208,30 +215,33 @@ def translate(e, args, rank=0, distributed=False, step=0):
     if isinstance(e, KeyboardInterrupt):
         return Interrupted('interrupted', **failed)
     if isinstance(e, torch.OutOfMemoryError):
-        return OutOfMemory(f'out of memory at step {step} with batch size {args.batch_size}; lower -b, or use '
-                           f'--amp bf16/--grad-checkpointing.', **failed)
+        return OutOfMemory(f'out of memory at step {step} with batch size {args.batch_size}; lower '
+                           f'-b, or use --amp bf16/--grad-checkpointing.', **failed)
     if is_host_oom(e):  # a uint8 image is 3 bytes per pixel, 12 as the float32 the model takes
         batch = args.batch_size * 3 * args.image_size ** 2 / 2**30
         tried = re.search(r'tried to allocate (\d+) bytes', str(e))  # torch's CPU allocator says how much
         why = f'an allocation of {int(tried.group(1)) / 2**30:.3g} GiB failed' if tried else \
             next((line.strip() for line in str(e).splitlines()  # a worker's error: the line that says it
                   if any(p in line.lower() for p in HOST_OOM_PATTERNS)), first_line(e))
-        return OutOfMemory(f'the host ran out of memory at step {step} ({why[:120]}); a batch of -b '
-                           f'{args.batch_size} images at --image-size {args.image_size} is {batch:.2g} GiB as uint8 '
-                           f'and 4x that as float32, and each loader worker holds --prefetch-factor batches: lower '
-                           f'-b, --image-size or --num-workers.', **failed)
+        return OutOfMemory(f'the host ran out of memory at step {step} ({why[:120]}); a batch of '
+                           f'-b {args.batch_size} images at --image-size {args.image_size} is '
+                           f'{batch:.2g} GiB as uint8 and 4x that as float32, and each loader '
+                           f'worker holds --prefetch-factor batches: lower -b, --image-size or '
+                           f'--num-workers.', **failed)
     if args.compile and type(e).__module__.startswith(('torch._dynamo', 'torch._inductor')):
-        return UsageError(f'torch.compile failed ({type(e).__name__}: {first_line(e)[:200]}); rerun with '
-                          f'--no-compile or another --compile-mode.', **failed)
+        return UsageError(f'torch.compile failed ({type(e).__name__}: {first_line(e)[:200]}); '
+                          f'rerun with --no-compile or another --compile-mode.', **failed)
     if isinstance(e, RuntimeError) and 'find_unused_parameters' in str(e):  # DDP's reducer error
-        return UsageError(f'--arch {args.arch} leaves some parameters without a gradient in a step (e.g. the '
-                          f'classifier heads not chosen) and DDP cannot finish its gradient all-reduce; rerun '
-                          f'with --find-unused-parameters.', **failed)
+        return UsageError(f'--arch {args.arch} leaves some parameters without a gradient in a step '
+                          f'(e.g. the classifier heads not chosen) and DDP cannot finish its '
+                          f'gradient all-reduce; rerun with --find-unused-parameters.', **failed)
     if distributed and is_comm_failure(e):
         timeout = f'{args.dist_timeout:g} min' if args.dist_timeout else "PyTorch's default timeout"
-        return CommFailure(f'a collective failed on rank {rank} at step {step}: another rank died or stopped '
-                           f'answering ({first_line(e)[:160]}); look for the first error in the other ranks\' '
-                           f'output (waits are bounded by --dist-timeout, now {timeout}).', **failed)
+        return CommFailure(f'a collective failed on rank {rank} at step {step}: another rank died '
+                           f'or stopped answering ({first_line(e)[:160]}); look for the first '
+                           f'error in the other ranks\' output (waits are bounded by '
+                           f'--dist-timeout, now {timeout}).',
+                           **failed)
     return None
 
 

@@ -32,8 +32,9 @@ from dlojzlib import compat
 from dlojzlib.data.decode import indexed, random_resized_crop_params, read_bytes, sample_rng, simplejpeg
 from dlojzlib.errors import DataError
 
-INSTALL = ('--loader dali needs NVIDIA DALI, which is not installed: pip install nvidia-dali-cuda120 (CUDA 12 '
-           'drivers) or nvidia-dali-cuda130 (CUDA 13), or use --loader native.')
+INSTALL = ('--loader dali needs NVIDIA DALI, which is not installed: pip install '
+           'nvidia-dali-cuda120 (CUDA 12 drivers) or nvidia-dali-cuda130 (CUDA 13), or use '
+           '--loader native.')
 
 
 def dali():
@@ -77,14 +78,15 @@ def image_size(data):
         with Image.open(io.BytesIO(data)) as img:
             return img.size
     except Exception as e:
-        raise DataError(f'cannot read an image header ({type(e).__name__}: {e}); --loader native names the '
-                        f'file.') from None
+        raise DataError(f'cannot read an image header ({type(e).__name__}: {e}); --loader native '
+                        f'names the file.') from None
 
 
 class DaliLoader:
     """An iterable of (uint8 (N, 3, s, s), int64 labels) batches, on the CPU or on `device` (a GPU)."""
 
-    def __init__(self, dataset, batch_sampler, train, size, seed, threads=1, device=torch.device('cpu'),
+    def __init__(self, dataset, batch_sampler, train, size, seed, threads=1,
+                 device=torch.device('cpu'),
                  val_resize=None):
         self.dataset, self.batch_sampler, self.train = dataset, batch_sampler, train
         self.size, self.seed, self.val_resize = size, seed, val_resize
@@ -96,7 +98,8 @@ class DaliLoader:
 
     def summary(self):
         """summary.json's data.dali: DALI's version, where it decodes and its threads."""
-        return {'version': dali().__version__, 'decoder': 'mixed' if self.device.type == 'cuda' else 'cpu',
+        return {'version': dali().__version__,
+                'decoder': 'mixed' if self.device.type == 'cuda' else 'cpu',
                 'threads': self.threads}
 
     def _build(self):
@@ -104,7 +107,8 @@ class DaliLoader:
         gpu = self.device.type == 'cuda'
         batch = self.batch_sampler.batch_size  # the largest batch (StepBatchSampler, BatchSampler)
 
-        @pipeline_def(batch_size=batch, num_threads=self.threads, device_id=self.device.index or 0 if gpu else None,
+        @pipeline_def(batch_size=batch, num_threads=self.threads,
+                      device_id=self.device.index or 0 if gpu else None,
                       exec_async=False, exec_pipelined=False, seed=self.seed)
         def pipe():
             data = fn.external_source(name='data', dtype=types.UINT8, ndim=1)
@@ -114,16 +118,20 @@ class DaliLoader:
                 shape = fn.external_source(name='shape', dtype=types.INT32, ndim=1)
                 flip = fn.external_source(name='flip', dtype=types.INT32, ndim=0)
                 # the box as drawn from the header's size: no EXIF rotation, as the native paths
-                x = fn.decoders.image_slice(data, anchor, shape, axis_names='HW', output_type=types.RGB,
+                x = fn.decoders.image_slice(data, anchor, shape, axis_names='HW',
+                                            output_type=types.RGB,
                                             device=decoder, adjust_orientation=False)
-                x = fn.resize(x, resize_x=self.size, resize_y=self.size, interp_type=types.INTERP_LINEAR,
+                x = fn.resize(x, resize_x=self.size, resize_y=self.size,
+                              interp_type=types.INTERP_LINEAR,
                               antialias=True)
             else:  # torchvision's evaluation: shorter side to val_resize, center crop
                 flip = 0
-                x = fn.decoders.image(data, output_type=types.RGB, device=decoder, adjust_orientation=False)
-                x = fn.resize(x, resize_shorter=self.val_resize, interp_type=types.INTERP_LINEAR, antialias=True)
-            return fn.crop_mirror_normalize(x, dtype=types.UINT8, output_layout='CHW', mirror=flip, crop=(
-                self.size, self.size), mean=[0.0], std=[1.0])
+                x = fn.decoders.image(data, output_type=types.RGB, device=decoder,
+                                      adjust_orientation=False)
+                x = fn.resize(x, resize_shorter=self.val_resize, interp_type=types.INTERP_LINEAR,
+                              antialias=True)
+            return fn.crop_mirror_normalize(x, dtype=types.UINT8, output_layout='CHW', mirror=flip,
+                                            crop=(self.size, self.size), mean=[0.0], std=[1.0])
 
         p = pipe()
         p.build()
@@ -158,8 +166,9 @@ class DaliLoader:
         try:
             (out,) = p.run()
         except RuntimeError as e:
-            raise DataError(f'DALI could not decode a batch ({str(e).strip().splitlines()[0]}); --loader '
-                            f'native names the file (and --skip-bad-images replaces it).') from None
+            raise DataError(f'DALI could not decode a batch ({str(e).strip().splitlines()[0]}); '
+                            f'--loader native names the file (and --skip-bad-images replaces '
+                            f'it).') from None
         out = out.as_tensor()
         x = torch.empty(out.shape(), dtype=torch.uint8, device=self.device)
         stream = torch.cuda.current_stream(self.device) if self.device.type == 'cuda' else None

@@ -53,7 +53,8 @@ class DataSource:
 
 def resolve_data_source(args, environ=os.environ):
     if args.fake_data:
-        return DataSource('fake', '', '--fake-data: random uint8 batches held in memory, no decoding')
+        return DataSource('fake', '',
+                          '--fake-data: random uint8 batches held in memory, no decoding')
     if args.data_dir:
         kind = 'shards' if shards.is_shards(args.data_dir) else 'imagefolder'
         return DataSource(kind, args.data_dir, '--data-dir')
@@ -63,18 +64,19 @@ def resolve_data_source(args, environ=os.environ):
         return DataSource(kind, root, '$DLOJZ_DATA_DIR is set', '$DLOJZ_DATA_DIR')
     # Jean Zay: a copy on the user's scratch, then the centre's dataset store $DSDIR (read-only,
     # shared)
-    for var, sub in (('ALL_CCFRSCRATCH', 'imagenet'), ('DSDIR', 'imagenet'), ('DSDIR', 'imagenet/RawImages')):
+    for var, sub in (('ALL_CCFRSCRATCH', 'imagenet'), ('DSDIR', 'imagenet'),
+                     ('DSDIR', 'imagenet/RawImages')):
         root = os.path.join(environ[var], sub) if environ.get(var) else None
         if root and os.path.isdir(os.path.join(root, 'train')):
             return DataSource('imagefolder', root, f'${var}/{sub} holds train/ (Jean Zay)')
     root = synthetic_root(args)
-    return DataSource('synthetic', root, 'no --data-dir, $DLOJZ_DATA_DIR, $ALL_CCFRSCRATCH/imagenet or '
+    return DataSource('synthetic', root,
+                      'no --data-dir, $DLOJZ_DATA_DIR, $ALL_CCFRSCRATCH/imagenet or '
                       '$DSDIR/imagenet: using the built-in synthetic JPEG dataset')
 
 
 def synthetic_root(args):
-    name = (f'synthetic-v{SYNTH_VERSION}-c{args.synthetic_classes}-n{args.synthetic_train_per_class}'
-            f'-v{args.synthetic_val_per_class}-s{args.synthetic_seed}')
+    name = (f'synthetic-v{SYNTH_VERSION}-c{args.synthetic_classes}-n{args.synthetic_train_per_class}-v{args.synthetic_val_per_class}-s{args.synthetic_seed}')
     return os.path.join(os.path.expanduser(args.cache_dir), name)
 
 
@@ -110,8 +112,10 @@ class ImageFolderDataset(torch.utils.data.Dataset):
                     raise
                 with self.bad_count.get_lock():
                     self.bad_count.value += 1
-                print(f'dlojz: warning: skipped bad image {source_name(src)}; using the next file instead', file=sys.stderr)
-        raise BadImageError('every image of the dataset failed to decode; check the data directory.')
+                print(f'dlojz: warning: skipped bad image {source_name(src)}; using the next file '
+                      f'instead', file=sys.stderr)
+        raise BadImageError('every image of the dataset failed to decode; check the data '
+                            'directory.')
 
     def source(self, i):
         """-> (what the transform decodes: a path, label)."""
@@ -137,13 +141,14 @@ class ShardDataset(ImageFolderDataset):
         try:
             data = self.reader.read(shard, offset, size)
         except OSError as e:
-            raise DataError(f'cannot read shard {os.path.join(self.root, self.names[shard])} ({e.strerror}); '
-                            f'check --data-dir (a missing shard: run dlojz_data.py prepare again).') from None
+            raise DataError(f'cannot read shard {os.path.join(self.root, self.names[shard])} '
+                            f'({e.strerror}); check --data-dir (a missing shard: run dlojz_data.py '
+                            f'prepare again).') from None
         if len(data) < size:  # the file ends before the sample does: the shard's fault, not the image's
             path = os.path.join(self.root, self.names[shard])
-            raise DataError(f'shard {path} is truncated: it holds {offset + len(data)} bytes and sample {i} ends at '
-                            f'byte {offset + size}; copy it again from where the shards were prepared, or run '
-                            f'dlojz_data.py prepare again.')
+            raise DataError(f'shard {path} is truncated: it holds {offset + len(data)} bytes and '
+                            f'sample {i} ends at byte {offset + size}; copy it again from where '
+                            f'the shards were prepared, or run dlojz_data.py prepare again.')
         return Blob(data, f'{self.names[shard]}:{i:08d}'), label
 
     @property
@@ -158,7 +163,8 @@ class EpochSampler(torch.utils.data.distributed.DistributedSampler):
     same number of steps."""
 
     def __init__(self, dataset, seed, shuffle=True, rank=0, world_size=1):
-        super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
+        super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=False)
         self.start = 0
 
     def set_epoch(self, epoch, start_sample=0):
@@ -180,7 +186,8 @@ class StepBatchSampler(torch.utils.data.Sampler):
     would."""
 
     def __init__(self, dataset, seed, batch_size, drop_last=False, rank=0, world_size=1, accum=1):
-        self.parts = [EpochSampler(dataset, seed, True, rank * accum + k, world_size * accum) for k in range(accum)]
+        self.parts = [EpochSampler(dataset, seed, True, rank * accum + k,
+                                   world_size * accum) for k in range(accum)]
         self.batch_size, self.drop_last = batch_size, drop_last
 
     def set_epoch(self, epoch, start_sample=0):
@@ -251,7 +258,8 @@ class FakeLoader:
         g = torch.Generator().manual_seed(seed)
         self.batches = []
         for _ in range(2):  # two distinct batches so the model does not see one constant input
-            images = torch.randint(0, 256, (batch_size, 3, image_size, image_size), dtype=torch.uint8, generator=g)
+            images = torch.randint(0, 256, (batch_size, 3, image_size, image_size),
+                                   dtype=torch.uint8, generator=g)
             labels = torch.randint(0, num_classes, (batch_size,), generator=g)
             if pin_memory:
                 images, labels = images.pin_memory(), labels.pin_memory()
@@ -310,7 +318,8 @@ class Data:
         transform = getattr(self.train_dataset, 'transform', None)
         if not isinstance(transform, decode.GpuTrainTransform):
             return None
-        return {'cpu_in_workers': transform.in_workers.value, 'cpu_after_nvjpeg': decode.DEVICE_DECODE.refused}
+        return {'cpu_in_workers': transform.in_workers.value,
+                'cpu_after_nvjpeg': decode.DEVICE_DECODE.refused}
 
     @property
     def fast_decode(self):
@@ -324,8 +333,10 @@ class Data:
         if not isinstance(transform, decode.FastTrainTransform):
             return None
         r = decode.REGION
-        return {'region_decoder': f'nvimgcodec {r.version}' if r.lib else None, 'why_not': r.why_not,
-                'images_region': r.counts[0], 'images_whole_file': r.counts[1], 'images_pil': r.counts[2]}
+        return {'region_decoder': f'nvimgcodec {r.version}' if r.lib else None,
+                'why_not': r.why_not,
+                'images_region': r.counts[0], 'images_whole_file': r.counts[1],
+                'images_pil': r.counts[2]}
 
     @property
     def dali(self):
@@ -363,7 +374,8 @@ def train_transform(args):
         refused = decode.host_train_transform(args.image_size)  # files nvJPEG refuses
         return (decode.GpuTrainTransform(args.image_size, refused),
                 decode.GpuCollate(args.image_size))
-    transform = {'fast': decode.FastTrainTransform, 'pil': decode.TrainTransform}[args.decode](args.image_size)
+    transform = {'fast': decode.FastTrainTransform,
+                 'pil': decode.TrainTransform}[args.decode](args.image_size)
     ops = augment.worker_ops(args)
     return (augment.Augmented(transform, ops) if ops else transform), None
 
@@ -387,8 +399,8 @@ def check_fits(args, world_size, data):
                          f'({data.n_train} images); lower -b or --accum-steps, or train on more '
                          f'data.')
     if len(data.train_steps) == 0:
-        raise UsageError(f'an epoch of {data.n_train} training images holds no step of {gb} '
-                         f'images ({how}); lower -b or --accum-steps.')
+        raise UsageError(f'an epoch of {data.n_train} training images holds no step of {gb} images '
+                         f'({how}); lower -b or --accum-steps.')
 
 
 def build_loaders(args, dist, log=print, on_ranks=None, device=None,
@@ -406,12 +418,15 @@ def build_loaders(args, dist, log=print, on_ranks=None, device=None,
         classes = [str(i) for i in range(args.fake_classes)]
         # Distinct batches per rank (seed + rank); train shares padded like DistributedSampler, val
         # shares exact.
-        mk = lambda n, b, size, d: FakeLoader(n, b, size, len(classes), args.pin_memory, d, args.seed + dist.rank)
+        mk = lambda n, b, size, d: FakeLoader(n, b, size, len(classes), args.pin_memory, d,
+                                              args.seed + dist.rank)
         train_share = math.ceil(args.fake_train_size / dist.world_size)
         val_share = len(range(dist.rank, args.fake_val_size, dist.world_size))
-        return Data(source, classes, mk(train_share, args.batch_size, args.image_size, args.drop_last),
+        return Data(source, classes,
+                    mk(train_share, args.batch_size, args.image_size, args.drop_last),
                     mk(val_share, args.val_batch_size, args.val_image_size, False),
-                    n_train=args.fake_train_size, n_val=args.fake_val_size, accum=args.accum_steps, staging=staging)
+                    n_train=args.fake_train_size, n_val=args.fake_val_size, accum=args.accum_steps,
+                    staging=staging)
     if source.kind == 'synthetic':  # one generator per node; the other ranks wait for it
         with phase('synthetic_data'):
             sizes = (args.synthetic_classes, args.synthetic_train_per_class,
@@ -425,16 +440,20 @@ def build_loaders(args, dist, log=print, on_ranks=None, device=None,
         collate, why_not = handover.make(args.num_workers, args.prefetch_factor, args.batch_size,
                                                max(args.image_size, args.res_start or 0))
         if why_not:
-            log(f'Note: {why_not}; the workers hand each batch over in a new shared block (PyTorch\'s way).')
+            log(f'Note: {why_not}; the workers hand each batch over in a new shared block '
+                f'(PyTorch\'s way).')
     decode.REGION.reset()
     if args.decode == 'fast' and args.loader == 'native' and decode.REGION.lib is None:
-        log(f'Note: {decode.REGION.why_not}: --decode fast decodes whole files, not the crop\'s region alone.')
+        log(f'Note: {decode.REGION.why_not}: --decode fast decodes whole files, not the crop\'s '
+            f'region alone.')
     val_transform = decode.ValTransform(args.val_resize, args.val_image_size)
     if source.kind == 'shards':
         with phase('dataset_index'):  # rank 0 reads index.json and its tables
             classes, splits = index.shared(lambda: shards.load_index(source.root), dist, on_ranks)
-        train_set = ShardDataset(source.root, *splits['train'], transform, args.seed, args.skip_bad_images)
-        val_set = ShardDataset(source.root, *splits['val'], val_transform, args.seed, args.skip_bad_images)
+        train_set = ShardDataset(source.root, *splits['train'], transform, args.seed,
+                                 args.skip_bad_images)
+        val_set = ShardDataset(source.root, *splits['val'], val_transform, args.seed,
+                               args.skip_bad_images)
     else:
         if os.path.exists(os.path.join(source.root, 'prepare.json')) and \
                 not os.path.isdir(os.path.join(source.root, 'train')):  # prepare writes index.json last
@@ -450,31 +469,35 @@ def build_loaders(args, dist, log=print, on_ranks=None, device=None,
     if args.res_start is not None:
         train_set.resolution = lambda epoch: augment.resolution(epoch, args.res_start, args.image_size,
                                                                       args.res_end_epoch)
-    batches = StepBatchSampler(train_set, args.seed, args.batch_size, args.drop_last, dist.rank, dist.world_size,
-                               args.accum_steps)
+    batches = StepBatchSampler(train_set, args.seed, args.batch_size, args.drop_last, dist.rank,
+                               dist.world_size, args.accum_steps)
     if batches.single_last and not args.drop_last:
-        log(f'Note: each epoch\'s last batch would hold a single image ({len(batches.parts[0])} images per '
-            f'{"process" if dist.world_size * args.accum_steps == 1 else "micro-batch stream"}, -b '
-            f'{args.batch_size}), which BatchNorm cannot train on: that image is left out of each epoch (as '
-            f'--drop-last would; another -b keeps it).')
+        stream = 'process' if dist.world_size * args.accum_steps == 1 else 'micro-batch stream'
+        log(f'Note: each epoch\'s last batch would hold a single image ({len(batches.parts[0])} '
+            f'images per {stream}, -b {args.batch_size}), which BatchNorm cannot train on: that '
+            f'image is left out of each epoch (as --drop-last would; another -b keeps it).')
     if args.loader == 'dali':  # the same samplers; DALI decodes (data.dali)
         from dlojzlib.data import dali
         dali_device = device if device is not None and device.type == 'cuda' else torch.device('cpu')
         val_batches = torch.utils.data.BatchSampler(ShardSampler(len(val_set), dist.rank, dist.world_size),
                                                     args.val_batch_size, drop_last=False)
         return Data(source, classes,
-                    dali.DaliLoader(train_set, batches, True, args.image_size, args.seed, args.num_workers,
+                    dali.DaliLoader(train_set, batches, True, args.image_size, args.seed,
+                                    args.num_workers,
                                           dali_device),
                     dali.DaliLoader(val_set, val_batches, False, args.val_image_size, args.seed,
-                                          args.num_workers, dali_device, val_resize=args.val_resize),
+                                          args.num_workers, dali_device,
+                                          val_resize=args.val_resize),
                     train_set, len(train_set), len(val_set), accum=args.accum_steps,
                     staging=staging, index=cost)
     # a lone process may skip its loader's start on a stop; ranks with peers agree at a step
     # boundary instead
     train_loader = DataLoader(train_set, batch_sampler=batches, collate_fn=collate,
                               abort_on_stop=dist.world_size == 1, **loader_kwargs(args))
-    val_loader = DataLoader(val_set, batch_size=args.val_batch_size, drop_last=False, **loader_kwargs(args),
+    val_loader = DataLoader(val_set, batch_size=args.val_batch_size, drop_last=False,
+                            **loader_kwargs(args),
                             sampler=ShardSampler(len(val_set), dist.rank, dist.world_size))
     return Data(source, classes, train_loader, val_loader, train_set, len(train_set), len(val_set),
-                accum=args.accum_steps, ahead=device if args.decode == 'gpu' and args.decode_ahead else None,
+                accum=args.accum_steps,
+                ahead=device if args.decode == 'gpu' and args.decode_ahead else None,
                 staging=staging, index=cost)

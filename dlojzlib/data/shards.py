@@ -55,9 +55,9 @@ def check_decodes(data, path):
             img.draft('RGB', (1, 1))
             img.load()
     except Exception as e:
-        raise DataError(f'{path} cannot be decoded ({type(e).__name__}: {str(e)[:120]}); replace it with a good '
-                        f'copy and run the same command again (the finished shards are kept), or delete it and '
-                        f'start again in an empty DST.') from None
+        raise DataError(f'{path} cannot be decoded ({type(e).__name__}: {str(e)[:120]}); replace '
+                        f'it with a good copy and run the same command again (the finished shards '
+                        f'are kept), or delete it and start again in an empty DST.') from None
 
 
 def encode(path, max_side, quality=90):
@@ -78,7 +78,8 @@ def encode(path, max_side, quality=90):
     from dlojzlib.data.decode import to_rgb
     img = to_rgb(img)
     scale = max_side / max(img.size)
-    img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))), Image.BILINEAR,
+    img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))),
+                     Image.BILINEAR,
                      reducing_gap=3.0)
     buf = io.BytesIO()
     img.save(buf, 'JPEG', quality=quality)
@@ -130,7 +131,8 @@ def prepare(src, dst, max_side=None, shard_size_mb=256, log=print, stop_after=No
     """ImageFolder tree src -> shards + index in dst. stop_after: for the tests, stop after that
     many new shards (as an interruption would)."""
     classes, train, val = scan_imagefolder(src, given='SRC')
-    spec = {'format': FORMAT, 'classes': classes, 'max_side': max_side, 'shard_size_mb': shard_size_mb,
+    spec = {'format': FORMAT, 'classes': classes, 'max_side': max_side,
+            'shard_size_mb': shard_size_mb,
             # relative paths: the same tree named another way (relative, absolute, a link) resumes
             'files': hashlib.sha256('\n'.join(f'{os.path.relpath(p, src)}\t{y}' for p, y in train + val)
                                     .encode()).hexdigest()}
@@ -141,8 +143,8 @@ def prepare(src, dst, max_side=None, shard_size_mb=256, log=print, stop_after=No
             old = json.load(f)
         if old != spec:
             changed = ', '.join(k for k in spec if old.get(k) != spec[k])
-            raise DataError(f'{dst} holds a prepare with other arguments or another source ({changed}); choose '
-                            f'another DST or delete it.')
+            raise DataError(f'{dst} holds a prepare with other arguments or another source '
+                            f'({changed}); choose another DST or delete it.')
     else:
         _write(spec_path, json.dumps(spec, indent=1).encode())
     written, index = 0, {'format': FORMAT, 'classes': classes, 'max_side': max_side, 'splits': {}}
@@ -193,9 +195,10 @@ def is_shards(root):
 def incomplete(root, missing):
     """The DataError for a shards folder that a prepare has not finished (it writes index.json
     last)."""
-    return DataError(f'{root} looks like an incomplete `dlojz_data.py prepare` ({missing} is missing); finish it '
-                     f'by running `python dlojz_data.py prepare SRC {root}` again with the same SRC and options '
-                     f'(it resumes, keeping the shards already written).')
+    return DataError(f'{root} looks like an incomplete `dlojz_data.py prepare` ({missing} is '
+                     f'missing); finish it by running `python dlojz_data.py prepare SRC {root}` '
+                     f'again with the same SRC and options (it resumes, keeping the shards already '
+                     f'written).')
 
 
 def damaged(root, name, what):
@@ -256,8 +259,8 @@ def check_table(root, name, table, names, n_classes):
         raise damaged(root, name, f'shard numbers from {shard.min()} to {shard.max()} for '
                                   f'{len(names)} shards')
     if label.min() < 0 or label.max() >= n_classes:
-        raise damaged(root, name, f'labels from {label.min()} to {label.max()} for the '
-                                  f'{n_classes} classes of {INDEX}')
+        raise damaged(root, name, f'labels from {label.min()} to {label.max()} for the {n_classes} '
+                                  f'classes of {INDEX}')
     if offset.min() < 0 or size.min() <= 0:
         raise damaged(root, name, 'a negative offset or an empty sample')
     ends = np.zeros(len(names), dtype=np.int64)
@@ -301,15 +304,19 @@ SHARD_MB = number(float, lambda v: 1 <= v <= 2 ** 20 and math.isfinite(v), 'from
 
 def main(argv=None):
     """`python dlojz_data.py prepare SRC DST ...` (argv: what follows dlojz_data.py) -> exit code."""
-    top = argparse.ArgumentParser(prog='dlojz_data.py', description='Data tools of dlojz. The training data '
-                                  'itself needs none: dlojz.py reads ImageFolder trees and shards, and generates '
-                                  'its synthetic dataset.', epilog='python dlojz_data.py prepare --help: its flags.')
+    top = argparse.ArgumentParser(prog='dlojz_data.py',
+                                  description='Data tools of dlojz. The training data itself needs '
+                                  'none: dlojz.py reads ImageFolder trees and shards, and '
+                                  'generates its synthetic dataset.',
+                                  epilog='python dlojz_data.py prepare --help: its flags.')
     commands = top.add_subparsers(dest='command', required=True, metavar='COMMAND')
-    description = ('ImageFolder tree -> WebDataset-style tar shards + an index, for dlojz.py --data-dir DST: a '
-                   'few file opens per worker and shard instead of one per image (a parallel file system\'s cost).')
+    description = ('ImageFolder tree -> WebDataset-style tar shards + an index, for dlojz.py '
+                   '--data-dir DST: a few file opens per worker and shard instead of one per image '
+                   '(a parallel file system\'s cost).')
     p = commands.add_parser('prepare', help=description, description=description)
     p.add_argument('src', help='ImageFolder root: SRC/train/<class>/*.JPEG, SRC/val/<class>/*.JPEG')
-    p.add_argument('dst', help='folder for the shards (created; an interrupted prepare continues there)')
+    p.add_argument('dst',
+                   help='folder for the shards (created; an interrupted prepare continues there)')
     p.add_argument('--max-side', type=MAX_SIDE, default=None, help='re-encode images whose longer '
                    'side exceeds N pixels (JPEG quality 90; N >= 16); default: store the files as '
                    'they are')

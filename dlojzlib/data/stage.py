@@ -58,7 +58,8 @@ def destination(src, stage_dir):
     """The copy's folder under stage_dir: named after the source, so that two datasets never share
     one."""
     src = os.path.realpath(src)
-    return os.path.join(stage_dir, f'dlojz-{os.path.basename(src)}-{hashlib.sha1(src.encode()).hexdigest()[:8]}')
+    return os.path.join(stage_dir,
+                        f'dlojz-{os.path.basename(src)}-{hashlib.sha1(src.encode()).hexdigest()[:8]}')
 
 
 def _mb(n):
@@ -69,13 +70,14 @@ def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usa
     """Copy the shards of src into stage_dir (see the module's docstring) -> the record for
     summary.json: {'dir', 'host', 'bytes' (of the dataset), 'copied_bytes', 'seconds', 'mb_per_s',
     'skipped'}."""
-    writable(stage_dir, '--stage-dir', 'pass a folder on the node\'s local disk that you can write, such as '
-             '$SLURM_TMPDIR')
+    writable(stage_dir, '--stage-dir',
+             'pass a folder on the node\'s local disk that you can write, such as $SLURM_TMPDIR')
     dest = destination(src, stage_dir)
     os.makedirs(dest, exist_ok=True)
     files = files_to_copy(src)
     total = sum(size for _, size, _ in files)
-    record = {'dir': dest, 'host': os.environ.get('SLURMD_NODENAME') or socket.gethostname(), 'bytes': total,
+    record = {'dir': dest, 'host': os.environ.get('SLURMD_NODENAME') or socket.gethostname(),
+              'bytes': total,
               'copied_bytes': 0, 'seconds': 0.0, 'mb_per_s': None, 'skipped': True}
     with open(os.path.join(dest, '.lock'), 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another job on this node copying the same data: wait for it
@@ -93,9 +95,9 @@ def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usa
         need = sum(size for _, size, _ in todo)
         free = usage(stage_dir).free
         if need > free:
-            raise DiskFull(f'--stage-dir {stage_dir} has {_mb(free)} free and the shards need {_mb(need)} more; '
-                           f'pass a larger local disk (or ask Slurm for one), or leave --stage-dir out to read '
-                           f'{src} in place.')
+            raise DiskFull(f'--stage-dir {stage_dir} has {_mb(free)} free and the shards need '
+                           f'{_mb(need)} more; pass a larger local disk (or ask Slurm for one), or '
+                           f'leave --stage-dir out to read {src} in place.')
         if os.path.exists(os.path.join(dest, DONE)):
             os.remove(os.path.join(dest, DONE))  # about to change the folder: it is no longer a complete copy
         log(f'Staging: copying {len(todo)} files ({_mb(need)}) from {src} to {dest}' +
@@ -105,7 +107,8 @@ def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usa
         try:
             with open(os.path.join(dest, JOURNAL), 'a') as journal:
                 for name, size, mtime in todo:
-                    copied, last = _copy(os.path.join(src, name), os.path.join(dest, name), stage_dir, copied,
+                    copied, last = _copy(os.path.join(src, name), os.path.join(dest, name),
+                                         stage_dir, copied,
                                          need, t0, clock, log, last, usage)
                     journal.write(json.dumps([name, size, mtime]) + '\n')
                     journal.flush()
@@ -118,8 +121,10 @@ def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usa
             raise _filled(stage_dir, copied, need, usage) from None
         seconds = clock() - t0
         rate = copied / seconds / 1e6 if seconds > 0 else None
-        log(f'Staging: {_mb(copied)} copied in {seconds:.1f} s' + (f' ({rate:,.0f} MB/s)' if rate else ''))
-        record.update(copied_bytes=copied, seconds=round(seconds, 3), mb_per_s=rate and round(rate, 1),
+        log(f'Staging: {_mb(copied)} copied in {seconds:.1f} s'
+            + (f' ({rate:,.0f} MB/s)' if rate else ''))
+        record.update(copied_bytes=copied, seconds=round(seconds, 3),
+                      mb_per_s=rate and round(rate, 1),
                       skipped=False)
         return record
 
@@ -157,9 +162,9 @@ def _copy(src, dst, stage_dir, copied, need, t0, clock, log, last, usage):
 
 
 def _filled(stage_dir, copied, need, usage):
-    return DiskFull(f'--stage-dir {stage_dir} filled during the copy ({_mb(copied)} of {_mb(need)} copied, '
-                    f'{_mb(usage(stage_dir).free)} free); pass a larger local disk (or ask Slurm for one), or '
-                    f'leave --stage-dir out to read the shards in place.')
+    return DiskFull(f'--stage-dir {stage_dir} filled during the copy ({_mb(copied)} of {_mb(need)} '
+                    f'copied, {_mb(usage(stage_dir).free)} free); pass a larger local disk (or ask '
+                    f'Slurm for one), or leave --stage-dir out to read the shards in place.')
 
 
 def _changed(dest, files):
@@ -210,12 +215,13 @@ def staged_source(source, stage_dir, dist, on_ranks, log=print):
     0's console)."""
     asked, stage_dir = stage_dir, os.path.expandvars(stage_dir)  # '$SLURM_TMPDIR': each node's own, read here
     if '$' in stage_dir:
-        raise UsageError(f'--stage-dir {asked}: {stage_dir[stage_dir.index("$"):].split("/")[0]} is not set on '
-                         f'{socket.gethostname()}; give a folder on the node\'s local disk, or leave --stage-dir out.')
+        raise UsageError(f'--stage-dir {asked}: {stage_dir[stage_dir.index("$"):].split("/")[0]} '
+                         f'is not set on {socket.gethostname()}; give a folder on the node\'s '
+                         f'local disk, or leave --stage-dir out.')
     if source.kind != 'shards':
         why = (f'--stage-dir {stage_dir} not used: the data are {source.kind}' +
-               (f' ({source.root})' if source.root else '') + '; only shards (`python dlojz_data.py prepare`) '
-               'are copied to the local disk, and these are read where they are')
+               (f' ({source.root})' if source.root else '')
+               + '; only shards (`python dlojz_data.py prepare`) are copied to the local disk, and these are read where they are')
         log(f'Note: {why}.')
         return source, {'asked': asked, 'used': False, 'reason': why}
     real, root = os.path.realpath(stage_dir), os.path.realpath(source.root)
@@ -229,5 +235,6 @@ def staged_source(source, stage_dir, dist, on_ranks, log=print):
     dest = destination(source.root, stage_dir)
     staged = type(source)('shards', dest, f'{source.reason}, staged to --stage-dir {stage_dir}')
     return staged, {'asked': asked, 'used': True, 'from': source.root, 'dir': dest,
-                    'bytes': nodes[0]['bytes'], 'copied_bytes': sum(r['copied_bytes'] for r in nodes),
+                    'bytes': nodes[0]['bytes'],
+                    'copied_bytes': sum(r['copied_bytes'] for r in nodes),
                     'seconds': max(r['seconds'] for r in nodes), 'nodes': nodes}

@@ -100,8 +100,8 @@ def layout(gpus, ranks_per_node):
     if gpus <= ranks_per_node:
         return 1, gpus
     if gpus % ranks_per_node:
-        raise ValueError(f'{gpus} ranks do not fill nodes of {ranks_per_node}: ask for a multiple of '
-                         f'{ranks_per_node}.')
+        raise ValueError(f'{gpus} ranks do not fill nodes of {ranks_per_node}: ask for a multiple '
+                         f'of {ranks_per_node}.')
     return gpus // ranks_per_node, ranks_per_node
 
 
@@ -112,7 +112,8 @@ def allreduce_s(nbytes, gpus, link):
     if nodes == 1:
         return inside
     if link.net_bw is None:
-        raise ValueError(f'{gpus} ranks span {nodes} nodes but the interconnect has no network figures.')
+        raise ValueError(f'{gpus} ranks span {nodes} nodes but the interconnect has no network '
+                         f'figures.')
     # the ring across nodes reduces each rank's 1/per_node share; the node's links carry all
     # per_node shares
     return inside + ring_allreduce_s(nbytes, nodes, link.net_bw, link.net_lat)
@@ -147,7 +148,8 @@ def forecast(step_s, backward_s, batch_per_device, grad_bytes, link, gpus=(1, 2,
     costs, in points of efficiency). The backward grows with the work, so the all-reduce overlaps
     more of it."""
     if not 0 <= backward_s <= step_s:
-        raise ValueError(f'the backward ({backward_s:.4g} s) must lie inside the step ({step_s:.4g} s).')
+        raise ValueError(f'the backward ({backward_s:.4g} s) must lie inside the step '
+                         f'({step_s:.4g} s).')
     sizes = bucket_sizes(grad_bytes, bucket_cap_mb, first_bucket_bytes)
     mean = statistics.fmean(step_samples) if step_samples else None
     rows = []
@@ -199,18 +201,20 @@ def inputs_from_summary(summary):
     communication.gradient_bytes_per_step (written under a launcher, world size 1 included),
     config.bucket_cap_mb, and the steady steps' times (timing.per_step: after the warm-up, full batches)."""
     if summary.get('world_size', 1) != 1:
-        raise ValueError(f"the forecast starts from a one-device run; this one had {summary['world_size']} ranks "
+        raise ValueError(f"the forecast starts from a one-device run; this one had "
+                         f"{summary['world_size']} ranks "
                          '(its steps already hold communication).')
     t = summary.get('timing') or {}
     rate = t.get('steady_images_per_s')
     backward = ((t.get('stats') or {}).get('backward') or {}).get('mean')
     comm = summary.get('communication') or {}
     if not rate or backward is None:
-        raise ValueError('the run has no steady steps with phase timing: run it with --timing and more steps '
-                         'than --warmup-steps.')
+        raise ValueError('the run has no steady steps with phase timing: run it with --timing and '
+                         'more steps than --warmup-steps.')
     if not comm.get('gradient_bytes_per_step'):
-        raise ValueError('the run has no gradient size: run the one-device reference under torchrun or srun '
-                         '(world size 1) so that summary.json has its "communication" block.')
+        raise ValueError('the run has no gradient size: run the one-device reference under '
+                         'torchrun or srun (world size 1) so that summary.json has its '
+                         '"communication" block.')
     batch = summary['global_batch']
     per_step = t.get('per_step') or {}
     steps, images = per_step.get('step') or [], per_step.get('images') or []
@@ -289,14 +293,16 @@ def machine_link(machine):
     m = MACHINES[machine]
     ic = m.get('interconnect')
     if not ic:
-        raise ValueError(f'machine {machine!r} has no interconnect figures; measure them with --probe.')
+        raise ValueError(f'machine {machine!r} has no interconnect figures; measure them with '
+                         f'--probe.')
     return Link(ic['intra_bw'], ic['intra_lat'], ic.get('net_bw'), ic.get('net_lat'),
                 m['gpus_per_node'] or 1 << 30, source=f'dist/machines.py MACHINES[{machine!r}]')
 
 
 # ----------------------------------------------------------------------------------- measured: a probe
 
-def allreduce_probe(group=None, sizes=(2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24), repeats=5, warmup=2, clock=None):
+def allreduce_probe(group=None, sizes=(2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24), repeats=5, warmup=2,
+                    clock=None):
     """Time all_reduce of float32 buffers of each size (bytes) on this process group (all its ranks call
     this). -> [(bytes, median seconds)], the median over `repeats` of the slowest rank's time (a collective
     is over when its last rank is). A barrier lines the ranks up before each timed call."""
@@ -380,8 +386,8 @@ def _probe_main(path):
             with open(path, 'w') as f:
                 json.dump({'world_size': n, 'backend': 'gloo', 'points': points, 'bandwidth': bw,
                            'latency': lat}, f, indent=1)
-            print(f'{n} ranks: ring bandwidth {bw / 1e9 if bw else float("nan"):.3f} GB/s, latency per step '
-                  f'{lat * 1e6 if lat is not None else float("nan"):.1f} us -> {path}')
+            print(f'{n} ranks: ring bandwidth {bw / 1e9 if bw else float("nan"):.3f} GB/s, latency '
+                  f'per step {lat * 1e6 if lat is not None else float("nan"):.1f} us -> {path}')
     finally:
         tdist.destroy_process_group()
 
@@ -401,21 +407,24 @@ def gpu_counts(text):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--summary', help='summary.json of a one-rank run (under torchrun or srun)')
-    p.add_argument('--machine', help='interconnect from dist/machines.py (a100, h100, v100, generic)')
-    p.add_argument('--link', help='interconnect from a --probe json (one node: ring bandwidth and latency)')
+    p.add_argument('--machine',
+                   help='interconnect from dist/machines.py (a100, h100, v100, generic)')
+    p.add_argument('--link',
+                   help='interconnect from a --probe json (one node: ring bandwidth and latency)')
     p.add_argument('--gpus', type=gpu_counts, default='1,2,4,8', help='GPU (rank) counts, comma '
                    'separated')
     p.add_argument('--measured', nargs='*', default=[], metavar='SUMMARY',
-                   help='summary.json of runs at other world sizes: their img/s and exposed communication beside '
-                        'the forecast')
+                   help='summary.json of runs at other world sizes: their img/s and exposed '
+                        'communication beside the forecast')
     p.add_argument('--slowed-from', metavar='SUMMARY', help='summary.json of a run of the same '
                    'flags at 2 or more ranks: its work per step against the one device\'s is the '
                    'compute slowed term (docs/scaling.md)')
     p.add_argument('--cores', type=COUNT, metavar='N', help='cores the ranks of a node share (CPU '
                    'ranks); default: the one-device run\'s usable cores when it ran on the CPU; 0: '
                    'they share none (a GPU each)')
-    p.add_argument('--probe', metavar='JSON', help='run the all-reduce probe on this torchrun group (gloo) and '
-                   'write its points and fit')
+    p.add_argument('--probe', metavar='JSON',
+                   help='run the all-reduce probe on this torchrun group (gloo) and write its '
+                   'points and fit')
     a = p.parse_args(argv)
     if a.probe:
         _probe_main(a.probe)
@@ -460,7 +469,8 @@ def main(argv=None):
     spread = f", {len(steps)} steady steps (p90/median {p90:.3f})" if steps else \
         ', no per-step times: no straggler term'
     print(f"one device: step {x['step_s'] * 1e3:.1f} ms, backward {x['backward_s'] * 1e3:.1f} ms, "
-          f"batch {x['batch_per_device']}, gradients {x['grad_bytes'] / 2**20:.1f} MiB{spread}; link {asdict(link)}")
+          f"batch {x['batch_per_device']}, gradients {x['grad_bytes'] / 2**20:.1f} MiB{spread}; "
+          f"link {asdict(link)}")
     print(f'compute slowed: {slowed_source}')
     print('\n'.join(table(rows, measured, x['work_s'])))
     return 0

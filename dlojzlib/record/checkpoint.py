@@ -50,8 +50,8 @@ def remove_partial_checkpoints(path, say=print):
         except OSError:
             pass
     if names:
-        say(f'Removed {len(names)} partial checkpoint file(s) ({size / 2**20:.1f} MiB) left in {path} by an '
-            f'interrupted checkpoint write')
+        say(f'Removed {len(names)} partial checkpoint file(s) ({size / 2**20:.1f} MiB) left in '
+            f'{path} by an interrupted checkpoint write')
 
 
 @contextmanager
@@ -100,7 +100,8 @@ class _Writes:
 
 
 def _save_checkpoint(path, state, keep):
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix='.checkpoint-', suffix='.tmp')
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix='.checkpoint-',
+                               suffix='.tmp')
     os.close(fd)
     writes = None
     try:
@@ -133,25 +134,27 @@ def space_warning(folder, usage=None):
         return None
     if free >= 2 * size:
         return None
-    return (f'{folder} has {free / 2**20:.0f} MiB free and a checkpoint takes {size / 2**20:.0f} MiB: '
+    return (f'{folder} has {free / 2**20:.0f} MiB free and a checkpoint takes '
+            f'{size / 2**20:.0f} MiB: '
             f'{"the next checkpoint will not fit" if free < size else "room for one more checkpoint only"}; '
             f'free some space or lower --keep-checkpoints.')
 
 
 def load_checkpoint(path):
     if os.path.isdir(path):
-        raise UsageError(f'--resume {path} is a folder, not a checkpoint file; pass a checkpoint-*.pt file, '
-                         f'or --resume auto --output-dir {path} to continue the run it holds.')
+        raise UsageError(f'--resume {path} is a folder, not a checkpoint file; pass a '
+                         f'checkpoint-*.pt file, or --resume auto --output-dir {path} to continue '
+                         f'the run it holds.')
     if not os.path.isfile(path):
-        raise UsageError(f'checkpoint {path} does not exist; pass --resume with the path of a checkpoint-*.pt '
-                         f'written by --chkpt, or --resume auto.')
+        raise UsageError(f'checkpoint {path} does not exist; pass --resume with the path of a '
+                         f'checkpoint-*.pt written by --chkpt, or --resume auto.')
     try:
         # weights_only=False: the checkpoint holds our own args namespace and RNG states, written by
         # us.
         return torch.load(path, map_location='cpu', weights_only=False)
     except Exception as e:
-        raise UsageError(f'checkpoint {path} cannot be read ({type(e).__name__}); it may be truncated, '
-                         f'resume from another checkpoint.') from None
+        raise UsageError(f'checkpoint {path} cannot be read ({type(e).__name__}); it may be '
+                         f'truncated, resume from another checkpoint.') from None
 
 
 def load_latest_checkpoint(run_dir, warn=print):

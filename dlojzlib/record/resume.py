@@ -36,8 +36,8 @@ CONTRACT = {
     'synthetic_val_per_class': (HONOURED, ''),
     'synthetic_seed': (CHECKED, 'the same classes and number of training images'),
     'fake_data': (CHECKED, 'other data: other classes or another training set'),
-    'fake_train_size': (CHECKED, 'another training set (with --fake-data): the position counts its'
-                                 ' steps'),
+    'fake_train_size': (CHECKED, 'another training set (with --fake-data): the position counts its '
+                                 'steps'),
     'fake_val_size': (HONOURED, ''),
     'fake_classes': (CHECKED, 'other classes (with --fake-data)'),
     'image_size': (HONOURED, 'the model takes any resolution'),
@@ -103,8 +103,9 @@ CONTRACT = {
     'res_start': (HONOURED, 'the resolution follows the new schedule from the current epoch'),
     'res_end_epoch': (HONOURED, 'the resolution follows the new schedule from the current epoch'),
     # run
-    'epochs': (EXTENDS, 'more epochs continue the run (the LR schedule is rebuilt for the new length); fewer than the '
-                  'checkpoint has done are refused'),
+    'epochs': (EXTENDS,
+               'more epochs continue the run (the LR schedule is rebuilt for the new length); '
+                  'fewer than the checkpoint has done are refused'),
     'test': (EXTENDS, 'as --test-nsteps'),
     'test_nsteps': (EXTENDS, 'counts the whole run: more steps continue it; fewer than the '
                              'checkpoint\'s are refused'),
@@ -173,7 +174,8 @@ def flag(dest):
 def changed(args, old):
     """The flags whose value differs from the checkpoint's args (`old`, a dict): {dest: (old, new)}.
     Flags the checkpoint does not know (written by an older dlojz) are left out."""
-    return {d: (old[d], getattr(args, d)) for d in CONTRACT if d in old and old[d] != getattr(args, d)}
+    return {d: (old[d],
+                getattr(args, d)) for d in CONTRACT if d in old and old[d] != getattr(args, d)}
 
 
 def schedule_changes(args, old):
@@ -192,12 +194,13 @@ def resolve(args, old, say):
     for dest, (was, now) in diff.items():
         rule, why = CONTRACT[dest]
         if rule == REFUSED and dest not in ELSEWHERE:
-            raise UsageError(f'{flag(dest)} {now} differs from the checkpoint\'s {was} and a resumed run cannot '
-                             f'change it ({why}); pass {flag(dest)} {was}, or start a new run in another folder.')
+            raise UsageError(f'{flag(dest)} {now} differs from the checkpoint\'s {was} and a '
+                             f'resumed run cannot change it ({why}); pass {flag(dest)} {was}, or '
+                             f'start a new run in another folder.')
         if rule == CHECKPOINT:
             setattr(args, dest, was)
-            say(f'Warning: {flag(dest)} {now} differs from the checkpoint\'s {was}: the run keeps {was} ({why}); '
-                f'start a new run to change it.')
+            say(f'Warning: {flag(dest)} {now} differs from the checkpoint\'s {was}: the run keeps '
+                f'{was} ({why}); start a new run to change it.')
     used = [f'{flag(d)} {now} (was {was})' for d, (was, now) in diff.items()
             if CONTRACT[d][0] in (HONOURED, EXTENDS, CHECKED) and d not in NOT_SHOWN]
     if used:

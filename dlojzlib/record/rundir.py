@@ -58,7 +58,8 @@ OWNER = 'owner.json'  # the SLURM job that runs in a named run folder
 def job_alive(job_id):
     """Whether SLURM still has this job (pending or running); False when squeue is absent or fails."""
     try:
-        r = subprocess.run(['squeue', '-h', '-j', str(job_id), '-o', '%T'], capture_output=True, text=True,
+        r = subprocess.run(['squeue', '-h', '-j', str(job_id), '-o', '%T'], capture_output=True,
+                           text=True,
                            timeout=30)
     except (OSError, subprocess.SubprocessError):
         return False
@@ -82,10 +83,11 @@ def completed_run(path):
 
 def complete_sentence(path, summary):
     top1 = (summary.get('val') or {}).get('top1')
-    return (f"the run in {path} is complete (step {summary.get('global_step')}"
-            f"{f', validation top-1 {top1:.4f}' if top1 is not None else ''}); this command asks nothing more of "
-            f"it and changes nothing in it: pass a larger -e (or --test-nsteps) to train it further, or another "
-            f"--output-dir (or --run-name) for a new run.")
+    return (f"the run in {path} is complete (step "
+            f"{summary.get('global_step')}{f', validation top-1 {top1:.4f}' if top1 is not None else ''}); "
+            f"this command asks nothing more of it and changes nothing in it: pass a larger -e (or "
+            f"--test-nsteps) to train it further, or another --output-dir (or --run-name) for a "
+            f"new run.")
 
 
 def asks_nothing_more(summary, args, world_size):
@@ -163,8 +165,8 @@ class FolderLock:
             os.makedirs(folder, exist_ok=True)
             os.close(os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CREAT, 0o644))
         except OSError as e:
-            raise UsageError(f'cannot write to output directory {folder} ({e.strerror}); pass --output-dir with a '
-                             f'writable folder.') from None
+            raise UsageError(f'cannot write to output directory {folder} ({e.strerror}); pass '
+                             f'--output-dir with a writable folder.') from None
         me = json.dumps({'pid': self.pid, 'host': self.host, 'job_id': job_id,
                          'since': datetime.datetime.now().isoformat(timespec='seconds')}).encode()
         path, deadline = os.path.join(folder, LOCK), time.time() + self.wait_s
@@ -223,7 +225,8 @@ class FolderLock:
                     os.remove(aside)
                     raise UsageError(busy_sentence(folder, _read_owner(token))) from None
                 os.remove(aside)
-                self.say(f'Removed the stale claim {token} of a run that is over ({describe_owner(owner)})')
+                self.say(f'Removed the stale claim {token} of a run that is over '
+                         f'({describe_owner(owner)})')
                 continue
             with os.fdopen(fd, 'wb') as f:
                 f.write(me)
@@ -283,8 +286,9 @@ def describe_owner(owner):
 
 
 def busy_sentence(folder, owner):
-    return (f'--output-dir {folder} is in use by another dlojz run ({describe_owner(owner)}) and two runs in one '
-            f'folder would mix their records; wait for it to end, or pass another --output-dir.')
+    return (f'--output-dir {folder} is in use by another dlojz run ({describe_owner(owner)}) and '
+            f'two runs in one folder would mix their records; wait for it to end, or pass another '
+            f'--output-dir.')
 
 
 def trim_metrics(path, size, global_step):
@@ -340,8 +344,8 @@ def prepare_output_dir(path, continues=False, overwrite=False):
     found = run_files(path)
     if found and not continues and not overwrite:
         shown = ', '.join(found[:4]) + (f' and {len(found) - 4} more' if len(found) > 4 else '')
-        raise UsageError(f'--output-dir {path} already holds a run ({shown}); pass --resume auto to continue it, '
-                         f'--overwrite to replace it, or another --output-dir.')
+        raise UsageError(f'--output-dir {path} already holds a run ({shown}); pass --resume auto '
+                         f'to continue it, --overwrite to replace it, or another --output-dir.')
     if found and overwrite and not continues:
         for name in found:
             os.remove(os.path.join(path, name))

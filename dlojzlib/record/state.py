@@ -13,7 +13,8 @@ import torch
 
 from dlojzlib.dist import launch
 from dlojzlib.errors import Complete, Interrupted, Preempted, UsageError
-from dlojzlib.record.checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint, load_latest_checkpoint,
+from dlojzlib.record.checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint,
+                                        load_latest_checkpoint,
                               save_checkpoint, space_warning, strip_prefixes)
 from dlojzlib.record.log import SUMMARY_VERSION
 from dlojzlib.record.resume import flag, schedule_changes
@@ -59,15 +60,20 @@ def checkpoint_state(run, progress, device_rng):
     epoch, step = progress.epoch, progress.step
     return {'version': SUMMARY_VERSION, 'arch': run.args.arch, 'num_classes': len(run.data.classes),
             'classes': list(run.data.classes), 'train_images': run.data.n_train,
-            'model': strip_prefixes(run.model_without_ddp.state_dict()), 'optimizer': run.optimizer.state_dict(),
-            'scheduler': run.scheduler.state_dict(), 'scaler': run.scaler.state_dict(), 'epoch': epoch,
+            'model': strip_prefixes(run.model_without_ddp.state_dict()),
+            'optimizer': run.optimizer.state_dict(),
+            'scheduler': run.scheduler.state_dict(), 'scaler': run.scaler.state_dict(),
+            'epoch': epoch,
             'step_in_epoch': step, 'end_due': progress.end_due, 'metrics_bytes': run.log.size(),
             'global_step': progress.global_step, 'global_batch': run.global_batch,
             'args': vars(run.args), 'ema': run.ema.state_dict() if run.ema is not None else None,
-            'race': {'best_top1': progress.best_top1, 'reached': progress.reached, 'images': progress.images,
-                     'wall_s': run_wall_s(run), 'process_wall_s': process_wall_s(run), 'val': progress.val,
+            'race': {'best_top1': progress.best_top1, 'reached': progress.reached,
+                     'images': progress.images,
+                     'wall_s': run_wall_s(run), 'process_wall_s': process_wall_s(run),
+                     'val': progress.val,
                      'val_ema': progress.val_ema, 'train': progress.train},
-            'rng': {'torch': torch.get_rng_state(), 'numpy': np.random.get_state(), 'python': random.getstate(),
+            'rng': {'torch': torch.get_rng_state(), 'numpy': np.random.get_state(),
+                    'python': random.getstate(),
                     'device': device_rng}}
 
 
@@ -99,7 +105,8 @@ def find_resume_checkpoint(args, dist, say):
     if args.resume != 'auto':
         return args.resume, load_checkpoint(args.resume)
     warn = lambda m: print(m, file=sys.stderr, flush=True)
-    found = launch.on_ranks(lambda: load_latest_checkpoint(args.output_dir, warn), when=dist.is_main)
+    found = launch.on_ranks(lambda: load_latest_checkpoint(args.output_dir,
+                                                           warn), when=dist.is_main)
     path = launch.broadcast_object(found[0] if found else None)
     if path is None:
         say(f'--resume auto: no checkpoint in {args.output_dir}; starting from the beginning')
@@ -114,7 +121,8 @@ def find_resume_checkpoint(args, dist, say):
 # sets the momentum at each step), and the choice of kernels, which is this device's (fused on a
 # GPU) whatever the checkpoint's was.
 HYPERPARAMETERS = {'wd': ('weight_decay',), 'mom': ('momentum', 'betas')}
-SCHEDULE_KEYS = ('initial_lr', 'max_lr', 'min_lr', 'max_momentum', 'base_momentum', 'momentum', 'betas')
+SCHEDULE_KEYS = ('initial_lr', 'max_lr', 'min_lr', 'max_momentum', 'base_momentum', 'momentum',
+                 'betas')
 IMPLEMENTATION = ('fused', 'foreach', 'capturable', 'differentiable')
 
 # What restore() reads from a checkpoint (checkpoint_state writes them all); 'ema' and 'race' may be
@@ -126,12 +134,13 @@ TRAIN_KEYS = ('optimizer', 'scheduler', 'scaler', 'rng')
 def check_form(args, ckpt, path):
     """Refuse a file that is not a checkpoint dlojz can resume (or, with --evaluate, validate)."""
     if not isinstance(ckpt, dict):
-        raise UsageError(f'{path} is not a dlojz checkpoint (it holds a {type(ckpt).__name__}, not a dict); pass a '
-                         f'checkpoint-*.pt written by --chkpt.')
+        raise UsageError(f'{path} is not a dlojz checkpoint (it holds a {type(ckpt).__name__}, not '
+                         f'a dict); pass a checkpoint-*.pt written by --chkpt.')
     missing = [k for k in RESUME_KEYS + (() if args.evaluate else TRAIN_KEYS) if k not in ckpt]
     if missing:
-        raise UsageError(f"checkpoint {path} lacks {', '.join(repr(k) for k in missing)}, which resuming needs; it "
-                         f"was not written by this version of dlojz --chkpt (or was edited); pass another checkpoint.")
+        raise UsageError(f"checkpoint {path} lacks {', '.join(repr(k) for k in missing)}, which "
+                         f"resuming needs; it was not written by this version of dlojz --chkpt (or "
+                         f"was edited); pass another checkpoint.")
 
 
 def check_checkpoint(args, ckpt, path, classes, n_train, global_batch, world_size):
@@ -139,37 +148,42 @@ def check_checkpoint(args, ckpt, path, classes, n_train, global_batch, world_siz
     other classes, another training set (its steps are the position and the schedule), another
     global batch."""
     if ckpt.get('arch') != args.arch or ckpt.get('num_classes') != len(classes):
-        raise UsageError(f"checkpoint {path} holds {ckpt.get('arch')} with {ckpt.get('num_classes')} classes but "
-                         f"this run is --arch {args.arch} with {len(classes)} classes; pass the same --arch and "
-                         f"data, or another checkpoint.")
+        raise UsageError(f"checkpoint {path} holds {ckpt.get('arch')} with "
+                         f"{ckpt.get('num_classes')} classes but this run is --arch {args.arch} "
+                         f"with {len(classes)} classes; pass the same --arch and data, or another "
+                         f"checkpoint.")
     saved = ckpt.get('classes')  # None: written before checkpoints recorded them
     if saved is not None and list(saved) != list(classes):
         i = next(i for i, (a, b) in enumerate(zip(saved, classes)) if a != b)
-        raise UsageError(f'checkpoint {path} was trained on other classes than this data\'s (class {i} is '
-                         f'{saved[i]!r} there, {classes[i]!r} here): its outputs would be other labels; pass the '
-                         f'data it was trained on, or start a new run.')
+        raise UsageError(f'checkpoint {path} was trained on other classes than this data\'s (class '
+                         f'{i} is {saved[i]!r} there, {classes[i]!r} here): its outputs would be '
+                         f'other labels; pass the data it was trained on, or start a new run.')
     if args.evaluate:
         return
     if ckpt.get('train_images') not in (None, n_train):
-        raise UsageError(f"checkpoint {path} was trained on {ckpt['train_images']} training images and this data has "
-                         f"{n_train}: its position in the epoch and its LR schedule count steps of the other set; pass "
-                         f"the data it was trained on, or start a new run.")
+        raise UsageError(f"checkpoint {path} was trained on {ckpt['train_images']} training images "
+                         f"and this data has {n_train}: its position in the epoch and its LR "
+                         f"schedule count steps of the other set; pass the data it was trained on, "
+                         f"or start a new run.")
     old = ckpt['global_batch']
     if old != global_batch and not args.allow_batch_change:
         hint = f'-b {old // (world_size * args.accum_steps)} to keep it, ' \
             if old % (world_size * args.accum_steps) == 0 else ''
-        raise UsageError(f'checkpoint {path} was trained with a global batch of {old} images but this run has '
-                         f'{global_batch} (-b {args.batch_size} x {world_size} processes x --accum-steps '
-                         f'{args.accum_steps}); use {hint}or pass --allow-batch-change to continue with the new one.')
+        raise UsageError(f'checkpoint {path} was trained with a global batch of {old} images but '
+                         f'this run has {global_batch} (-b {args.batch_size} x {world_size} '
+                         f'processes x --accum-steps {args.accum_steps}); use {hint}or pass '
+                         f'--allow-batch-change to continue with the new one.')
 
 
-def check_resume(args, dist, path, ckpt, data, model, optimizer, global_batch, steps_per_epoch, total_steps):
+def check_resume(args, dist, path, ckpt, data, model, optimizer, global_batch, steps_per_epoch,
+                 total_steps):
     """Everything a resume is refused for, before any log is opened: the checkpoint against the
     data, the model, the optimizer and the global batch, and the run's end against the checkpoint's
     position. A completed run that this command would not train further ends here (Complete: one
     line, exit 0, nothing written)."""
     if ckpt is not None:
-        check_checkpoint(args, ckpt, path, data.classes, data.n_train, global_batch, dist.world_size)
+        check_checkpoint(args, ckpt, path, data.classes, data.n_train, global_batch,
+                         dist.world_size)
         check_fits(ckpt, path, args.arch, model, None if args.evaluate else optimizer)
     if args.evaluate or not args.resume:
         return
@@ -181,14 +195,17 @@ def check_resume(args, dist, path, ckpt, data, model, optimizer, global_batch, s
     if at > total_steps:
         want = f'--test-nsteps {at}' if args.test and args.test_nsteps < at else f'-e {-(-at // steps_per_epoch)}'
         where = f'checkpoint {path}' if ckpt is not None else f'the completed run in {args.output_dir}'
-        raise UsageError(f'{where} is at step {at} but this run ends at step {total_steps}: a resumed run cannot end '
-                         f'before its checkpoint; pass {want} or more to continue it' +
-                         (f', or --evaluate --resume {path} to validate it.' if ckpt is not None else '.'))
+        raise UsageError(f'{where} is at step {at} but this run ends at step {total_steps}: a '
+                         f'resumed run cannot end before its checkpoint; pass {want} or more to '
+                         f'continue it' +
+                         (f', or --evaluate --resume {path} to validate '
+                          f'it.' if ckpt is not None else '.'))
     if done is not None and at == total_steps:
         raise Complete(complete_sentence(args.output_dir, done))
     if done is not None and ckpt is None:
-        raise UsageError(f'the run in {args.output_dir} completed without writing a checkpoint (--chkpt), so it cannot '
-                         f'be trained further; start a new run (another --output-dir) with the length you want.')
+        raise UsageError(f'the run in {args.output_dir} completed without writing a checkpoint '
+                         f'(--chkpt), so it cannot be trained further; start a new run (another '
+                         f'--output-dir) with the length you want.')
 
 
 def check_fits(ckpt, path, arch, model, optimizer=None):
@@ -197,17 +214,19 @@ def check_fits(ckpt, path, arch, model, optimizer=None):
     opened."""
     mine, theirs = model.state_dict(), strip_prefixes(ckpt['model'])
     if set(mine) != set(theirs) or any(_shape(mine[k]) != _shape(theirs[k]) for k in mine):
-        raise UsageError(f"checkpoint {path} (labelled --arch {ckpt.get('arch')}) holds weights that do not fit this "
-                         f"run's --arch {arch} model: {_first_difference(mine, theirs)}; pass the flags it was "
-                         f"written with, or another checkpoint.")
+        raise UsageError(f"checkpoint {path} (labelled --arch {ckpt.get('arch')}) holds weights "
+                         f"that do not fit this run's --arch {arch} model: "
+                         f"{_first_difference(mine, theirs)}; pass the flags it was written with, "
+                         f"or another checkpoint.")
     if optimizer is None:
         return
     groups, saved = optimizer.state_dict()['param_groups'], (ckpt.get('optimizer') or {}).get('param_groups')
     if saved is not None and [len(g['params']) for g in groups] != [len(g['params']) for g in saved]:
         raise UsageError(f"checkpoint {path}'s optimizer has {len(saved)} parameter groups of "
-                         f"{[len(g['params']) for g in saved]} tensors but this run's has {len(groups)} of "
-                         f"{[len(g['params']) for g in groups]}; pass the optimizer flags it was written with "
-                         f"(--optimizer {(ckpt.get('args') or {}).get('optimizer', '?')}, its weight-decay "
+                         f"{[len(g['params']) for g in saved]} tensors but this run's has "
+                         f"{len(groups)} of {[len(g['params']) for g in groups]}; pass the "
+                         f"optimizer flags it was written with (--optimizer "
+                         f"{(ckpt.get('args') or {}).get('optimizer', '?')}, its weight-decay "
                          f"options), or another checkpoint.")
 
 
@@ -225,8 +244,9 @@ def restore(run, ckpt, path='the checkpoint'):
         elif isinstance(e, KeyError):
             what = f'it lacks the entry {e}'
         raise UsageError(f"checkpoint {path} (written by --arch {ckpt.get('arch')}, optimizer "
-                         f"{(ckpt.get('args') or {}).get('optimizer', '?')}) cannot be loaded into this run: {what[:200]}; "
-                         f"pass the flags it was written with (its 'args'), or another checkpoint.") from None
+                         f"{(ckpt.get('args') or {}).get('optimizer', '?')}) cannot be loaded into "
+                         f"this run: {what[:200]}; pass the flags it was written with (its "
+                         f"'args'), or another checkpoint.") from None
 
 
 def _shape(v):
@@ -292,14 +312,16 @@ def _restride(value, p):
 def _restore(run, ckpt):
     run.model_without_ddp.load_state_dict(ckpt['model'])
     race = ckpt.get('race') or {}
-    progress = Progress(epoch=ckpt['epoch'], step=ckpt['step_in_epoch'], global_step=ckpt['global_step'],
+    progress = Progress(epoch=ckpt['epoch'], step=ckpt['step_in_epoch'],
+                        global_step=ckpt['global_step'],
                         best_top1=race.get('best_top1'), reached=race.get('reached') or {},
                         images=race.get('images', ckpt['global_step'] * ckpt['global_batch']),
                         val=race.get('val'), val_ema=race.get('val_ema'), train=race.get('train'),
                         end_due=ckpt.get('end_due', False))
     if progress.end_due and not run.args.evaluate:
-        run.log.print(f'The checkpoint was written as epoch {progress.epoch + 1} (or --test-nsteps) ended, before '
-                      f'its validation and closing checkpoint: they come first')
+        run.log.print(f'The checkpoint was written as epoch {progress.epoch + 1} (or '
+                      f'--test-nsteps) ended, before its validation and closing checkpoint: they '
+                      f'come first')
     run.started -= race.get('wall_s') or 0.0  # time to accuracy counts the earlier attempts too
     run.process_started -= race.get('process_wall_s') or race.get('wall_s') or 0.0
     if run.ema is not None:  # a checkpoint without an EMA starts one from its weights
@@ -332,8 +354,8 @@ def _restore(run, ckpt):
         # same fraction of the run.
         progress.global_step = ckpt['global_step'] * old // gb
         progress.step = min(ckpt['step_in_epoch'] * old // gb, run.steps_per_epoch)
-        run.log.print(f'Resuming with global batch {gb} instead of {old}: step {progress.global_step}, epoch position '
-                      f'{progress.step}')
+        run.log.print(f'Resuming with global batch {gb} instead of {old}: step '
+                      f'{progress.global_step}, epoch position {progress.step}')
     before = run.optimizer.param_groups[0]['lr']  # what the checkpoint's schedule gives its next step
     take(SCHEDULE_KEYS)  # the new schedule's peak, bounds and momenta (a one-cycle's cycled momentum is not kept)
     run.scheduler.last_epoch = progress.global_step - 1  # the schedules are closed forms of the step: one step()
@@ -342,9 +364,10 @@ def _restore(run, ckpt):
         run.scheduler.step()
     if rebuilt:
         changes = ', '.join(f'{flag(d)} {getattr(run.args, d)} (was {was[d]})' for d in rebuilt)
-        run.log.print(f'The LR schedule is rebuilt for {changes}: it continues at step {progress.global_step} with '
-                      f'LR {run.optimizer.param_groups[0]["lr"]:.4g} where the checkpoint\'s schedule gave '
-                      f'{before:.4g}, then follows {run.args.scheduler} to its end at step '
+        run.log.print(f'The LR schedule is rebuilt for {changes}: it continues at step '
+                      f'{progress.global_step} with LR {run.optimizer.param_groups[0]["lr"]:.4g} '
+                      f'where the checkpoint\'s schedule gave {before:.4g}, then follows '
+                      f'{run.args.scheduler} to its end at step '
                       f'{run.args.epochs * run.steps_per_epoch}.')
     return progress
 
@@ -366,7 +389,8 @@ def preempt(run, progress):
     requeued = launch.broadcast_object(requeued)
     kept = f'checkpoint {path} written' if path else 'no checkpoint (no step had run)'
     raise Preempted(f'stopped by {why} at step {progress.global_step}; {kept}. ' +
-                    ('The SLURM job was requeued and will resume from it (--resume auto).' if requeued else
+                    ('The SLURM job was requeued and will resume from it (--resume '
+                     'auto).' if requeued else
                      f'Not requeued ({detail}); ' + (
                          f'resubmit with the same flags to continue it (run name {args.run_name}).'
                          if args.run_name and args.resume == 'auto' else
@@ -397,10 +421,13 @@ def note_validation(run, progress):
     for kind, val in (('raw', progress.val), ('ema', progress.val_ema)):
         if target is not None and val is not None and kind not in progress.reached and val['top1'] >= target:
             progress.reached[kind] = {'top1': val['top1'], 'wall_s': val['wall_s'],
-                                      'process_wall_s': val.get('process_wall_s'), 'epoch': val['epoch'],
-                                      'global_step': val['global_step'], 'train_images': val['train_images']}
-            run.log.print(f">>> Reached top-1 {target:g} ({kind} weights) after {val['wall_s']:.1f} s, epoch "
-                          f"{val['epoch']}, {val['train_images']} images")
+                                      'process_wall_s': val.get('process_wall_s'),
+                                      'epoch': val['epoch'],
+                                      'global_step': val['global_step'],
+                                      'train_images': val['train_images']}
+            run.log.print(f">>> Reached top-1 {target:g} ({kind} weights) after "
+                          f"{val['wall_s']:.1f} s, epoch {val['epoch']}, {val['train_images']} "
+                          f"images")
     top1 = progress.val['top1']
     improved = progress.best_top1 is None or top1 > progress.best_top1
     progress.best_top1 = max(top1, progress.best_top1 or 0.0)
@@ -414,8 +441,12 @@ def interrupted(args, step):
     found = list_checkpoints(args.output_dir) if args.output_dir and os.path.isdir(args.output_dir) else []
     folder = f'--run-name {args.run_name}' if args.run_name else f'--output-dir {args.output_dir}'
     if not found:
-        return Interrupted(f'interrupted at step {step}; no checkpoint was written (--chkpt, --chkpt-every N write '
-                           f'them), so this run cannot be continued: run it again.', failed_step=step)
-    return Interrupted(f'interrupted at step {step}; its newest checkpoint is {found[-1]}: continue with --resume '
-                       f'auto {folder} (the steps after that checkpoint run again).', failed_step=step,
+        return Interrupted(f'interrupted at step {step}; no checkpoint was written (--chkpt, '
+                           f'--chkpt-every N write them), so this run cannot be continued: run it '
+                           f'again.',
+                           failed_step=step)
+    return Interrupted(f'interrupted at step {step}; its newest checkpoint is {found[-1]}: '
+                       f'continue with --resume auto {folder} (the steps after that checkpoint run '
+                       f'again).',
+                       failed_step=step,
                        checkpoint=found[-1])

@@ -22,16 +22,17 @@ def print_header(run):
     nodes, procs = dist.num_nodes, dist.world_size
     # ends with the process count, which the course's tools read as split()[-2]
     say(f">>> Training on {nodes} node{'s' * (nodes > 1)} and {procs} process{'es' * (procs > 1)}")
-    say(f'{dist.launcher} launch on {run.device}: {args.arch}, amp {args.amp}, channels-last {args.channels_last}')
+    say(f'{dist.launcher} launch on {run.device}: {args.arch}, amp {args.amp}, channels-last '
+        f'{args.channels_last}')
     say(f'global batch size: {run.global_batch} - mini batch size: {args.batch_size}' +
         (f' ({args.accum_steps} micro-batches per step)' if args.accum_steps > 1 else ''))
     if args.findlr:
         say(f'learning rate: sweep from 1e-08 to {args.lr:g} over {run.total_steps} steps')
         if run.total_steps < recipe.FINDLR_MIN_STEPS:
             say(f'Warning: an LR sweep of {run.total_steps} steps multiplies the LR by '
-                f'{(args.lr / 1e-8) ** (1 / max(1, run.total_steps - 1)):.2g} per step: its suggestion is coarse; '
-                f'give it {recipe.FINDLR_MIN_STEPS} steps or more (--test-nsteps, and -e so that the epochs '
-                f'hold them).')
+                f'{(args.lr / 1e-8) ** (1 / max(1, run.total_steps - 1)):.2g} per step: its '
+                f'suggestion is coarse; give it {recipe.FINDLR_MIN_STEPS} steps or more '
+                f'(--test-nsteps, and -e so that the epochs hold them).')
     else:
         rule = '--lr' if args.lr != args.base_lr * run.global_batch / 256 else \
             f'--base-lr {args.base_lr:g} per 256 images x global batch {run.global_batch}'
@@ -39,8 +40,9 @@ def print_header(run):
     # the flags that differ from their defaults; config.json holds them all
     defaults = vars(get_args_parser().parse_args([]))
     if args.scheduler == 'onecycle' and not args.findlr and args.mom != defaults['mom']:
-        say(f"Note: --mom {args.mom:g} is not used: the onecycle schedule sets the momentum (beta1) at every step, "
-            f"from 0.95 down to 0.85 and back (torch's OneCycleLR); another --scheduler keeps --mom.")
+        say(f"Note: --mom {args.mom:g} is not used: the onecycle schedule sets the momentum "
+            f"(beta1) at every step, from 0.95 down to 0.85 and back (torch's OneCycleLR); another "
+            f"--scheduler keeps --mom.")
     changed = [f'{k}={v}' for k, v in sorted(vars(args).items()) if k not in defaults or defaults[k] != v]
     say('Config (differs from the defaults; all of it in config.json): ' + ' '.join(changed))
     for warning in run.host['warnings']:
@@ -60,11 +62,15 @@ def write_summary(run, progress, status, error=None, extra=None):
         'provenance': provenance(run.device, dist),
         'world_size': dist.world_size, 'num_nodes': dist.num_nodes, 'global_batch': gb,
         'mode': 'evaluate' if args.evaluate else 'findlr' if args.findlr else 'train',
-        'data': {'source': run.data.source.kind, 'root': run.data.source.root, 'reason': run.data.source.reason,
-                 'classes': len(run.data.classes), 'train_images': run.data.n_train, 'val_images': run.data.n_val,
-                 'batches_per_epoch': run.steps_per_epoch, 'bad_images_skipped': run.data.bad_images,
+        'data': {'source': run.data.source.kind, 'root': run.data.source.root,
+                 'reason': run.data.source.reason,
+                 'classes': len(run.data.classes), 'train_images': run.data.n_train,
+                 'val_images': run.data.n_val,
+                 'batches_per_epoch': run.steps_per_epoch,
+                 'bad_images_skipped': run.data.bad_images,
                  'shard_file_opens': run.data.file_opens, 'gpu_decode': run.data.gpu_decode,
-                 'fast_decode': run.data.fast_decode, 'handover': run.data.handover, 'dali': run.data.dali,
+                 'fast_decode': run.data.fast_decode, 'handover': run.data.handover,
+                 'dali': run.data.dali,
                  'staging': run.data.staging, 'index': run.data.index},
         'timing': timing,
         'memory': run.memory.summary(), 'host': run.host,
@@ -72,7 +78,8 @@ def write_summary(run, progress, status, error=None, extra=None):
         'global_step': progress.global_step, 'train': progress.train, 'val': progress.val,
         'val_ema': progress.val_ema,
         'time_to_accuracy': {'target_top1': args.target_top1, 'best_top1': progress.best_top1,
-                             'raw': progress.reached.get('raw'), 'ema': progress.reached.get('ema')},
+                             'raw': progress.reached.get('raw'),
+                             'ema': progress.reached.get('ema')},
         **(extra or {}),
     }
     starts = [rank_startup(run)]  # every rank's once the run completed (gathered below)
@@ -99,9 +106,11 @@ def rank_report(run):
     st, memory = run.chrono.stats(), run.memory.summary()
     step, data = st.get('step'), st.get('data')
     profiled = sum(bool(r.get('excluded')) for r in run.chrono.steps)
-    return {**run.chrono.totals(), 'profiled_steps': profiled, 'rank': run.dist.rank, 'host': socket.gethostname(),
+    return {**run.chrono.totals(), 'profiled_steps': profiled, 'rank': run.dist.rank,
+            'host': socket.gethostname(),
             'steps': len(run.chrono.steps),
-            'step_median_s': step['median'] if step else None, 'step_mean_s': step['mean'] if step else None,
+            'step_median_s': step['median'] if step else None,
+            'step_mean_s': step['mean'] if step else None,
             'data_mean_s': data['mean'] if data else None, 'val_time_s': run.chrono.val_time,
             'gpu_max_allocated_bytes': memory['gpu_max_allocated_bytes'],
             'host_peak_rss_bytes': memory['host_peak_rss_bytes'],
@@ -148,7 +157,8 @@ def ranks_summary(ranks):
     slow = max(timed, key=lambda r: r['step_median_s'])
     fast = min(timed, key=lambda r: r['step_median_s'])
     res = {'ranks': ranks, 'slowest_rank': slow['rank'], 'fastest_rank': fast['rank'],
-           'slowest_step_median_s': slow['step_median_s'], 'fastest_step_median_s': fast['step_median_s'],
+           'slowest_step_median_s': slow['step_median_s'],
+           'fastest_step_median_s': fast['step_median_s'],
            'rank_skew': slow['step_median_s'] / fast['step_median_s'] - 1}
     measured = [r for r in timed if r.get('busy_s') is not None and r.get('wall_s')]
     if len(measured) != len(ranks):
@@ -163,7 +173,8 @@ def ranks_summary(ranks):
             r['late_s'] = r['collective_s'] - r['comm_s']
         volume = last_in['comm_bytes'] / last_in['comm_steps']
         link = last_in['link_s'] / last_in['comm_steps']
-        res.update(comm_measured='all-reduce hook', gradient_bytes_per_step=volume, link_s_per_step=link,
+        res.update(comm_measured='all-reduce hook', gradient_bytes_per_step=volume,
+                   link_s_per_step=link,
                    achieved_bytes_per_s=volume / link if link > 0 else None)
     else:
         backward = [r.get('backward_s') for r in measured]
@@ -177,11 +188,13 @@ def ranks_summary(ranks):
         r['data_excess_s'] = r['data_s'] - least_data  # the others waited for this rank's loader
         r['bound'] = verdict(r['wall_s'], r['busy_s'], r['data_s'], r['comm_s'], r['late_s'])
     wall, busy, data, comm, late, excess = (sum(r[k] for r in measured) for k in
-                                             ('wall_s', 'busy_s', 'data_s', 'comm_s', 'late_s', 'data_excess_s'))
+                                             ('wall_s', 'busy_s', 'data_s', 'comm_s', 'late_s',
+                                              'data_excess_s'))
     shares = step_shares(wall, busy, data, comm, late, excess)
     res.update(bound=next(iter(shares)), bound_all_ranks=True,
                shares_all_ranks={k: v / wall for k, v in shares.items()},
-               device_busy_all_ranks=busy / wall, data_share_all_ranks=data / wall, comm_share=comm / wall,
+               device_busy_all_ranks=busy / wall, data_share_all_ranks=data / wall,
+               comm_share=comm / wall,
                late_share=late / wall, straggler_share=(late + excess) / wall,
                # waiting for peers or the network is waiting: the headroom leaves it out
                compute_headroom_all_ranks=wall / (busy - comm - late) if busy > comm + late else None)
@@ -198,7 +211,8 @@ def communication_estimate(bucket_cap_mb, model, world_size):
     grad_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     first, cap = 2 ** 20, bucket_cap_mb * 2 ** 20
     buckets = 1 + math.ceil(max(0, grad_bytes - first) / cap)
-    return {'gradient_bytes_per_step': grad_bytes, 'bucket_cap_mb': bucket_cap_mb, 'buckets_estimate': buckets,
+    return {'gradient_bytes_per_step': grad_bytes, 'bucket_cap_mb': bucket_cap_mb,
+            'buckets_estimate': buckets,
             # a ring all-reduce sends (and receives) 2 (W-1)/W of the buffer per rank
             'ring_bytes_per_rank_per_step': 2 * (world_size - 1) / world_size * grad_bytes}
 
@@ -244,18 +258,20 @@ def final_lines(summary, chrono, steps_per_epoch):
     t = summary['timing']
     if t.get('gpu_throughput'):  # summary.json keeps the key gpu_throughput; on a CPU the line says what it is
         device = 'GPU' if t.get('clock') != 'host' else 'Compute'
-        lines.append(f">>> Train throughput: {t['train_throughput']:.2f} images/second; {device} throughput: "
-                     f"{t['gpu_throughput']:.2f} images/second; epoch time estimate: "
+        lines.append(f">>> Train throughput: {t['train_throughput']:.2f} images/second; {device} "
+                     f"throughput: {t['gpu_throughput']:.2f} images/second; epoch time estimate: "
                      f"{t['epoch_time_estimate_s']:.1f} s")
     if t.get('bound'):
         lines.append(bound_line(t))
     if t.get('rank_skew') is not None:
         lines.append(f">>> Step time per rank (median): fastest rank {t['fastest_rank']} "
                      f"{t['fastest_step_median_s'] * 1e3:.1f} ms, slowest rank {t['slowest_rank']} "
-                     f"{t['slowest_step_median_s'] * 1e3:.1f} ms (skew {t['rank_skew'] * 100:.1f} %)")
+                     f"{t['slowest_step_median_s'] * 1e3:.1f} ms (skew {t['rank_skew'] * 100:.1f} "
+                     f"%)")
     c = summary.get('communication')
     if c:
-        lines.append(f">>> Gradient all-reduce per step: {c['gradient_bytes_per_step'] / 2**20:.1f} MiB in about "
+        lines.append(f">>> Gradient all-reduce per step: "
+                     f"{c['gradient_bytes_per_step'] / 2**20:.1f} MiB in about "
                      f"{c['buckets_estimate']} buckets of <= {c['bucket_cap_mb']:g} MiB")
     e = summary['energy']
     if e and e['peak_w'] is not None:
@@ -268,12 +284,13 @@ def final_lines(summary, chrono, steps_per_epoch):
     m = summary['memory']
     if m['gpu_max_allocated_bytes'] is not None:
         # the byte count stays second to last: the course's tools read it there
-        lines.append(f">>> Max Memory Allocated {m['gpu_max_allocated_bytes'] / 2**30:.2f} GiB (reserved "
-                     f"{m['gpu_max_reserved_bytes'] / 2**30:.2f} GiB) = {m['gpu_max_allocated_bytes']} Bytes")
+        lines.append(f">>> Max Memory Allocated {m['gpu_max_allocated_bytes'] / 2**30:.2f} GiB "
+                     f"(reserved {m['gpu_max_reserved_bytes'] / 2**30:.2f} GiB) = "
+                     f"{m['gpu_max_allocated_bytes']} Bytes")
     if m.get('val_gpu_max_allocated_bytes') is not None:  # worded apart: the course's tools grep 'Max Memory'
-        lines.append(f">>> Validation peak memory: {m['val_gpu_max_allocated_bytes'] / 2**30:.2f} GiB allocated "
-                     f"(reserved {m['val_gpu_max_reserved_bytes'] / 2**30:.2f} GiB) = "
-                     f"{m['val_gpu_max_allocated_bytes']} Bytes")
+        lines.append(f">>> Validation peak memory: {m['val_gpu_max_allocated_bytes'] / 2**30:.2f} "
+                     f"GiB allocated (reserved {m['val_gpu_max_reserved_bytes'] / 2**30:.2f} GiB) "
+                     f"= {m['val_gpu_max_allocated_bytes']} Bytes")
     if m['host_peak_rss_bytes'] is not None:
         lines.append(f">>> Host peak memory (VmHWM): {m['host_peak_rss_bytes'] / 2**30:.2f} GiB")
     lines.append(f"Run written to {summary['config']['output_dir']}")

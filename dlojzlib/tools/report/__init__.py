@@ -53,9 +53,12 @@ class Report:
     per_config: tuple = None  # medians per repeated configuration, or None
 
 
-VIEWS = [('comparison', comparison_view), ('run dashboards', dashboards_view), ('batch-size sweep', sweep_view),
-         ('scaling', scaling_view), ('communication', communication_view), ('BatchNorm view', batchnorm_view),
-         ('metric sync log', metric_sync_view), ('LR finder', lr_finder_view), ('loader doctor', doctor_view), ('tuning', tune_view),
+VIEWS = [('comparison', comparison_view), ('run dashboards', dashboards_view),
+         ('batch-size sweep', sweep_view),
+         ('scaling', scaling_view), ('communication', communication_view),
+         ('BatchNorm view', batchnorm_view),
+         ('metric sync log', metric_sync_view), ('LR finder', lr_finder_view),
+         ('loader doctor', doctor_view), ('tuning', tune_view),
          ('time to accuracy', race_view), ('diff', diff_view)]
 
 
@@ -63,8 +66,10 @@ def build_report(rep):
     """Write rep.out/report.md with its figures and CSV files, one view after the other; -> rep."""
     os.makedirs(rep.out, exist_ok=True)
     md = ['# dlojz report', '',
-          f'{len(rep.runs)} run(s), generated {datetime.datetime.now():%Y-%m-%d %H:%M} by `dlojz_report.py`.', '']
-    md += [f'*Skipped (not a dlojz run directory): {p}*' for p in rep.skipped] + ([''] if rep.skipped else [])
+          f'{len(rep.runs)} run(s), generated {datetime.datetime.now():%Y-%m-%d %H:%M} by '
+          f'`dlojz_report.py`.', '']
+    md += [f'*Skipped (not a dlojz run directory): '
+           f'{p}*' for p in rep.skipped] + ([''] if rep.skipped else [])
     for title, view in VIEWS:
         md += guarded(title, lambda view=view: view(rep), rep.problems)
     if rep.problems:
@@ -77,23 +82,28 @@ def build_report(rep):
 # --------------------------------------------------------------------------------------- command line
 
 def get_args_parser():
-    p = argparse.ArgumentParser(description='Report on dlojz run directories: Markdown + PNG figures + CSV.',
-                                epilog='python dlojz_report.py diff RUN_A RUN_B prints their configuration '
-                                       'differences.')
-    p.add_argument('runs', nargs='+', help='run directories written by dlojz.py (--output-dir), or folders '
-                                           'holding them (e.g. runs/)')
-    p.add_argument('--out', default='report', help='folder for report.md, comparison.csv and the figures '
-                                                   '(default: ./report)')
-    p.add_argument('--sort', default='train_img_s', help='comparison column to sort by, best first (throughputs and '
-                                                         'top1 descending, times and memory ascending); default '
-                                                         'train_img_s')
+    p = argparse.ArgumentParser(description='Report on dlojz run directories: Markdown + PNG '
+                                            'figures + CSV.',
+                                epilog='python dlojz_report.py diff RUN_A RUN_B prints their '
+                                       'configuration differences.')
+    p.add_argument('runs', nargs='+',
+                   help='run directories written by dlojz.py (--output-dir), or folders holding '
+                                           'them (e.g. runs/)')
+    p.add_argument('--out', default='report',
+                   help='folder for report.md, comparison.csv and the figures (default: '
+                                                   './report)')
+    p.add_argument('--sort', default='train_img_s',
+                   help='comparison column to sort by, best first (throughputs and top1 '
+                                                         'descending, times and memory ascending); '
+                                                         'default train_img_s')
     p.add_argument('--comm-steps', type=POSITIVE_INT, default=10,
                    help='training steps shown in the communication figure')
     return p
 
 
 def diff_main(argv):
-    p = argparse.ArgumentParser(prog='dlojz_report.py diff', description='Configuration differences of two runs.')
+    p = argparse.ArgumentParser(prog='dlojz_report.py diff',
+                                description='Configuration differences of two runs.')
     p.add_argument('a')
     p.add_argument('b')
     args = p.parse_args(argv)
@@ -102,7 +112,8 @@ def diff_main(argv):
         raise ReportError(f'diff compares two run directories, got {len(runs)}; pass exactly two.')
     diff = config_diff(*runs)
     print('\n'.join(text_table(['section', 'key', runs[0].name, runs[1].name],
-                               [dict(zip(('section', 'key', runs[0].name, runs[1].name), d)) for d in diff]))
+                               [dict(zip(('section', 'key', runs[0].name, runs[1].name),
+                                         d)) for d in diff]))
           if diff else 'same configuration and provenance')
 
 
@@ -115,7 +126,8 @@ def main(argv=None):
     try:  # a folder that cannot be created or written, or --out naming a file
         rep = build_report(Report(runs, args.out, args.sort, args.comm_steps, skipped))
     except OSError as e:
-        raise ReportError(f'cannot write the report into {args.out} ({e.strerror or e}); pass a writable --out.')
+        raise ReportError(f'cannot write the report into {args.out} ({e.strerror or e}); pass a '
+                          f'writable --out.')
     if rep.table:
         print('\n'.join(text_table(shown(*rep.table), rep.table[1])))
     if rep.per_config:

@@ -54,7 +54,8 @@ def plot_bn(bn, out):
     x = range(len(bn['layers']))
     for ax, stat in zip(axes.flat, BN_STATS):
         for name, layers in bn['runs'].items():
-            ax.plot(x, [layers.get(l, {}).get(stat, float('nan')) for l in bn['layers']], '-o', ms=3, label=name)
+            ax.plot(x, [layers.get(l, {}).get(stat, float('nan')) for l in bn['layers']], '-o',
+                    ms=3, label=name)
         ax.set_title(f'mean of {stat}')
         ax.set_xticks(list(x), bn['layers'], rotation=90, fontsize=5)
     axes.flat[0].legend(fontsize=7)
@@ -71,8 +72,8 @@ def batchnorm_view(rep):
     lines += [f'*{n}*' for n in bn['notes']]
     if not bn['runs']:
         return lines + ['']
-    lines += [f"Mean of each BatchNorm tensor, {len(bn['layers'])} layers (downsample included), from "
-              + ', '.join(f'{k}: {v}' for k, v in bn['checkpoints'].items()) + '.', '']
+    lines += [f"Mean of each BatchNorm tensor, {len(bn['layers'])} layers (downsample "
+              "included), from " + ', '.join(f'{k}: {v}' for k, v in bn['checkpoints'].items()) + '.', '']
     if len(bn['runs']) > 1:
         rows_bn = []
         for stat in BN_STATS:
@@ -81,10 +82,11 @@ def batchnorm_view(rep):
                       for l in bn['layers'] if all(l in v and stat in v[l] for v in bn['runs'].values())]
             d, layer = max(spread) if spread else (None, None)
             rows_bn.append({'stat': stat, 'max_diff': d, 'layer': layer})
-        lines += md_table(['stat', 'max_diff', 'layer'], rows_bn, ['statistic', 'largest difference between '
-                          'runs', 'at layer']) + ['']
+        lines += md_table(['stat', 'max_diff', 'layer'], rows_bn,
+                          ['statistic', 'largest difference between runs', 'at layer']) + ['']
     tables.write_csv(os.path.join(out, 'batchnorm.csv'), ['run', 'layer'] + list(BN_STATS),
-                     [[name, l] + [v.get(s) for s in BN_STATS] for name, layers in bn['runs'].items()
-                      for l, v in layers.items()])
-    return lines + ['Per layer values: [batchnorm.csv](batchnorm.csv).', '', f'![BatchNorm]({plot_bn(bn, out)})',
+                     [[name, l] + [v.get(s) for s in BN_STATS]
+                      for name, layers in bn['runs'].items() for l, v in layers.items()])
+    return lines + ['Per layer values: [batchnorm.csv](batchnorm.csv).', '',
+                    f'![BatchNorm]({plot_bn(bn, out)})',
                     '']

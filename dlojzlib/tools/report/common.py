@@ -47,7 +47,8 @@ def verdict(run):
     where = f' at step {step}' if step is not None else ''
     if status == 'oom' and run.batch_size:
         where += f' with batch {run.batch_size} per process'
-    return f'{what}{where}' + (f': {error}' if error and error != status and status != 'oom' else '')
+    return f'{what}{where}' + (f': '
+                               f'{error}' if error and error != status and status != 'oom' else '')
 
 
 def numbers(run):
@@ -82,8 +83,8 @@ def numbers(run):
     }
 
 
-METRICS = ['load_ms', 'compute_ms', 'step_ms', 'train_img_s', 'gpu_img_s', 'busy_pct', 'data_pct', 'bound',
-           'host_mem_gib', 'gpu_mem_gib', 'j_per_img', 'top1', 'startup_s', 'startup_phase']
+METRICS = ['load_ms', 'compute_ms', 'step_ms', 'train_img_s', 'gpu_img_s', 'busy_pct', 'data_pct',
+           'bound', 'host_mem_gib', 'gpu_mem_gib', 'j_per_img', 'top1', 'startup_s', 'startup_phase']
 
 
 HIGHER_IS_BETTER = {'train_img_s', 'gpu_img_s', 'top1'}  # sorted best first: these descending, others ascending
@@ -92,8 +93,10 @@ HIGHER_IS_BETTER = {'train_img_s', 'gpu_img_s', 'top1'}  # sorted best first: th
 FORMATS = {'startup_s': '.1f', 'comm_pts': '.1f', 'straggler_pts': '.1f', 'rest_pts': '.1f',
            'compute_slowed_pts': '.1f', 'loader_slowed_pts': '.1f',
            'step_ms': '.1f',
-           'top1': '.4f', 'top1_before': '.4f', 'top1_after': '.4f', 'loss_before': '.4f', 'loss_after': '.4f',
-           'speedup': '.2f', 'efficiency': '.1%', 'j_per_img': '.3f', 'host_mem_gib': '.2f', 'gpu_mem_gib': '.2f',
+           'top1': '.4f', 'top1_before': '.4f', 'top1_after': '.4f', 'loss_before': '.4f',
+           'loss_after': '.4f',
+           'speedup': '.2f', 'efficiency': '.1%', 'j_per_img': '.3f', 'host_mem_gib': '.2f',
+           'gpu_mem_gib': '.2f',
            'mem_gib': '.3f', 'max_diff': '.3g'}
 
 
@@ -118,7 +121,8 @@ def fmt(v, col=''):
 
 
 def md_table(columns, rows, headers=None):
-    return tables.markdown(headers or columns, [[fmt(row.get(c), c) for c in columns] for row in rows])
+    return tables.markdown(headers or columns,
+                           [[fmt(row.get(c), c) for c in columns] for row in rows])
 
 
 def text_table(columns, rows):
@@ -167,7 +171,8 @@ def group_runs(runs, ignore):
     for r in runs:
         if not r.config:
             continue
-        key = json.dumps({k: v for k, v in r.config.items() if k not in PATH_KEYS | set(ignore)}, sort_keys=True,
+        key = json.dumps({k: v for k, v in r.config.items() if k not in PATH_KEYS | set(ignore)},
+                         sort_keys=True,
                          default=str)
         groups.setdefault(key, []).append(r)
     return list(groups.values())
