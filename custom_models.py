@@ -104,8 +104,8 @@ def resnet_with_stochastic_depth(base='resnet152', p_L=0.5, sd_mode='batch', num
     block, layers = RESNETS[base]
     sd_block = BottleneckSD if block is Bottleneck else BasicBlockSD
     model = ResNet(sd_block, layers, num_classes=num_classes)
-    blocks = [b for stage in (model.layer1, model.layer2, model.layer3,
-                              model.layer4) for b in stage]
+    stages = (model.layer1, model.layer2, model.layer3, model.layer4)
+    blocks = [b for stage in stages for b in stage]
     for idx, b in enumerate(blocks, start=1):
         b.drop_prob = p_L * idx / len(blocks)
         b.sd_mode = sd_mode

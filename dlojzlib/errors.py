@@ -66,13 +66,12 @@ class NonFiniteValidation(NonFiniteLoss):
     """
 
     def __init__(self, epoch, step):
-        DlojzError.__init__(self,
-                            f'the validation loss of epoch {epoch} (after step {step}) is NaN or '
-                                  f'infinite although the training loss was finite: the weights or '
-                                  f'the BatchNorm statistics hold non-finite values; the run '
-                                  f'stopped before the checkpoint that closes the epoch; resume '
-                                  f'from an earlier checkpoint with a lower --lr or --amp '
-                                  f'bf16/off, or check the data.', failed_step=step)
+        DlojzError.__init__(
+            self, f'the validation loss of epoch {epoch} (after step {step}) is NaN or infinite '
+            f'although the training loss was finite: the weights or the BatchNorm statistics hold '
+            f'non-finite values; the run stopped before the checkpoint that closes the epoch; '
+            f'resume from an earlier checkpoint with a lower --lr or --amp bf16/off, or check the '
+            f'data.', failed_step=step)
 
 
 class CommFailure(DlojzError):
@@ -163,14 +162,11 @@ def first_line(e):
 # libtorch_cpu.so's gloo/transport/tcp; a hung peer in the middle of DDP's backward gives
 # "Application timeout caused pair closure", not "Timed out waiting"). Gloo raises them as plain
 # RuntimeErrors, some through autograd's engine.
-COMM_FAILURE_PATTERNS = ('connection reset by peer', 'connection closed by peer',
-                         'timed out waiting',
+COMM_FAILURE_PATTERNS = ('connection reset by peer', 'connection closed by peer', 'timed out waiting',
                          'application timeout caused pair closure', 'socket timeout',
-                         'connect timeout',
-                         'broken pipe', 'nccl communicator was aborted',
-                         'watchdog caught collective',
-                         'distbackenderror', 'processgroupnccl', 'processgroupgloo',
-                         'gloo/transport')
+                         'connect timeout', 'broken pipe', 'nccl communicator was aborted',
+                         'watchdog caught collective', 'distbackenderror', 'processgroupnccl',
+                         'processgroupgloo', 'gloo/transport')
 
 
 def is_comm_failure(exc):
@@ -240,8 +236,7 @@ def translate(e, args, rank=0, distributed=False, step=0):
         return CommFailure(f'a collective failed on rank {rank} at step {step}: another rank died '
                            f'or stopped answering ({first_line(e)[:160]}); look for the first '
                            f'error in the other ranks\' output (waits are bounded by '
-                           f'--dist-timeout, now {timeout}).',
-                           **failed)
+                           f'--dist-timeout, now {timeout}).', **failed)
     return None
 
 

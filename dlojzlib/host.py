@@ -49,8 +49,7 @@ def host_memory(pid='self'):
 def git_sha():
     try:
         sha = subprocess.run(['git', '-C', ROOT, 'rev-parse', 'HEAD'], capture_output=True,
-                             text=True,
-                             timeout=5).stdout.strip()
+                             text=True, timeout=5).stdout.strip()
         dirty = subprocess.run(['git', '-C', ROOT, 'status', '--porcelain', '--untracked-files=no'],
                                capture_output=True, text=True, timeout=5).stdout.strip()
         return (sha + ('-dirty' if dirty else '')) or None

@@ -76,7 +76,9 @@ def resolve_data_source(args, environ=os.environ):
 
 
 def synthetic_root(args):
-    name = (f'synthetic-v{SYNTH_VERSION}-c{args.synthetic_classes}-n{args.synthetic_train_per_class}-v{args.synthetic_val_per_class}-s{args.synthetic_seed}')
+    counts = (f'c{args.synthetic_classes}-n{args.synthetic_train_per_class}'
+              f'-v{args.synthetic_val_per_class}-s{args.synthetic_seed}')
+    name = f'synthetic-v{SYNTH_VERSION}-{counts}'
     return os.path.join(os.path.expanduser(args.cache_dir), name)
 
 
@@ -483,11 +485,9 @@ def build_loaders(args, dist, log=print, on_ranks=None, device=None,
                                                     args.val_batch_size, drop_last=False)
         return Data(source, classes,
                     dali.DaliLoader(train_set, batches, True, args.image_size, args.seed,
-                                    args.num_workers,
-                                          dali_device),
+                                    args.num_workers, dali_device),
                     dali.DaliLoader(val_set, val_batches, False, args.val_image_size, args.seed,
-                                          args.num_workers, dali_device,
-                                          val_resize=args.val_resize),
+                                    args.num_workers, dali_device, val_resize=args.val_resize),
                     train_set, len(train_set), len(val_set), accum=args.accum_steps,
                     staging=staging, index=cost)
     # a lone process may skip its loader's start on a stop; ranks with peers agree at a step

@@ -58,8 +58,8 @@ def destination(src, stage_dir):
     """The copy's folder under stage_dir: named after the source, so that two datasets never share
     one."""
     src = os.path.realpath(src)
-    return os.path.join(stage_dir,
-                        f'dlojz-{os.path.basename(src)}-{hashlib.sha1(src.encode()).hexdigest()[:8]}')
+    digest = hashlib.sha1(src.encode()).hexdigest()[:8]
+    return os.path.join(stage_dir, f'dlojz-{os.path.basename(src)}-{digest}')
 
 
 def _mb(n):
@@ -219,9 +219,10 @@ def staged_source(source, stage_dir, dist, on_ranks, log=print):
                          f'is not set on {socket.gethostname()}; give a folder on the node\'s '
                          f'local disk, or leave --stage-dir out.')
     if source.kind != 'shards':
-        why = (f'--stage-dir {stage_dir} not used: the data are {source.kind}' +
-               (f' ({source.root})' if source.root else '')
-               + '; only shards (`python dlojz_data.py prepare`) are copied to the local disk, and these are read where they are')
+        where = f' ({source.root})' if source.root else ''
+        why = (f'--stage-dir {stage_dir} not used: the data are {source.kind}{where}; only shards '
+               '(`python dlojz_data.py prepare`) are copied to the local disk, and these are read '
+               'where they are')
         log(f'Note: {why}.')
         return source, {'asked': asked, 'used': False, 'reason': why}
     real, root = os.path.realpath(stage_dir), os.path.realpath(source.root)

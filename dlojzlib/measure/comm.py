@@ -95,8 +95,8 @@ def _seconds(marks):
     if isinstance(marks[0][0], float):
         return [(start, end) for start, end, _ in marks]
     origin = marks[0][0]  # events: seconds after the first one, on the device's clock
-    return [(origin.elapsed_time(start) / 1e3,
-             origin.elapsed_time(end) / 1e3) for start, end, _ in marks]
+    return [(origin.elapsed_time(start) / 1e3, origin.elapsed_time(end) / 1e3)
+            for start, end, _ in marks]
 
 
 def resolve(marks, buffers=()):

@@ -202,8 +202,7 @@ def inputs_from_summary(summary):
     config.bucket_cap_mb, and the steady steps' times (timing.per_step: after the warm-up, full batches)."""
     if summary.get('world_size', 1) != 1:
         raise ValueError(f"the forecast starts from a one-device run; this one had "
-                         f"{summary['world_size']} ranks "
-                         '(its steps already hold communication).')
+                         f"{summary['world_size']} ranks (its steps already hold communication).")
     t = summary.get('timing') or {}
     rate = t.get('steady_images_per_s')
     backward = ((t.get('stats') or {}).get('backward') or {}).get('mean')

@@ -120,8 +120,8 @@ class Logger:
         try:
             # unbuffered bytes: a record a full disk refuses is cut off whole (log), never left
             # half-written
-            self.f = open_for_write(path, 'ab' if append else 'wb',
-                                    buffering=0) if console.enabled else None
+            mode = 'ab' if append else 'wb'
+            self.f = open_for_write(path, mode, buffering=0) if console.enabled else None
         except OSError as e:
             if no_space(e):
                 raise disk_full(path, disk_usage) from None

@@ -103,9 +103,8 @@ CONTRACT = {
     'res_start': (HONOURED, 'the resolution follows the new schedule from the current epoch'),
     'res_end_epoch': (HONOURED, 'the resolution follows the new schedule from the current epoch'),
     # run
-    'epochs': (EXTENDS,
-               'more epochs continue the run (the LR schedule is rebuilt for the new length); '
-                  'fewer than the checkpoint has done are refused'),
+    'epochs': (EXTENDS, 'more epochs continue the run (the LR schedule is rebuilt for the new '
+                        'length); fewer than the checkpoint has done are refused'),
     'test': (EXTENDS, 'as --test-nsteps'),
     'test_nsteps': (EXTENDS, 'counts the whole run: more steps continue it; fewer than the '
                              'checkpoint\'s are refused'),
@@ -174,8 +173,8 @@ def flag(dest):
 def changed(args, old):
     """The flags whose value differs from the checkpoint's args (`old`, a dict): {dest: (old, new)}.
     Flags the checkpoint does not know (written by an older dlojz) are left out."""
-    return {d: (old[d],
-                getattr(args, d)) for d in CONTRACT if d in old and old[d] != getattr(args, d)}
+    return {d: (old[d], getattr(args, d))
+            for d in CONTRACT if d in old and old[d] != getattr(args, d)}
 
 
 def schedule_changes(args, old):

@@ -59,8 +59,7 @@ def job_alive(job_id):
     """Whether SLURM still has this job (pending or running); False when squeue is absent or fails."""
     try:
         r = subprocess.run(['squeue', '-h', '-j', str(job_id), '-o', '%T'], capture_output=True,
-                           text=True,
-                           timeout=30)
+                           text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return False
     return r.returncode == 0 and bool(r.stdout.strip())
@@ -83,8 +82,8 @@ def completed_run(path):
 
 def complete_sentence(path, summary):
     top1 = (summary.get('val') or {}).get('top1')
-    return (f"the run in {path} is complete (step "
-            f"{summary.get('global_step')}{f', validation top-1 {top1:.4f}' if top1 is not None else ''}); "
+    score = f', validation top-1 {top1:.4f}' if top1 is not None else ''
+    return (f"the run in {path} is complete (step {summary.get('global_step')}{score}); "
             f"this command asks nothing more of it and changes nothing in it: pass a larger -e (or "
             f"--test-nsteps) to train it further, or another --output-dir (or --run-name) for a "
             f"new run.")

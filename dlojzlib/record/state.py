@@ -14,8 +14,8 @@ import torch
 from dlojzlib.dist import launch
 from dlojzlib.errors import Complete, Interrupted, Preempted, UsageError
 from dlojzlib.record.checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint,
-                                        load_latest_checkpoint,
-                              save_checkpoint, space_warning, strip_prefixes)
+                                        load_latest_checkpoint, save_checkpoint, space_warning,
+                                        strip_prefixes)
 from dlojzlib.record.log import SUMMARY_VERSION
 from dlojzlib.record.resume import flag, schedule_changes
 from dlojzlib.record.rundir import complete_sentence, completed_run
@@ -105,8 +105,8 @@ def find_resume_checkpoint(args, dist, say):
     if args.resume != 'auto':
         return args.resume, load_checkpoint(args.resume)
     warn = lambda m: print(m, file=sys.stderr, flush=True)
-    found = launch.on_ranks(lambda: load_latest_checkpoint(args.output_dir,
-                                                           warn), when=dist.is_main)
+    found = launch.on_ranks(lambda: load_latest_checkpoint(args.output_dir, warn),
+                            when=dist.is_main)
     path = launch.broadcast_object(found[0] if found else None)
     if path is None:
         say(f'--resume auto: no checkpoint in {args.output_dir}; starting from the beginning')
@@ -197,9 +197,9 @@ def check_resume(args, dist, path, ckpt, data, model, optimizer, global_batch, s
         where = f'checkpoint {path}' if ckpt is not None else f'the completed run in {args.output_dir}'
         raise UsageError(f'{where} is at step {at} but this run ends at step {total_steps}: a '
                          f'resumed run cannot end before its checkpoint; pass {want} or more to '
-                         f'continue it' +
-                         (f', or --evaluate --resume {path} to validate '
-                          f'it.' if ckpt is not None else '.'))
+                         f'continue it'
+                         + (f', or --evaluate --resume {path} to validate it.' if ckpt is not None
+                            else '.'))
     if done is not None and at == total_steps:
         raise Complete(complete_sentence(args.output_dir, done))
     if done is not None and ckpt is None:

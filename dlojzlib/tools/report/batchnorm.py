@@ -72,8 +72,9 @@ def batchnorm_view(rep):
     lines += [f'*{n}*' for n in bn['notes']]
     if not bn['runs']:
         return lines + ['']
-    lines += [f"Mean of each BatchNorm tensor, {len(bn['layers'])} layers (downsample "
-              "included), from " + ', '.join(f'{k}: {v}' for k, v in bn['checkpoints'].items()) + '.', '']
+    sources = ', '.join(f'{k}: {v}' for k, v in bn['checkpoints'].items())
+    lines += [f"Mean of each BatchNorm tensor, {len(bn['layers'])} layers (downsample included), "
+              f"from {sources}.", '']
     if len(bn['runs']) > 1:
         rows_bn = []
         for stat in BN_STATS:

@@ -84,7 +84,8 @@ def numbers(run):
 
 
 METRICS = ['load_ms', 'compute_ms', 'step_ms', 'train_img_s', 'gpu_img_s', 'busy_pct', 'data_pct',
-           'bound', 'host_mem_gib', 'gpu_mem_gib', 'j_per_img', 'top1', 'startup_s', 'startup_phase']
+           'bound', 'host_mem_gib', 'gpu_mem_gib', 'j_per_img', 'top1', 'startup_s',
+           'startup_phase']
 
 
 HIGHER_IS_BETTER = {'train_img_s', 'gpu_img_s', 'top1'}  # sorted best first: these descending, others ascending
