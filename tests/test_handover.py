@@ -29,7 +29,7 @@ import dlojz
 from dlojzlib.data import datasets
 from dlojzlib.data import decode as DD
 from dlojzlib.data import handover as HO
-from dlojzlib.data.workers import DataLoader, ignore_preemption_signals
+from dlojzlib.data.workers import DataLoader
 
 simplejpeg = pytest.importorskip('simplejpeg')
 
@@ -131,8 +131,8 @@ class Pictures(torch.utils.data.Dataset):
 @pytest.mark.parametrize('persistent', [False, True])
 def test_shared_batches_equal_the_default_collates(persistent):
     ds = Pictures()
-    kw = dict(batch_size=6, shuffle=False, num_workers=2, prefetch_factor=2, persistent_workers=persistent,
-              worker_init_fn=ignore_preemption_signals)
+    kw = dict(batch_size=6, shuffle=False, num_workers=2, prefetch_factor=2,
+              persistent_workers=persistent)
     reference = [b for b in DataLoader(ds, **kw)]
     collate = HO.SharedCollate(2, 2, 6, 8)
     loader = DataLoader(ds, collate_fn=collate, **kw)
@@ -152,7 +152,7 @@ def test_a_stopped_epoch_gives_its_slots_back_to_persistent_workers():
     ds = Pictures()
     collate = HO.SharedCollate(1, 2, 6, 8)
     loader = DataLoader(ds, batch_size=6, num_workers=1, prefetch_factor=2, persistent_workers=True,
-                        collate_fn=collate, worker_init_fn=ignore_preemption_signals)
+                        collate_fn=collate)
     for i, _ in enumerate(loader):  # the epoch stops after 2 batches, 2 more made and never read
         if i == 1:
             break

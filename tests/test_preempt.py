@@ -225,10 +225,10 @@ def test_a_worker_dying_during_a_checkpoint_write_is_reported_after_it(tmp_path,
 
 
 def _signalled_while_starting(worker_id):
-    """A worker that gets SIGTERM from another process (as from Slurm) before dlojz's init has run."""
+    """A worker that gets SIGTERM from another process (as from Slurm) before dlojz's init has run
+    (dlojz's DataLoader runs it after this one)."""
     subprocess.run(['kill', '-TERM', str(os.getpid())], check=True)
     time.sleep(0.2)  # an unblocked SIGTERM is handled by now
-    datasets.ignore_preemption_signals(worker_id)
 
 
 @pytest.mark.parametrize('persistent', [False, True])

@@ -32,7 +32,7 @@ from dlojzlib.data.folder import IMG_EXTENSIONS, find_classes, scan_imagefolder 
 from dlojzlib.data.handover import SharedCollate
 from dlojzlib.data.synthetic import (  # noqa: F401 (data.datasets's API too)
     SYNTH_VERSION, _texture, ensure_synthetic_dataset, synthetic_image)
-from dlojzlib.data.workers import DataLoader, ForkContext, ignore_preemption_signals, loader_kwargs  # noqa: F401 (API)
+from dlojzlib.data.workers import DataLoader, loader_kwargs  # noqa: F401 (API: DataLoader)
 from dlojzlib.errors import DataError, UsageError
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is an error, never silently half-grey

@@ -18,9 +18,6 @@ from dlojzlib.data.handover import Materialized, SharedCollate
 from dlojzlib.dist import launch
 
 
-_installed_in = None  # the pid of the worker whose signals ignore_preemption_signals has set
-
-
 def ignore_preemption_signals(worker_id=None):
     """DataLoader workers survive SIGTERM and SIGUSR2 sent by anyone but their parent. Slurm signals
     every process of a step (scancel, the time limit, --signal=USR2@120), workers included; the main
@@ -31,10 +28,6 @@ def ignore_preemption_signals(worker_id=None):
     shutdown) still ends the worker: ignoring it too would leave the main process waiting for its
     workers at exit. A thread reads the sender of each SIGTERM (sigwaitinfo), blocked for the
     worker's other threads."""
-    global _installed_in
-    if _installed_in == os.getpid():  # a caller's own init called it already (DataLoader below)
-        return
-    _installed_in = os.getpid()
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     # Ctrl-C reaches the terminal's whole foreground group, workers included: the main process's
     # interrupt ends them (the loader's shutdown), while their own KeyboardInterrupt printed a

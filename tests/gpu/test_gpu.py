@@ -721,7 +721,7 @@ def test_pinned_shared_batches_equal_the_default_collates():
     (data.handover.SlotBatch.pin_memory) and frees the slot: the batches equal the default
     collate's."""
     from dlojzlib.data import handover
-    from dlojzlib.data.workers import DataLoader, ignore_preemption_signals
+    from dlojzlib.data.workers import DataLoader
 
     class Pictures(torch.utils.data.Dataset):
         def __len__(self):
@@ -730,7 +730,7 @@ def test_pinned_shared_batches_equal_the_default_collates():
         def __getitem__(self, i):
             return torch.full((3, 8, 8), i % 251, dtype=torch.uint8), i % 5
 
-    kw = dict(batch_size=6, num_workers=2, prefetch_factor=2, pin_memory=True, worker_init_fn=ignore_preemption_signals)
+    kw = dict(batch_size=6, num_workers=2, prefetch_factor=2, pin_memory=True)
     want = list(DataLoader(Pictures(), **kw))
     collate = handover.SharedCollate(2, 2, 6, 8)
     got = list(DataLoader(Pictures(), collate_fn=collate, **kw))
