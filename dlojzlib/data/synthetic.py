@@ -139,8 +139,8 @@ def ensure_synthetic_dataset(root, num_classes, train_per_class, val_per_class, 
                 died = sorted({-p.exitcode for p in procs if (p.exitcode or 0) < 0})
                 why = ', '.join(signal.Signals(s).name for s in died) or 'an unknown cause'
                 cls = OutOfMemory if signal.SIGKILL in died else DlojzError
-                oom = '; most likely by the kernel\'s out-of-memory killer' if cls is OutOfMemory \
-                    else ''
+                hint = '; most likely by the kernel\'s out-of-memory killer'
+                oom = hint if cls is OutOfMemory else ''
                 raise cls(f'a process generating the synthetic dataset into {root} was killed '
                           f'({why}{oom}); nothing was kept: run again on a node with free memory, '
                           f'or ask Slurm for more (--mem).') from None
