@@ -445,9 +445,10 @@ def evaluate(run, epoch, progress, max_batches=None, ema=False):
 
 # ------------------------------------------------------------------------------------------------ main
 
-def main(args, dist=None, startup=None):
+def main(args, dist=None, startup=None, hold_interrupt=False):
     """Validate the flags, join the process group, choose the run folder, then run (see _main).
-    startup: the start-up's clock (cli's counts from the process's start; else from this call)."""
+    startup: the start-up's clock (cli's counts from the process's start; else from this call).
+    hold_interrupt: see StopSignal.install (cli's process ends after an interrupt; a caller's goes on)."""
     dist = dist or get_dist_info()
     startup = startup or StartUp(time.time())
     with startup.phase('device'):
@@ -468,7 +469,7 @@ def main(args, dist=None, startup=None):
             return doctor.loader_mode(args, raw, dist, device)
         if args.tune:
             return tune.tune_mode(args, raw, dist, device)
-        return _main(args, dist, device, startup)
+        return _main(args, dist, device, startup, hold_interrupt)
 
 
 def _device(args, dist):
@@ -500,7 +501,7 @@ def release_early_signals():
             os.kill(os.getpid(), getattr(signal, EARLY_SIGNALS[-1]))
 
 
-def _main(args, dist, device, startup):
+def _main(args, dist, device, startup, hold_interrupt=False):
     """Build the run, run its mode (train, LR sweep or evaluation), and end every way it can end with a
     summary.json that says how (errors), the power meter stopped and the logs closed."""
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
@@ -511,7 +512,7 @@ def _main(args, dist, device, startup):
     with startup.phase('header'):
         print_header(run)
     power, extra, code = run.power, {}, 1
-    run.stop.install(EARLY_SIGNALS)  # one that came during start-up stops the run at its first step boundary
+    run.stop.install(EARLY_SIGNALS, hold_interrupt)  # a start-up's stop: at the first step boundary
     try:
         # This attempt's record from its start: a kill or a full disk leaves 'running' with this attempt's config
         # and step, never an earlier attempt's summary (a 'preempted' one) that would read as the current state.
@@ -573,18 +574,18 @@ def cli(argv=None):
     startup = StartUp(process_start_time(), imports_until=time.time())  # 1st phase: the imports
     try:
         args, dist = get_args_parser().parse_args(argv), get_dist_info()  # in this order: --help first
-        main(args, dist, startup)
+        main(args, dist, startup, hold_interrupt=True)
         ended = True
         return 0
     except SystemExit as e:  # argparse: --help (0) or a bad flag (2, its sentence already printed)
         return e.code
+    except DlojzError as e:  # Interrupted included (a KeyboardInterrupt too): before the next clause
+        report_error(e, dist)
+        peer_failed = isinstance(e, CommFailure)
+        return e.exit_code
     except KeyboardInterrupt:  # before the run existed (afterwards _main turns it into Interrupted)
         e = Interrupted('interrupted')
         report_error(e, dist)
-        return e.exit_code
-    except DlojzError as e:
-        report_error(e, dist)
-        peer_failed = isinstance(e, CommFailure)
         return e.exit_code
     finally:
         launch.cleanup(peer_failed, synchronize=ended)

@@ -124,7 +124,10 @@ class Complete(DlojzError):
     status, exit_code, label = 'completed', 0, None
 
 
-class Interrupted(DlojzError):
+class Interrupted(DlojzError, KeyboardInterrupt):
+    """Ctrl-C (or a time limit's SIGINT), with the run's record written. A KeyboardInterrupt as
+    well, so that whoever called the run in its own process (pytest, a notebook, a sweep script)
+    stops as Ctrl-C asked, instead of taking it for an ordinary failure and going on."""
     status, exit_code, label = 'interrupted', 130, None
 
 

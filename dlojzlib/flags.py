@@ -359,6 +359,7 @@ ENVIRONMENT = {
     'DLOJZ_FAULT': None,  # the crash tests' failpoints (failpoints.parse checks it)
     'DLOJZ_RUN': None, 'DLOJZ_VENV': None,  # the slurm/ scripts' (the run name, the environment)
     'DLOJZ_REQUIRE_GPU': None, 'DLOJZ_SLURM_SETUP': None, 'DLOJZ_STUB_LOG': None,  # the tests'
+    'DLOJZ_GPU_PROGRESS': None,  # tests/gpu/run.sh's progress file (tests/gpu/progress.py)
 }
 
 

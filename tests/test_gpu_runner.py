@@ -8,13 +8,17 @@ Run: python -m pytest -q tests/test_gpu_runner.py
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
-from gpu import bench, cuda_check, side_by_side  # tests/gpu's scripts, as modules
+from conftest import TINY
+from gpu import bench, cuda_check, results, side_by_side  # tests/gpu's scripts, as modules
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -186,3 +190,99 @@ def test_the_best_row_takes_the_tuners_flags_and_keeps_the_comparisons_own(tmp_p
     flags, source = side_by_side.best_flags(args)
     assert flags == ['-b', '384', '--amp', 'bf16', '--channels-last', '--compile']
     assert 'tune.json' in source
+
+
+BUDGET_TESTS = '''
+import os, sys, time
+import dlojz
+
+def test_first():
+    pass
+
+def test_run():
+    flags = {flags!r}
+    dlojz.main(dlojz.get_args_parser().parse_args(flags))
+
+def test_after():
+    time.sleep(60)  # a test the time limit should never reach
+'''
+
+
+def test_a_budget_signal_into_an_in_process_run_keeps_every_test_by_name(tmp_path, cache_dir):
+    """run.sh's time limit sends SIGINT to pytest's process group while a test runs dlojz in the
+    pytest process. dlojz turned it into an ordinary test failure and then ignored SIGINT: pytest went
+    on to the next test, was killed 20 s later and wrote no junit.xml (issue 45). Now the interrupt
+    reaches pytest as a KeyboardInterrupt, which ends the session at once with junit.xml written, and
+    progress.txt names the test that was stopped: every test that ran is in the record by name."""
+    run_dir = tmp_path / 'run'
+    flags = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(run_dir), '-e', '1000', '--log-interval', '1']
+    (tmp_path / 'conftest.py').write_text(
+        'from gpu.progress import pytest_runtest_logfinish, pytest_runtest_logstart  # noqa\n')
+    (tmp_path / 'test_budget.py').write_text(BUDGET_TESTS.format(flags=flags))
+    progress, junit = tmp_path / 'progress.txt', tmp_path / 'junit.xml'
+    env = {**os.environ, 'DLOJZ_GPU_PROGRESS': str(progress),
+           'PYTHONPATH': os.pathsep.join([str(ROOT), str(ROOT / 'tests'), os.environ.get('PYTHONPATH', '')])}
+    p = subprocess.Popen([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-p', 'no:randomly',
+                          f'--junitxml={junit}', 'test_budget.py'], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / 'metrics.jsonl').exists() or not (run_dir / 'metrics.jsonl').read_text():
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0][-3000:]
+            time.sleep(0.1)
+        os.killpg(p.pid, signal.SIGINT)  # as `timeout -s INT` does: the whole process group
+        out, _ = p.communicate(timeout=20)  # not the 60 s of test_after
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert junit.exists(), out[-3000:]
+    rows = results.merge(results.outcomes(junit), *results.read_progress(progress.read_text()))
+    got = {results.short(node): outcome for node, outcome, *_ in rows}
+    assert got == {'test_first': 'passed', 'test_run': 'interrupted'}, (got, out[-3000:])
+    assert results.main([str(junit), '--progress', str(progress)]) == 1  # a test was stopped
+    assert json.loads((run_dir / 'summary.json').read_text())['status'] == 'interrupted'
+
+
+# What pytest 9 wrote when SIGINT stopped the second of three tests (reproduced by hand): the
+# stopped test is a <testcase> with neither classname nor name.
+INTERRUPTED_JUNIT = ('<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite '
+                     'name="pytest" errors="0" failures="0" skipped="0" tests="1" time="2.856"><testcase '
+                     'classname="tests.gpu.test_gpu" name="test_one" time="0.400" /><testcase time="0.000" />'
+                     '</testsuite></testsuites>')
+
+
+def test_a_stopped_test_is_named_and_counted_as_stopped(tmp_path, capsys):
+    """results.py read the nameless <testcase> of a test a time limit stopped as a passed test named
+    'None'. From progress.txt it is now named, said to be stopped, and the verdict is 1; the test the
+    budget left out is listed as not run, without failing the verdict by itself."""
+    junit, progress, wanted = tmp_path / 'junit.xml', tmp_path / 'progress.txt', tmp_path / 'quick.txt'
+    junit.write_text(INTERRUPTED_JUNIT)
+    one, two, three = (f'tests/gpu/test_gpu.py::test_{n}' for n in ('one', 'two', 'three'))
+    progress.write_text(f'start\t{one}\nend\t{one}\nstart\t{two}\n')
+    wanted.write_text(f'# the list\n{one}\n{two}\n{three}\n')
+    assert results.main([str(junit), '--progress', str(progress), '--list', str(wanted)]) == 1
+    out = capsys.readouterr().out
+    assert '| `test_one` | passed |' in out and '| `test_two` | interrupted: stopped by a time limit' in out
+    assert '| `test_three` | not run (time budget) |' in out and 'None' not in out
+    progress.write_text(f'start\t{one}\nend\t{one}\n')  # the budget ended the session between tests
+    junit.write_text(INTERRUPTED_JUNIT.replace('<testcase time="0.000" />', ''))
+    assert results.main([str(junit), '--progress', str(progress), '--list', str(wanted)]) == 0
+    assert '2 not run' in capsys.readouterr().out
+    junit.unlink()  # pytest killed before it wrote the XML: the progress file still names the test
+    assert results.main([str(junit), '--progress', str(progress)]) == 1
+    out = capsys.readouterr().out
+    assert '| `test_one` | unknown: ran; its outcome was lost' in out and 'no JUnit XML' in out
+
+
+@given(text=st.lists(st.sampled_from(['start', 'end', '\t', '\n', 'a', 'b', '::', ' ', '\x00', 'é']),
+                     max_size=60).map(''.join))
+def test_any_progress_file_gives_each_started_test_one_row(text):
+    """progress.txt cut anywhere by a kill, or garbled: read without error, every test that started
+    has exactly one row, and one that never ended is never called passed."""
+    started, ended = results.read_progress(text)
+    rows = results.merge([], started, ended)
+    assert sorted(r[0] for r in rows) == sorted(set(started))
+    assert all(outcome == 'interrupted' for node, outcome, *_ in rows if node not in ended)
+    assert results.verdict(rows) == 1  # nothing from JUnit: no test is known to have passed
+    assert results.table(rows)  # and it prints

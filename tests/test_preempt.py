@@ -305,22 +305,25 @@ def test_the_stop_handlers_hold_what_comes_after_an_interrupt():
     """StopSignal by hand, with real signals to this process: the first Ctrl-C interrupts
     (KeyboardInterrupt); a second one and a SIGTERM after it are held, not raised and not taken for
     a stop; a Ctrl-C while a stop is under way (SIGUSR2 first: its checkpoint comes at the step
-    boundary) is held too."""
+    boundary) is held too. Once restored, the command (hold_interrupt) keeps ignoring Ctrl-C; a run
+    inside another program gives its caller's handler back, which the next Ctrl-C reaches."""
     from dlojzlib.dist.launch import StopSignal
     before = signal.getsignal(signal.SIGINT)
-    stop = StopSignal().install()
-    try:
-        with pytest.raises(KeyboardInterrupt):
+    for hold in (True, False):
+        stop = StopSignal().install(hold_interrupt=hold)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)  # the handler runs at the next bytecode
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)  # the handler runs at the next bytecode
-        os.kill(os.getpid(), signal.SIGINT)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.05)
-        assert stop.interrupted and stop.held == ['SIGINT', 'SIGTERM'] and stop.received is None
-    finally:
-        stop.restore()
-    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # no traceback in the teardown
-    signal.signal(signal.SIGINT, before)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            assert stop.interrupted and stop.held == ['SIGINT', 'SIGTERM'] and stop.received is None
+        finally:
+            stop.restore()
+        # the command: no traceback in the teardown; in-process: the caller's handler
+        assert signal.getsignal(signal.SIGINT) is (signal.SIG_IGN if hold else before)
+        signal.signal(signal.SIGINT, before)
     stop = StopSignal().install()
     try:
         os.kill(os.getpid(), signal.SIGUSR2)

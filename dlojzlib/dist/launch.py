@@ -448,10 +448,15 @@ class StopSignal:
         self.received, self._old = None, {}
         self.interrupted, self.held = False, []  # Ctrl-C under way; the signals that came after it
         self._work = self._flag = None  # the all-reduce started at the previous step
+        self.hold_interrupt = False
 
-    def install(self, pending=()):
+    def install(self, pending=(), hold_interrupt=False):
         """pending: names of the stop signals received before (dlojz.EARLY_SIGNALS), read after the
-        handlers are in place so that none falls between the two."""
+        handlers are in place so that none falls between the two. hold_interrupt: after an
+        interrupt, Ctrl-C stays ignored once the handlers are restored (the command, whose process
+        ends next); otherwise (a run inside another program: pytest, a notebook) the caller's
+        handler comes back, so that its next Ctrl-C or time limit stops it."""
+        self.hold_interrupt = hold_interrupt
         if threading.current_thread() is threading.main_thread():  # Python only allows it there
             for s in self.SIGNALS:
                 self._old[s] = signal.signal(s, self._handler)
@@ -481,10 +486,12 @@ class StopSignal:
         raise KeyboardInterrupt
 
     def restore(self):
-        """The handlers as they were; after an interrupt, Ctrl-C stays held until the process ends
-        (the process group's teardown follows), so that no traceback comes after the record."""
+        """The handlers as they were; after an interrupt with hold_interrupt, Ctrl-C stays held
+        until the process ends (the process group's teardown follows), so that no traceback comes
+        after the record."""
+        hold = self.interrupted and self.hold_interrupt
         for s, old in self._old.items():
-            signal.signal(s, signal.SIG_IGN if s == signal.SIGINT and self.interrupted else old)
+            signal.signal(s, signal.SIG_IGN if s == signal.SIGINT and hold else old)
         self._old = {}
         global _received
         _received = None  # the run is over: a loader made next in this process is not stopped

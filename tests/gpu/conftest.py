@@ -1,13 +1,16 @@
 """tests/gpu needs a CUDA GPU: without one, every test of this folder is skipped with the reason, unless
 DLOJZ_REQUIRE_GPU=1 (set by run.sh) says a GPU was meant: then the session stops with that reason as an
 error, no test run. The fixtures and helpers of tests/conftest.py (cache_dir, TINY, run_main, torchrun,
-latest) apply here too."""
+latest) apply here too; progress.py's hooks name each test as it starts and ends (run.sh's
+progress.txt)."""
 import gc
 import os
 import pathlib
 
 import pytest
 import torch
+
+from gpu.progress import pytest_runtest_logfinish, pytest_runtest_logstart  # noqa: F401 - hooks
 
 HERE = pathlib.Path(__file__).parent
 

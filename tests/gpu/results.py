@@ -1,21 +1,34 @@
-"""The GPU run's results by test name, from pytest's JUnit XML: each test's outcome and seconds,
-then the tests that were asked for and never ran (a stage's time budget ran out). bash
-tests/gpu/run.sh prints it last and keeps it as summary.md in the results folder, ready for
-BENCHMARKS.md.
+"""The GPU run's results by test name, from pytest's JUnit XML and the progress file (progress.py):
+each test's outcome and seconds, the test a time limit stopped while it ran, then the tests that
+were asked for and never ran (a stage's time budget ran out). bash tests/gpu/run.sh prints it last
+and keeps it as summary.md in the results folder, ready for BENCHMARKS.md; its exit code is the
+stage's verdict: 0 when every test that ran passed or was skipped, 1 otherwise (a failure, an error,
+a test stopped while it ran, or no record at all). Tests left out by the budget are listed, not
+counted as failures.
 
-    python tests/gpu/results.py RESULTS/junit.xml [tests/gpu/quick.txt]
+    python tests/gpu/results.py RESULTS/junit.xml [--progress RESULTS/progress.txt] [--list tests/gpu/quick.txt]
 """
+import argparse
 import collections
 import sys
 import xml.etree.ElementTree as ET
 
+BAD = ('failed', 'error', 'interrupted', 'unknown')  # outcomes that make the verdict 1
+
+
+def node_of(case):
+    """A <testcase>'s pytest node id (tests.gpu.test_gpu + name -> tests/gpu/test_gpu.py::name), or
+    None for the nameless case pytest writes for a test a KeyboardInterrupt stopped."""
+    name, classname = case.get('name'), case.get('classname')
+    if not name or not classname:
+        return None
+    return f"{classname.replace('.', '/')}.py::{name}"
+
 
 def outcomes(junit_path):
-    """-> [(node id, outcome, seconds, message)] in the order the tests ran."""
+    """-> [(node id or None, outcome, seconds, message)] in the order the tests ran."""
     rows = []
     for case in ET.parse(junit_path).getroot().iter('testcase'):
-        path = case.get('classname', '').replace('.', '/')  # gpu.test_gpu -> gpu/test_gpu
-        node = f"{path}.py::{case.get('name')}"
         outcome, message = 'passed', ''
         for tag in ('failure', 'error', 'skipped'):
             found = case.find(tag)
@@ -23,8 +36,50 @@ def outcomes(junit_path):
                 outcome = {'failure': 'failed', 'error': 'error', 'skipped': 'skipped'}[tag]
                 message = (found.get('message') or '').split('\n')[0][:160]
                 break
-        rows.append((node, outcome, float(case.get('time') or 0.0), message))
+        node = node_of(case)
+        if node is None:
+            outcome, message = 'interrupted', 'stopped while it ran'
+        try:
+            seconds = float(case.get('time') or 0.0)
+        except ValueError:
+            seconds = 0.0
+        rows.append((node, outcome, seconds, message))
     return rows
+
+
+def read_progress(text):
+    """progress.txt's text -> (node ids started, in order; node ids that ended). Lines that are not
+    an event (a line cut by a kill, an empty line) are left out."""
+    started, ended = [], set()
+    for line in text.splitlines():
+        event, sep, node = line.partition('\t')
+        if not sep or not node:
+            continue
+        if event == 'start':
+            started.append(node)
+        elif event == 'end':
+            ended.add(node)
+    return started, ended
+
+
+def merge(rows, started, ended):
+    """JUnit's rows named from the progress file: the test started and never ended is the one a time
+    limit stopped (JUnit's nameless case, or no case at all when pytest was killed); a test that
+    ended but is missing from JUnit ran and lost its outcome (pytest killed before it wrote the
+    XML)."""
+    named = [r for r in rows if r[0] is not None]
+    nameless = [r for r in rows if r[0] is None]
+    have = {r[0] for r in named}
+    merged = list(named)
+    for node in dict.fromkeys(started):
+        if node in have:
+            continue
+        if node not in ended:
+            seconds = nameless.pop(0)[2] if nameless else 0.0
+            merged.append((node, 'interrupted', seconds, 'stopped by a time limit while it ran'))
+        else:
+            merged.append((node, 'unknown', 0.0, 'ran; its outcome was lost (pytest was killed)'))
+    return merged + nameless  # nameless cases the progress file could not name stay, unnamed
 
 
 def asked(list_path):
@@ -36,33 +91,54 @@ def asked(list_path):
 def not_run(rows, wanted):
     """The tests of `wanted` of which no case ran (a node id without [...] matches its parametrised
     cases)."""
-    ran = {node for node, *_ in rows}
+    ran = {node for node, *_ in rows if node}
     return [w for w in wanted if w not in ran and not any(r.startswith(w + '[') for r in ran)]
+
+
+def short(node):
+    return node.split('::', 1)[1] if node and '::' in node else (node or 'a test (name not recorded)')
 
 
 def table(rows, missing=()):
     lines = ['| test | result | s |', '|---|---|---:|']
     for node, outcome, seconds, message in rows:
         result = f"{outcome}: {message.replace('|', '/')}" if message else outcome
-        lines.append(f"| `{node.split('::', 1)[1]}` | {result} | {seconds:.1f} |")
-    lines += [f"| `{node.split('::', 1)[1]}` | not run | |" for node in missing]
+        lines.append(f"| `{short(node)}` | {result} | {seconds:.1f} |")
+    lines += [f"| `{short(node)}` | not run (time budget) | |" for node in missing]
     counts = collections.Counter(outcome for _, outcome, _, _ in rows)
     said = [f'{n} {outcome}' for outcome, n in sorted(counts.items())]
     said += [f'{len(missing)} not run'] if missing else []
     seconds = sum(t for _, _, t, _ in rows)
-    return lines + ['', f"{', '.join(said)}; {seconds:.0f} s in tests."]
+    return lines + ['', f"{', '.join(said) or 'no test ran'}; {seconds:.0f} s in tests."]
+
+
+def verdict(rows):
+    """0 when tests ran and none of them went wrong, else 1."""
+    return 1 if not rows or any(outcome in BAD for _, outcome, _, _ in rows) else 0
 
 
 def main(argv):
+    p = argparse.ArgumentParser(description='the GPU tests by name, from junit.xml and progress.txt')
+    p.add_argument('junit')
+    p.add_argument('--progress', help='progress.txt (tests/gpu/progress.py)')
+    p.add_argument('--list', help='the tests asked for (quick.txt): those that did not run are listed')
+    opts = p.parse_args(argv)
     try:
-        rows = outcomes(argv[0])
+        rows = outcomes(opts.junit)
+        why = None
     except (OSError, ET.ParseError) as e:
-        print(f'results.py: no test results in {argv[0]} ({e}); pytest was stopped before it wrote '
-              f'them.')
-        return 1
-    missing = not_run(rows, asked(argv[1])) if len(argv) > 1 else []
+        rows, why = [], f'no JUnit XML in {opts.junit} ({e}): pytest was stopped before it wrote it'
+    if opts.progress:
+        try:
+            with open(opts.progress, encoding='utf-8', errors='replace') as f:
+                rows = merge(rows, *read_progress(f.read()))
+        except OSError:
+            pass  # no test started
+    missing = not_run(rows, asked(opts.list)) if opts.list else []
     print('\n'.join(table(rows, missing)))
-    return 0
+    if why:
+        print(f'results.py: {why}; the tests above are from the progress file.')
+    return verdict(rows)
 
 
 if __name__ == '__main__':
