@@ -87,11 +87,37 @@ def free_port(lo=20000, hi=40000):
 
 
 def torchrun(n, *flags, timeout=300, script=DLOJZ, env=None):
-    """`torchrun --nproc_per_node n dlojz.py FLAGS` -> CompletedProcess (text)."""
+    """`torchrun --nproc_per_node n dlojz.py FLAGS` -> CompletedProcess (text). The launcher and its
+    workers run in a session of their own, ended as a whole when the wait ends early (a timeout, or
+    the KeyboardInterrupt of a time limit's SIGINT): subprocess.run killed the launcher alone, and
+    its workers lived on, orphaned, on the GPU node."""
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(n), '--master_port',
            str(free_port()), script] + [str(f) for f in flags]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, 'OMP_NUM_THREADS': '1', **(env or {})})
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                          env={**os.environ, 'OMP_NUM_THREADS': '1', **(env or {})},
+                          start_new_session=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except BaseException:
+            end_group(p)
+            raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def end_group(p, grace_s=10):
+    """SIGTERM to the process group `p` leads (torchrun passes it on to its workers), then SIGKILL
+    to whatever is left of it after grace_s."""
+    import signal
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.communicate(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def srun_like(n, *flags, log_dir, job_id=None):

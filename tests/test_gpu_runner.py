@@ -286,3 +286,42 @@ def test_any_progress_file_gives_each_started_test_one_row(text):
     assert all(outcome == 'interrupted' for node, outcome, *_ in rows if node not in ended)
     assert results.verdict(rows) == 1  # nothing from JUnit: no test is known to have passed
     assert results.table(rows)  # and it prints
+
+
+SLEEPER = '''
+import os, sys, time
+with open(os.path.join(sys.argv[1], f"worker{os.environ['RANK']}"), "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(120)
+'''
+
+
+@pytest.mark.slow  # 6 s: torchrun's launcher and two workers import torch
+def test_a_time_limit_during_a_torchrun_test_leaves_no_worker(tmp_path):
+    """run.sh's SIGINT lands while a test waits for torchrun: the KeyboardInterrupt ended the wait and
+    subprocess.run killed the launcher alone, leaving its workers running (on the GPU node, holding
+    the GPU for the next test). conftest.torchrun now ends the launcher's whole process group."""
+    from conftest import torchrun
+    script = tmp_path / 'sleeper.py'
+    script.write_text(SLEEPER)
+    workers = [tmp_path / 'worker0', tmp_path / 'worker1']
+
+    def interrupt_once_started():
+        deadline = time.monotonic() + 60
+        while not all(w.exists() and w.read_text() for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)
+    import threading
+    threading.Thread(target=interrupt_once_started, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        torchrun(2, tmp_path, script=str(script), timeout=90)
+    pids = [int(w.read_text()) for w in workers]
+    deadline = time.monotonic() + 15
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in pids if os.path.exists(f'/proc/{pid}') and
+                 open(f'/proc/{pid}/stat').read().split(') ')[1][0] != 'Z']
+        time.sleep(0.2)
+    for pid in alive:  # this test's own leftovers, by pid
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f'torchrun workers {alive} outlived the interrupted test'
