@@ -4,6 +4,7 @@ the flags (check_flags), then those that need the device, the world size or the 
 this module before it imports torch (seconds on a loaded node), so --help and every usage error
 answer at once; check_args imports torch when called."""
 import argparse
+import importlib.util
 import math
 import os
 import re
@@ -302,7 +303,7 @@ def logging_flags(p):
     g.add_argument('--metric-sync-log', action='store_true', help='print and record each rank\'s train metrics '
                    'before and after the sync at every --metric-step')
     g.add_argument('--wandb', choices=['off', 'offline', 'online'], default=None, help='default: offline for full '
-                   'runs, off in test mode')
+                   'runs (off where the wandb package is not installed), off in test mode')
     g.add_argument('--prof', action='store_true', help='torch.profiler traces into <output-dir>/profiler')
     g.add_argument('--prof-wait', type=COUNT, default=1, help='--prof: steps before the profiler starts')
     g.add_argument('--prof-warmup', type=COUNT, default=1, help='--prof: profiled steps thrown away (its own warm-up)')
@@ -562,8 +563,14 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
         args.wd_norm_bias = args.optimizer not in ADAPTIVE
     if args.lr is None:  # Goyal et al. 2017: the learning rate grows with the global batch
         args.lr = 10.0 if args.findlr else args.base_lr * args.batch_size * world_size * args.accum_steps / 256
+    # wandb is optional where a cluster module lacks it: a full run then logs to metrics.jsonl only
+    # (config.json says 'off'); asked for by name, its absence is refused before any work
+    wandb = importlib.util.find_spec('wandb') is not None
+    if args.wandb in ('offline', 'online') and not wandb:
+        raise UsageError(f'--wandb {args.wandb} needs the wandb package, which this Python does not '
+                         f'have; pip install wandb, or pass --wandb off.')
     if args.wandb is None:
-        args.wandb = 'off' if args.test else 'offline'
+        args.wandb = 'offline' if wandb and not args.test else 'off'
     return args
 
 

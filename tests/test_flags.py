@@ -165,3 +165,18 @@ def test_an_lr_sweep_must_go_up():
     with pytest.raises(UsageError, match=r'--findlr sweeps the learning rate up from 1e-8 to --lr'):
         flags.check_flags(flags.get_args_parser().parse_args(['--findlr', '--lr', '1e-9']))
     flags.check_flags(flags.get_args_parser().parse_args(['--findlr', '--lr', '1']))
+
+
+def test_a_full_run_without_wandb_trains_and_asking_for_it_is_one_sentence(tmp_path, cache_dir,
+                                                                            monkeypatch):
+    """The GPU node has no wandb: a full run (not --test-nsteps) defaulted to --wandb offline and
+    crashed at its start on the import (issue 45). Without the package the default is off, recorded in
+    config.json, and the run trains; asking for wandb by name is refused in one sentence before any
+    work."""
+    from conftest import TINY
+    monkeypatch.setitem(sys.modules, 'wandb', None)  # not importable, as on the node
+    argv = [a for a in TINY if a not in ('--wandb', 'off')] + ['--cache-dir', cache_dir, '-e', '1']
+    with pytest.raises(UsageError, match=r'^--wandb offline needs the wandb package, .*pass --wandb off\.$'):
+        resolved(*argv, '--wandb', 'offline')
+    summary = dlojz.main(dlojz.get_args_parser().parse_args([*argv, '--output-dir', str(tmp_path)]))
+    assert summary['status'] == 'completed' and summary['config']['wandb'] == 'off'
