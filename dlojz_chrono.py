@@ -179,17 +179,22 @@ class CudaTimeline:
         if not hasattr(self, 'hz'):
             start, end = self.event(), self.event()
             start.record()
-            compat.spin(self.cuda, 10 ** 6)
+            self._spin(10 ** 6)
             end.record()
             end.synchronize()
             self.hz = 10 ** 6 / max(start.elapsed_time(end) / 1e3, 1e-6)
 
     def delay(self, seconds):
         """Queue a kernel that keeps the device busy for about `seconds` (a probe step's head
-        start), on the current stream of the calling thread's device: the training thread's, this
-        GPU."""
+        start), on this GPU's current stream."""
         self.calibrate()
-        compat.spin(self.cuda, int(seconds * self.hz))
+        self._spin(int(seconds * self.hz))
+
+    def _spin(self, cycles):
+        """The spin on this GPU's current stream, where the events go, whichever device is current
+        in the calling thread."""
+        with self.cuda.device(self.index):
+            compat.spin(self.cuda, cycles)
 
 
 class Chronometer:

@@ -2,6 +2,7 @@
 (record.summary.ranks_summary), on stamps and rank reports whose expected values are worked out by
 hand. The same verdicts on real gloo runs, with the cause outside the code (a shaped network link, a
 slowed loader), are in tests/test_ddp_truth.py."""
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -166,6 +167,9 @@ class FakeCuda:
             def query(self):
                 return True
 
+            def synchronize(self):
+                pass
+
             def elapsed_time(self, end):
                 if self.stream[1] != end.stream[1]:
                     raise RuntimeError('events recorded on different devices')
@@ -180,6 +184,21 @@ class FakeCuda:
 
     def current_stream(self, device=None):
         return ('default stream', self.current_device() if device is None else device)
+
+    def synchronize(self, device=None):
+        pass
+
+    @contextlib.contextmanager
+    def device(self, index):
+        before = self.current_device()
+        self.set_device(index)
+        try:
+            yield
+        finally:
+            self.set_device(before)
+
+    def _sleep(self, cycles):  # torch.cuda._sleep: a kernel on the current device's current stream
+        self.spins = getattr(self, 'spins', []) + [(self.current_stream(), cycles)]
 
 
 def test_the_done_event_is_recorded_on_the_ranks_gpu_from_gloos_thread():
@@ -201,6 +220,19 @@ def test_the_done_event_is_recorded_on_the_ranks_gpu_from_gloos_thread():
     assert ready.event.stream == done.event.stream == ('default stream', 1)
     assert comm.resolve(*timer.take())['exposed'] == 0.0
     assert CudaTimeline('cuda', cuda=cuda).index == 1  # a device without an index: the current one
+
+
+def test_the_probes_spin_runs_on_the_gpu_of_its_events():
+    """The probe's spin kernel (its calibration and its head start) went to the calling thread's
+    current device while its events went to the timeline's GPU (issue 45): with another device
+    current, the head start kept the wrong GPU busy and the calibration timed an empty stream. Both
+    spins now run on the timeline's GPU, the stream its events are recorded on."""
+    cuda = FakeCuda()
+    cuda.set_device(0)  # current here; the rank's GPU is 1
+    timeline = CudaTimeline(torch.device('cuda', 1), cuda=cuda)
+    timeline.delay(0.01)
+    assert [stream for stream, _ in cuda.spins] == [('default stream', 1)] * 2  # calibration, head start
+    assert cuda.current_device() == 0  # and this thread's device is left as it was
 
 
 def test_the_chronometer_keeps_each_steps_stamps():

@@ -361,20 +361,31 @@ def test_the_all_reduce_done_event_waits_for_the_all_reduce(tmp_path):
 
 def test_the_hooks_events_on_gloo_with_cuda_tensors(tmp_path):
     """gloo on CUDA tensors (ranks sharing GPUs) runs the done callback on gloo's own thread, whose
-    current device is 0: CudaTimeline records both of a bucket's events on this rank's GPU, and
-    elapsed_time reads them (it raised across devices). One GPU cannot show a second device;
-    tests/test_comm.py does, on a fake."""
+    current CUDA device is 0: CudaTimeline records both of a bucket's events on this rank's GPU, and
+    elapsed_time reads them (it raised across devices). The rank drives the last GPU, so that on a
+    node with two or more the callback's thread is on another device and the device check can fail
+    (on GPU 0 it held by construction); one GPU cannot show a second device, and there the check is
+    left to tests/test_comm.py's fake."""
+    import threading
     import torch.distributed as tdist
 
     from dlojzlib.measure import comm
     from dlojz_chrono import CudaTimeline
-    device = torch.device('cuda', torch.cuda.current_device())
+    device = torch.device('cuda', torch.cuda.device_count() - 1)
+    torch.cuda.set_device(device)
     tdist.init_process_group('gloo', init_method=f'file://{tmp_path}/store', rank=0, world_size=1)
+    seen = []  # (thread, its current device) where the hook's done callback ran
     try:
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2)).to(device)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
         timer = comm.CommTimer(1, CudaTimeline(device))
-        ddp.register_comm_hook(None, timer.hook)
+
+        def hook(state, bucket):
+            def done(fut):
+                seen.append((threading.current_thread(), torch.cuda.current_device()))
+                return fut.value()  # timer.hook's future holds the bucket's tensor
+            return timer.hook(state, bucket).then(done)
+        ddp.register_comm_hook(None, hook)
         for _ in range(2):
             ddp(torch.randn(32, 64, device=device)).square().mean().backward()
             torch.cuda.synchronize()
@@ -383,8 +394,11 @@ def test_the_hooks_events_on_gloo_with_cuda_tensors(tmp_path):
         parameters = 64 * 64 + 64 + 64 * 2 + 2
         assert got is not None and got['exposed'] >= 0 and got['bytes'] == 4 * parameters
         assert all(e.index == device.index for mark in marks for e in mark[:2])
+        if device.index > 0:  # the check discriminates: the callback ran on another device
+            assert any(current != device.index for _, current in seen), seen
     finally:
         tdist.destroy_process_group()
+        torch.cuda.set_device(0)
 
 
 def test_torchrun_two_ranks_share_one_gpu(tmp_path, cache_dir):
