@@ -155,8 +155,9 @@ def loader_flags(p):
     g.add_argument('--prefetch-factor', type=POSITIVE_INT, default=None, help='batches loaded ahead per worker (default 2)')
     g.add_argument('--drop-last', action=ON_OFF, default=False, help='drop the last incomplete batch')
     g.add_argument('--loader-only', action='store_true', help='run the training loader alone (sampler, decode, '
-                   'augmentation, collation, pinned memory, copy to the GPU), no model, for --test-nsteps batches '
-                   '(default 50): its images/second')
+                   'augmentation, collation, pinned memory, copy to the GPU), no model: the --test-nsteps batches '
+                   '(default 50) a training run of as many steps reads; its images/second after the batches the '
+                   'workers load at once when they start')
     g.add_argument('--tune-loader', action='store_true', help='the loader doctor: the compute ceiling '
                    '(--fake-data) and --loader-only over workers x prefetch x pinned memory, each in its own '
                    'process; a trials table, a verdict and tune-loader.json/.csv (--test-nsteps per trial, default '
@@ -362,6 +363,14 @@ ENVIRONMENT = {
     'DLOJZ_REQUIRE_GPU': None, 'DLOJZ_SLURM_SETUP': None, 'DLOJZ_STUB_LOG': None,  # the tests'
     'DLOJZ_GPU_PROGRESS': None,  # tests/gpu/run.sh's progress file (tests/gpu/progress.py)
 }
+
+
+def loader_warmup(args):
+    """The batches --loader-only leaves out of its rate: --warmup-steps, or all that the workers
+    load at once when they start (measured by review: 16 workers read 2.7x their true throughput
+    when their first batches were counted), whichever is more."""
+    prefetch = (args.prefetch_factor or 2) if args.num_workers > 0 else 0
+    return max(args.warmup_steps, args.num_workers * prefetch)
 
 
 def check_environment(environ=os.environ):

@@ -45,25 +45,44 @@ def test_measure_leaves_out_the_warmup_and_crosses_epochs():
 
 
 def test_loader_only_measures_the_training_loader(tmp_path, cache_dir, capsys):
-    """TINY: 96 train images in batches of 8, so 12 per epoch; 4 + 15 batches cross into a second epoch."""
+    """TINY: 96 train images in batches of 8, so 12 per epoch; with -e 2, 15 batches cross into a
+    second epoch, the first 4 (2 workers x prefetch 2) left out of the rate."""
     out = tmp_path / 'run'
     assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--loader-only',
-                      '--test-nsteps', '15', '--num-workers', '2']) == 0
+                      '--test-nsteps', '15', '-e', '2', '--num-workers', '2']) == 0
     text = capsys.readouterr().out
     line = re.search(r'>>> Loader throughput: ([\d.]+) images/second \(([\d.]+) per worker\)', text)
     assert line, text
     with open(out / 'summary.json') as f:
         s = json.load(f)
     m = s['loader']
-    # warm-up: 2 workers x prefetch 2 batches (they arrive together at start), then the 15 measured
+    # warm-up: 2 workers x prefetch 2 batches (they arrive together at start), 11 more timed
     assert (s['mode'], s['status'], m['warmup_steps'], m['steps'], m['images'], m['epochs_started']) == (
-        'loader', 'completed', 4, 19, 152, 2)
+        'loader', 'completed', 4, 15, 120, 2)
     assert (m['num_workers'], m['prefetch_factor'], m['decode']) == (2, 2, 'fast')
     assert float(line.group(1)) == pytest.approx(m['images_per_second'], rel=1e-3)
     assert m['images_per_second_per_worker'] == pytest.approx(m['images_per_second'] / 2)
     assert m['host_peak_workers_bytes'] > 0 and m['host_peak_main_bytes'] > 0  # two workers' VmHWM counted
     assert sorted(os.listdir(out)) == ['config.json', 'summary.json']
     assert text.rstrip().splitlines()[-1] == f'Run written to {out}'
+
+
+@pytest.mark.parametrize('epochs, steps', [(1, 15), (2, 15), (1, 8)])
+def test_the_loader_alone_reads_the_batches_training_reads(tmp_path, cache_dir, epochs, steps):
+    """A loader-alone figure below what training reached with the same loader is a defect (issue 45):
+    bench.py's loader rows drew 46 batches from a 30-batch epoch, timing an epoch restart training
+    never made. --loader-only now reads what a training run of the same flags reads: --test-nsteps
+    batches within its epochs (12 per epoch here; -e 1 stops training at 12 of 15), in as many
+    epochs. Expected values from the training run itself."""
+    flags = [*TINY, '--cache-dir', cache_dir, '--test-nsteps', steps, '-e', epochs]
+    trained = dlojz.main(dlojz.get_args_parser().parse_args(
+        [str(f) for f in flags] + ['--output-dir', str(tmp_path / 'train')]))
+    alone = dlojz.main(dlojz.get_args_parser().parse_args(
+        [str(f) for f in flags] + ['--output-dir', str(tmp_path / 'loader'), '--loader-only']))['loader']
+    per_epoch = trained['data']['batches_per_epoch']
+    assert alone['steps'] == trained['global_step'] == min(steps, epochs * per_epoch)
+    assert alone['epochs_started'] == -(-trained['global_step'] // per_epoch)
+    assert alone['images'] == trained['global_step'] * 8
 
 
 def test_loader_modes_name_their_default_folder():

@@ -22,7 +22,7 @@ import dlojz_chrono as chrono
 from dlojzlib import SCRIPT, compat, tables
 from dlojzlib.data.datasets import build_data
 from dlojzlib.errors import UsageError
-from dlojzlib.flags import get_args_parser
+from dlojzlib.flags import get_args_parser, loader_warmup
 from dlojzlib.host import host_memory, provenance, usable_cores
 from dlojzlib.modes.trial import run_for_summary
 from dlojzlib.record.log import SUMMARY_VERSION, Console, write_json
@@ -143,16 +143,21 @@ def loader_only(args, dist, device, say):
     data = build_data(args, dist, log=say, device=device)  # its batches as the training loop takes them
     say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train images, '
         f'{len(data.classes)} classes')
-    steps = args.test_nsteps or 50
-    # All workers start together and fill their queues: the first workers x prefetch batches arrive
-    # nearly at once and would inflate the rate (measured by review: 16 workers read 2.7x their true
-    # throughput).
-    warmup = max(args.warmup_steps, args.num_workers * (args.prefetch_factor or 0))
-    say(f'>>> Loader only: {steps} batches of {args.batch_size} after {warmup} warm-up batches, {args.num_workers} '
-        f'workers, prefetch {args.prefetch_factor}, pin memory {args.pin_memory}, '
+    # The batches a training run of the same flags reads: --test-nsteps steps, within its -e epochs
+    # (from epoch 0, across an epoch's end where training crosses it), the first `warmup` left out of
+    # the rate. Drawing more (an epoch restart training never makes) measured another loader.
+    per_epoch, warmup = len(data.train_loader), loader_warmup(args)
+    steps = min(args.test_nsteps or 50, args.epochs * per_epoch)
+    if warmup >= steps:
+        raise UsageError(f'--loader-only reads the {steps} batches a training run of these flags reads '
+                         f'({args.epochs} epoch(s) of {per_epoch}, --test-nsteps {args.test_nsteps or 50}) '
+                         f'and leaves its first {warmup} out of the rate: nothing would be timed; give '
+                         f'more epochs (-e) or images, or fewer --num-workers.')
+    say(f'>>> Loader only: {steps} batches of {args.batch_size}, the first {warmup} left out of the rate, '
+        f'{args.num_workers} workers, prefetch {args.prefetch_factor}, pin memory {args.pin_memory}, '
         + (f'DALI ({args.num_workers or 1} threads)' if args.loader == 'dali' else f'decode {args.decode}')
         + f', on {device}')
-    m = measure(data.train_batches, warmup + steps, warmup, device, args.non_blocking, data.set_epoch)
+    m = measure(data.train_batches, steps, warmup, device, args.non_blocking, data.set_epoch)
     workers = args.num_workers
     loader = {**m, 'num_workers': workers, 'prefetch_factor': args.prefetch_factor, 'pin_memory': args.pin_memory,
               'persistent_workers': args.persistent_workers, 'batch_size': args.batch_size, 'decode': args.decode,
@@ -312,8 +317,11 @@ def tune_loader(args, raw, parser, dist, device, say, python=sys.executable, scr
     for i, trial in enumerate(trials, 1):
         out = os.path.join(args.output_dir, f"loader-w{trial['num_workers']}-p{trial['prefetch_factor'] or 0}"
                                             f"-pin{int(bool(trial['pin_memory']))}-{trial['decode']}")
-        s = _run([python, script, *base, '--loader-only', '--test-nsteps', str(steps), *trial_argv(trial),
-                  '--output-dir', out], out)
+        # `steps` timed after the trial's own warm-up; as many epochs as batches, so that a small
+        # dataset's trial crosses epochs instead of running out (the trials compare with each other)
+        drawn = steps + max(args.warmup_steps, trial['num_workers'] * (trial['prefetch_factor'] or 0))
+        s = _run([python, script, *base, '--loader-only', '--test-nsteps', str(drawn), '--epochs', str(drawn),
+                  *trial_argv(trial), '--output-dir', out], out)
         m = s['loader']
         row = {**trial, 'images_per_second': m['images_per_second'],
                'images_per_second_per_worker': m['images_per_second_per_worker'], 'wait_mean_s': m['wait_mean_s'],
