@@ -29,6 +29,7 @@ from conftest import TINY, run_main
 import dlojz
 from dlojzlib import flags
 from dlojzlib.data import decode as DD
+from dlojzlib.data import gpu_decode as GD
 
 W, H, S, N = 500, 375, 64, 1500  # an ImageNet-sized JPEG, 64 px crops (DCT scaling applies), samples per path
 KS_CRIT = 1.95 * (2 / N) ** 0.5  # two-sample Kolmogorov-Smirnov, alpha = 0.001
@@ -138,7 +139,7 @@ def test_dct_reduction_by_hand():
 # ------------------------------------------------------------------------------------------ --decode gpu
 
 def gpu_samples(paths, seeds):
-    gpu = DD.GpuTrainTransform(S, DD.FastTrainTransform(S))
+    gpu = GD.GpuTrainTransform(S, DD.FastTrainTransform(S))
     return gpu, [(gpu(str(p), random.Random(seed)), 0) for p, seed in zip(paths, seeds)]
 
 
@@ -147,8 +148,8 @@ def test_gpu_path_draws_the_pil_crops(coords):
     (measured 0.09 levels mean); another seed's crop is ~10 levels away, so a wrong box or flip fails."""
     seeds = [f'3-1-{i}' for i in range(40)]
     _, samples = gpu_samples([coords] * 40, seeds)
-    batch, labels = DD.GpuCollate(S)(samples)
-    assert isinstance(batch, DD.EncodedBatch) and batch.pixels.numel() == 0  # all 40 left the worker encoded
+    batch, labels = GD.GpuCollate(S)(samples)
+    assert isinstance(batch, GD.EncodedBatch) and batch.pixels.numel() == 0  # all 40 left the worker encoded
     out = batch.to('cpu')
     assert out.shape == (40, 3, S, S) and out.dtype == torch.uint8 and labels.tolist() == [0] * 40
     pil = DD.TrainTransform(S)
@@ -173,7 +174,7 @@ def test_gpu_path_decodes_what_nvjpeg_refuses_in_the_workers(tmp_path):
     """CMYK and a PNG named .JPEG are decoded by the host path in the worker (same draws) and counted; plain
     and grayscale JPEGs go to the device. The batch crosses a worker process through the DataLoader."""
     paths = quirks(tmp_path)
-    gpu = DD.GpuTrainTransform(S, DD.FastTrainTransform(S))
+    gpu = GD.GpuTrainTransform(S, DD.FastTrainTransform(S))
 
     class Files(torch.utils.data.Dataset):
         def __len__(self):
@@ -181,7 +182,7 @@ def test_gpu_path_decodes_what_nvjpeg_refuses_in_the_workers(tmp_path):
 
         def __getitem__(self, i):
             return gpu(str(paths[i]), random.Random(f'5-0-{i}')), i
-    loader = torch.utils.data.DataLoader(Files(), batch_size=4, num_workers=1, collate_fn=DD.GpuCollate(S),
+    loader = torch.utils.data.DataLoader(Files(), batch_size=4, num_workers=1, collate_fn=GD.GpuCollate(S),
                                          multiprocessing_context='fork')
     (batch, labels), = list(loader)
     assert batch.at == [0, 3] and batch.pixels.shape == (2, 3, S, S) and gpu.in_workers.value == 2
@@ -200,31 +201,31 @@ def test_what_the_device_refuses_is_decoded_by_pil(tmp_path, monkeypatch):
     bad = tmp_path / 'truncated.JPEG'
     bad.write_bytes(paths[0].read_bytes()[:3000])
     _, samples = gpu_samples([paths[0], paths[3], paths[0]], ['a', 'b', 'c'])
-    batch, _ = DD.GpuCollate(S)(samples)
+    batch, _ = GD.GpuCollate(S)(samples)
     want = batch.to('cpu')
-    real, gray = DD.DEVICE_DECODE.decode_jpeg, paths[3].read_bytes()
+    real, gray = GD.DEVICE_DECODE.decode_jpeg, paths[3].read_bytes()
 
     def refuses_gray(chunks, **kw):  # one image or a list (torchvision >= 0.20), refused whole, as nvJPEG's
         if any(bytes(c.numpy()) == gray for c in (chunks if isinstance(chunks, list) else [chunks])):
             raise RuntimeError('Error while decoding JPEG images: nvjpeg refused it')
         return real(chunks, **kw)
-    monkeypatch.setattr(DD.DEVICE_DECODE, 'decode_jpeg', refuses_gray)
-    monkeypatch.setattr(DD.DEVICE_DECODE, 'refused', 0)
-    got = DD.GpuCollate(S)(samples)[0].to('cpu')
-    assert DD.DEVICE_DECODE.refused == 1 and (got.int() - want.int()).abs().max() <= 1
+    monkeypatch.setattr(GD.DEVICE_DECODE, 'decode_jpeg', refuses_gray)
+    monkeypatch.setattr(GD.DEVICE_DECODE, 'refused', 0)
+    got = GD.GpuCollate(S)(samples)[0].to('cpu')
+    assert GD.DEVICE_DECODE.refused == 1 and (got.int() - want.int()).abs().max() <= 1
 
-    monkeypatch.setattr(DD.DEVICE_DECODE, 'decode_jpeg', lambda chunk, **kw: (_ for _ in ()).throw(RuntimeError('no')))
+    monkeypatch.setattr(GD.DEVICE_DECODE, 'decode_jpeg', lambda chunk, **kw: (_ for _ in ()).throw(RuntimeError('no')))
     _, samples = gpu_samples([paths[0], bad], ['a', 'b'])
     assert samples[1][0].name == str(bad)  # the header reads: it leaves the worker encoded
     with pytest.raises(DD.BadImageError, match='cannot decode image .*truncated.JPEG'):
-        DD.GpuCollate(S)(samples)[0].to('cpu')
-    monkeypatch.setattr(DD.DEVICE_DECODE, 'skip_bad_images', True)
-    monkeypatch.setattr(DD.DEVICE_DECODE, 'bad', 0)
-    batch, _ = DD.GpuCollate(S)([(samples[0][0], 7), (samples[1][0], 3)])
+        GD.GpuCollate(S)(samples)[0].to('cpu')
+    monkeypatch.setattr(GD.DEVICE_DECODE, 'skip_bad_images', True)
+    monkeypatch.setattr(GD.DEVICE_DECODE, 'bad', 0)
+    batch, _ = GD.GpuCollate(S)([(samples[0][0], 7), (samples[1][0], 3)])
     run = SimpleNamespace(args=SimpleNamespace(non_blocking=False, channels_last=False), device=torch.device('cpu'),
                           norm=(torch.zeros(1, 3, 1, 1), torch.ones(1, 3, 1, 1)))
     x, y = dlojz.to_device(batch, torch.tensor([7, 3]), run)  # as the training step gets them
-    assert DD.DEVICE_DECODE.bad == 1 and torch.equal(x[0], x[1]) and y.tolist() == [7, 7]  # image and label
+    assert GD.DEVICE_DECODE.bad == 1 and torch.equal(x[0], x[1]) and y.tolist() == [7, 7]  # image and label
 
 
 def torchvision_019(real):
@@ -239,8 +240,8 @@ def torchvision_019(real):
 
 
 def test_decodes_lists_by_torchvision_version():
-    assert not DD.decodes_lists('0.19.0') and not DD.decodes_lists('0.19.1+cu121')
-    assert DD.decodes_lists('0.20.0') and DD.decodes_lists('0.29.2+cu132') and DD.decodes_lists('1.0.0')
+    assert not GD.decodes_lists('0.19.0') and not GD.decodes_lists('0.19.1+cu121')
+    assert GD.decodes_lists('0.20.0') and GD.decodes_lists('0.29.2+cu132') and GD.decodes_lists('1.0.0')
 
 
 @pytest.mark.parametrize('version', ['0.19.1+cu121', '0.20.0'])
@@ -251,12 +252,12 @@ def test_gpu_decode_at_the_torchvision_floor(coords, monkeypatch, capsys, versio
     image and PIL decodes nothing. Either way the images are the PIL path's, seed by seed."""
     seeds = [f'4-2-{i}' for i in range(6)]
     _, samples = gpu_samples([coords] * 6, seeds)
-    decoder = DD.DeviceDecode(torchvision_version='0.19.1+cu121')
-    decoder.decode_jpeg = torchvision_019(DD.decode_jpeg)
-    decoder.lists = DD.decodes_lists(version)  # the code's belief about the torchvision it runs on
-    monkeypatch.setattr(DD, 'DEVICE_DECODE', decoder)
+    decoder = GD.DeviceDecode(torchvision_version='0.19.1+cu121')
+    decoder.decode_jpeg = torchvision_019(GD.decode_jpeg)
+    decoder.lists = GD.decodes_lists(version)  # the code's belief about the torchvision it runs on
+    monkeypatch.setattr(GD, 'DEVICE_DECODE', decoder)
     capsys.readouterr()
-    outs = [DD.GpuCollate(S)(samples)[0].to('cpu') for _ in range(2)]  # two batches: one warning
+    outs = [GD.GpuCollate(S)(samples)[0].to('cpu') for _ in range(2)]  # two batches: one warning
     err = capsys.readouterr().err
     pil = DD.TrainTransform(S)
     for i, seed in enumerate(seeds):
@@ -327,14 +328,14 @@ def fake_cuda(monkeypatch, capability):
     """torch.cuda's stream, event and capability calls replaced by a FakeCudaStreams, returned."""
     cuda = FakeCudaStreams(capability)
     for name in ('Stream', 'stream', 'current_stream', 'get_device_capability', 'Event'):
-        monkeypatch.setattr(DD.torch.cuda, name, getattr(cuda, name))
+        monkeypatch.setattr(GD.torch.cuda, name, getattr(cuda, name))
     return cuda
 
 
 def fake_decoder(cuda):
     """A DeviceDecode whose decode_jpeg returns Decoded outputs written on the current fake stream: a list in one
     call from torchvision 0.20, one tensor per call before (the floors' 0.19); both are fine here."""
-    decoder = DD.DeviceDecode()
+    decoder = GD.DeviceDecode()
     decoder.decode_jpeg = lambda data, **kw: [Decoded(cuda.current) for _ in data] if isinstance(data, list) \
         else Decoded(cuda.current)
     return decoder
@@ -355,7 +356,7 @@ def test_device_decode_streams_and_the_sm70_warning(monkeypatch, capsys, capabil
     def crop_resize(images, boxes, size):
         geometry_on.append(cuda.current)
         return torch.zeros(len(images), 3, size, size, dtype=torch.uint8)
-    monkeypatch.setattr(DD, 'crop_resize', crop_resize)
+    monkeypatch.setattr(GD, 'crop_resize', crop_resize)
     decoder = fake_decoder(cuda)
     device = torch.device('cuda', 0)
     outs, batches = [], []
@@ -376,7 +377,7 @@ def test_device_decode_streams_and_the_sm70_warning(monkeypatch, capsys, capabil
     assert [(x, stream) for x, stream in recorded] == [(x, cuda.main) for x in outs]
     err = capsys.readouterr().err
     assert err.count('without a hardware JPEG decoder') == (1 if capability == (7, 0) else 0)
-    assert DD.lacks_jpeg_engine(capability) == (capability < (8, 0))
+    assert GD.lacks_jpeg_engine(capability) == (capability < (8, 0))
 
 
 def test_decode_outputs_are_written_on_the_decode_stream(monkeypatch):
@@ -400,7 +401,7 @@ def test_batched_geometry_is_torchvisions_resized_crop_and_flip():
     images = [F.gaussian_blur(x[None], [9, 9], [3.0, 3.0])[0].round().to(torch.uint8) for x in images]  # smooth
     boxes = [(10, 20, 300, 400, False), (0, 0, 500, 375, True), (100, 50, 60, 90, True), (5, 7, 40, 50, False),
              (30, 10, 64, 64, True), (200, 300, 20, 30, False)]
-    got = DD.crop_resize(images, boxes, S)
+    got = GD.crop_resize(images, boxes, S)
     assert got.shape == (6, 3, S, S) and got.dtype == torch.uint8
     for img, box, out in zip(images, boxes, got):
         t, l, h, w, flip = box
@@ -433,7 +434,7 @@ def test_batched_geometry_launches_two_kernels_per_image():
     images = [torch.zeros(3, 50 + k, 60 + k, dtype=torch.uint8) for k in range(16)]
     boxes = [(1, 2, 40, 50, True)] * 16
     with Count() as count:
-        DD.crop_resize(images, boxes, S)
+        GD.crop_resize(images, boxes, S)
     per_image = [op for op in count.ops if op in ('aten::_to_copy', 'aten::_upsample_bilinear2d_aa')]
     assert len(per_image) <= 2 * 16 + 1, count.ops
     assert len(count.ops) <= 2 * 16 + 8, count.ops
@@ -476,7 +477,7 @@ def test_decode_ahead_decodes_the_next_batch_while_a_step_trains():
     import threading
     import time
     log, n, step_s = [], 8, 0.1
-    ahead = DD.DecodeAhead(Loader([(k, k) for k in range(n)], log), 'cpu', decoder=SlowDecoder(0.1, log))
+    ahead = GD.DecodeAhead(Loader([(k, k) for k in range(n)], log), 'cpu', decoder=SlowDecoder(0.1, log))
     assert len(ahead) == n
     t0, got = time.perf_counter(), []
     for item in ahead:
@@ -497,14 +498,14 @@ def test_decode_ahead_raises_a_bad_batch_when_it_is_taken_and_stops_cleanly():
     trained); leaving the loop early (a stop signal) ends the decode thread, and no later batch is decoded."""
     import threading
     log = []
-    ahead = DD.DecodeAhead(Loader([(k, k) for k in range(6)], log), 'cpu', decoder=SlowDecoder(0.01, log, fail_at=3))
+    ahead = GD.DecodeAhead(Loader([(k, k) for k in range(6)], log), 'cpu', decoder=SlowDecoder(0.01, log, fail_at=3))
     got = []
     with pytest.raises(DD.BadImageError, match='cannot decode image 3.JPEG'):
         for item in ahead:
             got.append(item[1])
     assert got == [0, 1, 2]
     log.clear()
-    it = iter(DD.DecodeAhead(Loader([(k, k) for k in range(6)], log), 'cpu', decoder=SlowDecoder(0.01, log)))
+    it = iter(GD.DecodeAhead(Loader([(k, k) for k in range(6)], log), 'cpu', decoder=SlowDecoder(0.01, log)))
     assert next(it)[1] == 0
     it.close()
     assert [e for e in log if e[0] == 'decode starts'] == [('decode starts', 0), ('decode starts', 1)]
@@ -529,7 +530,7 @@ def test_decode_ahead_on_a_gpu_given_without_an_index(monkeypatch):
     chosen = fake_current_gpu(monkeypatch, 1)
     log = []
     loader = Loader([(k, k) for k in range(3)], log)
-    ahead = DD.DecodeAhead(loader, 'cuda', decoder=SlowDecoder(0.0, log))
+    ahead = GD.DecodeAhead(loader, 'cuda', decoder=SlowDecoder(0.0, log))
     assert [y for _, y in ahead] == [0, 1, 2] and chosen == [1]
     assert ahead.device == torch.device('cuda', 1)
 
@@ -550,9 +551,9 @@ def test_decode_ahead_gives_the_batches_decoding_at_the_step_gives(coords):
     batches = []
     for b in range(3):
         _, samples = gpu_samples([coords] * 4, [f'5-{b}-{i}' for i in range(4)])
-        batches.append(DD.GpuCollate(S)([(x, b * 10 + i) for i, (x, _) in enumerate(samples)]))
+        batches.append(GD.GpuCollate(S)([(x, b * 10 + i) for i, (x, _) in enumerate(samples)]))
     want = [(x.to('cpu'), y) for x, y in batches]
-    got = [(x.to('cpu'), y) for x, y in DD.DecodeAhead(batches, 'cpu')]
+    got = [(x.to('cpu'), y) for x, y in GD.DecodeAhead(batches, 'cpu')]
     assert len(got) == 3
     for (gx, gy), (wx, wy) in zip(got, want):
         assert torch.equal(gx, wx) and torch.equal(gy, wy)
@@ -564,8 +565,8 @@ def test_torchvision_deprecation_warning_silenced_narrowly(coords):
     _, samples = gpu_samples([coords] * 2, ['a', 'b'])
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter('always')
-        decoder = DD.DeviceDecode()
-        decoder(DD.GpuCollate(S)(samples)[0], torch.device('cpu'))
+        decoder = GD.DeviceDecode()
+        decoder(GD.GpuCollate(S)(samples)[0], torch.device('cpu'))
         warnings.warn('another deprecation', DeprecationWarning)
     assert [str(w.message) for w in seen] == ['another deprecation']
 
@@ -588,8 +589,8 @@ def test_a_run_through_the_gpu_path_trains_like_the_pil_path(tmp_path, cache_dir
         out.decode = 'gpu'
         return out
     monkeypatch.setattr(flags, 'check_args', allow_cpu)
-    epochs, real_iter = [], DD.DecodeAhead.__iter__
-    monkeypatch.setattr(DD.DecodeAhead, '__iter__', lambda self: epochs.append(self) or real_iter(self))
+    epochs, real_iter = [], GD.DecodeAhead.__iter__
+    monkeypatch.setattr(GD.DecodeAhead, '__iter__', lambda self: epochs.append(self) or real_iter(self))
     got, records = run_main(tmp_path / 'gpu', cache_dir, '--test-nsteps', '6', '--log-interval', '1',
                             '--decode', 'gpu', '--num-workers', '2')
     assert got['status'] == 'completed' and got['config']['decode'] == 'gpu'
@@ -621,7 +622,7 @@ def test_torchvision_decoder_deprecation_is_said_once(capsys):
     """torchvision 0.29 deprecates decode_jpeg (for TorchCodec, not a dlojz dependency): --decode gpu said so at
     every batch (94 warnings in the test output); now one note per process, and other warnings pass through."""
     import warnings
-    dd = DD.DeviceDecode()
+    dd = GD.DeviceDecode()
 
     def deprecated(data, **kw):
         warnings.warn('The image decoding and encoding capabilities of TorchVision are deprecated ... TorchCodec',
@@ -637,7 +638,7 @@ def test_torchvision_decoder_deprecation_is_said_once(capsys):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(DD.warnings, 'catch_warnings', counted)
+            mp.setattr(GD.warnings, 'catch_warnings', counted)
             assert [dd._decode(b'x', torch.device('cpu')) for _ in range(3)] == [b'x'] * 3
     assert [str(w.message) for w in caught] == ['something else'] * 3
     assert capsys.readouterr().err.count('dlojz: note: torchvision deprecates decode_jpeg') == 1

@@ -29,7 +29,8 @@ import torch
 from PIL import Image
 
 from dlojzlib import compat
-from dlojzlib.data.decode import indexed, random_resized_crop_params, read_bytes, sample_rng, simplejpeg
+from dlojzlib.data.decode import random_resized_crop_params, read_bytes, sample_rng, simplejpeg
+from dlojzlib.data.gpu_decode import indexed
 from dlojzlib.errors import DataError
 
 INSTALL = ('--loader dali needs NVIDIA DALI, which is not installed: pip install '

@@ -22,7 +22,7 @@ from PIL import ImageFile
 
 from dlojzlib import failpoints
 from dlojzlib.data import augment
-from dlojzlib.data import decode
+from dlojzlib.data import decode, gpu_decode
 from dlojzlib.data import handover
 from dlojzlib.data import index
 from dlojzlib.data import shards
@@ -300,7 +300,7 @@ class Data:
     @property
     def train_batches(self):
         """The training loader's batches, decoded one batch ahead with --decode gpu --decode-ahead."""
-        return self.train_loader if self.ahead is None else decode.DecodeAhead(self.train_loader, self.ahead)
+        return self.train_loader if self.ahead is None else gpu_decode.DecodeAhead(self.train_loader, self.ahead)
 
     @property
     def train_steps(self):
@@ -311,17 +311,17 @@ class Data:
     def bad_images(self):
         """Training images replaced (--skip-bad-images): by the workers, and on the device (--decode
         gpu)."""
-        return (self.train_dataset.bad_images + decode.DEVICE_DECODE.bad) if self.train_dataset is not None else 0
+        return (self.train_dataset.bad_images + gpu_decode.DEVICE_DECODE.bad) if self.train_dataset is not None else 0
 
     @property
     def gpu_decode(self):
         """--decode gpu: images decoded on the host instead, in the workers (files nvJPEG does not
         read: CMYK, PNG named .JPEG) and after nvJPEG refused them; None for the other paths."""
         transform = getattr(self.train_dataset, 'transform', None)
-        if not isinstance(transform, decode.GpuTrainTransform):
+        if not isinstance(transform, gpu_decode.GpuTrainTransform):
             return None
         return {'cpu_in_workers': transform.in_workers.value,
-                'cpu_after_nvjpeg': decode.DEVICE_DECODE.refused}
+                'cpu_after_nvjpeg': gpu_decode.DEVICE_DECODE.refused}
 
     @property
     def fast_decode(self):
@@ -372,10 +372,10 @@ def train_transform(args):
     """-> (the training transform of --decode with the worker-side augmentations, the loader's
     collate_fn: None for torch's default)."""
     if args.decode == 'gpu':
-        decode.DEVICE_DECODE.skip_bad_images = args.skip_bad_images
+        gpu_decode.DEVICE_DECODE.skip_bad_images = args.skip_bad_images
         refused = decode.host_train_transform(args.image_size)  # files nvJPEG refuses
-        return (decode.GpuTrainTransform(args.image_size, refused),
-                decode.GpuCollate(args.image_size))
+        return (gpu_decode.GpuTrainTransform(args.image_size, refused),
+                gpu_decode.GpuCollate(args.image_size))
     transform = {'fast': decode.FastTrainTransform,
                  'pil': decode.TrainTransform}[args.decode](args.image_size)
     ops = augment.worker_ops(args)

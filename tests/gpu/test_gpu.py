@@ -49,7 +49,7 @@ from conftest import TINY, latest, run_cli, run_main, torchrun
 import dlojz
 from dlojzlib import flags
 from dlojzlib.data import datasets
-from dlojzlib.data import decode
+from dlojzlib.data import decode, gpu_decode
 from dlojzlib.dist import launch
 from .conftest import unavailable
 from dlojzlib.measure.power import PowerMeter
@@ -545,14 +545,14 @@ def test_slow_loader_is_loader_bound_by_the_device_clock(tmp_path, cache_dir, gp
 def encoded_batch(n=32, size=64, seed=0):
     """n samples of three real-photo-like synthetic JPEGs (baseline, 4:2:0), as the workers hand
     them over."""
-    gpu = decode.GpuTrainTransform(size, decode.host_train_transform(size))
+    gpu = gpu_decode.GpuTrainTransform(size, decode.host_train_transform(size))
     blobs = []
     for k in range(3):
         buf = io.BytesIO()
         datasets.synthetic_image(k, 'train', k, 0, 10).save(buf, 'JPEG', quality=90)
         blobs.append(decode.Blob(buf.getvalue(), f'synthetic-{k}'))
     samples = [(gpu(blobs[i % 3], random.Random(f'{seed}-0-{i}')), 0) for i in range(n)]
-    return decode.GpuCollate(size)(samples)[0]
+    return gpu_decode.GpuCollate(size)(samples)[0]
 
 
 def test_nvjpeg_crops_match_the_cpu_seam():
@@ -568,7 +568,7 @@ def overwritten(batch, decoder, trials=20):
     `decoder()` runs. -> how many reductions saw other values than the fill: blocks a decoder wrote
     before the queued kernels read them."""
     files = list(torch.split(batch.data, batch.sizes))
-    sizes = [tuple(img.shape) for img in decode.decode_jpeg(files, mode=decode.ImageReadMode.RGB)]
+    sizes = [tuple(img.shape) for img in gpu_decode.decode_jpeg(files, mode=gpu_decode.ImageReadMode.RGB)]
     bad = 0
     for trial in range(trials):
         held = [torch.full(s, 7, dtype=torch.uint8, device='cuda') for s in sizes]
@@ -594,11 +594,11 @@ def test_the_race_check_sees_a_decode_on_the_training_stream():
     """Positive control of the test above: torchvision's decode_jpeg called on the current stream,
     as without dlojz's side stream. From 0.20 its batched decoder writes from a private stream that
     does not wait for the current one; 0.19 decodes on the current stream (no race to show)."""
-    if not decode.decodes_lists(torchvision.__version__):
+    if not gpu_decode.decodes_lists(torchvision.__version__):
         pytest.skip(f'torchvision {torchvision.__version__} decodes on the current stream: no race to show')
     batch = encoded_batch(16)
     chunks = list(torch.split(batch.data, batch.sizes))
-    bad = overwritten(batch, lambda: decode.decode_jpeg(chunks, mode=decode.ImageReadMode.RGB,
+    bad = overwritten(batch, lambda: gpu_decode.decode_jpeg(chunks, mode=gpu_decode.ImageReadMode.RGB,
                                                               device='cuda'))
     # 0 means either the check cannot see the race or this torchvision fixed it: the test above then
     # proves nothing on this version, which is worth a red line
@@ -611,7 +611,7 @@ def test_decode_ahead_gives_what_decoding_in_the_step_gives():
     for bit."""
     batches = [(encoded_batch(16, seed=k), torch.arange(16) + 100 * k) for k in range(3)]
     want = [(x.to('cuda').cpu(), y) for x, y in batches]
-    got = [(x.to('cuda').cpu(), y) for x, y in decode.DecodeAhead(batches, 'cuda')]
+    got = [(x.to('cuda').cpu(), y) for x, y in gpu_decode.DecodeAhead(batches, 'cuda')]
     assert len(got) == 3 and all(torch.equal(g, w) and torch.equal(gy, wy) for (g, gy), (w, wy) in zip(got, want))
 
 
@@ -620,7 +620,7 @@ def unfinished_reads(take, trials=10):
     stream then takes the batch with `take` and sums it at once. -> how many sums differ from the
     batch's own, read after a full synchronisation: reads of a batch the decoder had not finished
     writing."""
-    decoder = decode.DeviceDecode()
+    decoder = gpu_decode.DeviceDecode()
     device = torch.device('cuda', torch.cuda.current_device())
     geometry = decoder._streams_of(device)['geometry']
     bad = 0

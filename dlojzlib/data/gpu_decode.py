@@ -1,0 +1,379 @@
+"""--decode gpu: the workers read each training image's bytes and draw its crop and flip
+(GpuTrainTransform -> EncodedBatch); the main process decodes the batch on the GPU, which crops, resizes
+and flips (DeviceDecode), one batch ahead of training (DecodeAhead). The draws are the host paths'
+(data.decode), from the same per-sample RNG."""
+import collections
+import io
+import multiprocessing as mp
+import re
+import sys
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torchvision
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_jpeg
+
+from dlojzlib.data.decode import (BadImageError, Blob, load_rgb, random_resized_crop_params, read_bytes,
+                                  source_name)
+
+
+@dataclass
+class Encoded:
+    """A training sample on its way to the device: its JPEG bytes and its draws (crop box in the
+    source's pixels, flip)."""
+    data: torch.Tensor  # uint8, 1-D
+    box: tuple          # (top, left, height, width, flip)
+    name: str
+
+
+def nvjpeg_size(data):
+    """(width, height) of a JPEG that nvJPEG decodes to RGB (YCbCr or grayscale), else None:
+    CMYK/YCCK, PNG named .JPEG, unreadable headers. PIL reads the header only (the pixels stay
+    encoded)."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size if img.format == 'JPEG' and img.mode in ('RGB', 'L') else None
+    except Exception:  # not an image PIL knows: the CPU path names it
+        return None
+
+
+class GpuTrainTransform:
+    """--decode gpu, worker side: read the file, draw the crop box from the JPEG header's size and
+    the flip, hand the bytes on. Files nvJPEG would refuse are decoded here by the CPU path (same
+    draws) and counted."""
+    decode = 'gpu'
+
+    def __init__(self, size, cpu):
+        self.size, self.cpu = size, cpu
+        self.in_workers = mp.get_context('fork').Value('i', 0)  # shared with the workers, read by the summary
+
+    def __call__(self, src, rng):
+        data = read_bytes(src)
+        size = nvjpeg_size(data)
+        if size is None:
+            with self.in_workers.get_lock():
+                self.in_workers.value += 1
+            return self.cpu(src, rng)
+        top, left, h, w = random_resized_crop_params(rng, *size)
+        return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), (top, left, h, w, rng.random() < 0.5),
+                       source_name(src))
+
+
+class EncodedBatch:
+    """A --decode gpu batch as it leaves the workers: the encoded samples' bytes in one tensor (one
+    shared memory block per batch, not one per image), their boxes, and the few samples already
+    decoded on CPU. .to(device) decodes it there -> uint8 (N, 3, size, size), like the other paths'
+    batches."""
+
+    def __init__(self, samples, size):
+        self.size, self.n = size, len(samples)
+        self.replaced = []  # (i, j): after .to(), sample j stands in for the undecodable sample i
+        self.at = [i for i, x in enumerate(samples) if isinstance(x, Encoded)]
+        encoded = [samples[i] for i in self.at]
+        self.sizes = [x.data.numel() for x in encoded]
+        self.data = torch.cat([x.data for x in encoded]) if encoded else torch.empty(0, dtype=torch.uint8)
+        self.boxes = [x.box for x in encoded]
+        self.names = [x.name for x in encoded]
+        decoded = [x for x in samples if not isinstance(x, Encoded)]
+        self.pixels = torch.stack(decoded) if decoded else torch.empty(0, 3, size, size, dtype=torch.uint8)
+
+    def __len__(self):
+        return self.n
+
+    def pin_memory(self, device=None):  # called by the DataLoader's pin-memory thread
+        self.data, self.pixels = self.data.pin_memory(), self.pixels.pin_memory()
+        return self
+
+    def to(self, device, non_blocking=False):
+        return DEVICE_DECODE(self, indexed(device), non_blocking)
+
+
+class GpuCollate:
+    """collate_fn of the training loader for --decode gpu: (EncodedBatch, int64 labels)."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def __call__(self, batch):
+        samples, labels = zip(*batch)
+        return EncodedBatch(list(samples), self.size), torch.tensor(labels, dtype=torch.int64)
+
+
+def crop_resize(images, boxes, size):
+    """Decoded uint8 (3, H_i, W_i) images on the device -> uint8 (N, 3, size, size): crop, bilinear
+    antialiased resize (torchvision's RandomResizedCrop on tensors; CUDA has no uint8 antialiased
+    kernel), flip. Each image has its own crop size and scale and torch has no batched resize over
+    ragged inputs, so two kernels per image remain (the crop's float copy, the resize); the flip,
+    the rounding and the cast run once for the batch."""
+    resized = [torch.nn.functional.interpolate(img[:, t:t + h, l:l + w].unsqueeze(0).float(), size=(size, size),
+                                               mode='bilinear', antialias=True, align_corners=False)
+               for img, (t, l, h, w, _) in zip(images, boxes)]
+    x = torch.cat(resized)
+    flips, device = torch.tensor([box[4] for box in boxes], dtype=torch.bool), x.device
+    if device.type == 'cuda':  # pinned, so that the copy does not wait for the stream on the host
+        flips = flips.pin_memory().to(device, non_blocking=True)
+    x = torch.where(flips.view(-1, 1, 1, 1), x.flip(-1), x)
+    return x.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def decodes_lists(torchvision_version):
+    """Whether this torchvision's decode_jpeg takes a list of images (one batched nvJPEG call). 0.19
+    takes one tensor only: its decode_jpeg hands `input` straight to
+    torch.ops.image.decode_jpeg_cuda, whose schema refuses a list (RuntimeError); the list form and
+    its op decode_jpegs_cuda ship in 0.20 (pytorch/vision#8496), on CPU too (one libjpeg-turbo call
+    per element)."""
+    major, minor = (int(x) for x in re.match(r'(\d+)\.(\d+)', torchvision_version).groups())
+    return (major, minor) >= (0, 20)
+
+
+def lacks_jpeg_engine(capability):
+    """Whether a GPU of this compute capability surely has no hardware JPEG decoder, so that nvJPEG
+    decodes on its hybrid CPU/CUDA path, one image at a time with a stream synchronisation each:
+    below sm80 (V100, T4). A100/A30 (sm80) and H100 (sm90) have the engine; capability is only a
+    proxy above that (some sm86 cards, A10 or RTX 30, lack it and are not warned about)."""
+    return tuple(capability) < (8, 0)
+
+
+SM70_WARNING = ('--decode gpu on a GPU without a hardware JPEG decoder (compute capability {}.{}, e.g. V100): '
+                'nvJPEG decodes image by image with a host synchronisation each, usually slower than '
+                '--decode fast with enough workers; compare them with --loader-only.')
+
+
+class DecodedBatch:
+    """A --decode gpu batch decoded by DeviceDecode.decoded(): uint8 (N, 3, size, size) on the
+    device, ready once `event` has passed on the decoder's stream. .to() makes the caller's stream
+    wait for that event (a device-side wait, no host sync) and marks the images as used by it, so
+    that their memory is not reused before the step that reads them has run."""
+
+    def __init__(self, images, replaced, event):
+        self.images, self.replaced, self.event = images, replaced, event
+
+    def __len__(self):
+        return len(self.images)
+
+    def to(self, device, non_blocking=False):
+        if self.event is not None:
+            stream = torch.cuda.current_stream(self.images.device)
+            stream.wait_event(self.event)
+            self.images.record_stream(stream)
+        return self.images
+
+
+def indexed(device):
+    """`device` as a torch.device with its index: 'cuda' alone is the current GPU.
+    torch.cuda.set_device refuses a device without one, and a thread pool whose initializer raises
+    fails its first task."""
+    device = torch.device(device)
+    if device.type == 'cuda' and device.index is None:
+        return torch.device('cuda', torch.cuda.current_device())
+    return device
+
+
+class DeviceDecode:
+    """EncodedBatch.to(device): nvJPEG decode (the batch in one call from torchvision 0.20, image by image
+    on 0.19), then crop, resize and flip on the device. An image nvJPEG refuses is decoded by PIL on the
+    host, same box, and counted; one PIL cannot read either stops the run with its name, or with
+    --skip-bad-images is replaced by the batch's previous sample and counted. The first refusal is printed
+    with nvJPEG's own message, once: a decoder that refuses everything must not pass for a slow run.
+
+    Streams, on CUDA: two of our own per device, for the whole run. torchvision's CUDA decode_jpeg
+    allocates its outputs on the current stream but writes them from a private stream that does not
+    wait for it, so a block just freed by queued kernels can be overwritten while they still read it
+    (pytorch/vision#9606). Decoding with the `decode` stream current keeps its outputs in that
+    stream's pool, which only ever holds earlier decode outputs, released once the `geometry`
+    stream, which crops and resizes them, is done (record_stream). decode_jpeg waits on the host for
+    its own stream (its cudaStreamSynchronize), not for the training stream. The batch is ready at
+    an event on the geometry stream, which the training stream waits for when it takes the batch
+    (DecodedBatch.to), so that decoding can run ahead, on another thread (DecodeAhead), while the
+    training stream holds queued work."""
+
+    def __init__(self, torchvision_version=torchvision.__version__):
+        self.decode_jpeg = decode_jpeg  # seam: tests make it refuse
+        self.lists = decodes_lists(torchvision_version)
+        self.refused = 0                # images nvJPEG refused, decoded by PIL
+        self.bad = 0                    # images nothing could decode (--skip-bad-images)
+        self.skip_bad_images = False
+        self.warned = False             # the first refusal has been printed
+        self._streams, self.warnings_checked = {}, False
+
+    def __call__(self, batch, device, non_blocking=False):
+        return self.decoded(batch, device, non_blocking).to(device)
+
+    def decoded(self, batch, device, non_blocking=False):
+        """-> DecodedBatch: `batch` decoded, cropped, resized and flipped, queued on this decoder's
+        streams."""
+        streams = self._streams_of(device)
+        if streams is None:
+            return DecodedBatch(self._assemble(batch, device, non_blocking, None), batch.replaced, None)
+        with torch.cuda.stream(streams['geometry']):
+            images = self._assemble(batch, device, non_blocking, streams)
+            event = torch.cuda.Event()
+            event.record(streams['geometry'])
+        return DecodedBatch(images, batch.replaced, event)
+
+    def _streams_of(self, device):
+        """{'decode', 'geometry'} streams of `device`, made once per run; None off CUDA."""
+        if device.type != 'cuda':
+            return None
+        if device not in self._streams:
+            self._streams[device] = {'decode': torch.cuda.Stream(device), 'geometry': torch.cuda.Stream(device)}
+            capability = torch.cuda.get_device_capability(device)
+            if lacks_jpeg_engine(capability):
+                print(f'dlojz: warning: {SM70_WARNING.format(*capability)}', file=sys.stderr, flush=True)
+        return self._streams[device]
+
+    def _assemble(self, batch, device, non_blocking, streams):
+        """-> uint8 (N, 3, size, size) in the batch's order: the samples decoded on the device and
+        those the workers decoded on the host; sets batch.replaced (--skip-bad-images)."""
+        out = [None] * batch.n
+        if batch.at:
+            chunks = list(torch.split(batch.data, batch.sizes))
+            images = self.decode(chunks, batch.names, device, streams)
+            good = [k for k, img in enumerate(images) if img is not None]
+            if good:
+                done = crop_resize([images[k] for k in good], [batch.boxes[k] for k in good], batch.size)
+                for k, img in zip(good, done):
+                    out[batch.at[k]] = img
+        if batch.pixels.numel():
+            pixels = batch.pixels.to(device, non_blocking=non_blocking)
+            for j, i in enumerate(sorted(set(range(batch.n)) - set(batch.at))):
+                out[i] = pixels[j]
+        good = [i for i, x in enumerate(out) if x is not None]
+        if not good:
+            raise BadImageError(f'no image of a batch could be decoded ({", ".join(batch.names)}); check the data '
+                                f'directory.')
+        # a bad image's place goes to the nearest earlier good sample, image and label (to_device
+        # reads batch.replaced for the label)
+        batch.replaced = [(i, max((g for g in good if g < i), default=good[0])) for i, x in enumerate(out) if x is None]
+        for i, j in batch.replaced:
+            out[i] = out[j]
+        return torch.stack(out)
+
+    def decode(self, chunks, names, device, streams=None):
+        """-> the decoded images, None where no decoder could read one (--skip-bad-images)."""
+        if self.lists:
+            try:
+                return self._on_device(chunks, device, streams)
+            except RuntimeError as e:  # one image spoils the batch: find it below
+                self._warn(e, 'a batch')
+        images = []
+        for chunk, name in zip(chunks, names):
+            try:
+                images += self._on_device([chunk], device, streams)
+            except RuntimeError as e:
+                self._warn(e, name)
+                self.refused += 1
+                images.append(self._on_host(chunk, name, device))
+        return images
+
+    def _warn(self, e, what):
+        if not self.warned:
+            self.warned = True
+            print(f'dlojz: warning: nvJPEG refused {what} ({type(e).__name__}: {str(e).strip().splitlines()[0]}); '
+                  f'what it refuses is decoded by PIL on the host and counted in summary.json '
+                  f'(data.gpu_decode.cpu_after_nvjpeg)', file=sys.stderr, flush=True)
+
+    def _on_host(self, chunk, name, device):
+        try:
+            img = load_rgb(Blob(chunk.numpy().tobytes(), name))
+        except BadImageError:
+            if not self.skip_bad_images:
+                raise
+            self.bad += 1
+            print(f'dlojz: warning: skipped bad image {name}; using the batch\'s previous sample instead',
+                  file=sys.stderr, flush=True)
+            return None
+        return torch.from_numpy(np.array(img)).permute(2, 0, 1).to(device)
+
+    def _decode(self, data, device):
+        """self.decode_jpeg, with torchvision's deprecation of its decoders (0.29 and later, in
+        favour of TorchCodec, which dlojz does not depend on and which has no nvJPEG batch decode
+        into the caller's stream) said once per process instead of at every batch; any other warning
+        passes through. The first call looks (catch_warnings, which changes the process's warning
+        state and is not thread-safe: the decode thread must not hold it at every batch); from then
+        on a filter silences that one message, or nothing if this torchvision does not warn."""
+        if self.warnings_checked:
+            return self.decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always', DeprecationWarning)
+            images = self.decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        self.warnings_checked = True
+        codec = [w for w in caught if issubclass(w.category, DeprecationWarning) and 'TorchCodec' in str(w.message)]
+        if codec:
+            warnings.filterwarnings('ignore', message='.*TorchCodec', category=DeprecationWarning)
+            print('dlojz: note: torchvision deprecates decode_jpeg, which --decode gpu uses (nvJPEG), for '
+                  'TorchCodec; it still works here; --decode fast does without it.', file=sys.stderr, flush=True)
+        for w in caught:
+            if w not in codec:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return images
+
+    def _call(self, chunks, device):
+        """decode_jpeg as this torchvision takes it: the list in one call (>= 0.20), else one tensor
+        per call (0.19). The CPU seam the tests drive goes through the same choice, with
+        libjpeg-turbo."""
+        if self.lists:
+            return self._decode(chunks, device)
+        return [self._decode(c, device) for c in chunks]
+
+    def _on_device(self, chunks, device, streams):
+        """decode_jpeg on the decode stream; the current (geometry) stream waits for it and is
+        recorded on the outputs, which it reads."""
+        if streams is None:
+            return self._call(chunks, device)
+        reader = torch.cuda.current_stream(device)
+        with torch.cuda.stream(streams['decode']):
+            images = self._call(chunks, device)
+        reader.wait_stream(streams['decode'])
+        for img in images:
+            img.record_stream(reader)
+        return images
+
+
+class DecodeAhead:
+    """The training loader of --decode gpu, each batch decoded while the step before it trains: a
+    thread decodes batch k+1 (nvJPEG's host work and its kernel launches, the GIL released inside
+    torch's ops) while the training thread queues step k, and the training stream waits for the
+    decode on the device only (DecodedBatch.to). The batches and their order are the loader's; the
+    DataLoader is only touched from the calling thread. At most `depth` batches are decoded and not
+    yet taken (~N*3*size^2 bytes each on the device: 38 MB at 256 x 224 px). An error in the decode
+    (a bad image) is raised when its batch is taken."""
+
+    def __init__(self, loader, device, decoder=None, depth=1):
+        self.loader, self.device, self.depth = loader, indexed(device), depth
+        self.decoder = decoder
+
+    def __len__(self):
+        return len(self.loader)
+
+    def _decode(self, item):
+        batch, labels = item
+        decoder = self.decoder or DEVICE_DECODE
+        return decoder.decoded(batch, self.device, non_blocking=True), labels
+
+    def __iter__(self):
+        it = iter(self.loader)  # the workers start (fork) before the thread does
+        pending = collections.deque()
+        # a new thread's current CUDA device is 0 whatever this rank's is: set it, so that what
+        # torch allocates or launches without naming a device lands on this rank's GPU, and so that
+        # torchvision's decoder (made in this thread, and keeping the device current then) orders
+        # its output on this device's current stream, our decode stream, and not on device 0's
+        # (decode_jpegs_cuda.cpp: original_device)
+        on_device = (lambda: torch.cuda.set_device(self.device)) if self.device.type == 'cuda' else None
+        pool = ThreadPoolExecutor(1, thread_name_prefix='dlojz-decode', initializer=on_device)
+        try:
+            for item in it:
+                pending.append(pool.submit(self._decode, item))
+                if len(pending) > self.depth:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:  # a stop mid-epoch: the decode under way ends, the queued ones do not start
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+DEVICE_DECODE = DeviceDecode()  # one per process: only the main process decodes on the device
