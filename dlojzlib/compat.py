@@ -52,6 +52,20 @@ def fuses_amp_scaling(optimizer):
     return bool(getattr(optimizer, '_step_supports_amp_scaling', False))
 
 
+def nested_view(buffer, shapes):
+    """A strided nested tensor viewing the 1-D contiguous `buffer` as consecutive contiguous
+    matrices of `shapes` [(rows, columns), ...], for a batched matrix product over images of
+    different sizes (data.resize). torch._nested_view_from_buffer is what torch's nested tensors
+    are built on; the public constructors (nested_tensor, as_nested_tensor) copy each component,
+    one launch per image, and take a list. The metadata tensors stay on the CPU, as torch keeps
+    them. torch 2.4 to 2.14."""
+    sizes = torch.tensor(shapes, dtype=torch.int64).view(-1, 2)
+    strides = torch.stack([sizes[:, 1], torch.ones_like(sizes[:, 1])], 1)
+    numels = sizes[:, 0] * sizes[:, 1]
+    offsets = torch.cat([numels.new_zeros(1), numels.cumsum(0)[:-1]])
+    return torch._nested_view_from_buffer(buffer, sizes, strides, offsets)
+
+
 # ------------------------------------------------------- torch: DataLoader and DDP internals
 
 def loader_iterator(loader):

@@ -127,9 +127,10 @@ def data_flags(p):
                    'path (auto: fast when simplejpeg is installed, else pil): "fast" '
                    'decodes no more pixels than the crop needs (libjpeg-turbo DCT scaling via simplejpeg, uint8 '
                    'crop and resize), PIL for the files it cannot read; "pil" decodes every full image with PIL '
-                   '(torchvision\'s way); "gpu" has the workers read the files and nvJPEG decode each batch on the '
-                   'GPU, which crops, resizes and flips (CUDA only; the host decodes what nvJPEG refuses). Same '
-                   'crops and flips every way; validation decodes on the host')
+                   '(torchvision\'s way); "gpu" has the workers read the files and the GPU decode each batch '
+                   '(nvImageCodec: the crops only, on the hardware JPEG decoder where the GPU has one; else '
+                   'torchvision\'s nvJPEG, whole images), crop, resize and flip it (CUDA only; the host decodes '
+                   'what nvJPEG refuses). Same crops and flips every way; validation decodes on the host')
     g.add_argument('--loader', choices=['native', 'dali'], default='native', help='"native": PyTorch\'s '
                    'DataLoader and its workers, decoding with --decode; "dali": NVIDIA DALI decodes, crops, resizes '
                    'and flips (its CPU pipeline with --num-workers threads, or its GPU decoder on a GPU), the same '
@@ -355,7 +356,8 @@ def parse_randaugment(text):
 ENVIRONMENT = {
     'DLOJZ_DATA_DIR': None,  # a folder (data.datasets.resolve_data_source checks it)
     'DLOJZ_HANDOVER': (r'default', 'default'),  # torch's own collate instead of the shared slots
-    'DLOJZ_REGION_DECODE': (r'[01]', '0 or 1'),  # 0: --decode fast decodes whole files
+    # 0: nvImageCodec unused: --decode fast decodes whole files, --decode gpu with torchvision's nvJPEG
+    'DLOJZ_REGION_DECODE': (r'[01]', '0 or 1'),
     # appended to the first node's name (srun): the name of its high-speed interface
     'DLOJZ_MASTER_SUFFIX': (r'[A-Za-z0-9._-]*', 'a host-name suffix such as -ib0'),
     'DLOJZ_FAULT': None,  # the crash tests' failpoints (failpoints.parse checks it)

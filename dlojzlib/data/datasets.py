@@ -315,13 +315,17 @@ class Data:
 
     @property
     def gpu_decode(self):
-        """--decode gpu: images decoded on the host instead, in the workers (files nvJPEG does not
-        read: CMYK, PNG named .JPEG) and after nvJPEG refused them; None for the other paths."""
+        """--decode gpu: which decoder decoded on the device (nvImageCodec, else torchvision's) and why
+        not nvImageCodec; the images decoded elsewhere: on the host in the workers (files nvJPEG does
+        not read: CMYK, PNG named .JPEG), by torchvision's decoder after nvImageCodec refused them,
+        on the host after nvJPEG refused them; None for the other paths."""
         transform = getattr(self.train_dataset, 'transform', None)
         if not isinstance(transform, gpu_decode.GpuTrainTransform):
             return None
-        return {'cpu_in_workers': transform.in_workers.value,
-                'cpu_after_nvjpeg': gpu_decode.DEVICE_DECODE.refused}
+        decoder = gpu_decode.DEVICE_DECODE
+        return {'decoder': decoder.decoder, 'why_not_nvimgcodec': decoder.why_not,
+                'cpu_in_workers': transform.in_workers.value,
+                'torchvision_after_nvimgcodec': decoder.nv_refused, 'cpu_after_nvjpeg': decoder.refused}
 
     @property
     def fast_decode(self):

@@ -1,6 +1,7 @@
 """--decode gpu: the workers read each training image's bytes and draw its crop and flip
-(GpuTrainTransform -> EncodedBatch); the main process decodes the batch on the GPU, which crops, resizes
-and flips (DeviceDecode), one batch ahead of training (DecodeAhead). The draws are the host paths'
+(GpuTrainTransform -> EncodedBatch); the main process decodes the batch on the GPU (nvImageCodec, else
+torchvision's nvJPEG), which crops, resizes and flips as batched work (DeviceDecode, data.resize), one
+batch ahead of training (DecodeAhead). The draws are the host paths'
 (data.decode), from the same per-sample RNG."""
 import collections
 import io
@@ -17,6 +18,7 @@ import torchvision
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 
+from dlojzlib.data import nvdecode, region, resize
 from dlojzlib.data.decode import (BadImageError, Blob, load_rgb, random_resized_crop_params, read_bytes,
                                   source_name)
 
@@ -103,23 +105,6 @@ class GpuCollate:
         return EncodedBatch(list(samples), self.size), torch.tensor(labels, dtype=torch.int64)
 
 
-def crop_resize(images, boxes, size):
-    """Decoded uint8 (3, H_i, W_i) images on the device -> uint8 (N, 3, size, size): crop, bilinear
-    antialiased resize (torchvision's RandomResizedCrop on tensors; CUDA has no uint8 antialiased
-    kernel), flip. Each image has its own crop size and scale and torch has no batched resize over
-    ragged inputs, so two kernels per image remain (the crop's float copy, the resize); the flip,
-    the rounding and the cast run once for the batch."""
-    resized = [torch.nn.functional.interpolate(img[:, t:t + h, l:l + w].unsqueeze(0).float(), size=(size, size),
-                                               mode='bilinear', antialias=True, align_corners=False)
-               for img, (t, l, h, w, _) in zip(images, boxes)]
-    x = torch.cat(resized)
-    flips, device = torch.tensor([box[4] for box in boxes], dtype=torch.bool), x.device
-    if device.type == 'cuda':  # pinned, so that the copy does not wait for the stream on the host
-        flips = flips.pin_memory().to(device, non_blocking=True)
-    x = torch.where(flips.view(-1, 1, 1, 1), x.flip(-1), x)
-    return x.round_().clamp_(0, 255).to(torch.uint8)
-
-
 def decodes_lists(torchvision_version):
     """Whether this torchvision's decode_jpeg takes a list of images (one batched nvJPEG call). 0.19
     takes one tensor only: its decode_jpeg hands `input` straight to
@@ -174,31 +159,43 @@ def indexed(device):
 
 
 class DeviceDecode:
-    """EncodedBatch.to(device): nvJPEG decode (the batch in one call from torchvision 0.20, image by image
-    on 0.19), then crop, resize and flip on the device. An image nvJPEG refuses is decoded by PIL on the
-    host, same box, and counted; one PIL cannot read either stops the run with its name, or with
-    --skip-bad-images is replaced by the batch's previous sample and counted. The first refusal is printed
-    with nvJPEG's own message, once: a decoder that refuses everything must not pass for a slow run.
+    """EncodedBatch.to(device): the batch decoded on the device, then cropped, resized and flipped there
+    as batched work (data.resize). The decoder is nvImageCodec where it can (data.nvdecode: the batch in
+    one call, each crop only, the GPU's hardware JPEG engine first), else torchvision's decode_jpeg
+    (nvJPEG's CUDA backend, whole images: the batch in one call from torchvision 0.20, image by image on
+    0.19); which one, and why not nvImageCodec, is said once and kept in summary.json. What
+    nvImageCodec refuses goes to torchvision's; what nvJPEG refuses is decoded by PIL on the host, same
+    box, and counted; an image PIL cannot read either stops the run with its name, or with
+    --skip-bad-images is replaced by the batch's previous sample and counted. The first refusal is
+    printed with the decoder's own message, once: a decoder that refuses everything must not pass for a
+    slow run.
 
     Streams, on CUDA: two of our own per device, for the whole run. torchvision's CUDA decode_jpeg
     allocates its outputs on the current stream but writes them from a private stream that does not
     wait for it, so a block just freed by queued kernels can be overwritten while they still read it
     (pytorch/vision#9606). Decoding with the `decode` stream current keeps its outputs in that
     stream's pool, which only ever holds earlier decode outputs, released once the `geometry`
-    stream, which crops and resizes them, is done (record_stream). decode_jpeg waits on the host for
-    its own stream (its cudaStreamSynchronize), not for the training stream. The batch is ready at
-    an event on the geometry stream, which the training stream waits for when it takes the batch
+    stream, which crops and resizes them, is done (record_stream). nvImageCodec decodes on the
+    decode stream (its cuda_stream) into buffers of its own, which are copied there into one of
+    torch's before they are let go. decode_jpeg waits on the host for its own stream (its
+    cudaStreamSynchronize), not for the training stream. The batch is ready at an event on the
+    geometry stream, which the training stream waits for when it takes the batch
     (DecodedBatch.to), so that decoding can run ahead, on another thread (DecodeAhead), while the
     training stream holds queued work."""
 
-    def __init__(self, torchvision_version=torchvision.__version__):
+    def __init__(self, torchvision_version=torchvision.__version__, nvimgcodec=None):
         self.decode_jpeg = decode_jpeg  # seam: tests make it refuse
         self.lists = decodes_lists(torchvision_version)
+        self.torchvision_version = torchvision_version
         self.refused = 0                # images nvJPEG refused, decoded by PIL
+        self.nv_refused = 0             # images nvImageCodec refused, decoded by torchvision's decoder
         self.bad = 0                    # images nothing could decode (--skip-bad-images)
         self.skip_bad_images = False
         self.warned = False             # the first refusal has been printed
         self._streams, self.warnings_checked = {}, False
+        self.nvimgcodec = nvimgcodec    # (module or None, why not); None: imported at first use
+        self._nv = {}                   # device -> its NvDecoder, or None where torchvision decodes
+        self.decoder = self.why_not = None  # what decodes ('nvimgcodec 0.9.0'), why not nvImageCodec
 
     def __call__(self, batch, device, non_blocking=False):
         return self.decoded(batch, device, non_blocking).to(device)
@@ -226,16 +223,36 @@ class DeviceDecode:
                 print(f'dlojz: warning: {SM70_WARNING.format(*capability)}', file=sys.stderr, flush=True)
         return self._streams[device]
 
+    def _nv_of(self, device):
+        """nvImageCodec's decoder for `device`, made once, or None where torchvision decodes (the
+        reason said once)."""
+        if device not in self._nv:
+            lib, why = self.nvimgcodec or region_import()
+            ok, why = nvdecode.usable(lib, why, device, torch.version.cuda,
+                                      nvdecode.wheel_cuda_major(nvdecode.installed_names()))
+            self._nv[device] = nvdecode.NvDecoder(lib, device) if ok else None
+            self._use(f'nvimgcodec {lib.__version__}' if ok else None, why)
+        return self._nv[device]
+
+    def _use(self, decoder, why_not):
+        self.decoder = decoder or f'torchvision {self.torchvision_version}'
+        self.why_not = why_not
+        said = (f'nvImageCodec {decoder.split()[1]} decodes the crops of each batch (the GPU\'s '
+                f'hardware JPEG decoder first)' if decoder else
+                f'torchvision\'s decode_jpeg decodes whole images (nvJPEG\'s CUDA decoder): {why_not}')
+        print(f'dlojz: --decode gpu: {said}', file=sys.stderr, flush=True)
+
     def _assemble(self, batch, device, non_blocking, streams):
         """-> uint8 (N, 3, size, size) in the batch's order: the samples decoded on the device and
         those the workers decoded on the host; sets batch.replaced (--skip-bad-images)."""
         out = [None] * batch.n
         if batch.at:
             chunks = list(torch.split(batch.data, batch.sizes))
-            images = self.decode(chunks, batch.names, device, streams)
-            good = [k for k, img in enumerate(images) if img is not None]
+            decoded = self.decode(chunks, batch.boxes, batch.names, device, streams)
+            good = [k for k, d in enumerate(decoded) if d is not None]
             if good:
-                done = crop_resize([images[k] for k in good], [batch.boxes[k] for k in good], batch.size)
+                boxes = [(*decoded[k][1], batch.boxes[k][4]) for k in good]
+                done = resize.resized_crops([decoded[k][0] for k in good], boxes, batch.size)
                 for k, img in zip(good, done):
                     out[batch.at[k]] = img
         if batch.pixels.numel():
@@ -253,17 +270,41 @@ class DeviceDecode:
             out[i] = out[j]
         return torch.stack(out)
 
-    def decode(self, chunks, names, device, streams=None):
-        """-> the decoded images, None where no decoder could read one (--skip-bad-images)."""
+    def decode(self, chunks, boxes, names, device, streams=None):
+        """-> for each image, (uint8 (3, H, W) on the device, the crop's (top, left, height, width) in
+        it), or None where no decoder could read it (--skip-bad-images)."""
+        out = [None] * len(chunks)
+        nv = self._nv_of(device)
+        if nv is not None:
+            stream = streams['decode'] if streams else None
+            crops = self._on_device(lambda: owned(nv(chunks, boxes, stream)), device, streams)
+            if all(c is None for c in crops) and not self.nv_refused:  # nothing from the first batch
+                self._nv[device] = None
+                self._use(None, f'nvImageCodec decoded none of the first batch\'s {len(crops)} images on '
+                                f'{device} (its GPU decoder did not load?)')
+            for k, crop in enumerate(crops):
+                if crop is not None:
+                    out[k] = crop, (0, 0, *crop.shape[1:])
+            self.nv_refused += sum(c is None for c in crops)
+        rest = [k for k, d in enumerate(out) if d is None]
+        if rest:
+            images = self._torchvision([chunks[k] for k in rest], [names[k] for k in rest], device, streams)
+            for k, img in zip(rest, images):
+                out[k] = None if img is None else (img, boxes[k][:4])
+        return out
+
+    def _torchvision(self, chunks, names, device, streams=None):
+        """torchvision's decode_jpeg -> the whole images, None where no decoder could read one
+        (--skip-bad-images)."""
         if self.lists:
             try:
-                return self._on_device(chunks, device, streams)
+                return self._on_device(lambda: self._call(chunks, device), device, streams)
             except RuntimeError as e:  # one image spoils the batch: find it below
                 self._warn(e, 'a batch')
         images = []
         for chunk, name in zip(chunks, names):
             try:
-                images += self._on_device([chunk], device, streams)
+                images += self._on_device(lambda: self._call([chunk], device), device, streams)
             except RuntimeError as e:
                 self._warn(e, name)
                 self.refused += 1
@@ -320,18 +361,34 @@ class DeviceDecode:
             return self._decode(chunks, device)
         return [self._decode(c, device) for c in chunks]
 
-    def _on_device(self, chunks, device, streams):
-        """decode_jpeg on the decode stream; the current (geometry) stream waits for it and is
-        recorded on the outputs, which it reads."""
+    def _on_device(self, call, device, streams):
+        """call() (a decode) with the decode stream current; the current (geometry) stream waits for
+        it and is recorded on its outputs, which it reads."""
         if streams is None:
-            return self._call(chunks, device)
+            return call()
         reader = torch.cuda.current_stream(device)
         with torch.cuda.stream(streams['decode']):
-            images = self._call(chunks, device)
+            images = call()
         reader.wait_stream(streams['decode'])
         for img in images:
-            img.record_stream(reader)
+            if img is not None:
+                img.record_stream(reader)
         return images
+
+
+def owned(images):
+    """A decoder's outputs (None where it failed) copied, on the current stream, into one of torch's
+    allocations: views of it in their place. nvImageCodec's buffers are its own, freed when their
+    images go, in its own stream order, where torch's record_stream cannot follow them."""
+    good = [x for x in images if x is not None]
+    if not good:
+        return images
+    parts = iter(torch.cat([x.reshape(-1) for x in good]).split([x.numel() for x in good]))
+    return [None if x is None else next(parts).view(x.shape) for x in images]
+
+
+def region_import():
+    return region._import_nvimgcodec()
 
 
 class DecodeAhead:
