@@ -186,7 +186,9 @@ def precision_flags(p):
                    'and resumes on a GPU; slower; turns --cudnn-benchmark off)')
     g.add_argument('--compile', action=ON_OFF, default=False, help='torch.compile the model')
     g.add_argument('--compile-mode', default='default', choices=['default', 'reduce-overhead', 'max-autotune',
-                   'max-autotune-no-cudagraphs'], help='torch.compile mode')
+                   'max-autotune-no-cudagraphs'], help='torch.compile mode: reduce-overhead and max-autotune '
+                   'replay the step\'s kernels as CUDA graphs (one process per run; the host\'s launch time off '
+                   'the step), max-autotune tunes its kernels first (minutes)')
 
 
 def optimization_flags(p):
@@ -533,6 +535,14 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
         (args.compile and args.grad_checkpointing and torch.__version__ < '2.9', f'--compile with '
          f'--grad-checkpointing needs torch 2.9 or later (torch {torch.__version__} updates the BatchNorm '
          f'statistics of recomputed stages twice); drop one of the two or upgrade torch.'),
+        # CUDA graphs and DDP, in torch's own trackers: BatchNorm's running statistics, updated under
+        # DDP, make inductor skip its graphs (pytorch/pytorch#139207, open), and max-autotune under
+        # DDP fails from 2.5 (#140395, open)
+        (args.compile and args.compile_mode in ('reduce-overhead', 'max-autotune') and world_size > 1,
+         f'--compile-mode {args.compile_mode} captures CUDA graphs, which DDP defeats for these models '
+         f'(torch skips them where BatchNorm updates its statistics under DDP, pytorch/pytorch#139207, '
+         f'and max-autotune under DDP fails from torch 2.5, #140395); with several processes use '
+         f'--compile-mode default or max-autotune-no-cudagraphs.'),
     ]
     cpu = device.type == 'cpu'
     if cpu:

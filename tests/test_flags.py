@@ -180,3 +180,19 @@ def test_a_full_run_without_wandb_trains_and_asking_for_it_is_one_sentence(tmp_p
         resolved(*argv, '--wandb', 'offline')
     summary = dlojz.main(dlojz.get_args_parser().parse_args([*argv, '--output-dir', str(tmp_path)]))
     assert summary['status'] == 'completed' and summary['config']['wandb'] == 'off'
+
+
+@pytest.mark.parametrize('mode, world_size, refused', [
+    ('reduce-overhead', 2, True), ('max-autotune', 4, True), ('reduce-overhead', 1, False),
+    ('max-autotune-no-cudagraphs', 2, False), ('default', 2, False)])
+def test_cuda_graph_modes_are_refused_under_ddp(mode, world_size, refused):
+    """The compile modes that capture CUDA graphs, with several processes (DDP): torch's own trackers
+    say they give nothing or fail there (pytorch/pytorch#139207, #140395): one sentence before the
+    run, naming the modes that work."""
+    argv = ['--compile', '--compile-mode', mode]
+    if not refused:
+        resolved(*argv, world_size=world_size)
+        return
+    with pytest.raises(UsageError, match=rf'^--compile-mode {mode} captures CUDA graphs, which DDP defeats .*'
+                                         r'use --compile-mode default or max-autotune-no-cudagraphs\.$'):
+        resolved(*argv, world_size=world_size)

@@ -145,15 +145,21 @@ def test_configurations():
     assert T.configurations(False) == [('off', False, False), ('off', True, False), ('bf16', False, False),
                                        ('bf16', True, False)]
     gpu = T.configurations(True, bf16=False)
-    assert ('bf16', True, False) not in gpu and ('fp16', True, True) in gpu and len(gpu) == 8
+    assert ('bf16', True, False) not in gpu and ('fp16', True, 'default') in gpu and len(gpu) == 10
+    # CUDA graphs with channels-last only; each mode its own trial, its own command line
+    assert ('fp16', True, 'reduce-overhead') in gpu and ('fp16', False, 'reduce-overhead') not in gpu
+    assert T.trial_argv(64, 'bf16', True, 'reduce-overhead')[-3:] == ['--compile', '--compile-mode',
+                                                                      'reduce-overhead']
+    assert T.trial_argv(64, 'bf16', True, True)[-1] == '--compile'  # a tune.json of before the modes
+    assert T.trial_name(64, 'bf16', True, 'reduce-overhead') == 'b64-bf16-cl-compile-reduce-overhead'
 
 
-@pytest.mark.parametrize('capability, bf16_trials', [((7, 0), 0), ((8, 0), 4)])
+@pytest.mark.parametrize('capability, bf16_trials', [((7, 0), 0), ((8, 0), 5)])
 def test_bf16_trials_only_where_dlojz_runs_bf16(tmp_path, monkeypatch, capability, bf16_trials):
     """A V100 (sm70): torch.cuda.is_bf16_supported() says True (it counts emulation), but dlojz
     refuses --amp bf16 below sm80, so every bf16 trial would be launched only to be refused. The
-    GPU's facts are a fake torch.cuda's; the trials are the fake runner's. 4 bf16 configurations:
-    channels-last x compile."""
+    GPU's facts are a fake torch.cuda's; the trials are the fake runner's. 5 bf16 configurations:
+    channels-last x compile, and CUDA graphs with channels-last."""
     import torch
     monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: capability)
@@ -162,7 +168,7 @@ def test_bf16_trials_only_where_dlojz_runs_bf16(tmp_path, monkeypatch, capabilit
     T.run_tune(args, {'lr': None}, argparse.ArgumentParser(), torch.device('cuda', 0),
                lambda s: None, runner=runner)
     amps = [argv[argv.index('--amp') + 1] for argv in runner.calls]
-    assert amps.count('bf16') == bf16_trials and amps.count('fp16') == 4, amps
+    assert amps.count('bf16') == bf16_trials and amps.count('fp16') == 5, amps
 
 
 # ------------------------------------------------------------------------------------- a real sweep

@@ -230,7 +230,11 @@ class DeviceDecode:
             lib, why = self.nvimgcodec or region_import()
             ok, why = nvdecode.usable(lib, why, device, torch.version.cuda,
                                       nvdecode.wheel_cuda_major(nvdecode.installed_names()))
-            self._nv[device] = nvdecode.NvDecoder(lib, device) if ok else None
+            try:
+                self._nv[device] = nvdecode.NvDecoder(lib, device) if ok else None
+            except RuntimeError as e:  # its CUDA runtime refuses this driver or device
+                ok, why = False, f'nvImageCodec could not start on {device} ({str(e).strip()[:120]})'
+                self._nv[device] = None
             self._use(f'nvimgcodec {lib.__version__}' if ok else None, why)
         return self._nv[device]
 
