@@ -1,21 +1,29 @@
-"""The GPU benchmark matrix for BENCHMARKS.md: ResNet-50 training in fp32 and in the GPU's low precision
-(--amp auto: bf16 from sm80, fp16 below) x channels-last on/off x torch.compile on/off x in-memory fake data
-(the compute ceiling) / decoded JPEGs (the built-in synthetic dataset, or --data-dir). Each configuration is
-one `python dlojz.py --test-nsteps N ...` process; the table is read from its summary.json. The Markdown goes
+"""The GPU benchmark for BENCHMARKS.md: ResNet-50 at batch 256, bf16 (fp16 below sm80), channels-last,
+one `python dlojz.py --test-nsteps N ...` process per row, read from its summary.json. The Markdown goes
 to stdout, progress to stderr:
 
-    python tests/gpu/bench.py | tee tests/gpu/last-bench.md     # 16 configurations
-    python tests/gpu/bench.py --quick                            # 2: low precision, channels-last
-    python tests/gpu/bench.py --data-dir /path/imagenet --steps 100 --batch 256
+    python tests/gpu/bench.py --quick --budget 250     # the lent node's table (issue 45)
+    python tests/gpu/bench.py                          # every row
+    python tests/gpu/bench.py --data-dir /path/imagenet --steps 100
 
-A second table compares the host's decode paths (--decode fast and pil; --quick: fast) on the
-machine's cores with nvJPEG (--decode gpu), same workers, same JPEGs: the training loader alone
-(--loader-only) and training. --budget S starts no row after S seconds (the rows left are listed as
-not run). The exit code is 1 when any run failed, in either table.
+Rows, in the order they run (what a budget cuts comes last):
+- fake data (the compute ceiling): eager, then each torch.compile mode: reduce-overhead (CUDA graphs),
+  default, and in the full run max-autotune-no-cudagraphs and max-autotune (minutes of autotuning);
+- JPEGs (the built-in synthetic set, or --data-dir), each decode path with the loader alone
+  (--loader-only, the same batches) and training, at the fastest fake-data mode that completed: the
+  GPU decoder through nvImageCodec and through torchvision's nvJPEG (DLOJZ_REGION_DECODE=0), then
+  --decode fast on every usable core; the full run adds --decode pil and --no-decode-ahead; the fp32 and
+  NCHW eager rows close it.
+
+Columns: train img/s (images / host time over the steady steps), GPU img/s (global batch / mean GPU
+time per step), device busy, bound, peak GPU memory, J/image. A loader-alone rate below what training
+reached with the same loader is a defect of the measurement (issue 45: bench.py once timed an epoch
+restart training never made): its cell says so and the exit code is 1. --budget S starts no row after
+S seconds (those left are listed as not run); interrupted (run.sh's time limit), it prints what
+finished and lists the row that was stopped. Exit code: 1 when a row failed, else 0.
 """
 import argparse
 import datetime
-import itertools
 import json
 import math
 import os
@@ -23,25 +31,31 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SYNTHETIC_CLASSES = 10  # dlojz's --synthetic-classes default
-TIMEOUT_S = 1800        # one configuration: compiling ResNet-50 can take minutes, 50 steps take seconds
+TIMEOUT_S = 1800        # one run: compiling ResNet-50 can take minutes, 50 steps take seconds
+MODES = ('reduce-overhead', 'default', 'max-autotune-no-cudagraphs', 'max-autotune')
+
+
+def usable_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description='dlojz GPU benchmark matrix; prints a Markdown table')
-    p.add_argument('--steps', type=int, default=50, help='training steps per configuration (--test-nsteps)')
-    p.add_argument('--batch', type=int, default=128, help='images per step (-b)')
-    p.add_argument('--workers', type=int, default=min(8, os.cpu_count() or 1), help='DataLoader worker processes '
-                   '(default min(8, CPU count))')
+    p = argparse.ArgumentParser(description='dlojz GPU benchmark; prints Markdown tables')
+    p.add_argument('--steps', type=int, default=50, help='training steps per run (--test-nsteps)')
+    p.add_argument('--batch', type=int, default=256, help='images per step (-b)')
+    p.add_argument('--workers', type=int, default=usable_cores(), help='DataLoader worker processes '
+                   '(default: the usable cores)')
     p.add_argument('--out', default=None, help='folder for the run directories (default runs/bench-<time>)')
     p.add_argument('--data-dir', default=None, help='ImageFolder dataset for the JPEG rows (default: dlojz\'s '
                    'built-in synthetic JPEGs)')
-    p.add_argument('--quick', action='store_true', help='2 configurations (low precision, '
-                   'channels-last, fake data, eager and compiled) and 2 decode rows (fast, gpu)')
+    p.add_argument('--quick', action='store_true', help='the rows of the lent node\'s table: fake data eager, '
+                   'reduce-overhead and default; JPEGs through nvImageCodec, torchvision and --decode fast')
     p.add_argument('--budget', type=float, default=None, help='seconds: no row starts after this '
                    '(default: no limit)')
     p.add_argument('--no-compile', dest='compile', action='store_false', help='leave the --compile '
@@ -49,16 +63,44 @@ def get_args(argv=None):
     return p.parse_args(argv)
 
 
-def matrix(quick, compile_=True):
-    """(--amp, channels-last, compile, data) of every row."""
-    rows = [('auto', True, False, 'fake'), ('auto', True, True, 'fake')] if quick else \
-        list(itertools.product(('off', 'auto'), (True, False), (False, True), ('fake', 'jpeg')))
-    return [r for r in rows if compile_ or not r[2]]
+@dataclass
+class Row:
+    """One line of a table: its name, the flags that make it, and what its runs gave."""
+    name: str
+    label: str
+    flags: list
+    env: dict = field(default_factory=dict)
+    loader: bool = False  # a JPEG row: the loader alone too
+    cells: list = None    # the table's cells once it ran
+    failed: bool = False
+    mode: str = None      # fake-data rows: the compile mode ('eager' for none)
+    provenance: dict = None
 
 
-def decodes(quick):
-    """The --decode settings of the second table: the host's paths, then nvJPEG."""
-    return ['fast', 'gpu'] if quick else ['fast', 'pil', 'gpu', 'gpu --no-decode-ahead']
+def fake_rows(opts):
+    modes = ['eager', *(MODES[:2] if opts.quick else MODES)] if opts.compile else ['eager']
+    rows = [Row(f'fake_{m}', f'fake data, {m if m == "eager" else "compile " + m}',
+                ['--fake-data', *compile_flags(m)], mode=m) for m in modes]
+    if not opts.quick:
+        rows += [Row('fake_fp32', 'fake data, eager, fp32 (TF32)', ['--fake-data', '--amp', 'off'], mode='eager'),
+                 Row('fake_nchw', 'fake data, eager, NCHW', ['--fake-data', '--no-channels-last'], mode='eager')]
+    return rows
+
+
+def compile_flags(mode):
+    return [] if mode in (None, 'eager') else ['--compile'] + ([] if mode == 'default' else ['--compile-mode', mode])
+
+
+def decode_rows(opts):
+    """(name, label, flags, env) of each decode path, the GPU's first."""
+    rows = [('gpu_nvimgcodec', '--decode gpu, nvImageCodec', ['--decode', 'gpu'], {}),
+            ('gpu_torchvision', "--decode gpu, torchvision's nvJPEG", ['--decode', 'gpu'],
+             {'DLOJZ_REGION_DECODE': '0'}),
+            ('fast', f'--decode fast, {opts.workers} workers', ['--decode', 'fast'], {})]
+    if not opts.quick:
+        rows += [('pil', '--decode pil', ['--decode', 'pil'], {}),
+                 ('gpu_no_ahead', '--decode gpu --no-decode-ahead', ['--decode', 'gpu', '--no-decode-ahead'], {})]
+    return rows
 
 
 class Budget:
@@ -75,29 +117,26 @@ class Budget:
 
 
 def common_flags(opts):
-    # warm-up: worker start-up, cudnn autotuning and compilation stay out of the statistics
+    # warm-up: worker start-up, cudnn autotuning, compilation and graph capture stay out of the statistics
     return ['--test-nsteps', opts.steps, '--arch', 'resnet50', '-b', opts.batch, '--num-workers', opts.workers,
-            '--warmup-steps', max(1, opts.steps // 10)]
+            '--amp', 'auto', '--channels-last', '--warmup-steps', max(3, opts.steps // 5), '--wandb', 'off']
 
 
-def row_flags(cfg, opts):
-    amp, nhwc, comp, data = cfg
-    flags = ['--amp', amp, '--channels-last' if nhwc else '--no-channels-last'] + (['--compile'] if comp else [])
-    if data == 'fake':
-        return flags + ['--fake-data']
+def data_flags(opts):
     if opts.data_dir:
-        return flags + ['--data-dir', opts.data_dir]
+        return ['--data-dir', opts.data_dir]
     # One epoch holds every step: an epoch boundary would restart the loader's prefetching inside the timing.
     # The first JPEG row generates these images (~110 KB each) into dlojz's --cache-dir, once.
-    return flags + ['--synthetic-train-per-class', max(64, math.ceil(opts.steps * opts.batch / SYNTHETIC_CLASSES))]
+    return ['--synthetic-train-per-class', max(64, math.ceil(opts.steps * opts.batch / SYNTHETIC_CLASSES))]
 
 
-def run_one(flags, out_dir):
+def run_one(flags, out_dir, env=None):
     """-> (summary or None, why it failed or None); dlojz's output in <out_dir>.log."""
     cmd = [sys.executable, os.path.join(ROOT, 'dlojz.py'), *map(str, flags), '--output-dir', out_dir]
     with open(f'{out_dir}.log', 'w') as log:
         try:
-            code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=TIMEOUT_S).returncode
+            code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=TIMEOUT_S,
+                                  env={**os.environ, **(env or {})}).returncode
         except subprocess.TimeoutExpired:
             return None, f'no result after {TIMEOUT_S} s'
     try:
@@ -110,8 +149,7 @@ def run_one(flags, out_dir):
     with open(f'{out_dir}.log') as f:
         lines = [line.strip() for line in f if line.strip()]
     said = [line for line in lines if line.startswith('dlojz:')] or lines or ['no output']
-    print(f'--- the last lines of {out_dir}.log:', *lines[-25:], sep='\n', file=sys.stderr,
-          flush=True)
+    print(f'--- the last lines of {out_dir}.log:', *lines[-25:], sep='\n', file=sys.stderr, flush=True)
     return summary, f'exit {code}: {said[-1][:200]}'
 
 
@@ -119,59 +157,58 @@ def failed(why):
     return f"failed ({why or 'no result'})".replace('|', '/')
 
 
-def loader_rows(opts, out, budget, rows):
-    """Each --decode of decodes(): the loader alone (--loader-only) and a training run (same flags),
-    a Markdown row each appended to `rows` as it ends (an interrupt keeps those) -> how many runs
-    failed. The training run shows what the loader figure cannot: nvJPEG's decode sharing the GPU
-    with the step, and the host waiting for it."""
-    failures = 0
-    for decode in decodes(opts.quick):
-        if not budget.allows(f'--decode {decode}'):
-            continue
-        flags = [*common_flags(opts), *row_flags(('auto', True, False, 'jpeg'), opts), '--decode', *decode.split()]
-        decode_dir = decode.replace(' --', '_').replace('-', '_')
-        summary, why = run_one([*flags, '--loader-only'], os.path.join(out, f'loader_{decode_dir}'))
-        ips = ((summary or {}).get('loader') or {}).get('images_per_second')
-        failures += bool(why or not ips)
-        cell = f'{ips:.1f}' if ips and not why else failed(why)
-        print(f'loader {decode}: {why or "completed"}', file=sys.stderr, flush=True)
-        summary, why = run_one(flags, os.path.join(out, f'train_{decode_dir}'))
-        t = (summary or {}).get('timing') or {}
-        failures += bool(why or not t.get('train_throughput'))
-        rate = t.get('train_throughput')
-        train = f'{rate:.1f}' if rate and not why else failed(why)
-        rows.append(f"| {decode} | {opts.workers} | {cell} | {train} | {t.get('bound', '–')} |")
-        print(f'train {decode}: {why or "completed"}', file=sys.stderr, flush=True)
-    return failures
+def num(v, fmt):
+    return '–' if v is None else format(v, fmt)
 
 
-def decode_table(opts, rows):
-    if not rows:
-        return []
-    return ['', f'Decoding on the host (`--decode fast`, `pil`) or with nvJPEG (`--decode gpu`): '
-            f'the training loader alone (`--loader-only`) and training (low precision, '
-            f'channels-last, eager), {opts.batch} images per batch, {opts.steps} batches:', '',
-            '| decode | workers | loader alone img/s | training img/s | bound |',
-            '|---|---:|---:|---:|---|', *rows]
-
-
-def label(cfg, summary, opts):
-    amp, nhwc, comp, data = cfg
-    precision = 'fp32' if amp == 'off' else summary['config']['amp'] if summary else 'bf16/fp16'
-    source = 'fake data' if data == 'fake' else 'JPEG --data-dir' if opts.data_dir else 'synthetic JPEG'
-    return ' / '.join([precision, 'channels-last' if nhwc else 'NCHW', 'compile' if comp else 'eager', source])
-
-
-def cells(summary, why, steps):
+def train_cells(summary, why, steps):
+    """train img/s, GPU img/s, device busy %, bound, peak GPU memory GiB, J/image."""
     if why:
         return [failed(why)] + [''] * 5
     t, m, e = summary['timing'], summary['memory'], summary['energy']
     note = f" ({t['steps']} steps)" if t['steps'] < steps else ''  # a small --data-dir ends with its epoch
-    num = lambda v, fmt: '–' if v is None else format(v, fmt)
     gib = m['gpu_max_allocated_bytes'] / 2 ** 30 if m['gpu_max_allocated_bytes'] is not None else None
-    return [num(t.get('train_throughput'), '.1f') + note, num(t.get('gpu_throughput'), '.1f'), t.get('bound', '–'),
-            num(t['device_busy'] * 100 if t.get('device_busy') is not None else None, '.0f'), num(gib, '.2f'),
-            num(e['joules_per_image'], '.3f')]
+    busy = t['device_busy'] * 100 if t.get('device_busy') is not None else None
+    return [num(t.get('train_throughput'), '.1f') + note, num(t.get('gpu_throughput'), '.1f'), num(busy, '.0f'),
+            t.get('bound', '–'), num(gib, '.2f'), num(e['joules_per_image'], '.3f')]
+
+
+def loader_cell(loader, trained):
+    """The loader-alone cell, and whether it is a defect: below the training rate it fed."""
+    ips = (loader or {}).get('images_per_second')
+    rate = ((trained or {}).get('timing') or {}).get('train_throughput')
+    if not ips:
+        return '–', False
+    if rate and ips < rate:
+        return f'{ips:.1f} (below training: a measurement defect)', True
+    return f'{ips:.1f}', False
+
+
+def run_row(i, row, opts, out, flags):
+    """-> the row, its cells filled, after its runs (the loader alone first, for a JPEG row)."""
+    t0 = time.perf_counter()
+    print(f'[{i}] {row.name} ...', file=sys.stderr, flush=True)
+    loader = why_loader = None
+    if row.loader:  # the same batches, nothing compiled
+        alone = [f for f in flags if f != '--compile']
+        if '--compile-mode' in alone:
+            del alone[alone.index('--compile-mode'):alone.index('--compile-mode') + 2]
+        loader, why_loader = run_one([*alone, '--loader-only'], os.path.join(out, f'loader_{row.name}'), row.env)
+    summary, why = run_one(flags, os.path.join(out, row.name), row.env)
+    row.cells = train_cells(summary, why, opts.steps)
+    row.failed = bool(why)
+    if row.loader:
+        cell, defect = loader_cell((loader or {}).get('loader'), summary) if not why_loader \
+            else (failed(why_loader), True)
+        row.cells.insert(0, cell)
+        row.failed |= defect
+        decoder = ((summary or {}).get('data') or {}).get('gpu_decode') or {}
+        if decoder.get('decoder'):
+            row.label += f" ({decoder['decoder']})"
+    row.provenance = (summary or {}).get('provenance')
+    print(f'[{i}] {row.name}: {why or "completed"} ({time.perf_counter() - t0:.0f} s)', file=sys.stderr,
+          flush=True)
+    return row
 
 
 def shown(path):
@@ -180,7 +217,7 @@ def shown(path):
     return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
 
 
-def header(prov, opts, argv, out):
+def header(prov, opts, argv, out, jpeg_mode):
     gpu = 'unknown GPU'
     if prov:
         mem = f"{prov['gpu_total_memory_bytes'] / 2 ** 30:.0f} GiB, " if prov.get('gpu_total_memory_bytes') else ''
@@ -192,68 +229,79 @@ def header(prov, opts, argv, out):
     command = shlex.join(['python', shown(sys.argv[0]), *argv])
     dlojz = shlex.join(['python', 'dlojz.py', *map(str, common_flags(opts))])
     return [f"## {datetime.date.today().isoformat()} — {gpu}, {versions}, host {prov['host'] if prov else '?'}", '',
-            f"`{command}` (dlojz {prov['dlojz_sha'] if prov else '?'}): each row is `{dlojz} ROW FLAGS`, where "
-            f"precision is `--amp off` (fp32, TF32 on) or `--amp auto`, the layout `--channels-last` or "
-            f"`--no-channels-last`, `--compile` or not, and the data `--fake-data` or JPEGs decoded by "
-            f"{opts.workers} workers. Throughputs are sums over the steady steps (after the "
-            f"warm-up): train = their images / their host time, GPU = global batch / mean GPU time "
-            f"per step (CUDA events); device busy = GPU time / host time; memory = max allocated "
-            f"after warm-up; J/image = NVML energy over the steady steps / their images. Run "
-            f"folders: {out}.", '']
+            f"`{command}` (dlojz {prov['dlojz_sha'] if prov else '?'}): each row is `{dlojz} ROW FLAGS` "
+            f"(`--amp auto`: bf16 from sm80); the JPEG rows train with `{' '.join(compile_flags(jpeg_mode)) or 'eager'}`"
+            f" (the fastest fake-data mode that completed) and read "
+            + (f'`--data-dir {opts.data_dir}`' if opts.data_dir else 'the built-in synthetic JPEGs')
+            + f" with {opts.workers} workers. Throughputs are sums over the steady steps (after the warm-up): "
+            f"train = their images / their host time, GPU = global batch / mean GPU time per step (CUDA "
+            f"events); device busy = GPU time / host time; memory = max allocated after warm-up; J/image = "
+            f"NVML energy over the steady steps / their images; loader alone = `--loader-only` on the same "
+            f"batches. Run folders: {out}.", '']
 
 
-def matrix_row(i, cfg, opts, out):
-    """-> (its table cells, whether it failed, its provenance)."""
-    name = row_name(cfg)
-    t0 = time.perf_counter()
-    print(f'[{i}] {name} ...', file=sys.stderr, flush=True)
-    summary, why = run_one([*common_flags(opts), *row_flags(cfg, opts)], os.path.join(out, name))
-    seconds = time.perf_counter() - t0
-    print(f'[{i}] {name}: {why or "completed"} ({seconds:.0f} s)', file=sys.stderr, flush=True)
-    row = [label(cfg, summary, opts), *cells(summary, why, opts.steps)]
-    return row, bool(why), (summary or {}).get('provenance')
+def tables(fake, jpeg):
+    lines = ['| fake data | train img/s | GPU img/s | device busy % | bound | peak GPU memory GiB | J/image |',
+             '|---|---:|---:|---:|---|---:|---:|']
+    lines += [f"| {r.label} | {' | '.join(r.cells)} |" for r in fake if r.cells]
+    if any(r.cells for r in jpeg):
+        lines += ['', '| JPEG | loader alone img/s | train img/s | GPU img/s | device busy % | bound | '
+                      'peak GPU memory GiB | J/image |', '|---|---:|---:|---:|---:|---|---:|---:|']
+        lines += [f"| {r.label} | {' | '.join(r.cells)} |" for r in jpeg if r.cells]
+    return lines
 
 
-def row_name(cfg):
-    return '_'.join(['fp32' if cfg[0] == 'off' else 'amp', 'nhwc' if cfg[1] else 'nchw',
-                     'compile' if cfg[2] else 'eager', cfg[3]])
+def fastest_mode(fake):
+    """The compile mode of the fastest completed fake-data row (train img/s), eager if none."""
+    done = [r for r in fake if r.cells and not r.failed]
+    best = max(done, key=lambda r: float(r.cells[0].split()[0]), default=None)
+    return best.mode if best else 'eager'
 
 
 def main(argv=None):
-    """The eager rows, the decode rows, then the compiled rows (minutes of inductor each: what
-    --budget cuts first); the tables keep the matrix's order. Interrupted (Ctrl-C, run.sh's stage
-    timeout), it prints the tables of what finished."""
+    """Fake-data rows, then JPEG rows at the fastest mode found; interrupted (Ctrl-C, run.sh's time
+    limit), it prints the tables of what finished and names the row that was running."""
     argv = sys.argv[1:] if argv is None else argv
     opts = get_args(argv)
     if not torch.cuda.is_available():
         sys.exit('bench.py: PyTorch sees no CUDA GPU (torch.cuda.is_available() is False); run it on a GPU node.')
     out = opts.out or os.path.join(ROOT, 'runs', 'bench-' + datetime.datetime.now().strftime('%Y%m%d-%H%M%S'))
     os.makedirs(out, exist_ok=True)
-    configs, budget = matrix(opts.quick, opts.compile), Budget(opts.budget)
-    done, prov, failures, decode_rows = {}, None, 0, []
+    budget, base = Budget(opts.budget), [*common_flags(opts)]
+    fake, jpeg, stopped, n = fake_rows(opts), [], None, 0
+    extra = [r for r in fake if r.name in ('fake_fp32', 'fake_nchw')]
+    fake = [r for r in fake if r not in extra]
+    jpeg_mode = 'eager'
     try:
-        for cfg in [c for c in configs if not c[2]]:
-            if budget.allows(row_name(cfg)):
-                done[cfg], failed_row, found = matrix_row(len(done) + 1, cfg, opts, out)
-                failures, prov = failures + failed_row, prov or found
-        failures += loader_rows(opts, out, budget, decode_rows)
-        for cfg in [c for c in configs if c[2]]:
-            if budget.allows(row_name(cfg)):
-                done[cfg], failed_row, found = matrix_row(len(done) + 1, cfg, opts, out)
-                failures, prov = failures + failed_row, prov or found
+        for row in fake:
+            if budget.allows(row.name):
+                stopped, n = row.name, n + 1
+                run_row(n, row, opts, out, [*base, *row.flags])
+        jpeg_mode = fastest_mode(fake)
+        for name, label, flags, env in decode_rows(opts):
+            row = Row(name, label, [*data_flags(opts), *flags, *compile_flags(jpeg_mode)], env, loader=True)
+            jpeg.append(row)
+            if budget.allows(row.name):
+                stopped, n = row.name, n + 1
+                run_row(n, row, opts, out, [*base, *row.flags])
+        for row in extra:
+            fake.append(row)
+            if budget.allows(row.name):
+                stopped, n = row.name, n + 1
+                run_row(n, row, opts, out, [*base, *row.flags])
+        stopped = None
     except KeyboardInterrupt:
-        print('bench.py: interrupted; the tables hold the runs that finished.', file=sys.stderr)
-        failures += 1
-    lines = header(prov, opts, argv, shown(out))
-    lines += ['| config | train img/s | GPU img/s | bound | device busy % | peak GPU memory GiB | J/image |',
-              '|---|---:|---:|---|---:|---:|---:|']
-    lines += ['| ' + ' | '.join(done[cfg]) + ' |' for cfg in configs if cfg in done]
-    lines += decode_table(opts, decode_rows)
+        print(f'bench.py: interrupted during {stopped}; the tables hold the rows that finished.', file=sys.stderr)
+    prov = next((r.provenance for r in fake + jpeg if getattr(r, 'provenance', None)), None)
+    lines = header(prov, opts, argv, shown(out), jpeg_mode) + tables(fake, jpeg)
+    if stopped:
+        lines += ['', f'Stopped by its time limit while it ran: {stopped}.']
     if budget.left_out:
         lines += ['', f"Not run (--budget {opts.budget:g} s spent): {', '.join(budget.left_out)}."]
     print('\n'.join(lines))
+    failures = [r.name for r in fake + jpeg if r.failed]
     if failures:
-        print(f'bench.py: {failures} run(s) failed or were interrupted; their cells say why, their '
+        print(f'bench.py: {len(failures)} row(s) failed ({", ".join(failures)}); their cells say why, their '
               f'logs are in {shown(out)}.', file=sys.stderr)
     return 1 if failures else 0
 
