@@ -300,7 +300,7 @@ def test_a_stopped_test_is_named_and_counted_as_stopped(tmp_path, capsys):
     assert results.main([str(junit), '--progress', str(progress), '--list', str(wanted)]) == 1
     out = capsys.readouterr().out
     assert '| `test_one` | passed |' in out and '| `test_two` | interrupted: stopped by a time limit' in out
-    assert '| `test_three` | not run (time budget) |' in out and 'None' not in out
+    assert '| `test_three` | not run |' in out and 'None' not in out
     progress.write_text(f'start\t{one}\nend\t{one}\n')  # the budget ended the session between tests
     junit.write_text(INTERRUPTED_JUNIT.replace('<testcase time="0.000" />', ''))
     assert results.main([str(junit), '--progress', str(progress), '--list', str(wanted)]) == 0

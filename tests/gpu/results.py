@@ -104,9 +104,10 @@ def table(rows, missing=()):
     for node, outcome, seconds, message in rows:
         result = f"{outcome}: {message.replace('|', '/')}" if message else outcome
         lines.append(f"| `{short(node)}` | {result} | {seconds:.1f} |")
-    lines += [f"| `{short(node)}` | not run (time budget) | |" for node in missing]
+    lines += [f"| `{short(node)}` | not run | |" for node in missing]
     counts = collections.Counter(outcome for _, outcome, _, _ in rows)
     said = [f'{n} {outcome}' for outcome, n in sorted(counts.items())]
+    # the test budget ran out, or the session ended before them (log.txt says which)
     said += [f'{len(missing)} not run'] if missing else []
     seconds = sum(t for _, _, t, _ in rows)
     return lines + ['', f"{', '.join(said) or 'no test ran'}; {seconds:.0f} s in tests."]

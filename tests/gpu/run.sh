@@ -66,13 +66,23 @@ stages() {
     if [ -e "${wheels[0]}" ]; then
         site=$(mktemp -d "${TMPDIR:-/tmp}/dlojz-wheels.XXXXXX")
         trap 'rm -rf "$site"' EXIT
-        if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-                --target "$site" "${wheels[@]}"; then
+        local install=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir)
+        if "${install[@]}" --target "$site" "${wheels[@]}"; then
             export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
             echo "Installed for this command from .whl/: ${wheels[*]##*/}"
-        else  # the checks still run, with dlojz's fallbacks (--decode pil without simplejpeg)
-            echo "run.sh: warning: the wheels in .whl/ did not install (above);" \
-                 "bash tests/gpu/wheels.sh fetches them for this node's Python and CUDA."
+        else  # one at a time, each in a folder of its own (pip --target skips a folder that exists)
+            echo "run.sh: warning: the wheels in .whl/ did not install together (above); one by one:"
+            for wheel in "${wheels[@]}"; do
+                local one
+                one=$(mktemp -d "$site/one.XXXXXX")
+                if "${install[@]}" --target "$one" "$wheel"; then
+                    export PYTHONPATH="$one${PYTHONPATH:+:$PYTHONPATH}"
+                    echo "Installed ${wheel##*/}"
+                else  # the checks still run, with dlojz's fallbacks (torchvision's decoder, PIL)
+                    echo "run.sh: warning: ${wheel##*/} did not install; bash tests/gpu/wheels.sh" \
+                         "fetches the wheels for this node's Python and CUDA."
+                fi
+            done
         fi
     fi
     { echo "$check"; nvidia-smi; "$PY" -m pip list 2>/dev/null | grep -iE "$packages"; } \

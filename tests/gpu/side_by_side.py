@@ -1,5 +1,5 @@
 """dlojz beside torchvision's reference training script on the same GPU: ResNet-50, the same batch,
-the same JPEGs, images per second over 200 steps after 20 steps of warm-up, each run a process of
+the same JPEGs, images per second over 100 steps after 20 steps of warm-up, each run a process of
 its own:
 
 - torchvision's references/classification/train.py with its own options (--amp: fp16 with a
@@ -7,8 +7,8 @@ its own:
   (--reference; never committed: tests/gpu/README.md says how to get one);
 - dlojz with the reference's settings: --amp fp16 --no-channels-last --decode pil, the same workers;
 - dlojz with its own best flags: the tuner's recommendation where a tune.json is given (--tune-json;
-  its batch too), else --best (default: --amp bf16 --channels-last --decode fast, marked as not
-  tuned).
+  its batch too), else --best (default: --amp bf16 --channels-last --decode gpu --compile
+  --compile-mode reduce-overhead: the GPU's JPEG decoder and CUDA graphs, marked as not tuned).
 
 Both scripts count the host time of each step, data wait included: the reference's `time` field (the
 mean of the last 20 iterations, printed every --print-freq 20 iterations, so that its windows tile
@@ -19,7 +19,7 @@ The data: the synthetic JPEG dataset (ImageNet's sizes and ~110 KB files), --uni
 per class, each file linked as often as an epoch of 1 + warm-up + steps batches needs (generating
 57 000 JPEGs would take minutes; every file a reader opens is still a whole JPEG it decodes).
 
-    python tests/gpu/side_by_side.py > side.md    # on a GPU node; about 3 min on one H100 (guessed)
+    python tests/gpu/side_by_side.py > side.md    # on a GPU node; about 3 min on one H100 (estimated)
     python tests/gpu/side_by_side.py --device cpu --arch resnet18 --image-size 64 --batch 8 \\
         --steps 20 --warmup 20 --workers 2 --unique 8     # a dry run of the procedure on a CPU
 """
@@ -48,7 +48,7 @@ def get_args(argv=None):
     cores = len(os.sched_getaffinity(0))
     p = argparse.ArgumentParser(description="dlojz beside torchvision's reference train.py; "
                                 'prints a Markdown table')
-    p.add_argument('--steps', type=int, default=200, help='measured steps, a multiple of 20')
+    p.add_argument('--steps', type=int, default=100, help='measured steps, a multiple of 20')
     p.add_argument('--warmup', type=int, default=20, help='steps before them, a multiple of 20')
     p.add_argument('--batch', type=int, default=256, help='images per step')
     p.add_argument('--workers', type=int, default=max(1, min(16, cores - 1)),
@@ -63,7 +63,8 @@ def get_args(argv=None):
                    help='where the dataset is made (reused when complete)')
     p.add_argument('--reference', default=os.path.join(ROOT, '.ref', 'classification', 'train.py'),
                    help="torchvision's references/classification/train.py, with its folder's files")
-    p.add_argument('--best', default='--amp bf16 --channels-last --decode fast',
+    p.add_argument('--best', default='--amp bf16 --channels-last --decode gpu --compile --compile-mode '
+                   'reduce-overhead',
                    help="dlojz's flags for its best row when no --tune-json is given")
     p.add_argument('--tune-json', default=None, help='a tune.json of `dlojz.py --tune` on this '
                    'GPU: its recommended command is the best row')
@@ -224,12 +225,27 @@ def main(argv=None):
     say(f'dataset {data} ready after {time.perf_counter() - t0:.0f} s')
     best, source = best_flags(args)
     as_reference = ['--amp', 'fp16' if args.gpu else 'off', '--no-channels-last', '--decode', 'pil']
-    rows = [reference_row(args, data, out),
-            dlojz_row(args, data, out, 'dlojz-reference-flags', as_reference,
-                      "dlojz, the reference's settings"),
-            dlojz_row(args, data, out, 'dlojz-best', best, f'dlojz, {source}')]
+    if not args.gpu:  # the GPU's decoder and CUDA graphs do not run on a CPU: the dry run's best row
+        best = [f for f in best if f not in ('--compile', '--compile-mode', 'reduce-overhead')]
+        best = ['fast' if f == 'gpu' else f for f in best]
+    runs = [lambda: reference_row(args, data, out),
+            lambda: dlojz_row(args, data, out, 'dlojz-reference-flags', as_reference,
+                              "dlojz, the reference's settings"),
+            lambda: dlojz_row(args, data, out, 'dlojz-best', best, f'dlojz, {source}')]
+    rows, stopped = [], None
+    try:
+        for k, run in enumerate(runs):
+            stopped = k
+            rows.append(run())
+            say(f"row {k + 1}: {rows[-1]['run']}: {rows[-1]['img_s'] or rows[-1]['why']}")
+        stopped = None
+    except KeyboardInterrupt:  # run.sh's time limit: the rows that finished still make a table
+        say(f'side_by_side.py: interrupted during row {stopped + 1}; the table holds the rows before it.')
     host = torch.cuda.get_device_name() if args.gpu else f'{args.device} ({os.uname().nodename})'
-    print('\n'.join(table(rows, args, f'{host}, torch {torch.__version__}')))
+    lines = table(rows, args, f'{host}, torch {torch.__version__}') if rows else ['No row finished.']
+    if stopped is not None:
+        lines += ['', f'Stopped by its time limit during row {stopped + 1} of {len(runs)}.']
+    print('\n'.join(lines))
     return 1 if any(r['why'] for r in rows) else 0
 
 
