@@ -369,14 +369,6 @@ ENVIRONMENT = {
 }
 
 
-def loader_warmup(args):
-    """The batches --loader-only leaves out of its rate: --warmup-steps, or all that the workers
-    load at once when they start (measured by review: 16 workers read 2.7x their true throughput
-    when their first batches were counted), whichever is more."""
-    prefetch = (args.prefetch_factor or 2) if args.num_workers > 0 else 0
-    return max(args.warmup_steps, args.num_workers * prefetch)
-
-
 def check_environment(environ=os.environ):
     """Refuse a DLOJZ_* variable dlojz does not know, or a value it does not understand, naming the
     variable (one sentence; it would otherwise be ignored)."""

@@ -100,7 +100,7 @@ def bench_summary(train=100.0, loader=500.0):
     """The fields of a completed run's summary.json that bench.py's table reads."""
     return {'status': 'completed', 'config': {'amp': 'bf16'}, 'provenance': None,
             'timing': {'train_throughput': train, 'gpu_throughput': 120.0, 'bound': 'compute',
-                       'device_busy': 0.95, 'steps': 30},
+                       'device_busy': 0.95, 'steps': 50},  # bench.py's default --steps
             'memory': {'gpu_max_allocated_bytes': 2 ** 30}, 'energy': {'joules_per_image': 0.5},
             'loader': {'images_per_second': loader}, 'data': {'gpu_decode': None}}
 
