@@ -413,3 +413,22 @@ def test_run_sh_says_failures_not_budgets(tmp_path, ok, code):
     assert '| `test_first` | passed |' in summary and f'| `{order[2].split("::")[1]}` | not run' in summary
     assert ('| `test_slow` | passed |' in summary) if ok else ('| `test_fails` | failed' in summary)
     assert sorted(os.listdir(results_dir)) == ['env.txt', 'junit.xml', 'log.txt', 'progress.txt', 'summary.md']
+
+
+def test_a_side_by_side_stopped_by_its_time_limit_still_prints_its_table(tmp_path, monkeypatch, capsys):
+    """run.sh stops side_by_side.py with SIGINT at its limit: the rows that finished make the table
+    (the reference's, here), and the table says which row was stopped."""
+    reference = tmp_path / 'train.py'
+    reference.write_text('')
+    monkeypatch.setattr(side_by_side, 'make_dataset', lambda args: str(tmp_path))
+    monkeypatch.setattr(side_by_side, 'reference_row', lambda args, data, out: {
+        'run': "torchvision's reference train.py", 'flags': 'NCHW', 'precision': 'fp32', 'img_s': 100.0,
+        'bound': '', 'why': None})
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(side_by_side, 'dlojz_row', interrupted)
+    code = side_by_side.main(['--device', 'cpu', '--reference', str(reference), '--out', str(tmp_path / 'o')])
+    out = capsys.readouterr()
+    assert code == 0 and "| torchvision's reference train.py | `NCHW` | fp32 | 100 | 1.00 |" in out.out
+    assert 'Stopped by its time limit during row 2 of 3.' in out.out and 'interrupted during row 2' in out.err
