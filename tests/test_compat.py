@@ -23,7 +23,8 @@ from dlojzlib.data import dali
 def test_torch_has_the_private_calls_dlojz_makes():
     missing = [name for owner, name in [(torch.cuda, '_sleep'), (torch, '_foreach_lerp_'),
                                         (torch, '_foreach_copy_'), (torch, '_standard_gamma'),
-                                        (torch.UntypedStorage, '_new_shared')]
+                                        (torch.UntypedStorage, '_new_shared'),
+                                        (torch, '_nested_view_from_buffer')]
                if not hasattr(owner, name)]
     assert missing == []
 
@@ -42,6 +43,12 @@ def test_the_wrappers_do_what_their_public_counterparts_do():
     assert torch.equal(draws, again)  # drawn from the generator given
     storage = compat.shared_storage(64)
     assert storage.nbytes() == 64 and storage.is_shared()
+    # the nested view: the matrices torch.nested.nested_tensor copies from a list, without a copy
+    flat = torch.arange(2 * 3 + 4 * 1, dtype=torch.float32)
+    view = compat.nested_view(flat, [(2, 3), (4, 1)])
+    want = torch.nested.nested_tensor([flat[:6].view(2, 3), flat[6:].view(4, 1)])
+    assert all(torch.equal(a, b) for a, b in zip(view.unbind(), want.unbind()))
+    assert view.values().data_ptr() == flat.data_ptr()  # a view of the buffer
 
 
 def test_fused_optimizers_are_told_apart():
@@ -117,7 +124,7 @@ def test_a_dali_pipeline_keeps_its_native_half_where_compat_reads_it():
 
 PRIVATE = re.compile(r'(?<!self)\.(_sleep|_foreach_lerp_|_foreach_copy_|_standard_gamma|'
                      r'_new_shared|_iterator|_MultiProcessingDataLoaderIter|_sync_buffers|'
-                     r'_processes|_actions|_pipe|_shutdown_workers)\b|'
+                     r'_processes|_actions|_pipe|_shutdown_workers|_nested_view_from_buffer)\b|'
                      r"'_(workers|shutdown|sync_buffers|step_supports_amp_scaling|pipe)'")
 
 

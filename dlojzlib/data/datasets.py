@@ -300,7 +300,9 @@ class Data:
     @property
     def train_batches(self):
         """The training loader's batches, decoded one batch ahead with --decode gpu --decode-ahead."""
-        return self.train_loader if self.ahead is None else gpu_decode.DecodeAhead(self.train_loader, self.ahead)
+        if self.ahead is None:
+            return self.train_loader
+        return gpu_decode.DecodeAhead(self.train_loader, self.ahead)
 
     @property
     def train_steps(self):
@@ -311,21 +313,24 @@ class Data:
     def bad_images(self):
         """Training images replaced (--skip-bad-images): by the workers, and on the device (--decode
         gpu)."""
-        return (self.train_dataset.bad_images + gpu_decode.DEVICE_DECODE.bad) if self.train_dataset is not None else 0
+        if self.train_dataset is None:
+            return 0
+        return self.train_dataset.bad_images + gpu_decode.DEVICE_DECODE.bad
 
     @property
     def gpu_decode(self):
-        """--decode gpu: which decoder decoded on the device (nvImageCodec, else torchvision's) and why
-        not nvImageCodec; the images decoded elsewhere: on the host in the workers (files nvJPEG does
-        not read: CMYK, PNG named .JPEG), by torchvision's decoder after nvImageCodec refused them,
-        on the host after nvJPEG refused them; None for the other paths."""
+        """--decode gpu: which decoder decoded on the device (nvImageCodec, else torchvision's) and
+        why not nvImageCodec; the images decoded elsewhere: on the host in the workers (files nvJPEG
+        does not read: CMYK, PNG named .JPEG), by torchvision's decoder after nvImageCodec refused
+        them, on the host after nvJPEG refused them; None for the other paths."""
         transform = getattr(self.train_dataset, 'transform', None)
         if not isinstance(transform, gpu_decode.GpuTrainTransform):
             return None
         decoder = gpu_decode.DEVICE_DECODE
         return {'decoder': decoder.decoder, 'why_not_nvimgcodec': decoder.why_not,
                 'cpu_in_workers': transform.in_workers.value,
-                'torchvision_after_nvimgcodec': decoder.nv_refused, 'cpu_after_nvjpeg': decoder.refused}
+                'torchvision_after_nvimgcodec': decoder.nv_refused,
+                'cpu_after_nvjpeg': decoder.refused}
 
     @property
     def fast_decode(self):

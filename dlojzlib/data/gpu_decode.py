@@ -1,7 +1,7 @@
 """--decode gpu: the workers read each training image's bytes and draw its crop and flip
-(GpuTrainTransform -> EncodedBatch); the main process decodes the batch on the GPU (nvImageCodec, else
-torchvision's nvJPEG), which crops, resizes and flips as batched work (DeviceDecode, data.resize), one
-batch ahead of training (DecodeAhead). The draws are the host paths'
+(GpuTrainTransform -> EncodedBatch); the main process decodes the batch on the GPU (nvImageCodec,
+else torchvision's nvJPEG), which crops, resizes and flips as batched work (DeviceDecode,
+data.resize), one batch ahead of training (DecodeAhead). The draws are the host paths'
 (data.decode), from the same per-sample RNG."""
 import collections
 import io
@@ -19,8 +19,8 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from dlojzlib.data import nvdecode, region, resize
-from dlojzlib.data.decode import (BadImageError, Blob, load_rgb, random_resized_crop_params, read_bytes,
-                                  source_name)
+from dlojzlib.data.decode import (BadImageError, Blob, load_rgb, random_resized_crop_params,
+                                  read_bytes, source_name)
 
 
 @dataclass
@@ -51,7 +51,8 @@ class GpuTrainTransform:
 
     def __init__(self, size, cpu):
         self.size, self.cpu = size, cpu
-        self.in_workers = mp.get_context('fork').Value('i', 0)  # shared with the workers, read by the summary
+        # shared with the workers, read by the summary
+        self.in_workers = mp.get_context('fork').Value('i', 0)
 
     def __call__(self, src, rng):
         data = read_bytes(src)
@@ -61,8 +62,8 @@ class GpuTrainTransform:
                 self.in_workers.value += 1
             return self.cpu(src, rng)
         top, left, h, w = random_resized_crop_params(rng, *size)
-        return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), (top, left, h, w, rng.random() < 0.5),
-                       source_name(src))
+        box = (top, left, h, w, rng.random() < 0.5)
+        return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), box, source_name(src))
 
 
 class EncodedBatch:
@@ -77,11 +78,13 @@ class EncodedBatch:
         self.at = [i for i, x in enumerate(samples) if isinstance(x, Encoded)]
         encoded = [samples[i] for i in self.at]
         self.sizes = [x.data.numel() for x in encoded]
-        self.data = torch.cat([x.data for x in encoded]) if encoded else torch.empty(0, dtype=torch.uint8)
+        self.data = (torch.cat([x.data for x in encoded]) if encoded
+                     else torch.empty(0, dtype=torch.uint8))
         self.boxes = [x.box for x in encoded]
         self.names = [x.name for x in encoded]
         decoded = [x for x in samples if not isinstance(x, Encoded)]
-        self.pixels = torch.stack(decoded) if decoded else torch.empty(0, 3, size, size, dtype=torch.uint8)
+        self.pixels = (torch.stack(decoded) if decoded
+                       else torch.empty(0, 3, size, size, dtype=torch.uint8))
 
     def __len__(self):
         return self.n
@@ -123,9 +126,10 @@ def lacks_jpeg_engine(capability):
     return tuple(capability) < (8, 0)
 
 
-SM70_WARNING = ('--decode gpu on a GPU without a hardware JPEG decoder (compute capability {}.{}, e.g. V100): '
-                'nvJPEG decodes image by image with a host synchronisation each, usually slower than '
-                '--decode fast with enough workers; compare them with --loader-only.')
+SM70_WARNING = ('--decode gpu on a GPU without a hardware JPEG decoder (compute capability {}.{}, '
+                'e.g. V100): nvJPEG decodes image by image with a host synchronisation each, '
+                'usually slower than --decode fast with enough workers; compare them with '
+                '--loader-only.')
 
 
 class DecodedBatch:
@@ -159,16 +163,16 @@ def indexed(device):
 
 
 class DeviceDecode:
-    """EncodedBatch.to(device): the batch decoded on the device, then cropped, resized and flipped there
-    as batched work (data.resize). The decoder is nvImageCodec where it can (data.nvdecode: the batch in
-    one call, each crop only, the GPU's hardware JPEG engine first), else torchvision's decode_jpeg
-    (nvJPEG's CUDA backend, whole images: the batch in one call from torchvision 0.20, image by image on
-    0.19); which one, and why not nvImageCodec, is said once and kept in summary.json. What
-    nvImageCodec refuses goes to torchvision's; what nvJPEG refuses is decoded by PIL on the host, same
-    box, and counted; an image PIL cannot read either stops the run with its name, or with
-    --skip-bad-images is replaced by the batch's previous sample and counted. The first refusal is
-    printed with the decoder's own message, once: a decoder that refuses everything must not pass for a
-    slow run.
+    """EncodedBatch.to(device): the batch decoded on the device, then cropped, resized and flipped
+    there as batched work (data.resize). The decoder is nvImageCodec where it can (data.nvdecode:
+    the batch in one call, each crop only, the GPU's hardware JPEG engine first), else torchvision's
+    decode_jpeg (nvJPEG's CUDA backend, whole images: the batch in one call from torchvision 0.20,
+    image by image on 0.19); which one, and why not nvImageCodec, is said once and kept in
+    summary.json. What nvImageCodec refuses goes to torchvision's; what nvJPEG refuses is decoded by
+    PIL on the host, same box, and counted; an image PIL cannot read either stops the run with its
+    name, or with --skip-bad-images is replaced by the batch's previous sample and counted. The
+    first refusal is printed with the decoder's own message, once: a decoder that refuses everything
+    must not pass for a slow run.
 
     Streams, on CUDA: two of our own per device, for the whole run. torchvision's CUDA decode_jpeg
     allocates its outputs on the current stream but writes them from a private stream that does not
@@ -179,23 +183,23 @@ class DeviceDecode:
     decode stream (its cuda_stream) into buffers of its own, which are copied there into one of
     torch's before they are let go. decode_jpeg waits on the host for its own stream (its
     cudaStreamSynchronize), not for the training stream. The batch is ready at an event on the
-    geometry stream, which the training stream waits for when it takes the batch
-    (DecodedBatch.to), so that decoding can run ahead, on another thread (DecodeAhead), while the
-    training stream holds queued work."""
+    geometry stream, which the training stream waits for when it takes the batch (DecodedBatch.to),
+    so that decoding can run ahead, on another thread (DecodeAhead), while the training stream holds
+    queued work."""
 
     def __init__(self, torchvision_version=torchvision.__version__, nvimgcodec=None):
         self.decode_jpeg = decode_jpeg  # seam: tests make it refuse
         self.lists = decodes_lists(torchvision_version)
         self.torchvision_version = torchvision_version
         self.refused = 0                # images nvJPEG refused, decoded by PIL
-        self.nv_refused = 0             # images nvImageCodec refused, decoded by torchvision's decoder
+        self.nv_refused = 0             # images nvImageCodec refused, decoded by torchvision's
         self.bad = 0                    # images nothing could decode (--skip-bad-images)
         self.skip_bad_images = False
         self.warned = False             # the first refusal has been printed
         self._streams, self.warnings_checked = {}, False
         self.nvimgcodec = nvimgcodec    # (module or None, why not); None: imported at first use
         self._nv = {}                   # device -> its NvDecoder, or None where torchvision decodes
-        self.decoder = self.why_not = None  # what decodes ('nvimgcodec 0.9.0'), why not nvImageCodec
+        self.decoder = self.why_not = None  # what decodes ('nvimgcodec 0.9.0'), why not nvimgcodec
 
     def __call__(self, batch, device, non_blocking=False):
         return self.decoded(batch, device, non_blocking).to(device)
@@ -205,7 +209,8 @@ class DeviceDecode:
         streams."""
         streams = self._streams_of(device)
         if streams is None:
-            return DecodedBatch(self._assemble(batch, device, non_blocking, None), batch.replaced, None)
+            images = self._assemble(batch, device, non_blocking, None)
+            return DecodedBatch(images, batch.replaced, None)
         with torch.cuda.stream(streams['geometry']):
             images = self._assemble(batch, device, non_blocking, streams)
             event = torch.cuda.Event()
@@ -217,10 +222,12 @@ class DeviceDecode:
         if device.type != 'cuda':
             return None
         if device not in self._streams:
-            self._streams[device] = {'decode': torch.cuda.Stream(device), 'geometry': torch.cuda.Stream(device)}
+            self._streams[device] = {'decode': torch.cuda.Stream(device),
+                                     'geometry': torch.cuda.Stream(device)}
             capability = torch.cuda.get_device_capability(device)
             if lacks_jpeg_engine(capability):
-                print(f'dlojz: warning: {SM70_WARNING.format(*capability)}', file=sys.stderr, flush=True)
+                print(f'dlojz: warning: {SM70_WARNING.format(*capability)}', file=sys.stderr,
+                      flush=True)
         return self._streams[device]
 
     def _nv_of(self, device):
@@ -233,7 +240,8 @@ class DeviceDecode:
             try:
                 self._nv[device] = nvdecode.NvDecoder(lib, device) if ok else None
             except RuntimeError as e:  # its CUDA runtime refuses this driver or device
-                ok, why = False, f'nvImageCodec could not start on {device} ({str(e).strip()[:120]})'
+                ok, why = False, (f'nvImageCodec could not start on {device} '
+                                  f'({str(e).strip()[:120]})')
                 self._nv[device] = None
             self._use(f'nvimgcodec {lib.__version__}' if ok else None, why)
         return self._nv[device]
@@ -243,7 +251,8 @@ class DeviceDecode:
         self.why_not = why_not
         said = (f'nvImageCodec {decoder.split()[1]} decodes the crops of each batch (the GPU\'s '
                 f'hardware JPEG decoder first)' if decoder else
-                f'torchvision\'s decode_jpeg decodes whole images (nvJPEG\'s CUDA decoder): {why_not}')
+                f'torchvision\'s decode_jpeg decodes whole images (nvJPEG\'s CUDA decoder): '
+                f'{why_not}')
         print(f'dlojz: --decode gpu: {said}', file=sys.stderr, flush=True)
 
     def _assemble(self, batch, device, non_blocking, streams):
@@ -265,34 +274,36 @@ class DeviceDecode:
                 out[i] = pixels[j]
         good = [i for i, x in enumerate(out) if x is not None]
         if not good:
-            raise BadImageError(f'no image of a batch could be decoded ({", ".join(batch.names)}); check the data '
-                                f'directory.')
+            raise BadImageError(f'no image of a batch could be decoded ({", ".join(batch.names)}); '
+                                f'check the data directory.')
         # a bad image's place goes to the nearest earlier good sample, image and label (to_device
         # reads batch.replaced for the label)
-        batch.replaced = [(i, max((g for g in good if g < i), default=good[0])) for i, x in enumerate(out) if x is None]
+        batch.replaced = [(i, max((g for g in good if g < i), default=good[0]))
+                          for i, x in enumerate(out) if x is None]
         for i, j in batch.replaced:
             out[i] = out[j]
         return torch.stack(out)
 
     def decode(self, chunks, boxes, names, device, streams=None):
-        """-> for each image, (uint8 (3, H, W) on the device, the crop's (top, left, height, width) in
-        it), or None where no decoder could read it (--skip-bad-images)."""
+        """-> for each image, (uint8 (3, H, W) on the device, the crop's (top, left, height, width)
+        in it), or None where no decoder could read it (--skip-bad-images)."""
         out = [None] * len(chunks)
         nv = self._nv_of(device)
         if nv is not None:
             stream = streams['decode'] if streams else None
             crops = self._on_device(lambda: owned(nv(chunks, boxes, stream)), device, streams)
-            if all(c is None for c in crops) and not self.nv_refused:  # nothing from the first batch
+            if all(c is None for c in crops) and not self.nv_refused:  # none of the first batch
                 self._nv[device] = None
-                self._use(None, f'nvImageCodec decoded none of the first batch\'s {len(crops)} images on '
-                                f'{device} (its GPU decoder did not load?)')
+                self._use(None, f'nvImageCodec decoded none of the first batch\'s {len(crops)} '
+                                f'images on {device} (its GPU decoder did not load?)')
             for k, crop in enumerate(crops):
                 if crop is not None:
                     out[k] = crop, (0, 0, *crop.shape[1:])
             self.nv_refused += sum(c is None for c in crops)
         rest = [k for k, d in enumerate(out) if d is None]
         if rest:
-            images = self._torchvision([chunks[k] for k in rest], [names[k] for k in rest], device, streams)
+            images = self._torchvision([chunks[k] for k in rest], [names[k] for k in rest], device,
+                                       streams)
             for k, img in zip(rest, images):
                 out[k] = None if img is None else (img, boxes[k][:4])
         return out
@@ -318,7 +329,8 @@ class DeviceDecode:
     def _warn(self, e, what):
         if not self.warned:
             self.warned = True
-            print(f'dlojz: warning: nvJPEG refused {what} ({type(e).__name__}: {str(e).strip().splitlines()[0]}); '
+            said = str(e).strip().splitlines()[0]
+            print(f'dlojz: warning: nvJPEG refused {what} ({type(e).__name__}: {said}); '
                   f'what it refuses is decoded by PIL on the host and counted in summary.json '
                   f'(data.gpu_decode.cpu_after_nvjpeg)', file=sys.stderr, flush=True)
 
@@ -329,7 +341,8 @@ class DeviceDecode:
             if not self.skip_bad_images:
                 raise
             self.bad += 1
-            print(f'dlojz: warning: skipped bad image {name}; using the batch\'s previous sample instead',
+            print(f'dlojz: warning: skipped bad image {name}; using the batch\'s previous sample '
+                  f'instead',
                   file=sys.stderr, flush=True)
             return None
         return torch.from_numpy(np.array(img)).permute(2, 0, 1).to(device)
@@ -347,11 +360,13 @@ class DeviceDecode:
             warnings.simplefilter('always', DeprecationWarning)
             images = self.decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
         self.warnings_checked = True
-        codec = [w for w in caught if issubclass(w.category, DeprecationWarning) and 'TorchCodec' in str(w.message)]
+        codec = [w for w in caught
+                 if issubclass(w.category, DeprecationWarning) and 'TorchCodec' in str(w.message)]
         if codec:
             warnings.filterwarnings('ignore', message='.*TorchCodec', category=DeprecationWarning)
-            print('dlojz: note: torchvision deprecates decode_jpeg, which --decode gpu uses (nvJPEG), for '
-                  'TorchCodec; it still works here; --decode fast does without it.', file=sys.stderr, flush=True)
+            print('dlojz: note: torchvision deprecates decode_jpeg, which --decode gpu uses '
+                  '(nvJPEG), for TorchCodec; it still works here; --decode fast does without it.',
+                  file=sys.stderr, flush=True)
         for w in caught:
             if w not in codec:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -424,7 +439,8 @@ class DecodeAhead:
         # torchvision's decoder (made in this thread, and keeping the device current then) orders
         # its output on this device's current stream, our decode stream, and not on device 0's
         # (decode_jpegs_cuda.cpp: original_device)
-        on_device = (lambda: torch.cuda.set_device(self.device)) if self.device.type == 'cuda' else None
+        on_device = ((lambda: torch.cuda.set_device(self.device)) if self.device.type == 'cuda'
+                     else None)
         pool = ThreadPoolExecutor(1, thread_name_prefix='dlojz-decode', initializer=on_device)
         try:
             for item in it:

@@ -1,14 +1,14 @@
-"""--decode gpu's decoder where it can: NVIDIA nvImageCodec decodes each batch in one call, only the crop
-of each JPEG (its regions), on the GPU's hardware JPEG engines (A100, H100, H200: nvJPEG's hardware
-backend) or its CUDA backend elsewhere, on the decode stream it is given. torchvision's decode_jpeg,
-which decodes whole images with nvJPEG's CUDA backend only, stays the fallback (data.decode.DeviceDecode
-says which decodes, and why).
+"""--decode gpu's decoder where it can: NVIDIA nvImageCodec decodes each batch in one call, only the
+crop of each JPEG (its regions), on the GPU's hardware JPEG engines (A100, H100, H200: nvJPEG's
+hardware backend) or its CUDA backend elsewhere, on the decode stream it is given. torchvision's
+decode_jpeg, which decodes whole images with nvJPEG's CUDA backend only, stays the fallback
+(data.gpu_decode.DeviceDecode says which decodes, and why).
 
-Which wheel: nvImageCodec is built per CUDA major version (nvidia-nvimgcodec-cu12, -cu13), and its GPU
-decoders load that version's nvJPEG (nvidia-nvjpeg-cu12; nvidia-nvjpeg 13 for CUDA 13). It must match
-the CUDA torch was built for (torch.version.cuda); requirements.txt installs the cu12 wheel, whose CPU
-backend --decode fast uses anywhere. The same API's CPU backend decodes here on the CPU: the seam the
-tests drive, pixel for pixel against --decode fast (the same libjpeg-turbo)."""
+Which wheel: nvImageCodec is built per CUDA major version (nvidia-nvimgcodec-cu12, -cu13), and its
+GPU decoders load that version's nvJPEG (nvidia-nvjpeg-cu12; nvidia-nvjpeg 13 for CUDA 13). It must
+match the CUDA torch was built for (torch.version.cuda); requirements.txt installs the cu12 wheel,
+whose CPU backend --decode fast uses anywhere. The same API's CPU backend decodes here on the CPU:
+the seam the tests drive, pixel for pixel against --decode fast (the same libjpeg-turbo)."""
 import importlib.metadata
 import re
 
@@ -30,8 +30,8 @@ def installed_names():
 
 
 def usable(lib, why_not, device, torch_cuda, wheels):
-    """Whether nvImageCodec can decode this run's batches on `device` -> (True, None), or (False, the
-    reason in a few words). Facts in: the module or None (and why), the device, torch's CUDA
+    """Whether nvImageCodec can decode this run's batches on `device` -> (True, None), or (False,
+    the reason in a few words). Facts in: the module or None (and why), the device, torch's CUDA
     version ('13.0', None on a CPU build), the CUDA majors of the installed nvImageCodec wheels."""
     if lib is None:
         return False, why_not
@@ -40,17 +40,17 @@ def usable(lib, why_not, device, torch_cuda, wheels):
     major = int(torch_cuda.split('.')[0]) if torch_cuda else None
     if major not in wheels:
         have = ', '.join(f'nvidia-nvimgcodec-cu{w}' for w in wheels) or 'no wheel'
+        nvjpeg = 'nvidia-nvjpeg-cu12' if major == 12 else 'nvidia-nvjpeg'
         return False, (f'torch is built for CUDA {torch_cuda} and {have} is installed; pip install '
-                       f'nvidia-nvimgcodec-cu{major} nvidia-nvjpeg{"-cu12" if major == 12 else ""} for '
-                       f'its GPU decoders')
+                       f'nvidia-nvimgcodec-cu{major} {nvjpeg} for its GPU decoders')
     return True, None
 
 
 class NvDecoder:
     """nvImageCodec's decoder for one device, made in the thread that decodes (DecodeAhead's, whose
     current device is the run's): the GPU's backends, the hardware engine first; on a CPU device its
-    CPU backend. Images come back planar RGB, unrotated (the crop was drawn from the header's size, as
-    every other path draws it)."""
+    CPU backend. Images come back planar RGB, unrotated (the crop was drawn from the header's size,
+    as every other path draws it)."""
 
     def __init__(self, lib, device):
         self.lib, self.device = lib, device
@@ -64,28 +64,31 @@ class NvDecoder:
             self.decoder = region._made_quietly(
                 lambda: n.Decoder(device_id=n.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
                                   backends=[n.Backend(n.BackendKind.CPU_ONLY)]))
-        self.params = n.DecodeParams(apply_exif_orientation=False, color_spec=n.SRGB, sample_format=n.P_RGB)
+        self.params = n.DecodeParams(apply_exif_orientation=False, color_spec=n.SRGB,
+                                     sample_format=n.P_RGB)
 
     def __call__(self, chunks, boxes, stream=None):
-        """JPEG bytes (uint8 CPU tensors) and their crop boxes -> [uint8 (3, h, w) tensor of the crop
-        on the device, or None where nvImageCodec could not decode it], queued on `stream` (a
+        """JPEG bytes (uint8 CPU tensors) and their crop boxes -> [uint8 (3, h, w) tensor of the
+        crop on the device, or None where nvImageCodec could not decode it], queued on `stream` (a
         torch.cuda.Stream; None on the CPU)."""
         n = self.lib
         sources = []
         for chunk, (top, left, h, w, _) in zip(chunks, boxes):
             try:
-                whole = n.CodeStream(chunk.numpy())
-                sources.append(whole.get_sub_code_stream(region=n.Region(top, left, top + h, left + w)))
+                region = n.Region(top, left, top + h, left + w)
+                sources.append(n.CodeStream(chunk.numpy()).get_sub_code_stream(region=region))
             except RuntimeError:  # not a stream it parses: decoded by the fallback
                 sources.append(None)
         given = [s for s in sources if s is not None]
         handle = stream.cuda_stream if stream is not None else 0
-        decoded = iter(self.decoder.decode(given, params=self.params, cuda_stream=handle) if given else [])
+        decoded = iter(self.decoder.decode(given, params=self.params, cuda_stream=handle)
+                       if given else [])
         return [self._tensor(next(decoded)) if s is not None else None for s in sources]
 
     def _tensor(self, image):
         if image is None:
             return None
         if self.device.type == 'cuda':
-            return torch.as_tensor(image, device=self.device)  # its __cuda_array_interface__: no copy
+            # its __cuda_array_interface__: no copy
+            return torch.as_tensor(image, device=self.device)
         return torch.from_numpy(np.asarray(image.cpu()))

@@ -1,6 +1,7 @@
-"""--decode gpu's geometry as batched device work: each decoded image's crop box resized to size x size
-(bilinear, antialiased: torchvision's RandomResizedCrop on tensors) and flipped, for the whole batch in
-a fixed number of operations, whatever the batch size; no Python loop per image launches work.
+"""--decode gpu's geometry as batched device work: each decoded image's crop box resized to size x
+size (bilinear, antialiased: torchvision's RandomResizedCrop on tensors) and flipped, for the whole
+batch in a fixed number of operations, whatever the batch size; no Python loop per image launches
+work.
 
 The images have different sizes and crops, and torch has no resize over ragged inputs. The resize is
 separable, a matrix on each side of the image: out_i = Wy_i @ X_i @ Wx_i^T, where Wx_i maps the
@@ -28,15 +29,16 @@ from dlojzlib import compat
 # torch says, once per process, that nested tensors are a prototype and sparse CSR tensors in beta:
 # both are what this module is built on, on purpose (checked at the floor and the newest torch)
 warnings.filterwarnings('ignore', message='.*nested tensors is in prototype', category=UserWarning)
-warnings.filterwarnings('ignore', message='.*Sparse CSR tensor support is in beta', category=UserWarning)
+warnings.filterwarnings('ignore', message='.*Sparse CSR tensor support is in beta',
+                        category=UserWarning)
 
 
 def taps(starts, lengths, size, device):
     """torch's antialiased bilinear resize (align_corners=False) of the window [start, start +
-    length) of each line to `size` outputs, as taps: -> (first tap (N, size) int64, weights (N, size,
-    K) float32), where output o of line n reads pixels first[n, o] + k with weight w[n, o, k]. K
-    covers the longest filter of the batch; the taps past a shorter filter weigh 0. starts and lengths
-    are host sequences (the boxes), so that K is known without reading the device."""
+    length) of each line to `size` outputs, as taps: -> (first tap (N, size) int64, weights (N,
+    size, K) float32), where output o of line n reads pixels first[n, o] + k with weight w[n, o, k].
+    K covers the longest filter of the batch; the taps past a shorter filter weigh 0. starts and
+    lengths are host sequences (the boxes), so that K is known without reading the device."""
     n = len(lengths)
     longest = max(lengths)
     support_max = max(longest / size, 1.0)  # the filter's half-width, in input pixels
@@ -47,7 +49,7 @@ def taps(starts, lengths, size, device):
     support = scale.clamp(min=1.0)
     center = scale * (torch.arange(size, **f64).view(1, size) + 0.5)
     first = (center - support + 0.5).floor().clamp(min=0)               # aten: max(int(...), 0)
-    end = torch.minimum((center + support + 0.5).floor(), length)        # aten: min(int(...), length)
+    end = torch.minimum((center + support + 0.5).floor(), length)      # aten: min(int(...), length)
     r = first.unsqueeze(-1) + torch.arange(k, **f64)                     # (n, size, k)
     w = (1 - ((r - center.unsqueeze(-1) + 0.5) / support.unsqueeze(-1)).abs()).clamp(min=0)
     w = torch.where(r < end.unsqueeze(-1), w, torch.zeros_like(w))
@@ -60,14 +62,16 @@ def column_matrices(boxes, widths, size, first, w):
     """The nested (W_i, size) matrices Wx_i^T of the batch, from the columns' taps: column c of the
     image feeds output x with the filter's weight; a flipped image's outputs in reverse order."""
     n, k, device = len(boxes), w.shape[-1], w.device
-    last = torch.tensor([b[1] + b[3] - 1 for b in boxes], dtype=torch.int64, device=device).view(n, 1, 1)
-    # taps past the filter weigh 0: any column inside the box takes them (added, they change nothing)
+    last = torch.tensor([b[1] + b[3] - 1 for b in boxes], dtype=torch.int64, device=device)
+    last = last.view(n, 1, 1)
+    # taps past the filter weigh 0: any column inside the box takes them (added, they change
+    # nothing)
     column = torch.minimum(first.unsqueeze(-1) + torch.arange(k, device=device), last)
     flip = torch.tensor([bool(b[4]) for b in boxes], device=device).view(n, 1, 1)
     out = torch.arange(size, device=device).view(1, size, 1)
     out = torch.where(flip, size - 1 - out, out)
     offsets = torch.tensor([0, *widths], dtype=torch.int64, device=device).cumsum(0)[:-1] * size
-    index = offsets.view(n, 1, 1) + column * size + out                  # row c, column x of matrix n
+    index = offsets.view(n, 1, 1) + column * size + out  # row c, column x of matrix n
     flat = torch.zeros(sum(widths) * size, dtype=torch.float32, device=device)
     flat.scatter_add_(0, index.reshape(-1), w.reshape(-1))
     return compat.nested_view(flat, [(wd, size) for wd in widths])
@@ -76,8 +80,9 @@ def column_matrices(boxes, widths, size, first, w):
 def row_operator(heights, size, first, w):
     """The CSR matrix (N x 3 x size rows, sum of 3H_i + K columns) that resizes the stacked rows of
     the column pass, from the rows' taps: row (n, c, y) holds K taps into image n's channel c, at K
-    distinct, increasing columns (a window of K rows that holds the filter's, the others weighing 0),
-    so that the sparse product adds nothing twice and needs no count read back from the device."""
+    distinct, increasing columns (a window of K rows that holds the filter's, the others weighing
+    0), so that the sparse product adds nothing twice and needs no count read back from the device.
+    """
     n, k, device = len(heights), w.shape[-1], w.device
     height = torch.tensor(heights, dtype=torch.int64, device=device).view(n, 1)
     window = torch.minimum(first, height - k).clamp(min=0)              # (n, size)
@@ -104,8 +109,9 @@ def resized_crops(images, boxes, size):
     flat = torch.cat([x.reshape(-1) for x in images]).to(torch.float32)
     n = len(images)
     # the rows' and the columns' filters in one computation: its launches do not grow with n
-    first, w = taps([b[0] for b in boxes] + [b[1] for b in boxes], [b[2] for b in boxes] + [b[3] for b in boxes],
-                    size, device)
+    starts = [b[0] for b in boxes] + [b[1] for b in boxes]
+    lengths = [b[2] for b in boxes] + [b[3] for b in boxes]
+    first, w = taps(starts, lengths, size, device)
     planes = compat.nested_view(flat, [(3 * h, w) for h, w in zip(heights, widths)])
     columns = torch.bmm(planes, column_matrices(boxes, widths, size, first[n:], w[n:]))
     stacked = columns.values().view(-1, size)                           # (sum 3H_i, size)

@@ -152,17 +152,19 @@ def loader_only(args, dist, device, say):
     say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train images, '
         f'{len(data.classes)} classes')
     # The batches a training run of the same flags reads: --test-nsteps steps, within its -e epochs
-    # (from epoch 0, across an epoch's end where training crosses it), the first `warmup` left out of
-    # the rate. Drawing more (an epoch restart training never makes) measured another loader.
+    # (from epoch 0, across an epoch's end where training crosses it), the first `warmup` left out
+    # of the rate. Drawing more (an epoch restart training never makes) measured another loader.
     per_epoch, warmup = len(data.train_loader), loader_warmup(args)
     steps = min(args.test_nsteps or 50, args.epochs * per_epoch)
     if warmup >= steps:
-        raise UsageError(f'--loader-only reads the {steps} batches a training run of these flags reads '
-                         f'({args.epochs} epoch(s) of {per_epoch}, --test-nsteps {args.test_nsteps or 50}) '
-                         f'and leaves its first {warmup} out of the rate: nothing would be timed; give '
-                         f'more epochs (-e) or images, or fewer --num-workers.')
-    say(f'>>> Loader only: {steps} batches of {args.batch_size}, the first {warmup} left out of the rate, '
-        f'{args.num_workers} workers, prefetch {args.prefetch_factor}, pin memory {args.pin_memory}, '
+        asked = args.test_nsteps or 50
+        raise UsageError(f'--loader-only reads the {steps} batches a training run of these flags '
+                         f'reads ({args.epochs} epoch(s) of {per_epoch}, --test-nsteps {asked}) '
+                         f'and leaves its first {warmup} out of the rate: nothing would be timed; '
+                         f'give more epochs (-e) or images, or fewer --num-workers.')
+    say(f'>>> Loader only: {steps} batches of {args.batch_size}, the first {warmup} left out of '
+        f'the rate, {args.num_workers} workers, prefetch {args.prefetch_factor}, pin memory '
+        f'{args.pin_memory}, '
         + (f'DALI ({args.num_workers or 1} threads)' if args.loader == 'dali' else f'decode {args.decode}')
         + f', on {device}')
     m = measure(data.train_batches, steps, warmup, device, args.non_blocking, data.set_epoch)
@@ -327,8 +329,9 @@ def tune_loader(args, raw, parser, dist, device, say, python=sys.executable, scr
                                             f"-pin{int(bool(trial['pin_memory']))}-{trial['decode']}")
         # `steps` timed after the trial's own warm-up; as many epochs as batches, so that a small
         # dataset's trial crosses epochs instead of running out (the trials compare with each other)
-        drawn = steps + max(args.warmup_steps, trial['num_workers'] * (trial['prefetch_factor'] or 0))
-        s = _run([python, script, *base, '--loader-only', '--test-nsteps', str(drawn), '--epochs', str(drawn),
+        loaded = trial['num_workers'] * (trial['prefetch_factor'] or 0)
+        drawn = str(steps + max(args.warmup_steps, loaded))
+        s = _run([python, script, *base, '--loader-only', '--test-nsteps', drawn, '--epochs', drawn,
                   *trial_argv(trial), '--output-dir', out], out)
         m = s['loader']
         row = {**trial, 'images_per_second': m['images_per_second'],

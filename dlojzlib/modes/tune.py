@@ -13,8 +13,8 @@ on a GPU, the process's host peak on CPU) or over --tune-max-batch, then bisecti
 batch that fitted and the first that did not (to a multiple of 8); 2. at the largest batch that
 fitted: precision x channels-last x compile, where valid on the device (CPU: fp32 and bf16 autocast,
 channels-last on and off, compile off: inductor's CPU compile of a ResNet takes minutes on a small
-machine; GPU: fp32, bf16 where supported, fp16, channels-last on and off, compile off and default, and
-with channels-last the CUDA graphs of --compile-mode reduce-overhead);
+machine; GPU: fp32, bf16 where supported, fp16, channels-last on and off, compile off and default,
+and with channels-last the CUDA graphs of --compile-mode reduce-overhead);
 3. the loader: a trial that comes out loader-bound says so, and if the loader doctor has run
 (<output-dir>/tune-loader.json, from --tune-loader) its best setting is used for the trials after
 it.
@@ -44,8 +44,8 @@ from dlojzlib.record.rundir import run_files, run_record
 # flags the tuner sets itself in each trial, left out of the user's flags it passes on
 TRIAL_FLAGS = ('tune', 'tune_budget', 'tune_steps', 'tune_memory_gib', 'tune_max_batch', 'tune_machine',
                'tune_loader', 'loader_only', 'output_dir', 'run_name', 'test', 'test_nsteps', 'overwrite', 'resume',
-               'batch_size', 'amp', 'channels_last', 'compile', 'compile_mode', 'warmup_steps', 'wandb', 'chkpt',
-               'epochs')
+               'batch_size', 'amp', 'channels_last', 'compile', 'compile_mode', 'warmup_steps',
+               'wandb', 'chkpt', 'epochs')
 # and those the recommended command replaces or leaves out (a run of its own: its folder, no resume)
 RECOMMEND_DROP = ('tune', 'tune_budget', 'tune_steps', 'tune_memory_gib', 'tune_max_batch', 'tune_machine',
                   'tune_loader', 'loader_only', 'output_dir', 'overwrite', 'resume', 'batch_size', 'amp',
@@ -65,9 +65,9 @@ def check_tune_args(args, world_size):
 # ------------------------------------------------------------------------------------------ the trials
 
 def configurations(cuda, bf16=True):
-    """(amp, channels_last, compile) combinations valid on the device, the default first; compile is
-    False (eager) or a --compile-mode: 'default', and with channels-last 'reduce-overhead' (inductor's
-    kernels replayed as CUDA graphs: the host's launch time off the step)."""
+    """(amp, channels_last, compile) combinations valid on the device, the default first; compile
+    is False (eager) or a --compile-mode: 'default', and with channels-last 'reduce-overhead'
+    (inductor's kernels replayed as CUDA graphs: the host's launch time off the step)."""
     if not cuda:  # autocast on CPU is bf16 only; compile left out (minutes per trial on a small CPU)
         return [(a, cl, False) for a in ('off', 'bf16') for cl in (False, True)]
     amps = ['off', 'fp16'] + (['bf16'] if bf16 else [])
@@ -76,8 +76,8 @@ def configurations(cuda, bf16=True):
 
 
 def compile_mode(compile_):
-    """A trial's compile as a --compile-mode, None for eager (True: 'default', as tune.json recorded it
-    before modes were tried)."""
+    """A trial's compile as a --compile-mode, None for eager (True: 'default', as tune.json
+    recorded it before modes were tried)."""
     return None if not compile_ else 'default' if compile_ is True else compile_
 
 
