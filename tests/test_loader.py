@@ -34,11 +34,12 @@ class Clock:
 
 def test_measure_leaves_out_the_warmup_and_crosses_epochs():
     """Batches of 4 images, 3 per epoch; the clock reads 0 at the start, then at each batch 1.0 (worker
-    start-up), 1.5, 2.0, 2.5, 3.0, and 3.0 at the end. Steady: 4 batches x 4 images in 3.0 - 1.0 s = 8 img/s."""
+    start-up; read again once the device is synchronised there), 1.5, 2.0, 2.5, 3.0, and 3.0 at the
+    end. Steady: 4 batches x 4 images in 3.0 - 1.0 s = 8 img/s."""
     batches = [(torch.zeros(4, 3, 2, 2), torch.zeros(4))] * 3
     epochs = []
     m = L.measure(batches, 5, 1, torch.device('cpu'), set_epoch=epochs.append,
-                  clock=Clock([0.0, 1.0, 1.5, 2.0, 2.5, 3.0, 3.0]))
+                  clock=Clock([0.0, 1.0, 1.0, 1.5, 2.0, 2.5, 3.0, 3.0]))
     assert m['images_per_second'] == pytest.approx(8.0)
     assert (m['steps'], m['images'], m['epochs_started'], epochs) == (5, 20, 2, [0, 1])
     assert m['first_batch_s'] == pytest.approx(1.0) and m['wait_mean_s'] == pytest.approx(0.5)
@@ -216,3 +217,30 @@ def test_memory_budget_is_one_tasks_share(tmp_path):
     assert L.memory_budget({}, cgroup=lambda: 8 * 2**30, meminfo=str(meminfo)) == 8 * 2**30  # the cgroup's
     assert L.memory_budget({'SLURM_NTASKS_PER_NODE': '2(x3)'}, cgroup=lambda: None,
                            meminfo=str(meminfo)) == 50 * 2**30
+
+
+def test_the_loader_alone_times_its_batches_work_on_the_device():
+    """--decode gpu's batches are decoded on the GPU when the step takes them (.to()): the host
+    returns at once and the device works 1 s per batch, one after the other. The loader alone must
+    time that work, all of it and only its own (issue 45: a loader figure must be what training
+    gets): synchronised where the steady window starts and where it ends, 4 steady batches of 8
+    images in 4 s of device time, 8 img/s. Timed from the host's return after the warm-up batch
+    (its device work still queued) it read 6.4 img/s; without the end's synchronisation, 3,200."""
+    timeline = {'host': 0.0, 'device': 0.0}
+
+    class Decoded:
+        def to(self, device, non_blocking=False):
+            timeline['device'] = max(timeline['device'], timeline['host']) + 1.0  # queued, not waited for
+            timeline['host'] += 0.01
+            return self
+
+    class Labels(list):
+        def to(self, device, non_blocking=False):
+            return self
+    batches = [(Decoded(), Labels(range(8))) for _ in range(5)]
+
+    def synchronize():
+        timeline['host'] = max(timeline['host'], timeline['device'])
+    m = L.measure(batches, 5, 1, torch.device('cuda', 0), clock=lambda: timeline['host'],
+                  synchronize=synchronize)
+    assert m['images_per_second'] == pytest.approx(8.0) and m['steps'] == 5

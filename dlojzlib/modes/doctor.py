@@ -95,13 +95,16 @@ def memory_budget(environ=os.environ, cgroup=_cgroup_limit, meminfo='/proc/memin
 # ------------------------------------------------------------------------------------------ --loader-only
 
 def measure(loader, steps, warmup, device, non_blocking=True, set_epoch=lambda epoch: None,
-            clock=time.perf_counter):
+            clock=time.perf_counter, synchronize=None):
     """Draw `steps` batches (across epochs when one is too short), as a training loop would with a
     model that takes no time. -> dict: images per second over the batches after `warmup`, the wait
     for each batch, the first batch's (worker start-up included), host memory. On a GPU each batch
-    is copied to the device, and the device is synchronised once, at the end, so that the copies
-    count."""
+    is taken onto the device as the step takes it (copied; with --decode gpu decoded, cropped and
+    resized there), and the device is synchronised where the steady window starts and where it
+    ends (`synchronize`, default torch.cuda.synchronize: every stream of the device, the decoder's
+    included), so that the window holds the device work of its own batches, all of it."""
     cuda = device.type == 'cuda'
+    sync = synchronize or ((lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None))
     waits, images = [], []
     epoch = 0
     set_epoch(epoch)
@@ -123,9 +126,9 @@ def measure(loader, steps, warmup, device, non_blocking=True, set_epoch=lambda e
         images.append(len(y))
         t = now
         if len(waits) == warmup:
-            t_steady = now
-    if cuda:
-        torch.cuda.synchronize(device)
+            sync()  # the warm-up's device work stays out of the window
+            t_steady = t = clock()
+    sync()
     end = clock()
     main_mem, workers_mem = main_and_workers_memory()  # before the iterator (and its workers) goes
     del it
