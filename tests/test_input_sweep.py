@@ -86,6 +86,16 @@ CASES = {
     'batch of one at 32 px': ('dlojz.py', [*T, '-b', '1'], ['-b 1', '32 px']),
     'global batch over the training set': ('dlojz.py', [*T, '-b', '2', '--accum-steps', '400'],
                                            ['global batch of 800', 'training set (96 images)']),
+    # the workers' first batches, left out of the rate, would be all there is
+    'a loader alone with nothing to time': ('dlojz.py', [*T, '--loader-only', '--test-nsteps', '4',
+                                                         '--num-workers', '2'],
+                                            ['--loader-only reads the 4 batches', 'first 4']),
+    # CUDA graphs under DDP: one process here, the world size from torchrun's variables
+    'CUDA graphs under DDP': ('dlojz.py', [*FAKE, '--compile', '--compile-mode', 'reduce-overhead'],
+                              ['--compile-mode reduce-overhead captures CUDA graphs'],
+                              {'RANK': '0', 'WORLD_SIZE': '2', 'LOCAL_RANK': '0',
+                               'LOCAL_WORLD_SIZE': '2', 'MASTER_ADDR': '127.0.0.1',
+                               'MASTER_PORT': '29999'}),
     # dlojz.py: the environment it reads
     'a DLOJZ_ variable misspelt': ('dlojz.py', FAKE, ['DLOJZ_DATADIR'],
                                    {'DLOJZ_DATADIR': '{shards}'}),

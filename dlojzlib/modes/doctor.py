@@ -165,6 +165,7 @@ def loader_only(args, dist, device, say):
                          f'reads ({args.epochs} epoch(s) of {per_epoch}, --test-nsteps {asked}) '
                          f'and leaves its first {warmup} out of the rate: nothing would be timed; '
                          f'give more epochs (-e) or images, or fewer --num-workers.')
+    write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
     say(f'>>> Loader only: {steps} batches of {args.batch_size}, the first {warmup} left out of '
         f'the rate, {args.num_workers} workers, prefetch {args.prefetch_factor}, pin memory '
         f'{args.pin_memory}, '
@@ -368,10 +369,10 @@ def loader_mode(args, raw, dist, device):
     """--loader-only and --tune-loader as dlojz.py runs them, in the run folder it has taken: no
     model is built."""
     say = Console(dist.is_main)
-    write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
-    if args.loader_only:
+    if args.loader_only:  # it writes config.json once it has a window to time
         result = loader_only(args, dist, device, say)
     else:
+        write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
         result = tune_loader(args, raw, get_args_parser(), dist, device, say)
     say(f'Run written to {args.output_dir}')
     return result
