@@ -196,3 +196,22 @@ def test_on_cuda_nvimgcodec_decodes_on_the_decode_stream_and_torch_owns_the_copy
     assert seen['nv'] == (decode, decode) and seen['cat_on'][0] is decode
     assert (geometry, decode) in cuda.waits and recorded[:2] == [geometry, geometry]
     assert seen['geometry_on'] is geometry
+
+
+@needs_nvimgcodec
+def test_an_image_of_another_layout_or_size_is_taken_as_it_is_or_left_to_the_fallback(photos):
+    """A backend that gives the crop interleaved (H, W, 3) where planar was asked is read as planar; one
+    whose size is not the box's is left to the fallback (None), never resized as if it were the crop."""
+    nv = nvdecode.NvDecoder(NV[0], torch.device('cpu'))
+    planar = torch.arange(3 * 4 * 5, dtype=torch.uint8).view(3, 4, 5)
+
+    class Host:
+        def __init__(self, array):
+            self.array = array
+
+        def cpu(self):
+            return self.array
+    got = nv._tensor(Host(planar.permute(1, 2, 0).numpy()), (0, 0, 4, 5, False))
+    assert torch.equal(got, planar)
+    assert nv._tensor(Host(planar.numpy()), (0, 0, 4, 5, False)) is not None
+    assert nv._tensor(Host(planar.numpy()), (0, 0, 5, 4, False)) is None

@@ -83,12 +83,20 @@ class NvDecoder:
         handle = stream.cuda_stream if stream is not None else 0
         decoded = iter(self.decoder.decode(given, params=self.params, cuda_stream=handle)
                        if given else [])
-        return [self._tensor(next(decoded)) if s is not None else None for s in sources]
+        return [self._tensor(next(decoded), box) if s is not None else None
+                for s, box in zip(sources, boxes)]
 
-    def _tensor(self, image):
+    def _tensor(self, image, box):
+        """A decoded image as a (3, h, w) tensor of its box's size, None where it is not one (the
+        fallback decodes it): planar as asked, or interleaved where a backend ignored the layout."""
         if image is None:
             return None
         if self.device.type == 'cuda':
             # its __cuda_array_interface__: no copy
-            return torch.as_tensor(image, device=self.device)
-        return torch.from_numpy(np.asarray(image.cpu()))
+            x = torch.as_tensor(image, device=self.device)
+        else:
+            x = torch.from_numpy(np.asarray(image.cpu()))
+        h, w = box[2], box[3]
+        if tuple(x.shape) == (3, h, w):  # first: a 3 x 3 crop reads the same both ways
+            return x
+        return x.permute(2, 0, 1) if tuple(x.shape) == (h, w, 3) else None
