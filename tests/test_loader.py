@@ -244,3 +244,31 @@ def test_the_loader_alone_times_its_batches_work_on_the_device():
     m = L.measure(batches, 5, 1, torch.device('cuda', 0), clock=lambda: timeline['host'],
                   synchronize=synchronize)
     assert m['images_per_second'] == pytest.approx(8.0) and m['steps'] == 5
+
+
+@pytest.mark.parametrize('dali_installed', [False, True])
+def test_every_doctor_trial_leaves_its_steps_to_time(tmp_path, monkeypatch, dali_installed):
+    """Each trial of the loader doctor draws its --test-nsteps batches after its own warm-up, as the
+    trial's process computes it from the flags it is given (parsed here, as dlojz.py parses them). A
+    DALI trial gives no --prefetch-factor: the doctor counted none, the trial torch's default 2, and
+    the trial refused (4 batches, 4 of warm-up, in CI's DALI stage)."""
+    monkeypatch.setattr(L, 'usable_cores', lambda: 2)
+    from dlojzlib.data import dali
+    monkeypatch.setattr(dali, 'dali', lambda: object() if dali_installed else None)
+    commands = []
+
+    def run(cmd, out):
+        commands.append(cmd)
+        return {'status': 'completed', 'loader': {'images_per_second': 10.0, 'images_per_second_per_worker': 5.0,
+                                                  'wait_mean_s': 0.1, 'first_batch_s': 0.1,
+                                                  'host_peak_main_bytes': 1, 'host_peak_workers_bytes': 1},
+                'data': {'classes': 4}, 'timing': {'train_throughput': 20.0}}
+    monkeypatch.setattr(L, '_run', run)
+    parser = dlojz.get_args_parser()
+    args = parser.parse_args([*TINY, '--tune-loader', '--test-nsteps', '3', '--output-dir', str(tmp_path)])
+    L.tune_loader(args, dict(vars(args)), parser, dlojz.get_dist_info(), torch.device('cpu'), lambda s: None)
+    trials = [cmd for cmd in commands if '--loader-only' in cmd]
+    assert len(trials) == len(L.sweep(2, False, decode=args.decode, dali=dali_installed))
+    for cmd in trials:
+        t = parser.parse_args(cmd[2:])
+        assert t.test_nsteps - L.loader_warmup(t.warmup_steps, t.num_workers, t.prefetch_factor) == 3, cmd

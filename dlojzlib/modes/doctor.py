@@ -140,12 +140,13 @@ def measure(loader, steps, warmup, device, non_blocking=True, set_epoch=lambda e
             'total_s': end - t0, 'host_peak_main_bytes': main_mem, 'host_peak_workers_bytes': workers_mem}
 
 
-def loader_warmup(args):
+def loader_warmup(warmup_steps, num_workers, prefetch_factor):
     """The batches --loader-only leaves out of its rate: --warmup-steps, or all that the workers
     load at once when they start (measured by review: 16 workers read 2.7x their true throughput
-    when their first batches were counted), whichever is more."""
-    prefetch = (args.prefetch_factor or 2) if args.num_workers > 0 else 0
-    return max(args.warmup_steps, args.num_workers * prefetch)
+    when their first batches were counted), whichever is more; prefetch 2 where not given (torch's
+    DataLoader default)."""
+    prefetch = (prefetch_factor or 2) if num_workers > 0 else 0
+    return max(warmup_steps, num_workers * prefetch)
 
 
 def loader_only(args, dist, device, say):
@@ -157,7 +158,8 @@ def loader_only(args, dist, device, say):
     # The batches a training run of the same flags reads: --test-nsteps steps, within its -e epochs
     # (from epoch 0, across an epoch's end where training crosses it), the first `warmup` left out
     # of the rate. Drawing more (an epoch restart training never makes) measured another loader.
-    per_epoch, warmup = len(data.train_loader), loader_warmup(args)
+    per_epoch = len(data.train_loader)
+    warmup = loader_warmup(args.warmup_steps, args.num_workers, args.prefetch_factor)
     steps = min(args.test_nsteps or 50, args.epochs * per_epoch)
     if warmup >= steps:
         asked = args.test_nsteps or 50
@@ -333,8 +335,9 @@ def tune_loader(args, raw, parser, dist, device, say, python=sys.executable, scr
                                             f"-pin{int(bool(trial['pin_memory']))}-{trial['decode']}")
         # `steps` timed after the trial's own warm-up; as many epochs as batches, so that a small
         # dataset's trial crosses epochs instead of running out (the trials compare with each other)
-        loaded = trial['num_workers'] * (trial['prefetch_factor'] or 0)
-        drawn = str(steps + max(args.warmup_steps, loaded))
+        # the trial's own warm-up, as the trial computes it (a DALI trial gives no prefetch)
+        drawn = str(steps + loader_warmup(args.warmup_steps, trial['num_workers'],
+                                          trial['prefetch_factor']))
         s = _run([python, script, *base, '--loader-only', '--test-nsteps', drawn, '--epochs', drawn,
                   *trial_argv(trial), '--output-dir', out], out)
         m = s['loader']
