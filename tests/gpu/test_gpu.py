@@ -600,6 +600,26 @@ def test_gpu_decoders_crops_match_the_cpu_seam(decoder):
     assert gpu.decoder.startswith(decoder) and gpu.nv_refused == 0 and gpu.refused == 0
 
 
+def test_the_batched_geometry_never_waits_for_the_gpu():
+    """resize.resized_crops on the GPU under torch.cuda.set_sync_debug_mode('error'): any host wait
+    for the device (a tensor built from a host list on the device, a read back) raises. Behind a
+    long kernel, so that a wait would be a real one."""
+    from dlojzlib.data import resize
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (3, 300 + k, 400 - k), generator=g, dtype=torch.uint8).cuda()
+              for k in range(16)]
+    boxes = [(k, 2 * k, 200, 250 + k, bool(k % 2)) for k in range(16)]
+    resize.resized_crops(images, boxes, 224)  # warm-up: cuBLAS and cuSPARSE handles
+    torch.cuda.synchronize()
+    torch.cuda._sleep(20_000_000)
+    torch.cuda.set_sync_debug_mode('error')
+    try:
+        out = resize.resized_crops(images, boxes, 224)
+    finally:
+        torch.cuda.set_sync_debug_mode('default')
+    assert out.shape == (16, 3, 224, 224) and out.is_cuda
+
+
 def test_nvimgcodec_decodes_a_batch_in_one_call_without_a_host_wait_per_image():
     """nvImageCodec's decode of a 128-image batch, timed on the host after a warm-up: one call for
     the batch, the crops only. Its rate must beat the 1,074 img/s that training reached with
