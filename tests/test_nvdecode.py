@@ -215,3 +215,31 @@ def test_an_image_of_another_layout_or_size_is_taken_as_it_is_or_left_to_the_fal
     assert torch.equal(got, planar)
     assert nv._tensor(Host(planar.numpy()), (0, 0, 4, 5, False)) is not None
     assert nv._tensor(Host(planar.numpy()), (0, 0, 5, 4, False)) is None
+
+
+class RefusingFrom(Refusing):
+    """Refuses every image of the batches from the `first`-th call on (0-based)."""
+
+    def __init__(self, real, first):
+        super().__init__(real, set())
+        self.first = first
+
+    def __call__(self, chunks, boxes, stream=None):
+        self.refuse = 'all' if len(self.calls) >= self.first else set()
+        return super().__call__(chunks, boxes, stream)
+
+
+@needs_nvimgcodec
+def test_a_later_batch_nvimgcodec_refuses_whole_does_not_turn_it_off(photos, capsys):
+    """nvImageCodec gives way to torchvision's decoder only when it has decoded nothing on the device
+    yet: a later batch it refuses whole (one image, a small last batch of bad files) goes to torchvision's
+    decoder, counted, and the next batch is nvImageCodec's again (a review of issue 45 found one such
+    batch turned it off for the rest of the run, saying 'none of the first batch')."""
+    cpu = torch.device('cpu')
+    decoder = GD.DeviceDecode()
+    decoder._nv[cpu] = RefusingFrom(nvdecode.NvDecoder(NV[0], cpu), 1)
+    decoder.decoder = 'nvimgcodec (refusing from the second batch)'
+    for k in range(3):
+        decoder(encoded(photos, [f'6-{k}-0']), cpu)
+    assert decoder._nv[cpu] is not None and len(decoder._nv[cpu].calls) == 3
+    assert decoder.nv_refused == 2 and 'decoded none' not in capsys.readouterr().err

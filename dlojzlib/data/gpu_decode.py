@@ -199,6 +199,7 @@ class DeviceDecode:
         self._streams, self.warnings_checked = {}, False
         self.nvimgcodec = nvimgcodec    # (module or None, why not); None: imported at first use
         self._nv = {}                   # device -> its NvDecoder, or None where torchvision decodes
+        self._nv_works = set()          # the devices where nvImageCodec has decoded an image
         self.decoder = self.why_not = None  # what decodes ('nvimgcodec 0.9.0'), why not nvimgcodec
 
     def __call__(self, batch, device, non_blocking=False):
@@ -292,7 +293,9 @@ class DeviceDecode:
         if nv is not None:
             stream = streams['decode'] if streams else None
             crops = self._on_device(lambda: owned(nv(chunks, boxes, stream)), device, streams)
-            if all(c is None for c in crops) and not self.nv_refused:  # none of the first batch
+            if any(c is not None for c in crops):
+                self._nv_works.add(device)
+            elif device not in self._nv_works:  # nothing decoded yet, not one image of a batch
                 self._nv[device] = None
                 self._use(None, f'nvImageCodec decoded none of the first batch\'s {len(crops)} '
                                 f'images on {device} (its GPU decoder did not load?)')
