@@ -68,22 +68,24 @@ def test_loader_only_measures_the_training_loader(tmp_path, cache_dir, capsys):
     assert text.rstrip().splitlines()[-1] == f'Run written to {out}'
 
 
-@pytest.mark.parametrize('epochs, steps', [(1, 15), (2, 15), (1, 8)])
-def test_the_loader_alone_reads_the_batches_training_reads(tmp_path, cache_dir, epochs, steps):
+@pytest.mark.parametrize('epochs, steps, accum', [(1, 15, 1), (2, 15, 1), (1, 8, 1), (1, 5, 2)])
+def test_the_loader_alone_reads_the_batches_training_reads(tmp_path, cache_dir, epochs, steps, accum):
     """A loader-alone figure below what training reached with the same loader is a defect (issue 45):
     bench.py's loader rows drew 46 batches from a 30-batch epoch, timing an epoch restart training
     never made. --loader-only now reads what a training run of the same flags reads: --test-nsteps
     batches within its epochs (12 per epoch here; -e 1 stops training at 12 of 15), in as many
-    epochs. Expected values from the training run itself."""
-    flags = [*TINY, '--cache-dir', cache_dir, '--test-nsteps', steps, '-e', epochs]
+    epochs; with --accum-steps 2 each step reads two batches (a review found the loader alone read
+    half of them). Expected values from the training run itself."""
+    flags = [*TINY, '--cache-dir', cache_dir, '--test-nsteps', steps, '-e', epochs, '--accum-steps', accum]
     trained = dlojz.main(dlojz.get_args_parser().parse_args(
         [str(f) for f in flags] + ['--output-dir', str(tmp_path / 'train')]))
     alone = dlojz.main(dlojz.get_args_parser().parse_args(
         [str(f) for f in flags] + ['--output-dir', str(tmp_path / 'loader'), '--loader-only']))['loader']
-    per_epoch = trained['data']['batches_per_epoch']
-    assert alone['steps'] == trained['global_step'] == min(steps, epochs * per_epoch)
+    per_epoch = 12 // accum  # optimizer steps per epoch: 96 images, 8 per batch
+    assert trained['global_step'] == min(steps, epochs * per_epoch)
+    assert alone['steps'] == trained['global_step'] * accum
     assert alone['epochs_started'] == -(-trained['global_step'] // per_epoch)
-    assert alone['images'] == trained['global_step'] * 8
+    assert alone['images'] == trained['global_step'] * 8 * accum
 
 
 def test_loader_modes_name_their_default_folder():

@@ -155,18 +155,20 @@ def loader_only(args, dist, device, say):
     data = build_data(args, dist, log=say, device=device)  # its batches as the training loop takes them
     say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train images, '
         f'{len(data.classes)} classes')
-    # The batches a training run of the same flags reads: --test-nsteps steps, within its -e epochs
-    # (from epoch 0, across an epoch's end where training crosses it), the first `warmup` left out
-    # of the rate. Drawing more (an epoch restart training never makes) measured another loader.
-    per_epoch = len(data.train_loader)
+    # The batches a training run of the same flags reads: --test-nsteps steps of --accum-steps
+    # batches each, within its -e epochs (from epoch 0, across an epoch's end where training crosses
+    # it), the first `warmup` left out of the rate. Drawing more (an epoch restart training never
+    # makes) measured another loader.
+    per_epoch, accum = len(data.train_steps), data.accum  # optimizer steps per epoch
     warmup = loader_warmup(args.warmup_steps, args.num_workers, args.prefetch_factor)
-    steps = min(args.test_nsteps or 50, args.epochs * per_epoch)
+    steps = min(args.test_nsteps or 50, args.epochs * per_epoch) * accum
     if warmup >= steps:
         asked = args.test_nsteps or 50
+        per = f'{per_epoch} steps of {accum} batches' if accum > 1 else f'{per_epoch}'
         raise UsageError(f'--loader-only reads the {steps} batches a training run of these flags '
-                         f'reads ({args.epochs} epoch(s) of {per_epoch}, --test-nsteps {asked}) '
-                         f'and leaves its first {warmup} out of the rate: nothing would be timed; '
-                         f'give more epochs (-e) or images, or fewer --num-workers.')
+                         f'reads ({args.epochs} epoch(s) of {per}, --test-nsteps {asked}) and '
+                         f'leaves its first {warmup} out of the rate: nothing would be timed; give '
+                         f'more epochs (-e) or images, or fewer --num-workers.')
     write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
     say(f'>>> Loader only: {steps} batches of {args.batch_size}, the first {warmup} left out of '
         f'the rate, {args.num_workers} workers, prefetch {args.prefetch_factor}, pin memory '
