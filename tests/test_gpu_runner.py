@@ -433,3 +433,43 @@ def test_a_side_by_side_stopped_by_its_time_limit_still_prints_its_table(tmp_pat
     out = capsys.readouterr()
     assert code == 0 and "| torchvision's reference train.py | `NCHW` | fp32 | 100 | 1.00 |" in out.out
     assert 'Stopped by its time limit during row 2 of 3.' in out.out and 'interrupted during row 2' in out.err
+
+
+def test_a_test_in_a_class_is_one_row_under_its_own_name(tmp_path):
+    """JUnit writes a class's test as classname 'tests.gpu.test_a.TestK', name 'test_x'; the progress
+    file as tests/gpu/test_a.py::TestK::test_x. They are the same test: one row, passed, verdict 0
+    (a review of issue 45 found it listed twice, once as 'unknown', which failed the verdict)."""
+    junit = tmp_path / 'junit.xml'
+    junit.write_text('<testsuites><testsuite><testcase classname="tests.gpu.test_a.TestK" name="test_x[p]" '
+                     'time="0.5" /></testsuite></testsuites>')
+    node = 'tests/gpu/test_a.py::TestK::test_x[p]'
+    rows = results.merge(results.outcomes(junit), *results.read_progress(f'start\t{node}\nend\t{node}\n'))
+    assert rows == [(node, 'passed', 0.5, '')] and results.verdict(rows) == 0
+    assert results.junit_key(node) == ('tests.gpu.test_a.TestK', 'test_x[p]')
+
+
+def test_run_sh_reads_a_list_written_on_windows_and_refuses_an_empty_one(tmp_path):
+    """A list with CRLF line endings and edge spaces names its tests (pytest found none: 'not found'); a
+    list of comments only is refused in one line (it ran every test of tests/); a results folder
+    reused keeps no junit.xml of the previous run (its outcomes were taken for this run's)."""
+    (tmp_path / 'conftest.py').write_text(
+        'from gpu.progress import pytest_runtest_logfinish, pytest_runtest_logstart  # noqa\n')
+    tests = tmp_path / 'test_stage.py'
+    tests.write_text('def test_first():\n    pass\n')
+    listed = tmp_path / 'list.txt'
+    listed.write_bytes(f'# a comment\r\n  {tests}::test_first  \r\n'.encode())
+    results_dir = tmp_path / 'R'
+    results_dir.mkdir()
+    (results_dir / 'junit.xml').write_text('<testsuites><testsuite><testcase classname="old" name="test_gone" '
+                                           'time="1" /></testsuite></testsuites>')
+    env = {**os.environ, 'PYTHON': fake_check_python(tmp_path),
+           'PYTHONPATH': os.pathsep.join([str(ROOT / 'tests'), os.environ.get('PYTHONPATH', '')])}
+    run = lambda: subprocess.run(['bash', str(ROOT / 'tests' / 'gpu' / 'run.sh'), '--list', str(listed),  # noqa
+                                  '--tests-only', '--results', str(results_dir)], capture_output=True, text=True,
+                                 env=env, timeout=120)
+    p = run()
+    summary = (results_dir / 'summary.md').read_text()
+    assert p.returncode == 0 and '| `test_first` | passed |' in summary and 'test_gone' not in summary, p.stdout
+    listed.write_text('# nothing but comments\n\n')
+    p = run()
+    assert p.returncode != 0 and 'names no test' in p.stdout + p.stderr

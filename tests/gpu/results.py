@@ -17,12 +17,23 @@ BAD = ('failed', 'error', 'interrupted', 'unknown')  # outcomes that make the ve
 
 
 def node_of(case):
-    """A <testcase>'s pytest node id (tests.gpu.test_gpu + name -> tests/gpu/test_gpu.py::name), or
-    None for the nameless case pytest writes for a test a KeyboardInterrupt stopped."""
+    """A <testcase>'s pytest node id, as far as JUnit keeps it: tests.gpu.test_gpu + name ->
+    tests/gpu/test_gpu.py::name (a class's tests: tests/gpu/test_a.py::TestK::name, matched by
+    junit_key); None for the nameless case pytest writes for a test a KeyboardInterrupt stopped."""
     name, classname = case.get('name'), case.get('classname')
     if not name or not classname:
         return None
     return f"{classname.replace('.', '/')}.py::{name}"
+
+
+def junit_key(node):
+    """A pytest node id as JUnit writes it: (classname, name), so that a JUnit row and the progress
+    file's id of the same test meet, in a class too: tests/gpu/test_a.py::TestK::test_x[p] ->
+    ('tests.gpu.test_a.TestK', 'test_x[p]')."""
+    path, _, rest = node.partition('::')
+    parts = rest.split('::')
+    module = path[:-3] if path.endswith('.py') else path
+    return '.'.join([module.replace('/', '.'), *parts[:-1]]), parts[-1]
 
 
 def outcomes(junit_path):
@@ -67,7 +78,8 @@ def merge(rows, started, ended):
     limit stopped (JUnit's nameless case, or no case at all when pytest was killed); a test that
     ended but is missing from JUnit ran and lost its outcome (pytest killed before it wrote the
     XML)."""
-    named = [r for r in rows if r[0] is not None]
+    by_key = {junit_key(node): node for node in started}
+    named = [(by_key.get(junit_key(r[0]), r[0]), *r[1:]) for r in rows if r[0] is not None]
     nameless = [r for r in rows if r[0] is None]
     have = {r[0] for r in named}
     merged = list(named)
@@ -85,7 +97,7 @@ def merge(rows, started, ended):
 def asked(list_path):
     """The node ids of a list like quick.txt, parametrised ones included as given."""
     with open(list_path) as f:
-        return [line.strip() for line in f if line.strip() and not line.startswith('#')]
+        return [line.strip() for line in f if line.strip() and not line.strip().startswith('#')]
 
 
 def not_run(rows, wanted):

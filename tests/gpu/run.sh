@@ -101,7 +101,14 @@ stages() {
     local tests=(tests/gpu) deselect=() session=() per_test=() limit=() tests_status=0 bench_status=0
     [ $quick = 1 ] && [ -z "$list" ] && list=tests/gpu/quick.txt
     [ $quick = 1 ] && [ -z "$test_budget" ] && test_budget=160
-    [ -n "$list" ] && mapfile -t tests < <(grep -v '^#' "$list" | grep .)
+    if [ -n "$list" ]; then  # one id a line; comments, blank lines, CRs and edge spaces left out
+        mapfile -t tests < <(tr -d '\r' < "$list" | sed 's/^[[:space:]]*//; s/[[:space:]]*$//' |
+                             grep -v '^#' | grep .)
+        if [ ${#tests[@]} -eq 0 ]; then
+            echo "run.sh: --list $list names no test (one pytest node id a line)."
+            return 2
+        fi
+    fi
     if [ $compile = 0 ]; then
         mapfile -t deselect < <(
             env -u DLOJZ_REQUIRE_GPU "$PY" -m pytest -q --collect-only -m "not slurm" \
@@ -113,11 +120,14 @@ stages() {
     if "$PY" -c 'import pytest_timeout' 2>/dev/null; then
         per_test=(--timeout 120)
         [ -n "$test_budget" ] && session=(--session-timeout "$test_budget")
+    elif [ -n "$test_budget" ]; then
+        echo "run.sh: warning: pytest-timeout is not installed (bash tests/gpu/wheels.sh fetches it):" \
+             "the test budget ends with SIGINT into a running test, which the record names as stopped."
     fi
     # the backstop: a test still running 40 s after the budget gets SIGINT (dlojz gives the
     # interrupt back to pytest, which writes junit.xml), SIGKILL 20 s later
     [ -n "$test_budget" ] && limit=(timeout --preserve-status -s INT -k 20 $((test_budget + 40)))
-    rm -f "$results/progress.txt"
+    rm -f "$results/progress.txt" "$results/junit.xml"  # a reused folder's record is not this run's
     DLOJZ_GPU_PROGRESS="$results/progress.txt" "${limit[@]}" "$PY" -m pytest -q -m "not slurm" -rfEs \
         --durations=15 -p no:randomly "${per_test[@]}" "${session[@]}" --junitxml="$results/junit.xml" \
         "${deselect[@]}" "${tests[@]}"
