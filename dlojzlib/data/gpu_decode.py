@@ -197,7 +197,7 @@ class DeviceDecode:
         self.skip_bad_images = False
         self.warned = False             # the first refusal has been printed
         self._streams, self.warnings_checked = {}, False
-        self.nvimgcodec = nvimgcodec    # (module or None, why not); None: imported at first use
+        self.nvimgcodec = nvimgcodec    # (module or None, why not); None: region.REGION's
         self._nv = {}                   # device -> its NvDecoder, or None where torchvision decodes
         self._nv_works = set()          # the devices where nvImageCodec has decoded an image
         self.decoder = self.why_not = None  # what decodes ('nvimgcodec 0.9.0'), why not nvimgcodec
@@ -235,9 +235,12 @@ class DeviceDecode:
         """nvImageCodec's decoder for `device`, made once, or None where torchvision decodes (the
         reason said once)."""
         if device not in self._nv:
-            lib, why = self.nvimgcodec or region_import()
-            ok, why = nvdecode.usable(lib, why, device, torch.version.cuda,
-                                      nvdecode.wheel_cuda_major(nvdecode.installed_names()))
+            # the module --decode fast's region decoder imported (quietly) when this one was
+            lib, why = self.nvimgcodec or (region.REGION.lib, region.REGION.why_not)
+            # the installed wheels' CUDA majors matter only for a GPU (a scan of every distribution)
+            gpu = lib is not None and device.type == 'cuda'
+            wheels = nvdecode.wheel_cuda_major(nvdecode.installed_names()) if gpu else []
+            ok, why = nvdecode.usable(lib, why, device, torch.version.cuda, wheels)
             try:
                 self._nv[device] = nvdecode.NvDecoder(lib, device) if ok else None
             except RuntimeError as e:  # its CUDA runtime refuses this driver or device
@@ -407,10 +410,6 @@ def owned(images):
         return images
     parts = iter(torch.cat([x.reshape(-1) for x in good]).split([x.numel() for x in good]))
     return [None if x is None else next(parts).view(x.shape) for x in images]
-
-
-def region_import():
-    return region._import_nvimgcodec()
 
 
 class DecodeAhead:

@@ -335,9 +335,9 @@ def tune_loader(args, raw, parser, dist, device, say, python=sys.executable, scr
     for i, trial in enumerate(trials, 1):
         out = os.path.join(args.output_dir, f"loader-w{trial['num_workers']}-p{trial['prefetch_factor'] or 0}"
                                             f"-pin{int(bool(trial['pin_memory']))}-{trial['decode']}")
-        # `steps` timed after the trial's own warm-up; as many epochs as batches, so that a small
-        # dataset's trial crosses epochs instead of running out (the trials compare with each other)
-        # the trial's own warm-up, as the trial computes it (a DALI trial gives no prefetch)
+        # `steps` timed after the trial's own warm-up, counted as the trial counts it (a DALI trial
+        # gives no prefetch); as many epochs as batches, so that a small dataset's trial crosses
+        # epochs instead of running out (the trials compare with each other)
         drawn = str(steps + loader_warmup(args.warmup_steps, trial['num_workers'],
                                           trial['prefetch_factor']))
         s = _run([python, script, *base, '--loader-only', '--test-nsteps', drawn, '--epochs', drawn,

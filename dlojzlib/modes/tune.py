@@ -89,8 +89,8 @@ def trial_name(batch, amp, channels_last, compile_):
 
 def trial_argv(batch, amp, channels_last, compile_):
     mode = compile_mode(compile_)
-    compiled = ['--no-compile'] if mode is None else ['--compile'] if mode == 'default' else \
-        ['--compile', '--compile-mode', mode]
+    compiled = {None: ['--no-compile'], 'default': ['--compile']}.get(
+        mode, ['--compile', '--compile-mode', mode])
     return ['-b', str(batch), '--amp', amp, '--channels-last' if channels_last else '--no-channels-last',
             *compiled]
 
