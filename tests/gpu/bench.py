@@ -1,6 +1,6 @@
-"""The GPU benchmark for BENCHMARKS.md: ResNet-50 at batch 256, bf16 (fp16 below sm80), channels-last,
-one `python dlojz.py --test-nsteps N ...` process per row, read from its summary.json. The Markdown goes
-to stdout, progress to stderr:
+"""The GPU benchmark for BENCHMARKS.md: ResNet-50 at batch 256, bf16 (fp16 below sm80),
+channels-last, one `python dlojz.py --test-nsteps N ...` process per row, read from its
+summary.json. The Markdown goes to stdout, progress to stderr:
 
     python tests/gpu/bench.py --quick --budget 250     # the lent node's table (issue 45)
     python tests/gpu/bench.py                          # every row
@@ -11,18 +11,17 @@ Rows, in the order they run (what a budget cuts comes last):
 - JPEGs (the built-in synthetic set, or --data-dir), each decode path with the loader alone
   (--loader-only, the same batches) and training, at the faster of those two modes (the one that
   completed): the GPU decoder through nvImageCodec and through torchvision's nvJPEG
-  (DLOJZ_REGION_DECODE=0), then --decode fast on every usable core; the full run adds --decode pil and
-  --no-decode-ahead;
+  (DLOJZ_REGION_DECODE=0), then --decode fast on every usable core; the full run adds --decode pil
+  and --no-decode-ahead;
 - fake data in the other compile modes: default, and in the full run max-autotune-no-cudagraphs and
   max-autotune (minutes of autotuning); the full run's fp32 and NCHW eager rows close it.
 
 Columns: train img/s (images / host time over the steady steps), GPU img/s (global batch / mean GPU
-time per step), device busy, bound, peak GPU memory, J/image. A loader-alone rate below what training
-reached with the same loader is a defect of the measurement (issue 45: bench.py once timed an epoch
-restart training never made): its cell says so and the exit code is 1. --budget S starts no row after
-S seconds (those left are listed as not run); interrupted (run.sh's time limit), it prints what
-finished and lists the row that was stopped. Exit code: 1 when a row failed, else 0.
-"""
+time per step), device busy, bound, peak GPU memory, J/image. A loader-alone rate below what
+training reached with the same loader is a defect of the measurement (issue 45: bench.py once timed
+an epoch restart training never made): its cell says so and the exit code is 1. --budget S starts no
+row after S seconds (those left are listed as not run); interrupted (run.sh's time limit), it prints
+what finished and lists the row that was stopped. Exit code: 1 when a row failed, else 0."""
 import argparse
 import datetime
 import json
@@ -43,20 +42,24 @@ MODES = ('reduce-overhead', 'default', 'max-autotune-no-cudagraphs', 'max-autotu
 
 
 def usable_cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
+    if hasattr(os, 'sched_getaffinity'):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description='dlojz GPU benchmark; prints Markdown tables')
     p.add_argument('--steps', type=int, default=50, help='training steps per run (--test-nsteps)')
     p.add_argument('--batch', type=int, default=256, help='images per step (-b)')
-    p.add_argument('--workers', type=int, default=usable_cores(), help='DataLoader worker processes '
-                   '(default: the usable cores)')
-    p.add_argument('--out', default=None, help='folder for the run directories (default runs/bench-<time>)')
-    p.add_argument('--data-dir', default=None, help='ImageFolder dataset for the JPEG rows (default: dlojz\'s '
-                   'built-in synthetic JPEGs)')
-    p.add_argument('--quick', action='store_true', help='the rows of the lent node\'s table: fake data eager, '
-                   'reduce-overhead and default; JPEGs through nvImageCodec, torchvision and --decode fast')
+    p.add_argument('--workers', type=int, default=usable_cores(),
+                   help='DataLoader worker processes (default: the usable cores)')
+    p.add_argument('--out', default=None,
+                   help='folder for the run directories (default runs/bench-<time>)')
+    p.add_argument('--data-dir', default=None, help='ImageFolder dataset for the JPEG rows '
+                   '(default: dlojz\'s built-in synthetic JPEGs)')
+    p.add_argument('--quick', action='store_true', help='the rows of the lent node\'s table: '
+                   'fake data eager, reduce-overhead and default; JPEGs through nvImageCodec, '
+                   'torchvision and --decode fast')
     p.add_argument('--budget', type=float, default=None, help='seconds: no row starts after this '
                    '(default: no limit)')
     p.add_argument('--no-compile', dest='compile', action='store_false', help='leave the --compile '
@@ -83,13 +86,17 @@ def fake_rows(opts):
     rows = [Row(f'fake_{m}', f'fake data, {m if m == "eager" else "compile " + m}',
                 ['--fake-data', *compile_flags(m)], mode=m) for m in modes]
     if not opts.quick:
-        rows += [Row('fake_fp32', 'fake data, eager, fp32 (TF32)', ['--fake-data', '--amp', 'off'], mode='eager'),
-                 Row('fake_nchw', 'fake data, eager, NCHW', ['--fake-data', '--no-channels-last'], mode='eager')]
+        rows += [Row('fake_fp32', 'fake data, eager, fp32 (TF32)', ['--fake-data', '--amp', 'off'],
+                     mode='eager'),
+                 Row('fake_nchw', 'fake data, eager, NCHW', ['--fake-data', '--no-channels-last'],
+                     mode='eager')]
     return rows
 
 
 def compile_flags(mode):
-    return [] if mode in (None, 'eager') else ['--compile'] + ([] if mode == 'default' else ['--compile-mode', mode])
+    if mode in (None, 'eager'):
+        return []
+    return ['--compile'] + ([] if mode == 'default' else ['--compile-mode', mode])
 
 
 def decode_rows(opts):
@@ -100,7 +107,8 @@ def decode_rows(opts):
             ('fast', f'--decode fast, {opts.workers} workers', ['--decode', 'fast'], {})]
     if not opts.quick:
         rows += [('pil', '--decode pil', ['--decode', 'pil'], {}),
-                 ('gpu_no_ahead', '--decode gpu --no-decode-ahead', ['--decode', 'gpu', '--no-decode-ahead'], {})]
+                 ('gpu_no_ahead', '--decode gpu --no-decode-ahead',
+                  ['--decode', 'gpu', '--no-decode-ahead'], {})]
     return rows
 
 
@@ -118,26 +126,31 @@ class Budget:
 
 
 def common_flags(opts):
-    # warm-up: worker start-up, cudnn autotuning, compilation and graph capture stay out of the statistics
-    return ['--test-nsteps', opts.steps, '--arch', 'resnet50', '-b', opts.batch, '--num-workers', opts.workers,
-            '--amp', 'auto', '--channels-last', '--warmup-steps', max(3, opts.steps // 5), '--wandb', 'off']
+    # warm-up: worker start-up, cudnn autotuning, compilation and graph capture stay out of the
+    # statistics
+    return ['--test-nsteps', opts.steps, '--arch', 'resnet50', '-b', opts.batch,
+            '--num-workers', opts.workers, '--amp', 'auto', '--channels-last',
+            '--warmup-steps', max(3, opts.steps // 5), '--wandb', 'off']
 
 
 def data_flags(opts):
     if opts.data_dir:
         return ['--data-dir', opts.data_dir]
-    # One epoch holds every step: an epoch boundary would restart the loader's prefetching inside the timing.
+    # One epoch holds every step: an epoch boundary would restart the loader's prefetching inside
+    # the timing.
     # The first JPEG row generates these images (~110 KB each) into dlojz's --cache-dir, once.
-    return ['--synthetic-train-per-class', max(64, math.ceil(opts.steps * opts.batch / SYNTHETIC_CLASSES))]
+    per_class = max(64, math.ceil(opts.steps * opts.batch / SYNTHETIC_CLASSES))
+    return ['--synthetic-train-per-class', per_class]
 
 
 def run_one(flags, out_dir, env=None):
     """-> (summary or None, why it failed or None); dlojz's output in <out_dir>.log."""
-    cmd = [sys.executable, os.path.join(ROOT, 'dlojz.py'), *map(str, flags), '--output-dir', out_dir]
+    cmd = [sys.executable, os.path.join(ROOT, 'dlojz.py'), *map(str, flags),
+           '--output-dir', out_dir]
     with open(f'{out_dir}.log', 'w') as log:
         try:
-            code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=TIMEOUT_S,
-                                  env={**os.environ, **(env or {})}).returncode
+            code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=TIMEOUT_S, env={**os.environ, **(env or {})}).returncode
         except subprocess.TimeoutExpired:
             return None, f'no result after {TIMEOUT_S} s'
     try:
@@ -150,7 +163,8 @@ def run_one(flags, out_dir, env=None):
     with open(f'{out_dir}.log') as f:
         lines = [line.strip() for line in f if line.strip()]
     said = [line for line in lines if line.startswith('dlojz:')] or lines or ['no output']
-    print(f'--- the last lines of {out_dir}.log:', *lines[-25:], sep='\n', file=sys.stderr, flush=True)
+    print(f'--- the last lines of {out_dir}.log:', *lines[-25:], sep='\n', file=sys.stderr,
+          flush=True)
     return summary, f'exit {code}: {said[-1][:200]}'
 
 
@@ -167,11 +181,14 @@ def train_cells(summary, why, steps):
     if why:
         return [failed(why)] + [''] * 5
     t, m, e = summary['timing'], summary['memory'], summary['energy']
-    note = f" ({t['steps']} steps)" if t['steps'] < steps else ''  # a small --data-dir ends with its epoch
-    gib = m['gpu_max_allocated_bytes'] / 2 ** 30 if m['gpu_max_allocated_bytes'] is not None else None
+    # a small --data-dir ends with its epoch
+    note = f" ({t['steps']} steps)" if t['steps'] < steps else ''
+    peak = m['gpu_max_allocated_bytes']
+    gib = peak / 2 ** 30 if peak is not None else None
     busy = t['device_busy'] * 100 if t.get('device_busy') is not None else None
-    return [num(t.get('train_throughput'), '.1f') + note, num(t.get('gpu_throughput'), '.1f'), num(busy, '.0f'),
-            t.get('bound', '–'), num(gib, '.2f'), num(e['joules_per_image'], '.3f')]
+    return [num(t.get('train_throughput'), '.1f') + note, num(t.get('gpu_throughput'), '.1f'),
+            num(busy, '.0f'), t.get('bound', '–'), num(gib, '.2f'),
+            num(e['joules_per_image'], '.3f')]
 
 
 def loader_cell(loader, trained):
@@ -194,7 +211,8 @@ def run_row(i, row, opts, out, flags):
         alone = [f for f in flags if f != '--compile']
         if '--compile-mode' in alone:
             del alone[alone.index('--compile-mode'):alone.index('--compile-mode') + 2]
-        loader, why_loader = run_one([*alone, '--loader-only'], os.path.join(out, f'loader_{row.name}'), row.env)
+        folder = os.path.join(out, f'loader_{row.name}')
+        loader, why_loader = run_one([*alone, '--loader-only'], folder, row.env)
     summary, why = run_one(flags, os.path.join(out, row.name), row.env)
     row.cells = train_cells(summary, why, opts.steps)
     row.failed = bool(why)
@@ -207,8 +225,8 @@ def run_row(i, row, opts, out, flags):
         if decoder.get('decoder'):
             row.label += f" ({decoder['decoder']})"
     row.provenance = (summary or {}).get('provenance')
-    print(f'[{i}] {row.name}: {why or "completed"} ({time.perf_counter() - t0:.0f} s)', file=sys.stderr,
-          flush=True)
+    seconds = time.perf_counter() - t0
+    print(f'[{i}] {row.name}: {why or "completed"} ({seconds:.0f} s)', file=sys.stderr, flush=True)
     return row
 
 
@@ -221,33 +239,39 @@ def shown(path):
 def header(prov, opts, argv, out, jpeg_mode):
     gpu = 'unknown GPU'
     if prov:
-        mem = f"{prov['gpu_total_memory_bytes'] / 2 ** 30:.0f} GiB, " if prov.get('gpu_total_memory_bytes') else ''
-        cc = prov.get('compute_capability')  # '9.0' -> 'sm_90 (compute capability 9.0)', as nvcc names it
-        arch = f"sm_{cc.replace('.', '')} (compute capability {cc})" if cc else 'compute capability ?'
+        total = prov.get('gpu_total_memory_bytes')
+        mem = f"{total / 2 ** 30:.0f} GiB, " if total else ''
+        # '9.0' -> 'sm_90 (compute capability 9.0)', as nvcc names it
+        cc = prov.get('compute_capability')
+        arch = (f"sm_{cc.replace('.', '')} (compute capability {cc})" if cc
+                else 'compute capability ?')
         gpu = f"{prov['device_name']} ({mem}{arch}), driver {prov.get('driver')}"
     versions = (f"torch {prov['torch']} (CUDA {prov['cuda']}, cuDNN {prov['cudnn']})" if prov else
                 f'torch {torch.__version__}')
     command = shlex.join(['python', shown(sys.argv[0]), *argv])
     dlojz = shlex.join(['python', 'dlojz.py', *map(str, common_flags(opts))])
-    return [f"## {datetime.date.today().isoformat()} — {gpu}, {versions}, host {prov['host'] if prov else '?'}", '',
-            f"`{command}` (dlojz {prov['dlojz_sha'] if prov else '?'}): each row is `{dlojz} ROW FLAGS` "
-            f"(`--amp auto`: bf16 from sm80); the JPEG rows train with `{' '.join(compile_flags(jpeg_mode)) or 'eager'}`"
-            f" (the faster of eager and reduce-overhead on fake data) and read "
-            + (f'`--data-dir {opts.data_dir}`' if opts.data_dir else 'the built-in synthetic JPEGs')
-            + f" with {opts.workers} workers. Throughputs are sums over the steady steps (after the warm-up): "
-            f"train = their images / their host time, GPU = global batch / mean GPU time per step (CUDA "
-            f"events); device busy = GPU time / host time; memory = max allocated after warm-up; J/image = "
-            f"NVML energy over the steady steps / their images; loader alone = `--loader-only` on the same "
-            f"batches. Run folders: {out}.", '']
+    host, sha = (prov['host'], prov['dlojz_sha']) if prov else ('?', '?')
+    mode = ' '.join(compile_flags(jpeg_mode)) or 'eager'
+    data = f'`--data-dir {opts.data_dir}`' if opts.data_dir else 'the built-in synthetic JPEGs'
+    return [f"## {datetime.date.today().isoformat()} — {gpu}, {versions}, host {host}", '',
+            f"`{command}` (dlojz {sha}): each row is `{dlojz} ROW FLAGS` (`--amp auto`: bf16 "
+            f"from sm80); the JPEG rows train with `{mode}` (the faster of eager and "
+            f"reduce-overhead on fake data) and read {data} with {opts.workers} workers. "
+            f"Throughputs are sums over the steady steps (after the warm-up): train = their images "
+            f"/ their host time, GPU = global batch / mean GPU time per step (CUDA events); device "
+            f"busy = GPU time / host time; memory = max allocated after warm-up; J/image = NVML "
+            f"energy over the steady steps / their images; loader alone = `--loader-only` on the "
+            f"same batches. Run folders: {out}.", '']
 
 
 def tables(fake, jpeg):
-    lines = ['| fake data | train img/s | GPU img/s | device busy % | bound | peak GPU memory GiB | J/image |',
-             '|---|---:|---:|---:|---|---:|---:|']
+    lines = ['| fake data | train img/s | GPU img/s | device busy % | bound | peak GPU memory GiB '
+             '| J/image |', '|---|---:|---:|---:|---|---:|---:|']
     lines += [f"| {r.label} | {' | '.join(r.cells)} |" for r in fake if r.cells]
     if any(r.cells for r in jpeg):
-        lines += ['', '| JPEG | loader alone img/s | train img/s | GPU img/s | device busy % | bound | '
-                      'peak GPU memory GiB | J/image |', '|---|---:|---:|---:|---:|---|---:|---:|']
+        lines += ['', '| JPEG | loader alone img/s | train img/s | GPU img/s | device busy % '
+                      '| bound | peak GPU memory GiB | J/image |',
+                  '|---|---:|---:|---:|---:|---|---:|---:|']
         lines += [f"| {r.label} | {' | '.join(r.cells)} |" for r in jpeg if r.cells]
     return lines
 
@@ -266,8 +290,10 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     opts = get_args(argv)
     if not torch.cuda.is_available():
-        sys.exit('bench.py: PyTorch sees no CUDA GPU (torch.cuda.is_available() is False); run it on a GPU node.')
-    out = opts.out or os.path.join(ROOT, 'runs', 'bench-' + datetime.datetime.now().strftime('%Y%m%d-%H%M%S'))
+        sys.exit('bench.py: PyTorch sees no CUDA GPU (torch.cuda.is_available() is False); run it '
+                 'on a GPU node.')
+    stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
+    out = opts.out or os.path.join(ROOT, 'runs', f'bench-{stamp}')
     os.makedirs(out, exist_ok=True)
     budget, base = Budget(opts.budget), [*common_flags(opts)]
     fake, jpeg, stopped, n = fake_rows(opts), [], None, 0
@@ -283,7 +309,8 @@ def main(argv=None):
                 run_row(n, row, opts, out, [*base, *row.flags])
         jpeg_mode = fastest_mode(fake)
         for name, label, flags, env in decode_rows(opts):
-            row = Row(name, label, [*data_flags(opts), *flags, *compile_flags(jpeg_mode)], env, loader=True)
+            row_flags = [*data_flags(opts), *flags, *compile_flags(jpeg_mode)]
+            row = Row(name, label, row_flags, env, loader=True)
             jpeg.append(row)
             if budget.allows(row.name):
                 stopped, n = row.name, n + 1
@@ -295,7 +322,8 @@ def main(argv=None):
                 run_row(n, row, opts, out, [*base, *row.flags])
         stopped = None
     except KeyboardInterrupt:
-        print(f'bench.py: interrupted during {stopped}; the tables hold the rows that finished.', file=sys.stderr)
+        print(f'bench.py: interrupted during {stopped}; the tables hold the rows that finished.',
+              file=sys.stderr)
     prov = next((r.provenance for r in fake + jpeg if getattr(r, 'provenance', None)), None)
     lines = header(prov, opts, argv, shown(out), jpeg_mode) + tables(fake, jpeg)
     if stopped:
@@ -305,8 +333,8 @@ def main(argv=None):
     print('\n'.join(lines))
     failures = [r.name for r in fake + jpeg if r.failed]
     if failures:
-        print(f'bench.py: {len(failures)} row(s) failed ({", ".join(failures)}); their cells say why, their '
-              f'logs are in {shown(out)}.', file=sys.stderr)
+        print(f'bench.py: {len(failures)} row(s) failed ({", ".join(failures)}); their cells say '
+              f'why, their logs are in {shown(out)}.', file=sys.stderr)
     return 1 if failures else 0
 
 

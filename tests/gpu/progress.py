@@ -1,12 +1,12 @@
-"""Which test is running, written as it happens: a line when a test starts and one when it ends, into
-the file named by DLOJZ_GPU_PROGRESS (run.sh sets it to <results>/progress.txt). pytest's JUnit XML
-is written at the end of the session: a test stopped by a time limit is in it without a name, and a
-pytest killed after its time limit writes none. This file names both, whatever stops the run;
+"""Which test is running, written as it happens: a line when a test starts and one when it ends,
+into the file named by DLOJZ_GPU_PROGRESS (run.sh sets it to <results>/progress.txt). pytest's JUnit
+XML is written at the end of the session: a test stopped by a time limit is in it without a name,
+and a pytest killed after its time limit writes none. This file names both, whatever stops the run;
 results.py reads it beside junit.xml. tests/gpu/conftest.py takes these hooks; nothing is written
 when the variable is unset.
 
-Format: one line per event, `start<TAB>node id` or `end<TAB>node id`, each written with one
-os.write (no buffer left to lose when the process is killed)."""
+Format: one line per event, `start<TAB>node id` or `end<TAB>node id`, each written with one os.write
+(no buffer left to lose when the process is killed)."""
 import os
 
 VARIABLE = 'DLOJZ_GPU_PROGRESS'

@@ -6,7 +6,8 @@ stage's verdict: 0 when every test that ran passed or was skipped, 1 otherwise (
 a test stopped while it ran, or no record at all). Tests left out by the budget are listed, not
 counted as failures.
 
-    python tests/gpu/results.py RESULTS/junit.xml [--progress RESULTS/progress.txt] [--list tests/gpu/quick.txt]
+    python tests/gpu/results.py RESULTS/junit.xml [--progress RESULTS/progress.txt]
+                                [--list tests/gpu/quick.txt]
 """
 import argparse
 import collections
@@ -108,7 +109,9 @@ def not_run(rows, wanted):
 
 
 def short(node):
-    return node.split('::', 1)[1] if node and '::' in node else (node or 'a test (name not recorded)')
+    if node and '::' in node:
+        return node.split('::', 1)[1]
+    return node or 'a test (name not recorded)'
 
 
 def table(rows, missing=()):
@@ -131,10 +134,12 @@ def verdict(rows):
 
 
 def main(argv):
-    p = argparse.ArgumentParser(description='the GPU tests by name, from junit.xml and progress.txt')
+    p = argparse.ArgumentParser(
+        description='the GPU tests by name, from junit.xml and progress.txt')
     p.add_argument('junit')
     p.add_argument('--progress', help='progress.txt (tests/gpu/progress.py)')
-    p.add_argument('--list', help='the tests asked for (quick.txt): those that did not run are listed')
+    p.add_argument('--list',
+                   help='the tests asked for (quick.txt): those that did not run are listed')
     opts = p.parse_args(argv)
     try:
         rows = outcomes(opts.junit)

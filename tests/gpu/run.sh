@@ -71,7 +71,8 @@ stages() {
             export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
             echo "Installed for this command from .whl/: ${wheels[*]##*/}"
         else  # one at a time, each in a folder of its own (pip --target skips a folder that exists)
-            echo "run.sh: warning: the wheels in .whl/ did not install together (above); one by one:"
+            echo "run.sh: warning: the wheels in .whl/ did not install together (above);" \
+                 "one by one:"
             for wheel in "${wheels[@]}"; do
                 local one
                 one=$(mktemp -d "$site/one.XXXXXX")
@@ -98,7 +99,8 @@ stages() {
         echo "Results in $results (exit $status)."
         return $((status != 0))
     fi
-    local tests=(tests/gpu) deselect=() session=() per_test=() limit=() tests_status=0 bench_status=0
+    local tests=(tests/gpu) deselect=() session=() per_test=() limit=()
+    local tests_status=0 bench_status=0
     [ $quick = 1 ] && [ -z "$list" ] && list=tests/gpu/quick.txt
     [ $quick = 1 ] && [ -z "$test_budget" ] && test_budget=160
     if [ -n "$list" ]; then  # one id a line; comments, blank lines, CRs and edge spaces left out
@@ -121,16 +123,17 @@ stages() {
         per_test=(--timeout 120)
         [ -n "$test_budget" ] && session=(--session-timeout "$test_budget")
     elif [ -n "$test_budget" ]; then
-        echo "run.sh: warning: pytest-timeout is not installed (bash tests/gpu/wheels.sh fetches it):" \
-             "the test budget ends with SIGINT into a running test, which the record names as stopped."
+        echo "run.sh: warning: pytest-timeout is not installed (bash tests/gpu/wheels.sh" \
+             "fetches it): the test budget ends with SIGINT into a running test, which the" \
+             "record names as stopped."
     fi
     # the backstop: a test still running 40 s after the budget gets SIGINT (dlojz gives the
     # interrupt back to pytest, which writes junit.xml), SIGKILL 20 s later
     [ -n "$test_budget" ] && limit=(timeout --preserve-status -s INT -k 20 $((test_budget + 40)))
     rm -f "$results/progress.txt" "$results/junit.xml"  # a reused folder's record is not this run's
-    DLOJZ_GPU_PROGRESS="$results/progress.txt" "${limit[@]}" "$PY" -m pytest -q -m "not slurm" -rfEs \
-        --durations=15 -p no:randomly "${per_test[@]}" "${session[@]}" --junitxml="$results/junit.xml" \
-        "${deselect[@]}" "${tests[@]}"
+    DLOJZ_GPU_PROGRESS="$results/progress.txt" "${limit[@]}" "$PY" -m pytest -q -m "not slurm" \
+        -rfEs --durations=15 -p no:randomly "${per_test[@]}" "${session[@]}" \
+        --junitxml="$results/junit.xml" "${deselect[@]}" "${tests[@]}"
     echo
     "$PY" tests/gpu/results.py "$results/junit.xml" --progress "$results/progress.txt" \
         ${list:+--list "$list"} > "$results/summary.md" || tests_status=$?
@@ -146,9 +149,13 @@ stages() {
             # fails only for rows that failed
             bench_limit=(timeout --preserve-status -s INT -k 20 260)
         fi
-        "${bench_limit[@]}" "$PY" tests/gpu/bench.py "${bench[@]}" > "$results/bench.md" || bench_status=$?
-        [ "$bench_status" -gt 128 ] && echo "run.sh: bench.py was killed (signal $((bench_status - 128)))" \
-            "after its time limit; bench.md holds what it printed before." && bench_status=1
+        "${bench_limit[@]}" "$PY" tests/gpu/bench.py "${bench[@]}" > "$results/bench.md" ||
+            bench_status=$?
+        if [ "$bench_status" -gt 128 ]; then
+            echo "run.sh: bench.py was killed (signal $((bench_status - 128))) after its time" \
+                 "limit; bench.md holds what it printed before."
+            bench_status=1
+        fi
         [ -s "$results/bench.md" ] && cp "$results/bench.md" tests/gpu/last-bench.md
         echo
         cat "$results/bench.md"

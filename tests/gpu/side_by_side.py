@@ -17,12 +17,11 @@ a mean of rates.
 
 The data: the synthetic JPEG dataset (ImageNet's sizes and ~110 KB files), --unique distinct images
 per class, each file linked as often as an epoch of 1 + warm-up + steps batches needs (generating
-57 000 JPEGs would take minutes; every file a reader opens is still a whole JPEG it decodes).
+57,000 JPEGs would take minutes; every file a reader opens is still a whole JPEG it decodes).
 
-    python tests/gpu/side_by_side.py > side.md    # on a GPU node; about 3 min on one H100 (estimated)
+    python tests/gpu/side_by_side.py > side.md    # a GPU node; about 3 min on an H100 (estimated)
     python tests/gpu/side_by_side.py --device cpu --arch resnet18 --image-size 64 --batch 8 \\
-        --steps 20 --warmup 20 --workers 2 --unique 8     # a dry run of the procedure on a CPU
-"""
+        --steps 20 --warmup 20 --workers 2 --unique 8     # a dry run of the procedure on a CPU"""
 import argparse
 import datetime
 import json
@@ -63,8 +62,8 @@ def get_args(argv=None):
                    help='where the dataset is made (reused when complete)')
     p.add_argument('--reference', default=os.path.join(ROOT, '.ref', 'classification', 'train.py'),
                    help="torchvision's references/classification/train.py, with its folder's files")
-    p.add_argument('--best', default='--amp bf16 --channels-last --decode gpu --compile --compile-mode '
-                   'reduce-overhead',
+    p.add_argument('--best', default='--amp bf16 --channels-last --decode gpu --compile '
+                   '--compile-mode reduce-overhead',
                    help="dlojz's flags for its best row when no --tune-json is given")
     p.add_argument('--tune-json', default=None, help='a tune.json of `dlojz.py --tune` on this '
                    'GPU: its recommended command is the best row')
@@ -225,7 +224,7 @@ def main(argv=None):
     say(f'dataset {data} ready after {time.perf_counter() - t0:.0f} s')
     best, source = best_flags(args)
     as_reference = ['--amp', 'fp16' if args.gpu else 'off', '--no-channels-last', '--decode', 'pil']
-    if not args.gpu:  # the GPU's decoder and CUDA graphs do not run on a CPU: the dry run's best row
+    if not args.gpu:  # the GPU's decoder and CUDA graphs do not run on a CPU: the dry run's
         best = [f for f in best if f not in ('--compile', '--compile-mode', 'reduce-overhead')]
         best = ['fast' if f == 'gpu' else f for f in best]
     runs = [lambda: reference_row(args, data, out),
@@ -240,9 +239,11 @@ def main(argv=None):
             say(f"row {k + 1}: {rows[-1]['run']}: {rows[-1]['img_s'] or rows[-1]['why']}")
         stopped = None
     except KeyboardInterrupt:  # run.sh's time limit: the rows that finished still make a table
-        say(f'side_by_side.py: interrupted during row {stopped + 1}; the table holds the rows before it.')
+        say(f'side_by_side.py: interrupted during row {stopped + 1}; the table holds the rows '
+            f'before it.')
     host = torch.cuda.get_device_name() if args.gpu else f'{args.device} ({os.uname().nodename})'
-    lines = table(rows, args, f'{host}, torch {torch.__version__}') if rows else ['No row finished.']
+    lines = (table(rows, args, f'{host}, torch {torch.__version__}') if rows
+             else ['No row finished.'])
     if stopped is not None:
         lines += ['', f'Stopped by its time limit during row {stopped + 1} of {len(runs)}.']
     print('\n'.join(lines))

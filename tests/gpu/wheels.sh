@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The wheels the lent GPU node lacks (../shared/reference/gpu-device.md: Python 3.12, torch built for
-# CUDA 13, no internet), fetched here into .whl/ (ignored by git), which travels with the working tree
-# and which bash tests/gpu/run.sh installs into a folder of its own before the tests:
+# The wheels the lent GPU node lacks (../shared/reference/gpu-device.md: Python 3.12, torch built
+# for CUDA 13, no internet), fetched here into .whl/ (ignored by git), which travels with the
+# working tree and which bash tests/gpu/run.sh installs into a folder of its own before the tests:
 #   bash tests/gpu/wheels.sh [python version, default 3.12] [torch's CUDA major, default 13]
 # - simplejpeg: --decode fast's decoder (and the host fallback of --decode gpu);
 # - nvImageCodec built for torch's CUDA major, with that CUDA's nvJPEG: --decode gpu's decoder (the
@@ -23,7 +23,8 @@ rm -rf .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$version" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 \
-    -d .whl "$(grep -E '^simplejpeg' requirements.txt)" "nvidia-nvimgcodec-cu${cuda}==${nvimgcodec}" \
+    -d .whl "$(grep -E '^simplejpeg' requirements.txt)" \
+    "nvidia-nvimgcodec-cu${cuda}==${nvimgcodec}" \
     "$nvjpeg" 'pytest-timeout>=2.3.0'
 kib=$(du -sk .whl | cut -f1)
 if [ "$kib" -ge $((64 * 1024)) ]; then
