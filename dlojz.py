@@ -62,7 +62,7 @@ from dlojzlib.host import host_check, intra_op_threads, process_start_time
 from dlojzlib.measure.comm import CommTimer
 from dlojzlib.measure.power import PowerMeter
 from dlojzlib.measure.startup import StartUp
-from dlojzlib.metrics import Meters, NonFiniteGuard, PeakMemory
+from dlojzlib.metrics import Meters, NonFiniteGuard, PeakMemory, log_train_metrics
 from dlojzlib.modes import doctor
 from dlojzlib.modes import tune
 from dlojzlib.record import resume
@@ -389,23 +389,6 @@ def log_train(run, progress, lr, window, t_last):
                 img_s=run.global_batch / step_s if step_s else None, mem_bytes=mem)
     window.zero_()
     return now
-
-
-def log_train_metrics(run, progress, meters):
-    """Every rank: compute() adds up the meters of all ranks. With --metric-sync-log, each rank's own values
-    before the sync are printed and recorded too (the course's metric_compute_log)."""
-    before = meters.compute(sync=False) if run.args.metric_sync_log else None
-    after = meters.compute()
-    run.log.log(type='train_metrics', epoch=progress.epoch + 1, step=progress.step,
-                global_step=progress.global_step, **after)
-    if before is None:
-        return
-    name = f"{'GPU' if run.device.type == 'cuda' else 'CPU'}{run.dist.rank}"
-    for when, v in (('Before', before), ('After', after)):
-        print(f"Step {progress.step} - {when} metric compute {name}: loss: {v['loss']:.4f}, accuracy: "
-              f"{v['top1']:.4f}", flush=True)
-    ranks = launch.all_gather_object({'rank': run.dist.rank, 'before': before, 'after': after})
-    run.log.log(type='metric_sync', global_step=progress.global_step, step=progress.step, ranks=ranks)
 
 
 @torch.inference_mode()

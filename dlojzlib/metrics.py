@@ -159,3 +159,20 @@ class PeakMemory:
         """The figure the log line shows: GPU max allocated, or host peak RSS on CPU."""
         s = self.summary()
         return s['gpu_max_allocated_bytes'] if self.gpu else s['host_peak_rss_bytes']
+
+
+def log_train_metrics(run, progress, meters):
+    """Every rank: compute() adds up the meters of all ranks. With --metric-sync-log, each rank's own values
+    before the sync are printed and recorded too (the course's metric_compute_log)."""
+    before = meters.compute(sync=False) if run.args.metric_sync_log else None
+    after = meters.compute()
+    run.log.log(type='train_metrics', epoch=progress.epoch + 1, step=progress.step,
+                global_step=progress.global_step, **after)
+    if before is None:
+        return
+    name = f"{'GPU' if run.device.type == 'cuda' else 'CPU'}{run.dist.rank}"
+    for when, v in (('Before', before), ('After', after)):
+        print(f"Step {progress.step} - {when} metric compute {name}: loss: {v['loss']:.4f}, accuracy: "
+              f"{v['top1']:.4f}", flush=True)
+    ranks = launch.all_gather_object({'rank': run.dist.rank, 'before': before, 'after': after})
+    run.log.log(type='metric_sync', global_step=progress.global_step, step=progress.step, ranks=ranks)
