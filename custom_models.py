@@ -1,8 +1,11 @@
-"""Model factories for dlojz: torchvision ResNets and the course's two custom variants.
+"""Model factories for dlojz: torchvision ResNets, the course's two custom variants, timm's models and
+the course's CoAtNet-7.
 
     --arch resnet18 ... resnet152             torchvision's models, randomly initialised
     --arch <resnet>-heads (resnet152-heads)   add_conditional_heads: N classifier heads, one used per forward
     --arch <resnet>-sd    (resnet152-sd)      stochastic depth by masking the residual branch
+    --arch timm:<name>                        any of timm's models by name (ViTs, CoAtNets, MaxViTs)
+    --arch coatnet7                           CoAtNet-7 (2.43 B parameters) from timm's blocks: coatnet7
 
 Behaviour follows the course's custom_models.py (reference/course.md §4):
 - Conditional heads: a private CPU generator is re-seeded with a counter before every forward, so the
@@ -136,7 +139,10 @@ def _frozen_bn_stats(module):
 
 
 def apply_grad_checkpointing(model):
-    """Activation checkpointing of the four ResNet stages: their activations are recomputed in the
+    """Activation checkpointing: timm's own for its models (set_grad_checkpointing); the four ResNet stages
+    otherwise.
+
+    ResNets: activation checkpointing of the four ResNet stages: their activations are recomputed in the
     backward pass instead of being stored. State-dict keys are unchanged.
 
     Eager mode replays the stage in backward, BatchNorm updates included, so the replay runs with
@@ -144,6 +150,9 @@ def apply_grad_checkpointing(model):
     context manager fails to compile), and none is needed: AOTAutograd applies the buffer updates
     once, in the forward graph (tested against an uncheckpointed model with the aot_eager backend).
     """
+    if not isinstance(model, ResNet):
+        model.set_grad_checkpointing(True)
+        return model
     for name in ('layer1', 'layer2', 'layer3', 'layer4'):
         stage = getattr(model, name)
         plain = stage.forward
@@ -159,7 +168,43 @@ def apply_grad_checkpointing(model):
     return model
 
 
-def build_model(arch, num_classes, sd_prob=0.5, n_heads=3):
+def coatnet7(num_classes=1000, image_size=224):
+    """CoAtNet-7 (Dai et al. 2021, appendix: L = 2-2-4-8-42-2, D = 192-256-512-1024-2048-3072), the
+    course's fourth-day model, from timm's MBConv and relative-attention Transformer blocks: a stem of
+    192 channels, then stages of 2, 4 and 8 MBConv blocks and of 42 and 2 Transformer blocks. timm
+    halves the resolution at every stage, where the paper keeps its 42-block stage at 1/16: the
+    attention there runs at 1/32, which changes only the relative-position tables (2 432 M parameters
+    against the paper's 2.44 B, 0.3 % fewer)."""
+    from timm.models.maxxvit import MaxxVit, MaxxVitCfg  # seconds to import: only when asked for
+    cfg = MaxxVitCfg(embed_dim=(256, 512, 1024, 2048, 3072), depths=(2, 4, 8, 42, 2),
+                     block_type=('C', 'C', 'C', 'T', 'T'), stem_width=192)
+    return MaxxVit(cfg, img_size=image_size, num_classes=num_classes)
+
+
+def timm_model(name, num_classes, image_size):
+    """timm's model `name`, randomly initialised, for images of image_size px where it takes a size
+    (ViTs and MaxViTs fix their position tables to it)."""
+    import timm
+    try:
+        return timm.create_model(name, pretrained=False, num_classes=num_classes, img_size=image_size)
+    except TypeError:  # a model without a fixed input size (a timm ResNet, a ConvNeXt)
+        return timm.create_model(name, pretrained=False, num_classes=num_classes)
+
+
+def blocks(model):
+    """The blocks --shard gradients and full shard one by one, in order: a ResNet's residual blocks,
+    the members of every `blocks` sequence (timm's ViTs, CoAtNets, MaxViTs, ConvNeXts)."""
+    if isinstance(model, ResNet):
+        return [b for name in ('layer1', 'layer2', 'layer3', 'layer4') for b in getattr(model, name)]
+    return [b for name, m in model.named_modules() if name.rpartition('.')[2] == 'blocks'
+            and isinstance(m, (nn.Sequential, nn.ModuleList)) for b in m]
+
+
+def build_model(arch, num_classes, sd_prob=0.5, n_heads=3, image_size=224):
+    if arch.startswith(flags.TIMM):
+        return timm_model(arch[len(flags.TIMM):], num_classes, image_size)
+    if arch == 'coatnet7':
+        return coatnet7(num_classes, image_size)
     if arch not in ARCHS:
         raise ValueError(f'unknown --arch {arch}; choose one of {", ".join(ARCHS)}')
     base, _, variant = arch.partition('-')

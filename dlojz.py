@@ -4,16 +4,15 @@ fast or slow.
     python dlojz.py --test-nsteps 20 --arch resnet18 --image-size 64 -b 16 --num-workers 2   # CPU demo
     python dlojz.py --test-nsteps 50 --amp bf16 --channels-last --data-dir /path/imagenet      # one GPU
     torchrun --standalone --nproc_per_node 4 dlojz.py --test-nsteps 50 --amp bf16              # 4 GPUs, DDP
+    torchrun --standalone --nproc_per_node 4 dlojz.py --arch coatnet7 --shard full --amp bf16  # 4 GPUs, ZeRO-3
     srun --ntasks-per-node=4 --gres=gpu:4 --cpus-per-task=10 python dlojz.py --num-workers 10  # SLURM, DDP
     sbatch slurm/jz-a100-8gpu.slurm --amp bf16 -b 256                      # batch job, requeued on SIGUSR2
 
 Outputs go to --output-dir (default runs/<job id or timestamp>_<arch>_bs<b>): config.json,
 metrics.jsonl, summary.json, checkpoint-<step>.pt (--chkpt), profiler traces (--prof), wandb files.
 
-Reading order: flags (dlojzlib/flags.py) -> builders -> train_step and the loops (train, validation) -> main.
-Around it: the run folder in dlojzlib/record/rundir.py, checkpoints in dlojzlib/record/state.py (contents) and dlojzlib/record/checkpoint.py
-(files), the other modes in dlojzlib/recipe.py (--findlr), dlojz_loader.py and dlojzlib/modes/tune.py, how a run ends in
-dlojzlib/errors.py, what it says in dlojzlib/record/summary.py; docs/development.md lists every module.
+Reading order: flags (dlojzlib/flags.py) -> builders -> train_step and the loops (train, validation) -> main;
+docs/development.md lists every module (the run folder, checkpoints, sharding, the other modes, the summary).
 """
 import argparse
 import itertools
@@ -54,12 +53,13 @@ from dlojzlib import failpoints
 from dlojzlib import recipe
 from dlojzlib.data import augment
 from dlojzlib.data.datasets import IMAGENET_MEAN, IMAGENET_STD, build_data
-from dlojzlib.dist import launch
+from dlojzlib.dist import launch, plan, shard
 from dlojzlib.dist.launch import get_dist_info
 from dlojzlib.errors import (CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation,
                              report_error, translate)
 from dlojzlib.host import host_check, intra_op_threads, process_start_time
 from dlojzlib.measure.comm import CommTimer
+from dlojzlib.measure.memory import capacity, plan_run
 from dlojzlib.measure.power import PowerMeter
 from dlojzlib.measure.startup import StartUp
 from dlojzlib.metrics import Meters, NonFiniteGuard, PeakMemory, log_train_metrics
@@ -90,15 +90,18 @@ def build_model(args, num_classes, device, dist, comm=None, phase=lambda name: n
     Validation runs the module without its DDP wrapper: a DDP forward may broadcast buffers (a collective),
     and ranks can run different numbers of validation batches. `comm`: a measure.comm.CommTimer to time the
     gradient all-reduce with."""
-    model = custom_models.build_model(args.arch, num_classes, args.sd_prob, args.n_heads)
+    model = custom_models.build_model(args.arch, num_classes, args.sd_prob, args.n_heads, args.image_size)
     if args.grad_checkpointing:
         custom_models.apply_grad_checkpointing(model)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    model = model.to(device, memory_format=memory_format)
+    fsdp = args.shard in shard.FSDP_MODES  # FSDP2 moves each rank's slices to the device, never the whole
+    model = model.to(None if fsdp else device, memory_format=memory_format)
     if dist.distributed and args.sync_bn:  # before the DDP wrap, as DDP must see the final modules
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     with phase('ddp_wrap'):  # its first broadcast of the weights
-        train_model = launch.wrap_ddp(model, device, args, comm) if dist.distributed else model
+        train_model = shard.apply_fsdp(model, custom_models.blocks(model), device, args.shard == 'full',
+                                       args.cpu_offload) if fsdp else \
+            launch.wrap_ddp(model, device, args, comm) if dist.distributed else model
     eval_model = model
     if args.compile:  # DDP first, then compile: dynamo's DDPOptimizer keeps communication overlapped
         # Static shapes: an epoch's smaller last batch gets its own graph (compiled once, outside the
@@ -151,6 +154,8 @@ class Run:
     started: float = 0.0          # time.time() when the run was built: time to accuracy counts from here
     process_started: float = 0.0  # time.time() when the process started: the second clock, start-up included
     startup: StartUp = None       # the time to the first step, by phase (measure.startup)
+    plans: dict = None            # model states per rank of each --shard mode (measure.memory.plan_run)
+    states: shard.StateMeter = None  # this rank's, measured after the first optimizer step
 
 
 def build_run(args, dist, device, say, startup=None):
@@ -170,7 +175,12 @@ def build_run(args, dist, device, say, startup=None):
         f'{data.n_val} val images, {len(data.classes)} classes')
     comm = CommTimer(dist.world_size, CudaTimeline(device) if device.type == 'cuda' else None) \
         if dist.distributed and args.timing else None
-    with phase('model'):
+    with phase('model'):  # planned on the meta device first (shapes only): a mode that cannot fit is refused
+        with torch.device('meta'):
+            meta = custom_models.build_model(args.arch, len(data.classes), args.sd_prob, args.n_heads,
+                                             args.image_size)
+        plans = plan_run(args, meta, custom_models.blocks(meta), dist.world_size, capacity(device))
+        say('\n'.join(plan.plan_lines(plans, args.shard, dist.world_size)))
         model, eval_model, plain = build_model(args, len(data.classes), device, dist, comm, phase)
     steps_per_epoch = len(data.train_steps)
     total_steps = args.epochs * steps_per_epoch
@@ -183,7 +193,7 @@ def build_run(args, dist, device, say, startup=None):
             f'accuracy say nothing; check --data-dir.')
     with phase('optimizer'):
         criterion, optimizer, scheduler, scaler = recipe.build_optimization(
-            args, plain, steps_per_epoch, total_steps, device)
+            args, plain, steps_per_epoch, total_steps, torch.device('cpu') if args.cpu_offload else device)
     global_batch = args.batch_size * dist.world_size * args.accum_steps
     check_resume(args, dist, ckpt_path, ckpt, data, plain, optimizer, global_batch, steps_per_epoch, total_steps)
     resumed = ckpt is not None and not args.evaluate
@@ -216,7 +226,8 @@ def build_run(args, dist, device, say, startup=None):
               steps_per_epoch=steps_per_epoch, total_steps=total_steps,
               mix=augment.Mix(args.mixup, args.cutmix, len(data.classes), args.seed),
               ema=recipe.EMA(plain, args.ema_decay, args.ema_warmup) if args.ema_decay else None,
-              started=time.time(), process_started=process_start_time(), startup=startup)
+              started=time.time(), process_started=process_start_time(), startup=startup,
+              plans=plans, states=shard.StateMeter(plain, optimizer))
     sync = recipe.scaler_sync_warning(optimizer, args.amp)
     run.host['warnings'] += [sync] if sync else []  # printed in the header, kept in summary.json
     if resumed:  # where this attempt starts, and what it replaced of the one before
@@ -249,7 +260,7 @@ def train_step(run, images, labels):
     n = len(micro)
     losses, outputs, targets = [], [], []
     for k, (x, y) in enumerate(micro):
-        with run.model.no_sync() if k < n - 1 and run.dist.distributed else nullcontext():
+        with shard.no_sync(run.model) if k < n - 1 and run.dist.distributed else nullcontext():
             with run.chrono.phase('h2d'):
                 x, y = to_device(x, y, run)
                 # soft targets with --mixup/--cutmix, drawn for (optimizer step, virtual rank); the meters keep y
@@ -402,6 +413,7 @@ def evaluate(run, epoch, progress, max_batches=None, ema=False):
     # rank 0's BatchNorm statistics, as in its checkpoint
     launch.broadcast_buffers_(run.ema.module if ema else run.model_without_ddp)
     meters, batches, raw_time = Meters(len(run.data.classes), run.device, criterion=True), 0, chrono.val_time
+    most = shard.most_batches(run, max_batches)
     with run.memory.validation(), chrono.validation():  # the memory read after the Chronometer's sync
         for x, labels in itertools.islice(run.data.val_loader, max_batches):
             x, labels = to_device(x, labels, run)
@@ -411,6 +423,7 @@ def evaluate(run, epoch, progress, max_batches=None, ema=False):
                               run.criterion(output, labels))
             batches += 1
             failpoints.after_val_batch()
+        shard.blank_forwards(model, most - batches, run)  # a sliced model: every rank runs as many forwards
         # compute() is a collective; inside the timed block so that waiting for slower ranks counts
         res = dict(type='val_ema' if ema else 'val', epoch=epoch + 1, global_step=progress.global_step,
                    **meters.compute(), batches=batches, train_images=progress.images, wall_s=run_wall_s(run),
@@ -438,6 +451,8 @@ def main(args, dist=None, startup=None, hold_interrupt=False):
         device, raw, args, share = _device(args, dist)
     with startup.phase('process_group'):
         launch.setup(dist, device, args.dist_timeout, share)
+        if args.shard != 'none' and not dist.distributed:  # fully_shard and ZeRO-1 need a group, of one here
+            shard.single_group(device)
     with ExitStack() as taken:
         with startup.phase('run_folder'):
             taken.enter_context(rundir.taken(args, dist))  # sets args.output_dir on every rank

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from dlojzlib import compat
-from dlojzlib.dist import launch
+from dlojzlib.dist import launch, shard
 from dlojzlib.errors import Preempted
 from dlojzlib.flags import ADAPTIVE, BASE_LR  # noqa: F401 (beside the flags, which read them without torch)
 
@@ -39,21 +39,25 @@ def param_groups(model, wd, wd_norm_bias=True, adaptive=False):
 
 
 def build_optimizer(args, model, lr, device):
+    """-> the optimizer of --optimizer over `model`'s parameter groups; with --shard optimizer, ZeRO-1's
+    around it (each rank keeps and steps a part of the state)."""
     groups = param_groups(model, args.wd, args.wd_norm_bias, args.optimizer in ADAPTIVE)
+    make = shard.zero_optimizer if getattr(args, 'shard', 'none') == 'optimizer' else \
+        lambda cls, groups, **kw: cls(groups, **kw)
     # On a GPU the fused kernels update every parameter in a few launches, and take fp16's loss
     # scale and inf flag as device tensors: GradScaler.step then skips its per-step found_inf.item()
     # synchronisation.
     fused = {'fused': True} if device.type == 'cuda' else {}
     if args.optimizer == 'sgd':
-        return zero_momentum(torch.optim.SGD(groups, lr=lr, momentum=args.mom, **fused))
+        return zero_momentum(make(torch.optim.SGD, groups, lr=lr, momentum=args.mom, **fused))
     if args.optimizer == 'adamw':
-        return torch.optim.AdamW(groups, lr=lr, betas=(args.mom, 0.999), **fused)
+        return make(torch.optim.AdamW, groups, lr=lr, betas=(args.mom, 0.999), **fused)
     from timm import optim as timm_optim  # seconds to import: only when asked for
     cls = {'lars': timm_optim.Lars, 'lamb': timm_optim.Lamb,
            'lion': timm_optim.Lion}[args.optimizer]
     kw = {'momentum': args.mom} if args.optimizer == 'lars' else \
         {'betas': (args.mom, 0.999 if args.optimizer == 'lamb' else 0.99)}
-    return cls(groups, lr=lr, **kw, **timm_foreach(cls, device))
+    return make(cls, groups, lr=lr, **kw, **timm_foreach(cls, device))
 
 
 def zero_momentum(optimizer):
@@ -64,12 +68,13 @@ def zero_momentum(optimizer):
     at the initial scale of 65536), the kernel skips, and every later step reads the uninitialised
     memory: NaN within a few steps (ResNet-18, H100, torch 2.11). A zero buffer gives the first
     step's own rule, momentum x 0 + gradient = gradient (dampening is 0), bit for bit, on every
-    implementation, and a skipped step leaves it zero."""
-    for group in optimizer.param_groups:
+    implementation, and a skipped step leaves it zero. ZeRO-1: the buffers of this rank's part."""
+    local = shard.local_optimizer(optimizer)
+    for group in local.param_groups:
         assert group['dampening'] == 0, 'the zero buffer equals the first-step rule only without dampening'
         if group['momentum']:
             for p in group['params']:
-                optimizer.state[p]['momentum_buffer'] = torch.zeros_like(p)
+                local.state[p]['momentum_buffer'] = torch.zeros_like(p)
     return optimizer
 
 

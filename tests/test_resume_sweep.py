@@ -75,6 +75,7 @@ CHANGES = {
     'static_graph': ['--static-graph'], 'gradient_as_bucket_view': ['--gradient-as-bucket-view'],
     'broadcast_buffers': ['--no-broadcast-buffers'], 'dist_timeout': ['--dist-timeout', '5'],
     'nccl_debug': ['--nccl-debug'], 'dist_debug': ['--dist-debug'], 'share_gpu': ['--share-gpu'],
+    'shard': ['--shard', 'full'], 'cpu_offload': ['--shard', 'full', '--cpu-offload'],
     'log_interval': ['--log-interval', '2'], 'metric_step': ['--metric-step', '2'],
     'metric_sync_log': ['--metric-sync-log'], 'wandb': ['--wandb', 'offline'], 'prof': ['--prof'],
     'prof_wait': ['--prof-wait', '2'], 'prof_warmup': ['--prof-warmup', '2'], 'prof_active': ['--prof-active', '2'],

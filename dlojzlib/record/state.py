@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dlojzlib.dist import launch
+from dlojzlib.dist import launch, shard
 from dlojzlib.errors import Complete, Interrupted, Preempted, UsageError
 from dlojzlib.record.checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint,
                                         load_latest_checkpoint, save_checkpoint, space_warning,
@@ -52,16 +52,16 @@ def set_device_rng_state(state, device):
         torch.cuda.set_rng_state(state, device)
 
 
-def checkpoint_state(run, progress, device_rng):
-    """device_rng: every rank's device_rng_state(), indexed by rank. The position is the loop's own:
-    an epoch that is trained but not yet closed (end_due: a stop during its last step) is resumed by
-    its validation. metrics_bytes: how much of metrics.jsonl was written then (the resumed run keeps
+def checkpoint_state(run, progress, device_rng, model, optimizer):
+    """device_rng: every rank's device_rng_state(), indexed by rank. model, optimizer: their state dicts
+    whole (dist.shard.model_state, optimizer_state: gathered on every rank, whatever --shard). The
+    position is the loop's own: an epoch that is trained but not yet closed (end_due: a stop during its
+    last step) is resumed by its validation. metrics_bytes: how much of metrics.jsonl was written then (the resumed run keeps
     that much)."""
     epoch, step = progress.epoch, progress.step
     return {'version': SUMMARY_VERSION, 'arch': run.args.arch, 'num_classes': len(run.data.classes),
             'classes': list(run.data.classes), 'train_images': run.data.n_train,
-            'model': strip_prefixes(run.model_without_ddp.state_dict()),
-            'optimizer': run.optimizer.state_dict(),
+            'model': strip_prefixes(model), 'optimizer': optimizer,
             'scheduler': run.scheduler.state_dict(), 'scaler': run.scaler.state_dict(),
             'epoch': epoch,
             'step_in_epoch': step, 'end_due': progress.end_due, 'metrics_bytes': run.log.size(),
@@ -83,6 +83,8 @@ def save(run, progress, path=None):
     `path`, pruning nothing). A failure on rank 0 (a full disk) is raised on every rank. -> the
     path, on every rank."""
     device_rng = launch.all_gather_object(device_rng_state(run.device))
+    # every rank: FSDP2 gathers each parameter's slices, ZeRO-1 its optimizer's parts, on rank 0
+    model, optimizer = shard.model_state(run.model_without_ddp), shard.optimizer_state(run.optimizer)
     keep = None if path else run.args.keep_checkpoints
     path = path or checkpoint_path(run.args.output_dir, progress.global_step)
 
@@ -90,7 +92,7 @@ def save(run, progress, path=None):
         warning = space_warning(run.args.output_dir)
         if warning:
             print(f'dlojz: warning: {warning}', file=sys.stderr, flush=True)
-        save_checkpoint(path, checkpoint_state(run, progress, device_rng), keep=keep)
+        save_checkpoint(path, checkpoint_state(run, progress, device_rng, model, optimizer), keep=keep)
     launch.on_ranks(write, when=run.dist.is_main)
     run.log.print(f'Checkpoint {path} written (step {progress.global_step})')
     return path
@@ -220,7 +222,7 @@ def check_fits(ckpt, path, arch, model, optimizer=None):
                          f"or another checkpoint.")
     if optimizer is None:
         return
-    groups, saved = optimizer.state_dict()['param_groups'], (ckpt.get('optimizer') or {}).get('param_groups')
+    groups, saved = optimizer.param_groups, (ckpt.get('optimizer') or {}).get('param_groups')
     if saved is not None and [len(g['params']) for g in groups] != [len(g['params']) for g in saved]:
         raise UsageError(f"checkpoint {path}'s optimizer has {len(saved)} parameter groups of "
                          f"{[len(g['params']) for g in saved]} tensors but this run's has "
@@ -282,16 +284,17 @@ def load_optimizer(optimizer, state):
     measured on an H100 with torch 2.11), where the foreach kernels fall back to a slow path."""
     # this run's flags
     fresh = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]
-    optimizer.load_state_dict(state)
+    optimizer.load_state_dict(shard.optimizer_state_for(optimizer, state))
 
     def take(keys):
         for group, mine in zip(optimizer.param_groups, fresh):
             group.update({k: mine[k] for k in keys if k in mine})
     take(IMPLEMENTATION)
-    for group in optimizer.param_groups:
+    local = shard.local_optimizer(optimizer)  # ZeRO-1: the part this rank steps (it follows the groups above)
+    for group in local.param_groups:
         on_device = group.get('fused') or group.get('capturable')
         for p in group['params']:
-            state = optimizer.state.get(p, {})
+            state = local.state.get(p, {})
             step = state.get('step')
             where = p.device if on_device else torch.device('cpu')
             if isinstance(step, torch.Tensor) and step.device != where:
@@ -310,7 +313,7 @@ def _restride(value, p):
 
 
 def _restore(run, ckpt):
-    run.model_without_ddp.load_state_dict(ckpt['model'])
+    shard.load_model_state(run.model_without_ddp, ckpt['model'])
     race = ckpt.get('race') or {}
     progress = Progress(epoch=ckpt['epoch'], step=ckpt['step_in_epoch'],
                         global_step=ckpt['global_step'],

@@ -11,7 +11,7 @@ from dlojzlib import recipe
 from dlojzlib.dist import launch
 from dlojzlib.flags import get_args_parser
 from dlojzlib.host import provenance
-from dlojzlib.measure import startup
+from dlojzlib.measure import memory, startup
 from dlojzlib.record.log import SUMMARY_VERSION, write_json
 
 
@@ -73,7 +73,7 @@ def write_summary(run, progress, status, error=None, extra=None):
                  'dali': run.data.dali,
                  'staging': run.data.staging, 'index': run.data.index},
         'timing': timing,
-        'memory': run.memory.summary(), 'host': run.host,
+        'memory': {**run.memory.summary(), **states_summary(run, [states_of(run)])}, 'host': run.host,
         'energy': energy,
         'global_step': progress.global_step, 'train': progress.train, 'val': progress.val,
         'val_ema': progress.val_ema,
@@ -84,7 +84,7 @@ def write_summary(run, progress, status, error=None, extra=None):
     }
     starts = [rank_startup(run)]  # every rank's once the run completed (gathered below)
     if dist.distributed:
-        summary['communication'] = communication_estimate(args.bucket_cap_mb, run.model_without_ddp,
+        summary['communication'] = communication_estimate(args.bucket_cap_mb, run.model_without_ddp, args.shard,
                                                           dist.world_size)
         if status == 'completed':
             ranks = launch.all_gather_object(rank_report(run))
@@ -92,6 +92,7 @@ def write_summary(run, progress, status, error=None, extra=None):
             timing.update(ranks_summary(ranks))
             summary['memory']['gpu_max_allocated_bytes_any_rank'] = max(
                 (r['gpu_max_allocated_bytes'] or 0 for r in ranks), default=0) if cuda else None
+            summary['memory'].update(states_summary(run, [r['model_states'] for r in ranks]))
             energy.update(energy_over_ranks(ranks))
             starts = [r['startup'] for r in ranks]
     summary['startup'] = startup.summarize(starts)
@@ -114,8 +115,22 @@ def rank_report(run):
             'data_mean_s': data['mean'] if data else None, 'val_time_s': run.chrono.val_time,
             'gpu_max_allocated_bytes': memory['gpu_max_allocated_bytes'],
             'host_peak_rss_bytes': memory['host_peak_rss_bytes'],
+            'model_states': states_of(run),
             'startup': rank_startup(run),
             **run.power.report()}
+
+
+def states_of(run):
+    """This rank's model states in bytes (dist.shard.state_bytes), None before an optimizer step."""
+    return run.states.bytes if run.states is not None else None
+
+
+def states_summary(run, ranks):
+    """summary.json's model-state entries: the plan, and the rank that holds the most, measured."""
+    if run.plans is None:
+        return {}
+    measured = max((r for r in ranks if r), key=lambda r: r['model_states'], default=None)
+    return memory.summary(run.plans, run.args.shard, measured)
 
 
 def rank_startup(run):
@@ -204,17 +219,23 @@ def ranks_summary(ranks):
     return res
 
 
-def communication_estimate(bucket_cap_mb, model, world_size):
+# what a rank sends per step under --shard, in gradient all-reduces: an all-reduce is a reduce-scatter
+# then an all-gather, (W-1)/W of the buffer each; ZeRO-1 broadcasts the stepped parameters too, ZeRO-3
+# gathers them for the forward and again for the backward (Rajbhandari et al. 2020, section 7)
+TRAFFIC = {'none': 1.0, 'optimizer': 1.5, 'gradients': 1.0, 'full': 1.5}
+
+
+def communication_estimate(bucket_cap_mb, model, shard, world_size):
     """Gradient all-reduce volume per step: 4 bytes per trainable parameter (gradients are fp32 even
     under AMP, the parameters being fp32), sent in DDP buckets: a first 1 MiB bucket, then
-    --bucket-cap-mb ones."""
-    grad_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    --bucket-cap-mb ones. Under --shard, the traffic in all-reduces of that volume (TRAFFIC)."""
+    grad_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensors: whole
     first, cap = 2 ** 20, bucket_cap_mb * 2 ** 20
     buckets = 1 + math.ceil(max(0, grad_bytes - first) / cap)
     return {'gradient_bytes_per_step': grad_bytes, 'bucket_cap_mb': bucket_cap_mb,
-            'buckets_estimate': buckets,
+            'buckets_estimate': buckets, 'shard': shard, 'traffic_factor': TRAFFIC[shard],
             # a ring all-reduce sends (and receives) 2 (W-1)/W of the buffer per rank
-            'ring_bytes_per_rank_per_step': 2 * (world_size - 1) / world_size * grad_bytes}
+            'ring_bytes_per_rank_per_step': TRAFFIC[shard] * 2 * (world_size - 1) / world_size * grad_bytes}
 
 
 SHARE_NAMES = {'communication': 'exposed communication', 'straggler': 'waiting for a late rank',
@@ -269,7 +290,10 @@ def final_lines(summary, chrono, steps_per_epoch):
                      f"{t['slowest_step_median_s'] * 1e3:.1f} ms (skew {t['rank_skew'] * 100:.1f} "
                      f"%)")
     c = summary.get('communication')
-    if c:
+    if c and c.get('shard', 'none') != 'none':
+        lines.append(f">>> Sharded traffic per step (--shard {c['shard']}): {c['traffic_factor']:g} x the "
+                     f"gradient all-reduce of {c['gradient_bytes_per_step'] / 2**20:.1f} MiB")
+    elif c:
         lines.append(f">>> Gradient all-reduce per step: "
                      f"{c['gradient_bytes_per_step'] / 2**20:.1f} MiB in about "
                      f"{c['buckets_estimate']} buckets of <= {c['bucket_cap_mb']:g} MiB")
@@ -282,6 +306,10 @@ def final_lines(summary, chrono, steps_per_epoch):
     if start:
         lines.append(start)
     m = summary['memory']
+    config = summary['config']
+    states = memory.line(m, config.get('shard', 'none'), summary.get('world_size', 1), config.get('cpu_offload'))
+    if states:
+        lines.append(states)
     if m['gpu_max_allocated_bytes'] is not None:
         # the byte count stays second to last: the course's tools read it there
         lines.append(f">>> Max Memory Allocated {m['gpu_max_allocated_bytes'] / 2**30:.2f} GiB "

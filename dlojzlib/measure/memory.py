@@ -1,0 +1,62 @@
+"""Memory planned before the first step and measured after it: the model states per rank of every --shard
+mode at this world size (dist.plan's arithmetic over the shapes of a model built on the meta device), the
+refusal of a mode whose states cannot fit the GPU, and the `>>> Memory:` line that puts the largest
+rank's measured states beside the plan."""
+import torch
+
+from dlojzlib.dist import plan
+from dlojzlib.errors import UsageError
+from dlojzlib.recipe import param_groups
+
+
+def shapes(module):
+    return [tuple(p.shape) for p in module.parameters()]
+
+
+def plan_run(args, meta_model, blocks, world_size, capacity=None):
+    """-> {mode: plan} for `meta_model` (built on the meta device: nothing allocated) under this run's
+    optimizer. capacity: the GPU's memory in bytes (None on CPU): a mode whose model states exceed it
+    is refused, naming one that fits."""
+    groups = [[tuple(p.shape) for p in g['params']]
+              for g in param_groups(meta_model, args.wd, args.wd_norm_bias)]
+    size = next(meta_model.parameters()).element_size()
+    plans = plan.plans(groups, world_size, args.optimizer, args.mom, size, [shapes(b) for b in blocks])
+    if capacity is not None:
+        offload = args.cpu_offload
+        need = plan.device_bytes(plans[args.shard], offload)
+        if need > capacity:
+            fits = plan.fitting_mode(plans, capacity, offload)
+            what = (f'--shard {fits} ({plan.ZERO[fits]}) plans {plan.gib(plan.device_bytes(plans[fits], offload))} '
+                    f'GiB: use it' if fits else f'no mode fits at {world_size} rank(s): add GPUs, or '
+                    f'--shard full --cpu-offload')
+            raise UsageError(f'--arch {args.arch} with --optimizer {args.optimizer} needs {plan.gib(need)} GiB '
+                             f'of model states per GPU under --shard {args.shard} ({plan.ZERO[args.shard]}) at '
+                             f'{world_size} rank(s), more than this GPU\'s {plan.gib(capacity)} GiB; {what}.')
+    return plans
+
+
+def capacity(device):
+    """The GPU's memory in bytes; None on CPU (no limit is checked there)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == 'cuda' else None
+
+
+def summary(plans, mode, measured):
+    """summary.json's memory entries: the plan of every mode, the chosen one's model states, and the
+    largest rank's measured (None until the first optimizer step ran)."""
+    return {'model_state_plan': plans, 'model_state_plan_bytes': plans[mode]['model_states'],
+            'model_state_bytes': measured['model_states'] if measured else None,
+            'model_state_measured': measured}
+
+
+def line(memory, mode, world_size, offload=False):
+    """'>>> Memory: ...' from summary.json's memory entries; None without a measurement."""
+    got = memory.get('model_state_measured')
+    if not got:
+        return None
+    planned = memory['model_state_plan'][mode]
+    where = 'host memory (--cpu-offload)' if offload else 'per rank'
+    parts = ' + '.join(f'{plan.gib(got[k])}' for k in ('parameters', 'gradients', 'optimizer'))
+    return (f">>> Memory: model states {where} {plan.gib(got['model_states'])} GiB measured "
+            f"(parameters + gradients + optimizer state = {parts}), "
+            f"{plan.gib(planned['model_states'])} GiB planned (--shard {mode}, {plan.ZERO[mode]}, "
+            f"{world_size} rank(s))")

@@ -1,0 +1,250 @@
+"""--shard (ZeRO 1, 2 and 3 on torch's own APIs), timm's models and the memory plan, on CPU with gloo:
+
+- every mode trains as DDP does: the same loss at every step and, bit for bit, the same weights,
+  BatchNorm statistics and optimizer state at the end (2 ranks here; every mode, AdamW and 3 ranks in
+  the long tier). The reference is a --shard none run of the same flags: DDP, which tests/test_ddp.py
+  holds against a single-process loop;
+- each rank's model states, counted from their storage after the first step, are the plan's, which
+  is arithmetic over the parameters' shapes (dist.plan), within 1 %;
+- a --shard full checkpoint is one plain .pt: a single process without sharding validates it as the
+  2 ranks did (and 3 ranks under --shard full, one of them short of batches, in the long tier), and a
+  resume at 3 ranks under --shard full ends where the same resume under --shard none ends;
+- the plan by hand counts, its order over the modes (a property test), ViT-g on 4 GPUs, the refusal
+  of a mode a GPU cannot hold, CoAtNet-7's parameter count on the meta device;
+- every flag a sharded mode cannot take is refused in one sentence, and --shard full below torch 2.6
+  (the floor stage of .ci/run runs that test);
+- --arch timm:vit_tiny_patch16_224 trains, and resumes where an uninterrupted run is.
+
+Run: python -m pytest -q tests/test_shard.py
+"""
+import argparse
+import json
+import os
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from conftest import TINY, latest, run_cli, run_main, torchrun
+import custom_models
+import dlojz
+from dlojzlib import flags
+from dlojzlib.dist import plan
+from dlojzlib.errors import UsageError
+from dlojzlib.measure import memory
+
+TORCH = tuple(int(v) for v in re.findall(r'\d+', torch.__version__)[:2])
+FSDP = pytest.mark.skipif(TORCH < plan.FSDP_TORCH, reason='FSDP2 runs on CPU from torch 2.6 (refused below)')
+# the equivalence runs of tests/test_ddp.py: a small constant LR, so that rounding stays rounding
+EQUIV = ['--test-nsteps', '4', '--lr', '0.002', '--scheduler', 'constant', '--wd', '0', '--log-interval', '1',
+         '--chkpt']
+
+
+def trained(tmp_path, cache, name, ranks, *flags_):
+    out = tmp_path / name
+    p = torchrun(ranks, *TINY, '--cache-dir', cache, '--output-dir', out, *EQUIV, *flags_)
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(out / 'summary.json') as f:
+        summary = json.load(f)
+    with open(out / 'metrics.jsonl') as f:
+        losses = [r['loss'] for r in map(json.loads, f) if r.get('type') == 'train']
+    return out, summary, losses, torch.load(latest(out), weights_only=False), p.stdout
+
+
+def assert_same_state(mine, ddp, rel=0.0):
+    """Weights, BatchNorm buffers and optimizer state: equal, bit for bit (rel=0)."""
+    same = (lambda a, b: torch.equal(a, b)) if not rel else \
+        (lambda a, b: torch.allclose(a.double(), b.double(), rtol=rel, atol=rel))
+    for k, v in ddp['model'].items():
+        if isinstance(v, torch.Tensor):
+            assert same(mine['model'][k], v), k
+    assert mine['optimizer']['param_groups'] == ddp['optimizer']['param_groups']
+    assert mine['optimizer']['state'].keys() == ddp['optimizer']['state'].keys()
+    for i, s in ddp['optimizer']['state'].items():
+        for k, v in s.items():
+            assert same(mine['optimizer']['state'][i][k], v), (i, k)
+
+
+def assert_states_planned(summary):
+    m = summary['memory']
+    assert m['model_state_bytes'] == pytest.approx(m['model_state_plan_bytes'], rel=0.01), m
+
+
+def trains_as_ddp(tmp_path, cache, modes, ranks=2, *flags_):
+    """FSDP2 reduces the gradients as (g_1 + ... + g_N) / N and DDP as g_1 / N + ... + g_N / N: the same
+    bits where N is a power of two, within float32's rounding elsewhere (3 ranks: 5e-7 relative on a
+    loss after 4 steps)."""
+    _, s0, losses0, ddp, _ = trained(tmp_path, cache, 'none', ranks, '--shard', 'none', *flags_)
+    assert_states_planned(s0)
+    for mode in modes:
+        out, s, losses, mine, stdout = trained(tmp_path, cache, mode, ranks, '--shard', mode, *flags_)
+        rel = 0.0 if mode == 'optimizer' or ranks & (ranks - 1) == 0 else 1e-5
+        assert losses == pytest.approx(losses0, rel=rel, abs=0) and len(losses) == 4, (mode, losses, losses0)
+        assert s['val']['loss'] == pytest.approx(s0['val']['loss'], rel=rel, abs=0), mode
+        assert_same_state(mine, ddp, rel)
+        assert_states_planned(s)
+        assert f'>>> Memory: model states per rank' in stdout and f'(--shard {mode}, ' in stdout, stdout
+    return s0
+
+
+@FSDP
+def test_full_sharding_trains_as_ddp_and_its_checkpoint_is_one_plain_file(tmp_path, cache_dir):
+    s0 = trains_as_ddp(tmp_path, cache_dir, ['full'])
+    # the 2 ranks' ZeRO-3 checkpoint, read by one process without sharding: the same validation
+    s, _ = run_main(tmp_path / 'ev', cache_dir, '--resume', latest(tmp_path / 'full'), '--evaluate',
+                    '-b', '16')
+    # top-1 exactly; the loss to float32's rounding (its sum over the ranks adds in another order)
+    assert s['val']['top1'] == s0['val']['top1'] and s['val']['loss'] == pytest.approx(s0['val']['loss'], rel=1e-6)
+
+
+@pytest.mark.slow
+@FSDP
+@pytest.mark.parametrize('ranks', [2, 3])
+def test_every_mode_trains_as_ddp_with_adamw(tmp_path, cache_dir, ranks):
+    trains_as_ddp(tmp_path, cache_dir, ['optimizer', 'gradients', 'full'], ranks,
+                  '--optimizer', 'adamw', '--lr', '0.0005')
+
+
+@pytest.mark.slow
+def test_zero1_trains_as_ddp(tmp_path, cache_dir):
+    """ZeRO-1 alone, which runs on the floor's torch too."""
+    trains_as_ddp(tmp_path, cache_dir, ['optimizer'])
+
+
+@pytest.mark.slow
+@FSDP
+def test_a_sharded_checkpoint_validates_and_resumes_at_another_world_size(tmp_path, cache_dir):
+    """Written by 2 ranks under --shard full. 3 ranks validate 20 images in batches of 2 (4, 4 and 3
+    batches: the third rank runs a blank forward in step with the others) as one process does; a
+    resume at 3 ranks under --shard full ends where the same resume under --shard none (DDP) ends."""
+    out = trained(tmp_path, cache_dir, 'full', 2, '--shard', 'full')[0]
+    ckpt = latest(out)
+    val = ['--synthetic-val-per-class', '5', '--val-batch-size', '2']
+    one, _ = run_main(tmp_path / 'ev1', cache_dir, '--resume', ckpt, '--evaluate', *val)
+    p = torchrun(3, *TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'ev3', '--resume', ckpt,
+                 '--evaluate', '--shard', 'full', *val)
+    assert p.returncode == 0, p.stderr[-3000:]
+    three = json.load(open(tmp_path / 'ev3' / 'summary.json'))
+    assert (three['val']['top1'], three['val']['batches']) == (one['val']['top1'], 4), (three['val'], one['val'])
+    assert three['val']['loss'] == pytest.approx(one['val']['loss'], rel=1e-6)
+    ends = {}
+    for mode in ('none', 'full'):
+        run = tmp_path / f'resumed-{mode}'
+        p = torchrun(3, *TINY, '--cache-dir', cache_dir, '--output-dir', run, *EQUIV, '--resume', ckpt,
+                     '--test-nsteps', '8', '--allow-batch-change', '--shard', mode)
+        assert p.returncode == 0, p.stderr[-3000:]
+        ends[mode] = torch.load(latest(run), weights_only=False)
+    assert ends['full']['global_step'] == 4  # resumed at image 64 = step 2 of the 4 of 24 images an epoch holds
+    assert_same_state(ends['full'], ends['none'], rel=1e-5)  # 3 ranks: trains_as_ddp says why not bit for bit
+    assert not torch.equal(ends['full']['model']['fc.weight'], torch.load(ckpt, weights_only=False)['model']['fc.weight'])
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+
+def test_the_plan_by_hand():
+    """Two tensors, (4, 3) and (3,): 15 elements of 4 bytes. SGD with momentum keeps one buffer per
+    parameter, AdamW two and a 4-byte step each. At 2 ranks FSDP2 gives rank 0 rows 0-1 of the first
+    (6 elements) and elements 0-1 of the second (2): 8."""
+    groups = [[(4, 3), (3,)]]
+    none = plan.plan(groups, 'none', 2, 'sgd')
+    assert (none['parameters'], none['gradients'], none['optimizer']) == (60, 60, 60)
+    full = plan.plan(groups, 'full', 2, 'adamw', blocks=[[(4, 3)], [(3,)]])
+    assert (full['parameters'], full['optimizer'], full['gathered']) == (32, 2 * 32 + 2 * 4, 60)
+    # ZeRO-1: 12 elements to rank 0, 3 to rank 1; the plan counts rank 0's
+    assert plan.plan(groups, 'optimizer', 2, 'sgd')['optimizer'] == 48
+    assert plan.zero_partition([[10, 6, 5]], 2) == [10, 11]
+    assert plan.plan(groups, 'full', 1, 'sgd', momentum=0)['optimizer'] == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=3), min_size=1, max_size=6),
+                min_size=1, max_size=3), st.integers(1, 9), st.sampled_from(sorted(plan.STATE)))
+def test_each_mode_keeps_no_more_than_the_one_before(groups, world, optimizer):
+    groups = [[tuple(s) for s in g] for g in groups]
+    p = plan.plans(groups, world, optimizer)
+    whole = sum(torch.Size(s).numel() for g in groups for s in g) * 4
+    assert p['none']['parameters'] == whole
+    # not ZeRO-1 against FSDP2: a dimension shorter than the world leaves whole rows on rank 0
+    assert p['none']['model_states'] >= p['optimizer']['model_states']
+    assert p['none']['model_states'] >= p['gradients']['model_states'] == p['full']['model_states']
+    assert whole <= world * p['full']['parameters'] < whole + world * 4 * sum(
+        torch.Size(s[1:]).numel() for g in groups for s in g)
+
+
+def plan_args(**kw):
+    return argparse.Namespace(**{**dict(wd=0.0, wd_norm_bias=True, optimizer='adamw', mom=0.9, shard='none',
+                                        cpu_offload=False, arch='timm:vit_giant_patch14_224'), **kw})
+
+
+def test_vit_g_fits_16_gb_gpus_only_when_sharded():
+    """ViT-g/14 (1.01 B parameters) with AdamW: 16.2 GB of model states under DDP, 4.1 GB per GPU under
+    ZeRO-3 on 4 GPUs. On a 16 GB GPU, DDP is refused and the refusal names ZeRO-1 (10.1 GB)."""
+    with torch.device('meta'):
+        meta = custom_models.build_model('timm:vit_giant_patch14_224', 1000)
+    blocks = custom_models.blocks(meta)
+    assert len(blocks) == 40
+    plans = memory.plan_run(plan_args(shard='full'), meta, blocks, 4, capacity=16e9)
+    assert plans['full']['model_states'] <= 4.1e9 and plans['none']['model_states'] >= 16.1e9, plans
+    with pytest.raises(UsageError, match=r'needs 15\.\d\d GiB .* under --shard none .* --shard optimizer'):
+        memory.plan_run(plan_args(), meta, blocks, 4, capacity=16e9)
+
+
+def test_coatnet7_has_the_papers_parameter_count():
+    with torch.device('meta'):
+        model = custom_models.build_model('coatnet7', 1000)
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - 2.44e9) / 2.44e9 < 0.02, n
+    assert len(custom_models.blocks(model)) == 2 + 4 + 8 + 42 + 2
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+
+def checked(*argv, device='cpu', world=2):
+    args = flags.get_args_parser().parse_args(['--test-nsteps', '2', '--wandb', 'off', *argv])
+    return flags.check_args(args, torch.device(device), world)
+
+
+@pytest.mark.parametrize('argv, says', [
+    (['--cpu-offload'], '--cpu-offload keeps the shards of --shard gradients or full'),
+    (['--shard', 'full', '--ema-decay', '0.99'], 'drop --ema-decay'),
+    (['--shard', 'gradients', '--arch', 'resnet18-heads'], 'leaves its unused heads'),
+    (['--shard', 'full', '--compile'], 'drop --compile'),
+    (['--shard', 'full', '--sync-bn'], 'use --shard optimizer with --sync-bn'),
+    (['--shard', 'full', '--amp', 'fp16'], 'use --amp bf16'),
+    (['--arch', 'timm:no_such_model'], "timm has no model 'no_such_model'"),
+    (['--arch', 'timm:vit_tiny_patch16_224', '--val-image-size', '48'], 'built for one image size'),
+])
+def test_what_a_mode_cannot_take_is_refused_in_one_sentence(argv, says):
+    with pytest.raises(UsageError, match=re.escape(says)) as e:
+        checked(*argv)
+    assert '\n' not in str(e.value) and str(e.value).endswith('.')
+
+
+def test_fsdp_is_refused_below_torch_2_6_and_where_gloo_would_carry_gpu_slices():
+    args = checked('--shard', 'full')
+    sentences = [s for refused, s in plan.refusals(args, 'cpu', 2, (2, 4)) if refused]
+    assert sentences == ['--shard full needs FSDP2\'s fully_shard, public from torch 2.6 (this is 2.4); use '
+                         '--shard optimizer (ZeRO-1) or upgrade torch.']
+    assert any(r and 'gloo' in s for r, s in plan.refusals(args, 'cuda', 2, (2, 14), backend='gloo'))
+
+
+@pytest.mark.skipif(TORCH >= plan.FSDP_TORCH, reason='the floor stage: torch below 2.6 refuses --shard full')
+def test_the_floor_refuses_full_sharding(tmp_path):
+    p = run_cli(*TINY, '--output-dir', tmp_path / 'run', '--shard', 'full', '--test-nsteps', '1')
+    assert p.returncode == 2 and 'public from torch 2.6' in p.stderr and 'Traceback' not in p.stderr, p.stderr
+
+
+# ------------------------------------------------------------------------------------------------ timm
+
+def test_a_timm_vit_trains_and_resumes_where_an_uninterrupted_run_is(tmp_path, cache_dir):
+    vit = ['--arch', 'timm:vit_tiny_patch16_224', '--optimizer', 'adamw', '--lr', '0.0005', '--chkpt',
+           '--scheduler', 'constant']
+    whole, _ = run_main(tmp_path / 'whole', cache_dir, *vit, '--test-nsteps', '4')
+    run_main(tmp_path / 'cut', cache_dir, *vit, '--test-nsteps', '2')
+    resumed, records = run_main(tmp_path / 'cut', cache_dir, *vit, '--test-nsteps', '4', '--resume', 'auto')
+    assert any(r['type'] == 'resume' for r in records) and resumed['global_step'] == 4
+    a, b = (torch.load(latest(tmp_path / d), weights_only=False) for d in ('whole', 'cut'))
+    assert a['global_step'] == b['global_step'] == 4
+    assert_same_state(b, a)
+    assert resumed['val']['loss'] == whole['val']['loss']
