@@ -9,6 +9,7 @@ damaged, staging folders that cannot be used. Decoding (16-bit images) is tests/
 tests/test_dali.py's; a second signal, tests/test_preempt.py's.
 
 python -m pytest -q -m slow tests/test_input_sweep.py"""
+import json
 import os
 import shutil
 import subprocess
@@ -65,6 +66,12 @@ def written(tmp_path_factory, cache_dir):
     shutil.copytree(root / 'shards', root / 'damaged')
     with open(root / 'damaged' / 'index-val.npy', 'r+b') as f:
         f.truncate(30)
+    with open(root / 'run' / 'summary.json') as f:  # a one-device summary whose traffic factor is not a number
+        odd = json.load(f)
+    odd['communication'] = {'gradient_bytes_per_step': 4000, 'traffic_factor': 'x'}
+    os.makedirs(root / 'odd')
+    with open(root / 'odd' / 'summary.json', 'w') as f:
+        json.dump(odd, f)
     return root, os.path.join(cache_dir, synth)
 
 
@@ -129,6 +136,8 @@ CASES = {
     'forecast gpus not numbers': ('dlojz_scaling.py', [*FORECAST, '--gpus', '1,x'],
                                   ['--gpus', '1,x']),
     'forecast cores negative': ('dlojz_scaling.py', [*FORECAST, '--cores', '-1'], ['--cores']),
+    'forecast traffic factor not a number': ('dlojz_scaling.py', '--summary {odd} --machine a100'.split(),
+                                             ['communication.traffic_factor', "'x'"]),
     # dlojz_bench.py
     'bench corpus of no image': ('dlojz_bench.py', 'corpus {new} --images 0'.split(),
                                  ['--images']),
@@ -147,6 +156,7 @@ def test_a_bad_input_is_one_sentence_and_changes_nothing(case, written, tmp_path
     root, synth = written
     script, argv, words, *env = CASES[case]
     paths = {'run': root / 'run', 'shards': root / 'shards', 'damaged': root / 'damaged',
+             'odd': root / 'odd' / 'summary.json',
              'synth': synth, 'new': tmp_path / 'new', 'cache': cache_dir}
     argv = [a.format(**paths) if isinstance(a, str) else a for a in argv]
     env = {k: v.format(**paths) for k, v in (env[0] if env else {}).items()}

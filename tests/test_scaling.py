@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from conftest import ROOT, torchrun
 from dlojzlib.dist import machines
@@ -148,6 +149,30 @@ def test_inputs_from_summary():
         S.inputs_from_summary(summary(world_size=2))
     with pytest.raises(ValueError, match='phase timing'):
         S.inputs_from_summary(summary(stats={}))
+
+
+def test_the_forecast_sends_what_the_shard_mode_sends():
+    """A reference run under --shard full (ZeRO-3) writes traffic_factor 1.5: the forecast sends 1.5 x
+    its gradients per step; a summary without the factor (before --shard) sends them once."""
+    plain, zero3 = summary(), summary()
+    plain['communication'] = {'gradient_bytes_per_step': 10 ** 8}  # ResNet-50's 98 MiB, where bandwidth rules
+    zero3['communication'] = {'gradient_bytes_per_step': 10 ** 8, 'traffic_factor': 1.5}
+    assert S.inputs_from_summary(zero3)['grad_bytes'] == 1.5e8
+    link = S.Link(1e9, 1e-5)
+    plain, zero3 = (S.forecast(**S.inputs_from_summary(s), link=link, gpus=(2,))[0] for s in (plain, zero3))
+    assert zero3['comm_s'] / plain['comm_s'] == pytest.approx(1.5, rel=0.02)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=5),
+                 st.lists(st.integers(), max_size=2)))
+def test_a_traffic_factor_is_a_number_from_1_to_2_or_one_sentence(value):
+    try:
+        f = S.traffic_factor({'traffic_factor': value})
+    except ValueError as e:
+        assert 'traffic_factor' in str(e) and '\n' not in str(e)
+        return
+    assert isinstance(f, float) and 1 <= f <= 2 and not isinstance(value, bool)
 
 
 def test_measured_from_summary():

@@ -1,13 +1,14 @@
 """--shard (ZeRO 1, 2 and 3 on torch's own APIs), timm's models and the memory plan, on CPU with gloo:
 
 - every mode trains as DDP does: the same loss at every step and, bit for bit, the same weights,
-  BatchNorm statistics and optimizer state at the end (2 ranks here; every mode, AdamW and 3 ranks in
-  the long tier). The reference is a --shard none run of the same flags: DDP, which tests/test_ddp.py
-  holds against a single-process loop;
+  BatchNorm statistics and optimizer state at the end (2 ranks; 3 ranks within float32's rounding;
+  the launches are in the long tier, the plan's arithmetic and the refusals in the fast one). The
+  reference is a --shard none run of the same flags: DDP, which tests/test_ddp.py holds against a
+  single-process loop;
 - each rank's model states, counted from their storage after the first step, are the plan's, which
   is arithmetic over the parameters' shapes (dist.plan), within 1 %;
 - a --shard full checkpoint is one plain .pt: a single process without sharding validates it as the
-  2 ranks did (and 3 ranks under --shard full, one of them short of batches, in the long tier), and a
+  2 ranks did, and 3 ranks under --shard full, one of them short of batches, as one process; a
   resume at 3 ranks under --shard full ends where the same resume under --shard none ends;
 - the plan by hand counts, its order over the modes (a property test), ViT-g on 4 GPUs, the refusal
   of a mode a GPU cannot hold, CoAtNet-7's parameter count on the meta device;
@@ -15,7 +16,7 @@
   (the floor stage of .ci/run runs that test);
 - --arch timm:vit_tiny_patch16_224 trains, and resumes where an uninterrupted run is.
 
-Run: python -m pytest -q tests/test_shard.py
+Run: python -m pytest -q -m "" tests/test_shard.py
 """
 import argparse
 import json
@@ -73,8 +74,8 @@ def assert_states_planned(summary):
 
 def trains_as_ddp(tmp_path, cache, modes, ranks=2, *flags_):
     """FSDP2 reduces the gradients as (g_1 + ... + g_N) / N and DDP as g_1 / N + ... + g_N / N: the same
-    bits where N is a power of two, within float32's rounding elsewhere (3 ranks: 5e-7 relative on a
-    loss after 4 steps)."""
+    bits where N is a power of two, within float32's rounding elsewhere (3 ranks: 8e-7 relative on a
+    loss after 4 steps with AdamW)."""
     _, s0, losses0, ddp, _ = trained(tmp_path, cache, 'none', ranks, '--shard', 'none', *flags_)
     assert_states_planned(s0)
     for mode in modes:
@@ -88,6 +89,7 @@ def trains_as_ddp(tmp_path, cache, modes, ranks=2, *flags_):
     return s0
 
 
+@pytest.mark.slow  # 14 s: two 2-rank launches
 @FSDP
 def test_full_sharding_trains_as_ddp_and_its_checkpoint_is_one_plain_file(tmp_path, cache_dir):
     s0 = trains_as_ddp(tmp_path, cache_dir, ['full'])
