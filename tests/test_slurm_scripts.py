@@ -24,7 +24,39 @@ def test_shipped_script_is_the_generator_output(machine, gpus, ranks):
 
 def test_no_stale_script_is_left_in_slurm():
     names = {n for n in os.listdir(os.path.join(ROOT, 'slurm')) if n.endswith('.slurm')}
-    assert names == {S.script_name(m, g, r) for m, g, r in S.SHIPPED}
+    assert names == {S.script_name(m, g, r) for m, g, r in S.SHIPPED} | \
+        {S.script_name(m, g, recipe=r) for m, g, r in S.SHIPPED_RECIPES}
+
+
+@pytest.mark.parametrize('machine,gpus,recipe', S.SHIPPED_RECIPES)
+def test_a_recipe_script_runs_its_flags_and_says_its_plan(machine, gpus, recipe):
+    """The course's fourth day: the shipped file is the generator's, its flags come before the user's
+    (which win), its run has a name of its own, and the plan in its comments is the one dlojz prints:
+    recomputed here from CoAtNet-7 built on the meta device."""
+    import argparse
+    import torch
+    import custom_models
+    from dlojzlib.measure import memory
+    path = os.path.join(ROOT, 'slurm', S.script_name(machine, gpus, recipe=recipe))
+    text = S.render(machine, gpus, recipe=recipe)
+    assert open(path).read() == text, f'{path} is stale: run python dlojz_slurm.py --write'
+    srun = text[text.index('srun python'):text.index('"$@" &')]
+    assert all(f'    {flag} \\\n' in srun for flag in S.RECIPES[recipe]['flags'])
+    assert f'--job-name=dlojz-{S.script_name(machine, gpus, recipe=recipe)[:-6]} ' in text
+    flags = dict(f.split(' ', 1) for f in S.RECIPES[recipe]['flags'])
+    args = argparse.Namespace(wd=0.0, wd_norm_bias=True, optimizer=flags['--optimizer'], mom=0.9, shard='full',
+                              cpu_offload=False, arch=flags['--arch'])
+    with torch.device('meta'):
+        model = custom_models.build_model(flags['--arch'], 1000)
+    plans = memory.plan_run(args, model, custom_models.blocks(model), gpus)
+    said = dict(re.findall(r'--shard (\w+) (\d+(?:\.\d+)?)', text.split('#SBATCH')[0]))
+    assert said == {m: f"{p['model_states'] / 1e9:.1f}".rstrip('0').rstrip('.') for m, p in plans.items()}
+
+
+def test_a_recipe_is_refused_at_a_size_it_is_not_planned_for(capsys):
+    assert S.main(['--machine', 'h100', '--gpus', '1', '--recipe', 'coatnet7', '--dry-run']) == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'planned for [4, 8] GPUs, not --gpus 1' in err
 
 
 @pytest.mark.parametrize('machine,gpus,ranks', S.SHIPPED)
