@@ -53,7 +53,7 @@ from dlojzlib import failpoints
 from dlojzlib import recipe
 from dlojzlib.data import augment
 from dlojzlib.data.datasets import IMAGENET_MEAN, IMAGENET_STD, build_data
-from dlojzlib.dist import launch, plan, shard
+from dlojzlib.dist import launch, shard
 from dlojzlib.dist.launch import get_dist_info
 from dlojzlib.errors import (CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation,
                              report_error, translate)
@@ -176,11 +176,9 @@ def build_run(args, dist, device, say, startup=None):
     comm = CommTimer(dist.world_size, CudaTimeline(device) if device.type == 'cuda' else None) \
         if dist.distributed and args.timing else None
     with phase('model'):  # planned on the meta device first (shapes only): a mode that cannot fit is refused
-        with torch.device('meta'):
-            meta = custom_models.build_model(args.arch, len(data.classes), args.sd_prob, args.n_heads,
-                                             args.image_size)
-        plans = plan_run(args, meta, custom_models.blocks(meta), dist.world_size, capacity(device))
-        say('\n'.join(plan.plan_lines(plans, args.shard, dist.world_size)))
+        plans = plan_run(args, lambda: custom_models.build_model(args.arch, len(data.classes), args.sd_prob,
+                                                                 args.n_heads, args.image_size),
+                         custom_models.blocks, dist.world_size, capacity(device), say)
         model, eval_model, plain = build_model(args, len(data.classes), device, dist, comm, phase)
     steps_per_epoch = len(data.train_steps)
     total_steps = args.epochs * steps_per_epoch

@@ -179,22 +179,42 @@ def plan_args(**kw):
                                         cpu_offload=False, arch='timm:vit_giant_patch14_224'), **kw})
 
 
+def on_meta(arch):
+    """The model built on the meta device; skipped where this timm computes values while it builds
+    (timm 1.0.3 does: dlojz then runs without a plan, test_a_model_the_meta_device_cannot_build_runs_without_a_plan)."""
+    try:
+        with torch.device('meta'):
+            return custom_models.build_model(arch, 1000)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f'this timm cannot build {arch} on the meta device: {e}')
+
+
 def test_vit_g_fits_16_gb_gpus_only_when_sharded():
     """ViT-g/14 (1.01 B parameters) with AdamW: 16.2 GB of model states under DDP, 4.1 GB per GPU under
     ZeRO-3 on 4 GPUs. On a 16 GB GPU, DDP is refused and the refusal names ZeRO-1 (10.1 GB)."""
-    with torch.device('meta'):
-        meta = custom_models.build_model('timm:vit_giant_patch14_224', 1000)
+    meta = on_meta('timm:vit_giant_patch14_224')
     blocks = custom_models.blocks(meta)
     assert len(blocks) == 40
-    plans = memory.plan_run(plan_args(shard='full'), meta, blocks, 4, capacity=16e9)
+    plans = memory.plan_model(plan_args(shard='full'), meta, blocks, 4, capacity=16e9)
     assert plans['full']['model_states'] <= 4.1e9 and plans['none']['model_states'] >= 16.1e9, plans
     with pytest.raises(UsageError, match=r'needs 15\.\d\d GiB .* under --shard none .* --shard optimizer'):
-        memory.plan_run(plan_args(), meta, blocks, 4, capacity=16e9)
+        memory.plan_model(plan_args(), meta, blocks, 4, capacity=16e9)
+
+
+def test_a_model_the_meta_device_cannot_build_runs_without_a_plan():
+    said = []
+
+    def build():
+        torch.linspace(0, 1, 3)[1].item()  # what timm 1.0.3's ViT does for its drop-path rates
+    assert memory.plan_run(plan_args(), build, custom_models.blocks, 2, say=said.append) is None
+    assert len(said) == 1 and said[0].startswith('Memory plan: not made') and 'meta' in said[0]
+    line = memory.line(memory.summary(None, 'none', {'parameters': 4, 'gradients': 4, 'optimizer': 8,
+                                                      'model_states': 16}), 'none', 2)
+    assert line.startswith('>>> Memory: model states per rank 0.00 GiB measured') and 'no plan' in line
 
 
 def test_coatnet7_has_the_papers_parameter_count():
-    with torch.device('meta'):
-        model = custom_models.build_model('coatnet7', 1000)
+    model = on_meta('coatnet7')
     n = sum(p.numel() for p in model.parameters())
     assert abs(n - 2.44e9) / 2.44e9 < 0.02, n
     assert len(custom_models.blocks(model)) == 2 + 4 + 8 + 42 + 2
@@ -224,7 +244,7 @@ def test_what_a_mode_cannot_take_is_refused_in_one_sentence(argv, says):
 
 
 def test_fsdp_is_refused_below_torch_2_6_and_where_gloo_would_carry_gpu_slices():
-    args = checked('--shard', 'full')
+    args = flags.check_flags(flags.get_args_parser().parse_args(['--shard', 'full']))
     sentences = [s for refused, s in plan.refusals(args, 'cpu', 2, (2, 4)) if refused]
     assert sentences == ['--shard full needs FSDP2\'s fully_shard, public from torch 2.6 (this is 2.4); use '
                          '--shard optimizer (ZeRO-1) or upgrade torch.']

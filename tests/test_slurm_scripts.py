@@ -48,7 +48,7 @@ def test_a_recipe_script_runs_its_flags_and_says_its_plan(machine, gpus, recipe)
                               cpu_offload=False, arch=flags['--arch'])
     with torch.device('meta'):
         model = custom_models.build_model(flags['--arch'], 1000)
-    plans = memory.plan_run(args, model, custom_models.blocks(model), gpus)
+    plans = memory.plan_model(args, model, custom_models.blocks(model), gpus)
     said = dict(re.findall(r'--shard (\w+) (\d+(?:\.\d+)?)', text.split('#SBATCH')[0]))
     assert said == {m: f"{p['model_states'] / 1e9:.1f}".rstrip('0').rstrip('.') for m, p in plans.items()}
 

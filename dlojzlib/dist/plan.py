@@ -132,9 +132,6 @@ def refusals(args, device_type, world_size, torch_version, backend=None):
         (args.cpu_offload and not sharded, f'--cpu-offload keeps the shards of --shard gradients or full in '
          f'host memory, and --shard {args.shard} has none there; add --shard full (or gradients), or drop '
          f'--cpu-offload.'),
-        (sharded and torch_version < FSDP_TORCH, f'{name} needs FSDP2\'s fully_shard, public from torch '
-         f'2.6 (this is {".".join(map(str, torch_version))}); use --shard optimizer (ZeRO-1) or upgrade '
-         f'torch.'),
         (sharded and args.ema_decay, f'{name} keeps a slice of the weights on each rank, and --ema-decay '
          f'averages whole ones; drop --ema-decay, or use --shard optimizer.'),
         (sharded and args.arch.endswith('-heads'), f'{name} reduces every block\'s gradients each step, and '
@@ -150,4 +147,8 @@ def refusals(args, device_type, world_size, torch_version, backend=None):
         (sharded and device_type == 'cuda' and backend == 'gloo' and world_size > 1, f'{name} '
          f'reduce-scatters gradients on the GPU, which the gloo group of tasks sharing a GPU cannot do; '
          f'give each task a GPU of its own.'),
+        # last: the combinations above are refused whatever the torch
+        (sharded and torch_version < FSDP_TORCH, f'{name} needs FSDP2\'s fully_shard, public from torch '
+         f'2.6 (this is {".".join(map(str, torch_version))}); use --shard optimizer (ZeRO-1) or upgrade '
+         f'torch.'),
     ]

@@ -13,10 +13,25 @@ def shapes(module):
     return [tuple(p.shape) for p in module.parameters()]
 
 
-def plan_run(args, meta_model, blocks, world_size, capacity=None):
-    """-> {mode: plan} for `meta_model` (built on the meta device: nothing allocated) under this run's
-    optimizer. capacity: the GPU's memory in bytes (None on CPU): a mode whose model states exceed it
-    is refused, naming one that fits."""
+def plan_run(args, build, blocks, world_size, capacity=None, say=print):
+    """-> {mode: plan} of the model `build()` makes, built on the meta device (nothing allocated), under
+    this run's optimizer, printed with say(); None, with a note, where the model cannot be built there.
+    blocks(model): the units --shard shards. capacity: the GPU's memory in bytes (None on CPU): a mode
+    whose model states exceed it is refused, naming one that fits."""
+    try:
+        with torch.device('meta'):
+            meta_model = build()
+    except (RuntimeError, NotImplementedError) as e:  # timm 1.0.3 reads values (.item()) while it builds a ViT
+        say(f'Memory plan: not made, as --arch {args.arch} cannot be built on the meta device with this '
+            f'torch and timm ({str(e).splitlines()[0][:80]}); the measured states are still reported.')
+        return None
+    plans = plan_model(args, meta_model, blocks(meta_model), world_size, capacity)
+    say('\n'.join(plan.plan_lines(plans, args.shard, world_size)))
+    return plans
+
+
+def plan_model(args, meta_model, blocks, world_size, capacity=None):
+    """-> {mode: plan} for `meta_model` (see plan_run)."""
     groups = [[tuple(p.shape) for p in g['params']]
               for g in param_groups(meta_model, args.wd, args.wd_norm_bias)]
     size = next(meta_model.parameters()).element_size()
@@ -41,9 +56,9 @@ def capacity(device):
 
 
 def summary(plans, mode, measured):
-    """summary.json's memory entries: the plan of every mode, the chosen one's model states, and the
-    largest rank's measured (None until the first optimizer step ran)."""
-    return {'model_state_plan': plans, 'model_state_plan_bytes': plans[mode]['model_states'],
+    """summary.json's memory entries: the plan of every mode (None where none was made), the chosen
+    one's model states, and the largest rank's measured (None until the first optimizer step ran)."""
+    return {'model_state_plan': plans, 'model_state_plan_bytes': plans[mode]['model_states'] if plans else None,
             'model_state_bytes': measured['model_states'] if measured else None,
             'model_state_measured': measured}
 
@@ -53,10 +68,10 @@ def line(memory, mode, world_size, offload=False):
     got = memory.get('model_state_measured')
     if not got:
         return None
-    planned = memory['model_state_plan'][mode]
+    planned = (memory.get('model_state_plan') or {}).get(mode)
     where = 'host memory (--cpu-offload)' if offload else 'per rank'
     parts = ' + '.join(f'{plan.gib(got[k])}' for k in ('parameters', 'gradients', 'optimizer'))
     return (f">>> Memory: model states {where} {plan.gib(got['model_states'])} GiB measured "
             f"(parameters + gradients + optimizer state = {parts}), "
-            f"{plan.gib(planned['model_states'])} GiB planned (--shard {mode}, {plan.ZERO[mode]}, "
-            f"{world_size} rank(s))")
+            + (f"{plan.gib(planned['model_states'])} GiB planned" if planned else 'no plan')
+            + f" (--shard {mode}, {plan.ZERO[mode]}, {world_size} rank(s))")

@@ -127,7 +127,7 @@ def states_of(run):
 
 def states_summary(run, ranks):
     """summary.json's model-state entries: the plan, and the rank that holds the most, measured."""
-    if run.plans is None:
+    if run.states is None:
         return {}
     measured = max((r for r in ranks if r), key=lambda r: r['model_states'], default=None)
     return memory.summary(run.plans, run.args.shard, measured)
