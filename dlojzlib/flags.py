@@ -553,7 +553,8 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
             raise UsageError(sentence)
     args.amp = 'off' if args.amp == 'auto' else args.amp
     args.pin_memory = not cpu if args.pin_memory is None else args.pin_memory
-    args.channels_last = not cpu if args.channels_last is None else args.channels_last
+    if args.channels_last is None:  # FSDP2 slices contiguous parameters only (dist.plan refuses the flag)
+        args.channels_last = not cpu and args.shard not in ('gradients', 'full')
     if args.num_workers > 0:
         args.prefetch_factor = args.prefetch_factor or 2
         args.persistent_workers = True if args.persistent_workers is None else args.persistent_workers

@@ -142,6 +142,9 @@ def refusals(args, device_type, world_size, torch_version, backend=None):
         (sharded and args.amp == 'fp16', f'{name} would need a loss scale agreed over the ranks\' gradient '
          f'slices, which --amp fp16\'s GradScaler does not do; use --amp bf16 (no loss scale) or --shard '
          f'optimizer.'),
+        (sharded and args.channels_last, f'{name} slices the parameters as they lie in memory, and FSDP2 '
+         f'takes contiguous ones only (channels-last convolution weights are not); drop --channels-last '
+         f'(off by default under {name}), or use --shard optimizer.'),
         (sharded and args.sync_bn, f'{name} with --sync-bn is not supported by dlojz yet; use --shard '
          f'optimizer with --sync-bn (DDP under ZeRO-1).'),
         (sharded and device_type == 'cuda' and backend == 'gloo' and world_size > 1, f'{name} '
