@@ -594,3 +594,17 @@ def test_waiting_for_a_rank_slow_in_its_forward_is_a_share_beside_the_work():
     assert s['compute_headroom_all_ranks'] == pytest.approx(220 / 125, rel=0.05)
     same = ranks_summary([rank(0, {'forward': 0.05, 'backward': 0.06}), rank(1, {'forward': 0.05, 'backward': 0.06})])
     assert same['bound'] == 'compute' and same['comm_share'] == pytest.approx(0.0, abs=1e-9)  # the control
+
+
+def test_under_fsdp2_a_rank_waits_in_its_forward_too():
+    """--shard full gathers each block's parameters from every rank in the forward as well: rank 0,
+    fast in its own work, waits 40 ms in its forward and 50 ms in its backward for rank 1 (90 of its
+    200 device-ms per step, by hand). DDP's reading (the backward alone) would see 50."""
+    fast = rank(0, {'h2d': 0.0, 'forward': 0.09, 'backward': 0.11, 'optimizer': 0.0})
+    slow = rank(1, {'h2d': 0.0, 'forward': 0.05, 'backward': 0.06, 'optimizer': 0.0})
+    fsdp = ranks_summary([fast, slow], gathers=True)
+    assert fsdp['comm_measured'] == 'forward and backward above the fastest rank'
+    assert fsdp['comm_share'] == pytest.approx(90 / 310, rel=0.05)
+    ddp = ranks_summary([rank(0, {'h2d': 0.0, 'forward': 0.09, 'backward': 0.11, 'optimizer': 0.0}),
+                         rank(1, {'h2d': 0.0, 'forward': 0.05, 'backward': 0.06, 'optimizer': 0.0})])
+    assert ddp['comm_share'] == pytest.approx(50 / 310, rel=0.05)

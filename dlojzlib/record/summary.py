@@ -89,7 +89,7 @@ def write_summary(run, progress, status, error=None, extra=None):
         if status == 'completed':
             ranks = launch.all_gather_object(rank_report(run))
             timing['bound_rank0'] = timing.get('bound')
-            timing.update(ranks_summary(ranks))
+            timing.update(ranks_summary(ranks, gathers=args.shard in ('gradients', 'full')))
             summary['memory']['gpu_max_allocated_bytes_any_rank'] = max(
                 (r['gpu_max_allocated_bytes'] or 0 for r in ranks), default=0) if cuda else None
             summary['memory'].update(states_summary(run, [r['model_states'] for r in ranks]))
@@ -152,7 +152,7 @@ def energy_over_ranks(ranks):
     return out
 
 
-def ranks_summary(ranks):
+def ranks_summary(ranks, gathers=False):
     """Straggler view: slowest and fastest rank by median step time, and the skew between them; the
     verdict from every rank's sums (Chronometer.totals).
 
@@ -164,8 +164,10 @@ def ranks_summary(ranks):
     excess over it is waiting for a late peer (`late_s`). Only durations are compared, so hosts'
     clocks need not agree. The late rank is the one that waited least for the others
     (`straggler_rank`); its own bound says why it was late. Without those measurements (phase timing
-    off), a rank's backward time above the fastest rank's is taken as waiting for peers, and a
-    network every rank waits for alike reads as compute."""
+    off, or --shard gradients and full, whose collectives no hook times), a rank's backward time above
+    the fastest rank's is taken as waiting for peers, and a network every rank waits for alike reads
+    as compute. gathers: FSDP2's, whose forward gathers the parameters from every rank too: the
+    forward and the backward above the fastest rank's."""
     timed = [r for r in ranks if r['step_median_s']]
     if not timed:
         return {'ranks': ranks}
@@ -192,12 +194,14 @@ def ranks_summary(ranks):
                    link_s_per_step=link,
                    achieved_bytes_per_s=volume / link if link > 0 else None)
     else:
-        backward = [r.get('backward_s') for r in measured]
-        fastest = min(backward) if None not in backward else None
-        for r in measured:  # seconds spent waiting for peers, over the rank's steady steps
-            r['comm_s'] = (r['backward_s'] - fastest) * r['steady_steps'] if fastest is not None else 0.0
+        waits = lambda r: None if r.get('backward_s') is None else \
+            r['backward_s'] + ((r.get('forward_s') or 0.0) if gathers else 0.0)
+        times = [waits(r) for r in measured]
+        fastest = min(times) if None not in times else None
+        for r, t in zip(measured, times):  # seconds spent waiting for peers, over the rank's steady steps
+            r['comm_s'] = (t - fastest) * r['steady_steps'] if fastest is not None else 0.0
             r['late_s'] = 0.0
-        res['comm_measured'] = 'backward above the fastest rank'
+        res['comm_measured'] = ('forward and backward' if gathers else 'backward') + ' above the fastest rank'
     least_data = min(r['data_s'] for r in measured)
     for r in measured:
         r['data_excess_s'] = r['data_s'] - least_data  # the others waited for this rank's loader
