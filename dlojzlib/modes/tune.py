@@ -64,15 +64,21 @@ def check_tune_args(args, world_size):
 
 # ------------------------------------------------------------------------------------------ the trials
 
-def configurations(cuda, bf16=True):
+def configurations(cuda, bf16=True, shard='none'):
     """(amp, channels_last, compile) combinations valid on the device, the default first; compile
     is False (eager) or a --compile-mode: 'default', and with channels-last 'reduce-overhead'
-    (inductor's kernels replayed as CUDA graphs: the host's launch time off the step)."""
+    (inductor's kernels replayed as CUDA graphs: the host's launch time off the step). Under --shard
+    gradients and full, those the mode takes: neither channels-last, nor fp16, nor compile (dist.plan's
+    refusals)."""
     if not cuda:  # autocast on CPU is bf16 only; compile left out (minutes per trial on a small CPU)
-        return [(a, cl, False) for a in ('off', 'bf16') for cl in (False, True)]
-    amps = ['off', 'fp16'] + (['bf16'] if bf16 else [])
-    return [(a, cl, c) for a in amps for cl in (True, False)
-            for c in (False, 'default', *(('reduce-overhead',) if cl else ()))]
+        every = [(a, cl, False) for a in ('off', 'bf16') for cl in (False, True)]
+    else:
+        amps = ['off', 'fp16'] + (['bf16'] if bf16 else [])
+        every = [(a, cl, c) for a in amps for cl in (True, False)
+                 for c in (False, 'default', *(('reduce-overhead',) if cl else ()))]
+    if shard in ('gradients', 'full'):
+        return [(a, cl, c) for a, cl, c in every if not cl and a != 'fp16' and not c]
+    return every
 
 
 def compile_mode(compile_):
@@ -227,7 +233,7 @@ class Tuner:
 
     def sweep(self):
         a = self.args
-        amp0, cl0 = configurations(self.cuda, self.bf16)[0][:2]
+        amp0, cl0 = configurations(self.cuda, self.bf16, getattr(a, 'shard', 'none'))[0][:2]
         tried = {}
         while True:
             b = next_batch(tried, a.batch_size, a.tune_max_batch)
@@ -239,7 +245,7 @@ class Tuner:
             tried[b] = bool(fits(row, self.memory_budget))
         best_batch = max((b for b, f in tried.items() if f), default=None)
         if best_batch is not None:
-            for amp, cl, comp in configurations(self.cuda, self.bf16):
+            for amp, cl, comp in configurations(self.cuda, self.bf16, getattr(a, 'shard', 'none')):
                 self.trial(best_batch, amp, cl, comp)
         self.record['status'] = 'completed'
         self._save()
