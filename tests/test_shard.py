@@ -81,7 +81,9 @@ def trains_as_ddp(tmp_path, cache, modes, ranks=2, *flags_):
     for mode in modes:
         out, s, losses, mine, stdout = trained(tmp_path, cache, mode, ranks, '--shard', mode, *flags_)
         rel = 0.0 if mode == 'optimizer' or ranks & (ranks - 1) == 0 else 1e-5
-        assert losses == pytest.approx(losses0, rel=rel, abs=0) and len(losses) == 4, (mode, losses, losses0)
+        # a loss per step: 4, or the 3 an epoch holds at --accum-steps 2
+        assert losses == pytest.approx(losses0, rel=rel, abs=0) and len(losses) == s0['global_step'] >= 3, \
+            (mode, losses, losses0)
         assert s['val']['loss'] == pytest.approx(s0['val']['loss'], rel=rel, abs=0), mode
         assert_same_state(mine, ddp, rel)
         assert_states_planned(s)
