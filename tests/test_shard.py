@@ -117,6 +117,7 @@ def test_full_sharding_takes_recomputation_and_accumulation_as_ddp_does(tmp_path
     trains_as_ddp(tmp_path, cache_dir, ['full'], 2, *flag)
 
 
+@FSDP
 def test_channels_last_is_off_by_default_where_fsdp2_slices_the_parameters():
     """FSDP2 refuses channels-last convolution weights ('does not support non-contiguous parameters
     yet', torch 2.14): on a GPU, where channels-last is the default, --shard gradients and full turn it
