@@ -18,8 +18,8 @@ from dlojzlib.errors import UsageError
 # custom_models builds these (resnets from torchvision's blocks); the names live here so that the
 # parser can list and check them without importing torch
 RESNETS = ('resnet18', 'resnet34', 'resnet50', 'resnet101', 'resnet152')
-ARCHS = sorted(RESNETS) + sorted(f'{r}-{v}' for r in RESNETS for v in ('heads', 'sd')) + ['coatnet7']
-RESNETS_ALL = ARCHS[:-1]  # the torchvision ones, which take any image size
+TORCHVISION_ARCHS = sorted(RESNETS) + sorted(f'{r}-{v}' for r in RESNETS for v in ('heads', 'sd'))  # any size
+ARCHS = TORCHVISION_ARCHS + ['coatnet7']
 TIMM = 'timm:'  # --arch timm:<name>: any of timm's models, by its name (custom_models.build_model)
 # peak learning rate per 256 images (the linear scaling rule multiplies it by global batch / 256):
 # SGD's from Goyal et al. 2017; AdamW's dlojz's earlier default; Lion's timm's default. LARS's and
@@ -395,7 +395,7 @@ def check_flags(args):
          'disk, or leave --stage-dir out.'),
         (args.arch not in ARCHS and not (args.arch.startswith(TIMM) and args.arch[len(TIMM):].strip()),
          f'unknown --arch {args.arch}; choose one of {", ".join(ARCHS)}, or {TIMM}<a timm model\'s name>.'),
-        (args.arch not in RESNETS_ALL and (args.val_image_size != args.image_size or args.res_start),
+        (args.arch not in TORCHVISION_ARCHS and (args.val_image_size != args.image_size or args.res_start),
          f'--arch {args.arch} is built for one image size (its position tables), and --val-image-size or '
          f'--res-start asks for another; drop them, or give --val-image-size {args.image_size}.'),
         (args.val_image_size > args.val_resize, f'--val-image-size {args.val_image_size} is larger than '
@@ -554,7 +554,7 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
     args.amp = 'off' if args.amp == 'auto' else args.amp
     args.pin_memory = not cpu if args.pin_memory is None else args.pin_memory
     if args.channels_last is None:  # FSDP2 slices contiguous parameters only (dist.plan refuses the flag)
-        args.channels_last = not cpu and args.shard not in ('gradients', 'full')
+        args.channels_last = not cpu and args.shard not in plan.FSDP_MODES
     if args.num_workers > 0:
         args.prefetch_factor = args.prefetch_factor or 2
         args.persistent_workers = True if args.persistent_workers is None else args.persistent_workers

@@ -23,6 +23,7 @@ With --cpu-offload the sharded states live in host memory and the device holds w
 import math
 
 MODES = ('none', 'optimizer', 'gradients', 'full')
+FSDP_MODES = ('gradients', 'full')  # FSDP2's: the parameters sliced too
 ZERO = {'none': 'DDP', 'optimizer': 'ZeRO-1', 'gradients': 'ZeRO-2', 'full': 'ZeRO-3'}
 # optimizer state tensors per parameter, and whether a per-parameter step count is kept as a tensor
 STATE = {'sgd': (1, False), 'adamw': (2, True), 'lars': (1, False), 'lamb': (2, False),
@@ -104,7 +105,7 @@ def device_bytes(p, offload):
 def fitting_mode(all_plans, capacity, offload=False):
     """The first mode, from none to full, whose model states fit `capacity` bytes; None if none does."""
     for m in MODES:
-        if device_bytes(all_plans[m], offload and m in ('gradients', 'full')) <= capacity:
+        if device_bytes(all_plans[m], offload and m in FSDP_MODES) <= capacity:
             return m
     return None
 
@@ -126,7 +127,7 @@ def plan_lines(all_plans, mode, world):
 
 def refusals(args, device_type, world_size, torch_version, backend=None):
     """-> [(refused, sentence)] for --shard and --cpu-offload (flags.check_args raises the first)."""
-    sharded = args.shard in ('gradients', 'full')
+    sharded = args.shard in FSDP_MODES
     name = f'--shard {args.shard}'
     return [
         (args.cpu_offload and not sharded, f'--cpu-offload keeps the shards of --shard gradients or full in '

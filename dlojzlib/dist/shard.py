@@ -16,12 +16,13 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as tdist
 
+from dlojzlib.dist.plan import FSDP_MODES  # noqa: F401 (shard.FSDP_MODES: dlojz.py's)
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch < 2.5: no public DTensor, and --shard gradients and full are refused there
     DTensor = ()
 
-FSDP_MODES = ('gradients', 'full')
 
 
 def single_group(device):

@@ -34,6 +34,7 @@ import sys
 import time
 
 from dlojzlib import SCRIPT, tables
+from dlojzlib.dist import plan
 from dlojzlib.errors import UsageError
 from dlojzlib.flags import get_args_parser, native_bf16
 from dlojzlib.measure import scaling
@@ -76,7 +77,7 @@ def configurations(cuda, bf16=True, shard='none'):
         amps = ['off', 'fp16'] + (['bf16'] if bf16 else [])
         every = [(a, cl, c) for a in amps for cl in (True, False)
                  for c in (False, 'default', *(('reduce-overhead',) if cl else ()))]
-    if shard in ('gradients', 'full'):
+    if shard in plan.FSDP_MODES:
         return [(a, cl, c) for a, cl, c in every if not cl and a != 'fp16' and not c]
     return every
 

@@ -8,7 +8,7 @@ import socket
 
 from dlojz_chrono import percents, step_shares, verdict
 from dlojzlib import recipe
-from dlojzlib.dist import launch
+from dlojzlib.dist import launch, plan
 from dlojzlib.flags import get_args_parser
 from dlojzlib.host import provenance
 from dlojzlib.measure import memory, startup
@@ -89,7 +89,7 @@ def write_summary(run, progress, status, error=None, extra=None):
         if status == 'completed':
             ranks = launch.all_gather_object(rank_report(run))
             timing['bound_rank0'] = timing.get('bound')
-            timing.update(ranks_summary(ranks, gathers=args.shard in ('gradients', 'full')))
+            timing.update(ranks_summary(ranks, gathers=args.shard in plan.FSDP_MODES))
             summary['memory']['gpu_max_allocated_bytes_any_rank'] = max(
                 (r['gpu_max_allocated_bytes'] or 0 for r in ranks), default=0) if cuda else None
             summary['memory'].update(states_summary(run, [r['model_states'] for r in ranks]))
