@@ -39,12 +39,19 @@ def chunk(n, world):
 
 def zero_partition(groups, world):
     """-> elements per rank as ZeroRedundancyOptimizer partitions `groups` (lists of numels)."""
-    sizes = [0] * world
+    return _zero_parts(groups, world)[0]
+
+
+def _zero_parts(groups, world):
+    """-> (elements, tensors) per rank: ZeroRedundancyOptimizer gives each tensor, largest first and
+    group by group, to the rank with the fewest elements so far (the first such rank)."""
+    sizes, counts = [0] * world, [0] * world
     for group in groups:
         for numel in sorted(group, reverse=True):
             r = sizes.index(min(sizes))
             sizes[r] += numel
-    return sizes
+            counts[r] += 1
+    return sizes, counts
 
 
 def plan(groups, mode, world, optimizer='sgd', momentum=0.9, element_size=4, blocks=()):
@@ -61,16 +68,17 @@ def plan(groups, mode, world, optimizer='sgd', momentum=0.9, element_size=4, blo
     if optimizer == 'sgd' and not momentum:
         per_tensor = 0
     whole = sum(map(numel, shapes))
-    if mode in ('none', 'optimizer'):
+    # owned: the elements whose optimizer state this rank keeps; counted: their tensors (AdamW's steps)
+    if mode == 'none':
+        params = grads = owned = whole
+        counted = len(shapes)
+    elif mode == 'optimizer':  # ZeRO-1: the part with the most elements
         params = grads = whole
-        owned = whole if mode == 'none' else max(zero_partition([[numel(s) for s in g] for g in groups],
-                                                                world))
-        counted = len(shapes) if mode == 'none' else None
+        sizes, counts = _zero_parts([[numel(s) for s in g] for g in groups], world)
+        owned, counted = max(zip(sizes, counts), key=lambda part: part[0])
     else:
         params = grads = owned = sum(map(sliced, shapes))
         counted = len(shapes)
-    if counted is None:  # ZeRO-1's step tensors: those of the parameters its largest part holds
-        counted = _largest_part_count(groups, world)
     state = per_tensor * owned * element_size + (STEP_BYTES * counted if step else 0)
     gathered = {'none': 0, 'optimizer': 0, 'gradients': whole,
                 'full': sum(sorted((sum(map(numel, b)) for b in blocks), reverse=True)[:2])}[mode]
@@ -79,17 +87,6 @@ def plan(groups, mode, world, optimizer='sgd', momentum=0.9, element_size=4, blo
     out['model_states'] = out['parameters'] + out['gradients'] + out['optimizer']
     out['peak'] = out['model_states'] + out['gathered']
     return out
-
-
-def _largest_part_count(groups, world):
-    """How many parameters the ZeRO-1 part with the most elements holds."""
-    sizes, counts = [0] * world, [0] * world
-    for group in groups:
-        for numel in sorted((math.prod(s) for s in group), reverse=True):
-            r = sizes.index(min(sizes))
-            sizes[r] += numel
-            counts[r] += 1
-    return counts[sizes.index(max(sizes))]
 
 
 def plans(groups, world, optimizer='sgd', momentum=0.9, element_size=4, blocks=()):
