@@ -448,9 +448,7 @@ def main(args, dist=None, startup=None, hold_interrupt=False):
     with startup.phase('device'):
         device, raw, args, share = _device(args, dist)
     with startup.phase('process_group'):
-        launch.setup(dist, device, args.dist_timeout, share)
-        if args.shard != 'none' and not dist.distributed:  # fully_shard and ZeRO-1 need a group, of one here
-            shard.single_group(device)
+        launch.setup(dist, device, args.dist_timeout, share, alone=args.shard != 'none')
     with ExitStack() as taken:
         with startup.phase('run_folder'):
             taken.enter_context(rundir.taken(args, dist))  # sets args.output_dir on every rank

@@ -25,14 +25,6 @@ except ImportError:  # torch < 2.5: no public DTensor, and --shard gradients and
 
 
 
-def single_group(device):
-    """A process group of one where --shard runs as a single process: fully_shard and
-    ZeroRedundancyOptimizer need one. An in-memory store: no port, no network."""
-    if not tdist.is_initialized():
-        tdist.init_process_group('nccl' if device.type == 'cuda' else 'gloo', store=tdist.HashStore(),
-                                 rank=0, world_size=1)
-
-
 def apply_fsdp(model, blocks, device, reshard_after_forward, offload):
     """FSDP2: each block its own unit (its parameters gathered just before it runs), then the root
     (the stem, the head and whatever no block holds). The model may still be on the CPU: each rank's
