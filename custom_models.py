@@ -1,11 +1,11 @@
-"""Model factories for dlojz: torchvision ResNets, the course's two custom variants, timm's models and
-the course's CoAtNet-7.
+"""Model factories for dlojz: torchvision ResNets, the course's two custom variants, timm's models
+and the course's CoAtNet-7.
 
     --arch resnet18 ... resnet152             torchvision's models, randomly initialised
     --arch <resnet>-heads (resnet152-heads)   add_conditional_heads: N classifier heads, one used per forward
     --arch <resnet>-sd    (resnet152-sd)      stochastic depth by masking the residual branch
     --arch timm:<name>                        any of timm's models by name (ViTs, CoAtNets, MaxViTs)
-    --arch coatnet7                           CoAtNet-7 (2.43 B parameters) from timm's blocks: coatnet7
+    --arch coatnet7                           CoAtNet-7 (2.43 B parameters) from timm's blocks
 
 Behaviour follows the course's custom_models.py (reference/course.md §4):
 - Conditional heads: a private CPU generator is re-seeded with a counter before every forward, so the
@@ -139,11 +139,11 @@ def _frozen_bn_stats(module):
 
 
 def apply_grad_checkpointing(model):
-    """Activation checkpointing: timm's own for its models (set_grad_checkpointing); the four ResNet stages
-    otherwise.
+    """Activation checkpointing: timm's own for its models (set_grad_checkpointing); the four ResNet
+    stages otherwise.
 
-    ResNets: activation checkpointing of the four ResNet stages: their activations are recomputed in the
-    backward pass instead of being stored. State-dict keys are unchanged.
+    ResNets: the four stages' activations are recomputed in the backward pass instead of being
+    stored. State-dict keys are unchanged.
 
     Eager mode replays the stage in backward, BatchNorm updates included, so the replay runs with
     frozen statistics. Under torch.compile a context_fn must return two TorchDispatchModes (a plain
@@ -170,11 +170,11 @@ def apply_grad_checkpointing(model):
 
 def coatnet7(num_classes=1000, image_size=224):
     """CoAtNet-7 (Dai et al. 2021, appendix: L = 2-2-4-8-42-2, D = 192-256-512-1024-2048-3072), the
-    course's fourth-day model, from timm's MBConv and relative-attention Transformer blocks: a stem of
-    192 channels, then stages of 2, 4 and 8 MBConv blocks and of 42 and 2 Transformer blocks. timm
-    halves the resolution at every stage, where the paper keeps its 42-block stage at 1/16: the
-    attention there runs at 1/32, which changes only the relative-position tables (2 432 M parameters
-    against the paper's 2.44 B, 0.3 % fewer)."""
+    course's fourth-day model, from timm's MBConv and relative-attention Transformer blocks: a stem
+    of 192 channels, then stages of 2, 4 and 8 MBConv blocks and of 42 and 2 Transformer blocks.
+    timm halves the resolution at every stage, where the paper keeps its 42-block stage at 1/16: the
+    attention there runs at 1/32, which changes only the relative-position tables (2 432 M
+    parameters against the paper's 2.44 B, 0.3 % fewer)."""
     from timm.models.maxxvit import MaxxVit, MaxxVitCfg  # seconds to import: only when asked for
     cfg = MaxxVitCfg(embed_dim=(256, 512, 1024, 2048, 3072), depths=(2, 4, 8, 42, 2),
                      block_type=('C', 'C', 'C', 'T', 'T'), stem_width=192)
@@ -186,7 +186,8 @@ def timm_model(name, num_classes, image_size):
     (ViTs and MaxViTs fix their position tables to it)."""
     import timm
     try:
-        return timm.create_model(name, pretrained=False, num_classes=num_classes, img_size=image_size)
+        return timm.create_model(name, pretrained=False, num_classes=num_classes,
+                                 img_size=image_size)
     except TypeError:  # a model without a fixed input size (a timm ResNet, a ConvNeXt)
         return timm.create_model(name, pretrained=False, num_classes=num_classes)
 
@@ -195,7 +196,8 @@ def blocks(model):
     """The blocks --shard gradients and full shard one by one, in order: a ResNet's residual blocks,
     the members of every `blocks` sequence (timm's ViTs, CoAtNets, MaxViTs, ConvNeXts)."""
     if isinstance(model, ResNet):
-        return [b for name in ('layer1', 'layer2', 'layer3', 'layer4') for b in getattr(model, name)]
+        return [b for stage in (model.layer1, model.layer2, model.layer3, model.layer4)
+                for b in stage]
     return [b for name, m in model.named_modules() if name.rpartition('.')[2] == 'blocks'
             and isinstance(m, (nn.Sequential, nn.ModuleList)) for b in m]
 

@@ -4,15 +4,15 @@ fast or slow.
     python dlojz.py --test-nsteps 20 --arch resnet18 --image-size 64 -b 16 --num-workers 2   # CPU demo
     python dlojz.py --test-nsteps 50 --amp bf16 --channels-last --data-dir /path/imagenet      # one GPU
     torchrun --standalone --nproc_per_node 4 dlojz.py --test-nsteps 50 --amp bf16              # 4 GPUs, DDP
-    torchrun --standalone --nproc_per_node 4 dlojz.py --arch coatnet7 --shard full --amp bf16  # 4 GPUs, ZeRO-3
+    torchrun --standalone --nproc_per_node 4 dlojz.py --arch coatnet7 --shard full  # 4 GPUs, ZeRO-3
     srun --ntasks-per-node=4 --gres=gpu:4 --cpus-per-task=10 python dlojz.py --num-workers 10  # SLURM, DDP
     sbatch slurm/jz-a100-8gpu.slurm --amp bf16 -b 256                      # batch job, requeued on SIGUSR2
 
 Outputs go to --output-dir (default runs/<job id or timestamp>_<arch>_bs<b>): config.json,
 metrics.jsonl, summary.json, checkpoint-<step>.pt (--chkpt), profiler traces (--prof), wandb files.
 
-Reading order: flags (dlojzlib/flags.py) -> builders -> train_step and the loops (train, validation) -> main;
-docs/development.md lists every module (the run folder, checkpoints, sharding, the other modes, the summary).
+Reading order: flags (dlojzlib/flags.py) -> builders -> train_step and the loops (train, validation)
+-> main; docs/development.md lists every module (run folder, checkpoints, sharding, modes, summary).
 """
 import argparse
 import itertools
@@ -90,18 +90,21 @@ def build_model(args, num_classes, device, dist, comm=None, phase=lambda name: n
     Validation runs the module without its DDP wrapper: a DDP forward may broadcast buffers (a collective),
     and ranks can run different numbers of validation batches. `comm`: a measure.comm.CommTimer to time the
     gradient all-reduce with."""
-    model = custom_models.build_model(args.arch, num_classes, args.sd_prob, args.n_heads, args.image_size)
+    model = custom_models.build_model(args.arch, num_classes, args.sd_prob, args.n_heads,
+                                      args.image_size)
     if args.grad_checkpointing:
         custom_models.apply_grad_checkpointing(model)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    fsdp = args.shard in shard.FSDP_MODES  # FSDP2 moves each rank's slices to the device, never the whole
+    fsdp = args.shard in shard.FSDP_MODES  # FSDP2 moves each rank's slices to the device, not all
     model = model.to(None if fsdp else device, memory_format=memory_format)
     if dist.distributed and args.sync_bn:  # before the DDP wrap, as DDP must see the final modules
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     with phase('ddp_wrap'):  # its first broadcast of the weights
-        train_model = shard.apply_fsdp(model, custom_models.blocks(model), device, args.shard == 'full',
-                                       args.cpu_offload) if fsdp else \
-            launch.wrap_ddp(model, device, args, comm) if dist.distributed else model
+        if fsdp:
+            train_model = shard.apply_fsdp(model, custom_models.blocks(model), device,
+                                           args.shard == 'full', args.cpu_offload)
+        else:
+            train_model = launch.wrap_ddp(model, device, args, comm) if dist.distributed else model
     eval_model = model
     if args.compile:  # DDP first, then compile: dynamo's DDPOptimizer keeps communication overlapped
         # Static shapes: an epoch's smaller last batch gets its own graph (compiled once, outside the
@@ -154,7 +157,7 @@ class Run:
     started: float = 0.0          # time.time() when the run was built: time to accuracy counts from here
     process_started: float = 0.0  # time.time() when the process started: the second clock, start-up included
     startup: StartUp = None       # the time to the first step, by phase (measure.startup)
-    plans: dict = None            # model states per rank of each --shard mode (measure.memory.plan_run)
+    plans: dict = None            # model states per rank of each --shard mode (memory.plan_run)
     states: shard.StateMeter = None  # this rank's, measured after the first optimizer step
 
 
@@ -175,10 +178,11 @@ def build_run(args, dist, device, say, startup=None):
         f'{data.n_val} val images, {len(data.classes)} classes')
     comm = CommTimer(dist.world_size, CudaTimeline(device) if device.type == 'cuda' else None) \
         if dist.distributed and args.timing else None
-    with phase('model'):  # planned on the meta device first (shapes only): a mode that cannot fit is refused
-        plans = plan_run(args, lambda: custom_models.build_model(args.arch, len(data.classes), args.sd_prob,
-                                                                 args.n_heads, args.image_size),
-                         custom_models.blocks, dist.world_size, capacity(device), say)
+    # planned on the meta device first (shapes only): a mode that cannot fit is refused
+    with phase('model'):
+        plans = plan_run(args, lambda: custom_models.build_model(
+            args.arch, len(data.classes), args.sd_prob, args.n_heads, args.image_size),
+            custom_models.blocks, dist.world_size, capacity(device), say)
         model, eval_model, plain = build_model(args, len(data.classes), device, dist, comm, phase)
     steps_per_epoch = len(data.train_steps)
     total_steps = args.epochs * steps_per_epoch
@@ -191,7 +195,8 @@ def build_run(args, dist, device, say, startup=None):
             f'accuracy say nothing; check --data-dir.')
     with phase('optimizer'):
         criterion, optimizer, scheduler, scaler = recipe.build_optimization(
-            args, plain, steps_per_epoch, total_steps, torch.device('cpu') if args.cpu_offload else device)
+            args, plain, steps_per_epoch, total_steps,
+            torch.device('cpu') if args.cpu_offload else device)  # where the optimizer steps
     global_batch = args.batch_size * dist.world_size * args.accum_steps
     check_resume(args, dist, ckpt_path, ckpt, data, plain, optimizer, global_batch, steps_per_epoch, total_steps)
     resumed = ckpt is not None and not args.evaluate
@@ -421,7 +426,8 @@ def evaluate(run, epoch, progress, max_batches=None, ema=False):
                               run.criterion(output, labels))
             batches += 1
             failpoints.after_val_batch()
-        shard.blank_forwards(model, most - batches, run)  # a sliced model: every rank runs as many forwards
+        # a sliced model gathers in every forward: every rank runs as many
+        shard.blank_forwards(model, most - batches, run)
         # compute() is a collective; inside the timed block so that waiting for slower ranks counts
         res = dict(type='val_ema' if ema else 'val', epoch=epoch + 1, global_step=progress.global_step,
                    **meters.compute(), batches=batches, train_images=progress.images, wall_s=run_wall_s(run),

@@ -419,7 +419,8 @@ class Chronometer:
         work = sum(r['compute'] for r in measured)
         res.update(gpu_step_s=work / len(measured), gpu_step_source=source, gpu_measured_steps=len(measured),
                    busy_s=work + work / len(measured) * (len(steady) - len(measured)))
-        if self.phases_on:  # mean backward (and forward) time of a measured step: where a rank waits for its peers
+        # mean backward (and forward) time of a measured step: where a rank waits for its peers
+        if self.phases_on:
             res['backward_s'] = sum(r.get('backward', 0.0) for r in measured) / len(measured)
             res['forward_s'] = sum(r.get('forward', 0.0) for r in measured) / len(measured)
         return res

@@ -18,7 +18,8 @@ from dlojzlib.errors import UsageError
 # custom_models builds these (resnets from torchvision's blocks); the names live here so that the
 # parser can list and check them without importing torch
 RESNETS = ('resnet18', 'resnet34', 'resnet50', 'resnet101', 'resnet152')
-TORCHVISION_ARCHS = sorted(RESNETS) + sorted(f'{r}-{v}' for r in RESNETS for v in ('heads', 'sd'))  # any size
+# torchvision's, which take any image size
+TORCHVISION_ARCHS = sorted(RESNETS) + sorted(f'{r}-{v}' for r in RESNETS for v in ('heads', 'sd'))
 ARCHS = TORCHVISION_ARCHS + ['coatnet7']
 TIMM = 'timm:'  # --arch timm:<name>: any of timm's models, by its name (custom_models.build_model)
 # peak learning rate per 256 images (the linear scaling rule multiplies it by global batch / 256):
@@ -171,13 +172,14 @@ def loader_flags(p):
 
 def model_flags(p):
     g = p.add_argument_group('model')
-    g.add_argument('--arch', default='resnet50', help=f'one of {", ".join(ARCHS)}, or {TIMM}<name>: a model '
-                   f'of timm (e.g. {TIMM}vit_base_patch16_224, {TIMM}coatnet_2_rw_224, {TIMM}maxvit_base_tf_224)')
+    g.add_argument('--arch', default='resnet50', help=f'one of {", ".join(ARCHS)}, or '
+                   f'{TIMM}<name>: a model of timm (e.g. {TIMM}vit_base_patch16_224, '
+                   f'{TIMM}coatnet_2_rw_224, {TIMM}maxvit_base_tf_224)')
     g.add_argument('--sd-prob', type=FRACTION, default=0.5, help='-sd archs: drop probability of the last block')
     heads = number(int, lambda v: v >= 2, 'at least 2 (head 0 for training plus another)')
     g.add_argument('--n-heads', type=heads, default=3, help='-heads archs: classifier heads')
-    g.add_argument('--grad-checkpointing', action='store_true', help='recompute activations in the backward '
-                   '(ResNet stages; timm\'s own blocks; less memory, ~30%% more compute)')
+    g.add_argument('--grad-checkpointing', action='store_true', help='recompute activations in the '
+                   'backward (ResNet stages; timm\'s own blocks; less memory, ~30%% more compute)')
 
 
 def precision_flags(p):
@@ -300,11 +302,12 @@ def distributed_flags(p):
     g.add_argument('--nccl-debug', action='store_true', help='NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,COLL; each '
                    'rank\'s stdout, with step markers, is also written to <output-dir>/nccl.rank<r>.log')
     g.add_argument('--dist-debug', action='store_true', help='TORCH_DISTRIBUTED_DEBUG=DETAIL')
-    g.add_argument('--shard', choices=plan.MODES, default='none', help='what each rank keeps a slice of: '
-                   'none (DDP), optimizer (its state: ZeRO-1), gradients (and the gradients: ZeRO-2, FSDP2), '
-                   'full (and the parameters: ZeRO-3); docs/sharding.md')
-    g.add_argument('--cpu-offload', action='store_true', help='--shard gradients or full: keep the shards in '
-                   'host memory (FSDP2\'s CPUOffloadPolicy; the optimizer steps on the CPU)')
+    g.add_argument('--shard', choices=plan.MODES, default='none', help='what each rank keeps a '
+                   'slice of: none (DDP), optimizer (its state: ZeRO-1), gradients (and the '
+                   'gradients: ZeRO-2, FSDP2), full (and the parameters: ZeRO-3); docs/sharding.md')
+    g.add_argument('--cpu-offload', action='store_true', help='--shard gradients or full: keep the '
+                   'shards in host memory (FSDP2\'s CPUOffloadPolicy; the optimizer steps on the '
+                   'CPU)')
     g.add_argument('--share-gpu', action='store_true', help='allow several tasks per GPU (on by itself when an '
                    'NVIDIA MPS daemon runs; without MPS they take turns on the GPU)')
 
@@ -393,11 +396,15 @@ def check_flags(args):
         (args.stage_dir is not None and not args.stage_dir.strip(), '--stage-dir is empty (what '
          '"$SLURM_TMPDIR" gives where the variable is unset); give a folder on the node\'s local '
          'disk, or leave --stage-dir out.'),
-        (args.arch not in ARCHS and not (args.arch.startswith(TIMM) and args.arch[len(TIMM):].strip()),
-         f'unknown --arch {args.arch}; choose one of {", ".join(ARCHS)}, or {TIMM}<a timm model\'s name>.'),
-        (args.arch not in TORCHVISION_ARCHS and (args.val_image_size != args.image_size or args.res_start),
-         f'--arch {args.arch} is built for one image size (its position tables), and --val-image-size or '
-         f'--res-start asks for another; drop them, or give --val-image-size {args.image_size}.'),
+        (args.arch not in ARCHS
+         and not (args.arch.startswith(TIMM) and args.arch[len(TIMM):].strip()),
+         f'unknown --arch {args.arch}; choose one of {", ".join(ARCHS)}, or {TIMM}<a timm model\'s '
+         f'name>.'),
+        (args.arch not in TORCHVISION_ARCHS
+         and (args.val_image_size != args.image_size or args.res_start),
+         f'--arch {args.arch} is built for one image size (its position tables), and '
+         f'--val-image-size or --res-start asks for another; drop them, or give '
+         f'--val-image-size {args.image_size}.'),
         (args.val_image_size > args.val_resize, f'--val-image-size {args.val_image_size} is larger than '
          f'--val-resize {args.val_resize}; the center crop must fit in the resized image.'),
         (args.num_workers == 0 and (args.prefetch_factor is not None or args.persistent_workers),
@@ -458,7 +465,8 @@ def check_flags(args):
 
 
 def timm_refusal(name):
-    """(refused, sentence) for --arch timm:<name>: a name timm does not know (its import: seconds)."""
+    """(refused, sentence) for --arch timm:<name>: a name timm does not know (importing timm takes
+    seconds)."""
     import timm
     return (not timm.is_model(name), f'timm has no model {name!r} (timm {timm.__version__}); '
             f'python -c "import timm; print(timm.list_models(\'*vit*\'))" lists its names.')
@@ -553,7 +561,7 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
             raise UsageError(sentence)
     args.amp = 'off' if args.amp == 'auto' else args.amp
     args.pin_memory = not cpu if args.pin_memory is None else args.pin_memory
-    if args.channels_last is None:  # FSDP2 slices contiguous parameters only (dist.plan refuses the flag)
+    if args.channels_last is None:  # FSDP2 slices contiguous parameters only (dist.plan refuses it)
         args.channels_last = not cpu and args.shard not in plan.FSDP_MODES
     if args.num_workers > 0:
         args.prefetch_factor = args.prefetch_factor or 2

@@ -39,8 +39,8 @@ def param_groups(model, wd, wd_norm_bias=True, adaptive=False):
 
 
 def build_optimizer(args, model, lr, device):
-    """-> the optimizer of --optimizer over `model`'s parameter groups; with --shard optimizer, ZeRO-1's
-    around it (each rank keeps and steps a part of the state)."""
+    """-> the optimizer of --optimizer over `model`'s parameter groups; with --shard optimizer,
+    ZeRO-1's around it (each rank keeps and steps a part of the state)."""
     groups = param_groups(model, args.wd, args.wd_norm_bias, args.optimizer in ADAPTIVE)
     make = shard.zero_optimizer if getattr(args, 'shard', 'none') == 'optimizer' else \
         lambda cls, groups, **kw: cls(groups, **kw)

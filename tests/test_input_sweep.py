@@ -132,8 +132,8 @@ CASES = {
                                                         'me\n#SBATCH --mem=1'], ['--account']),
     'slurm qos with a space': ('dlojz_slurm.py', ['--dry-run', '--qos', 'a b'], ['--qos']),
     'slurm gpus zero': ('dlojz_slurm.py', ['--dry-run', '--gpus', '0'], ['--gpus 0']),
-    'slurm recipe at a size it has no plan for': ('dlojz_slurm.py', '--dry-run --machine h100 --gpus 1 --recipe '
-                                                  'coatnet7'.split(), ['--recipe coatnet7', '--gpus 1']),
+    'slurm recipe at a size it has no plan for': ('dlojz_slurm.py', '--dry-run --machine h100 '
+                                                  '--gpus 1 --recipe coatnet7'.split(), ['--recipe coatnet7', '--gpus 1']),
     # dlojz_scaling.py
     'forecast gpus not numbers': ('dlojz_scaling.py', [*FORECAST, '--gpus', '1,x'],
                                   ['--gpus', '1,x']),

@@ -1,4 +1,5 @@
-"""--shard (ZeRO 1, 2 and 3 on torch's own APIs), timm's models and the memory plan, on CPU with gloo:
+"""--shard (ZeRO 1, 2 and 3 on torch's own APIs), timm's models and the memory plan, on CPU with
+gloo:
 
 - every mode trains as DDP does: the same loss at every step and, bit for bit, the same weights,
   BatchNorm statistics and optimizer state at the end (2 ranks; 3 ranks within float32's rounding;
@@ -16,8 +17,7 @@
   (the floor stage of .ci/run runs that test);
 - --arch timm:vit_tiny_patch16_224 trains, and resumes where an uninterrupted run is.
 
-Run: python -m pytest -q -m "" tests/test_shard.py
-"""
+Run: python -m pytest -q -m "" tests/test_shard.py"""
 import argparse
 import json
 import os
@@ -73,9 +73,9 @@ def assert_states_planned(summary):
 
 
 def trains_as_ddp(tmp_path, cache, modes, ranks=2, *flags_):
-    """FSDP2 reduces the gradients as (g_1 + ... + g_N) / N and DDP as g_1 / N + ... + g_N / N: the same
-    bits where N is a power of two, within float32's rounding elsewhere (3 ranks: 8e-7 relative on a
-    loss after 4 steps with AdamW)."""
+    """FSDP2 reduces the gradients as (g_1 + ... + g_N) / N and DDP as g_1 / N + ... + g_N / N: the
+    same bits where N is a power of two, within float32's rounding elsewhere (3 ranks: 8e-7 relative
+    on a loss after 4 steps with AdamW)."""
     _, s0, losses0, ddp, _ = trained(tmp_path, cache, 'none', ranks, '--shard', 'none', *flags_)
     assert_states_planned(s0)
     for mode in modes:
@@ -120,8 +120,8 @@ def test_full_sharding_takes_recomputation_and_accumulation_as_ddp_does(tmp_path
 @FSDP
 def test_channels_last_is_off_by_default_where_fsdp2_slices_the_parameters():
     """FSDP2 refuses channels-last convolution weights ('does not support non-contiguous parameters
-    yet', torch 2.14): on a GPU, where channels-last is the default, --shard gradients and full turn it
-    off; DDP and ZeRO-1 keep it. (An H100's capability given: no GPU is asked.)"""
+    yet', torch 2.14): on a GPU, where channels-last is the default, --shard gradients and full turn
+    it off; DDP and ZeRO-1 keep it. (An H100's capability given: no GPU is asked.)"""
     for mode, on in (('none', True), ('optimizer', True), ('gradients', False), ('full', False)):
         args = flags.get_args_parser().parse_args(['--shard', mode, '--test-nsteps', '2', '--wandb', 'off'])
         assert flags.check_args(args, torch.device('cuda', 0), 1, capability=(9, 0)).channels_last is on, mode
@@ -138,7 +138,8 @@ def test_zero1_trains_as_ddp(tmp_path, cache_dir):
 def test_a_sharded_checkpoint_validates_and_resumes_at_another_world_size(tmp_path, cache_dir):
     """Written by 2 ranks under --shard full. 3 ranks validate 20 images in batches of 2 (4, 4 and 3
     batches: the third rank runs a blank forward in step with the others) as one process does; a
-    resume at 3 ranks under --shard full ends where the same resume under --shard none (DDP) ends."""
+    resume at 3 ranks under --shard full ends where the same resume under --shard none (DDP) ends.
+    """
     out = trained(tmp_path, cache_dir, 'full', 2, '--shard', 'full')[0]
     ckpt = latest(out)
     val = ['--synthetic-val-per-class', '5', '--val-batch-size', '2']
@@ -200,7 +201,8 @@ def plan_args(**kw):
 
 def on_meta(arch):
     """The model built on the meta device; skipped where this timm computes values while it builds
-    (timm 1.0.3 does: dlojz then runs without a plan, test_a_model_the_meta_device_cannot_build_runs_without_a_plan)."""
+    (timm 1.0.3 does: dlojz then runs without a plan,
+    test_a_model_the_meta_device_cannot_build_runs_without_a_plan)."""
     try:
         with torch.device('meta'):
             return custom_models.build_model(arch, 1000)
@@ -209,8 +211,9 @@ def on_meta(arch):
 
 
 def test_vit_g_fits_16_gb_gpus_only_when_sharded():
-    """ViT-g/14 (1.01 B parameters) with AdamW: 16.2 GB of model states under DDP, 4.1 GB per GPU under
-    ZeRO-3 on 4 GPUs. On a 16 GB GPU, DDP is refused and the refusal names ZeRO-1 (10.1 GB)."""
+    """ViT-g/14 (1.01 B parameters) with AdamW: 16.2 GB of model states under DDP, 4.1 GB per GPU
+    under ZeRO-3 on 4 GPUs. On a 16 GB GPU, DDP is refused and the refusal names ZeRO-1 (10.1 GB).
+    """
     meta = on_meta('timm:vit_giant_patch14_224')
     blocks = custom_models.blocks(meta)
     assert len(blocks) == 40
@@ -266,8 +269,8 @@ def test_what_a_mode_cannot_take_is_refused_in_one_sentence(argv, says):
 def test_fsdp_is_refused_below_torch_2_6_and_where_gloo_would_carry_gpu_slices():
     args = flags.check_flags(flags.get_args_parser().parse_args(['--shard', 'full']))
     sentences = [s for refused, s in plan.refusals(args, 'cpu', 2, (2, 4)) if refused]
-    assert sentences == ['--shard full needs FSDP2\'s fully_shard, public from torch 2.6 (this is 2.4); use '
-                         '--shard optimizer (ZeRO-1) or upgrade torch.']
+    assert sentences == ['--shard full needs FSDP2\'s fully_shard, public from torch 2.6 (this is '
+                         '2.4); use --shard optimizer (ZeRO-1) or upgrade torch.']
     assert any(r and 'gloo' in s for r, s in plan.refusals(args, 'cuda', 2, (2, 14), backend='gloo'))
 
 

@@ -219,13 +219,13 @@ def process_group_backend(device_type, device_count, local_world_size, share):
 
 def setup(dist, device, timeout_min=None, share_gpu=False, alone=False):
     """Join the process group (process_group_backend says which). Every rank must call it. alone: a
-    single process that needs a group all the same (--shard's fully_shard and ZeroRedundancyOptimizer):
-    a group of one on an in-memory store (no port, no network), with its gloo group for host objects."""
+    process of its own that --shard needs a group for: one on an in-memory store (no port, no
+    network), with its gloo group for host objects."""
     global _CPU_GROUP
     if not dist.distributed:
         if alone and not tdist.is_initialized():
-            tdist.init_process_group('nccl' if device.type == 'cuda' else 'gloo', store=tdist.HashStore(),
-                                     rank=0, world_size=1)
+            tdist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',
+                                     store=tdist.HashStore(), rank=0, world_size=1)
             _CPU_GROUP = tdist.new_group(backend='gloo')
         return
     if dist.launcher == 'slurm':  # env:// reads these; rank 0 opens the store on master_addr:master_port

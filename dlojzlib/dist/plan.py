@@ -1,6 +1,6 @@
-"""The memory plan of --shard: the model states (parameters, gradients, optimizer state) each rank holds
-under each mode, from the parameters' shapes alone, before anything is allocated; and the flags a mode
-cannot take. Light: no torch at import (flags.check_args reads the refusals).
+"""The memory plan of --shard: the model states (parameters, gradients, optimizer state) each rank
+holds under each mode, from the parameters' shapes alone, before anything is allocated; and the
+flags a mode cannot take. Light: no torch at import (flags.check_args reads the refusals).
 
 A rank's model states under --shard (P: every parameter's bytes, N ranks; ZeRO's names in brackets):
 
@@ -68,7 +68,7 @@ def plan(groups, mode, world, optimizer='sgd', momentum=0.9, element_size=4, blo
     if optimizer == 'sgd' and not momentum:
         per_tensor = 0
     whole = sum(map(numel, shapes))
-    # owned: the elements whose optimizer state this rank keeps; counted: their tensors (AdamW's steps)
+    # owned: the elements whose optimizer state this rank keeps; counted: their tensors (for AdamW)
     if mode == 'none':
         params = grads = owned = whole
         counted = len(shapes)
@@ -82,8 +82,8 @@ def plan(groups, mode, world, optimizer='sgd', momentum=0.9, element_size=4, blo
     state = per_tensor * owned * element_size + (STEP_BYTES * counted if step else 0)
     gathered = {'none': 0, 'optimizer': 0, 'gradients': whole,
                 'full': sum(sorted((sum(map(numel, b)) for b in blocks), reverse=True)[:2])}[mode]
-    out = {'parameters': params * element_size, 'gradients': grads * element_size, 'optimizer': state,
-           'gathered': gathered * element_size}
+    out = {'parameters': params * element_size, 'gradients': grads * element_size,
+           'optimizer': state, 'gathered': gathered * element_size}
     out['model_states'] = out['parameters'] + out['gradients'] + out['optimizer']
     out['peak'] = out['model_states'] + out['gathered']
     return out
@@ -100,7 +100,8 @@ def device_bytes(p, offload):
 
 
 def fitting_mode(all_plans, capacity, offload=False):
-    """The first mode, from none to full, whose model states fit `capacity` bytes; None if none does."""
+    """The first mode, from none to full, whose model states fit `capacity` bytes; None if none
+    does."""
     for m in MODES:
         if device_bytes(all_plans[m], offload and m in FSDP_MODES) <= capacity:
             return m
@@ -113,43 +114,50 @@ def gib(n):
 
 def plan_lines(all_plans, mode, world):
     """The plan as printed before the first step: one line per mode, the chosen one marked."""
-    lines = [f'Memory plan per rank at {world} rank(s), GiB (parameters + gradients + optimizer state '
-             f'= model states; + gathered during the step):']
+    lines = [f'Memory plan per rank at {world} rank(s), GiB (parameters + gradients + optimizer '
+             f'state = model states; + gathered during the step):']
     for m, p in all_plans.items():
         mark = '*' if m == mode else ' '
-        lines.append(f' {mark} --shard {m:<9} ({ZERO[m]}): {gib(p["parameters"])} + {gib(p["gradients"])} + '
-                     f'{gib(p["optimizer"])} = {gib(p["model_states"])}; + {gib(p["gathered"])}')
+        parts = ' + '.join(gib(p[k]) for k in ('parameters', 'gradients', 'optimizer'))
+        lines.append(f' {mark} --shard {m:<9} ({ZERO[m]}): {parts} = {gib(p["model_states"])}; '
+                     f'+ {gib(p["gathered"])}')
     return lines
 
 
 def refusals(args, device_type, world_size, torch_version, backend=None):
-    """-> [(refused, sentence)] for --shard and --cpu-offload (flags.check_args raises the first)."""
+    """-> [(refused, sentence)] for --shard and --cpu-offload (flags.check_args raises the
+    first)."""
     sharded = args.shard in FSDP_MODES
     name = f'--shard {args.shard}'
+    version = '.'.join(map(str, torch_version))
     return [
-        (args.cpu_offload and not sharded, f'--cpu-offload keeps the shards of --shard gradients or full in '
-         f'host memory, and --shard {args.shard} has none there; add --shard full (or gradients), or drop '
-         f'--cpu-offload.'),
-        (sharded and args.ema_decay, f'{name} keeps a slice of the weights on each rank, and --ema-decay '
-         f'averages whole ones; drop --ema-decay, or use --shard optimizer.'),
-        (sharded and args.arch.endswith('-heads'), f'{name} reduces every block\'s gradients each step, and '
-         f'--arch {args.arch} leaves its unused heads without one; use --shard optimizer, or another '
-         f'--arch.'),
-        (sharded and args.compile, f'{name} with --compile is not supported by dlojz yet (its gathers '
-         f'would need compiling block by block); drop --compile, or use --shard optimizer.'),
-        (sharded and args.amp == 'fp16', f'{name} would need a loss scale agreed over the ranks\' gradient '
-         f'slices, which --amp fp16\'s GradScaler does not do; use --amp bf16 (no loss scale) or --shard '
-         f'optimizer.'),
-        (sharded and args.channels_last, f'{name} slices the parameters as they lie in memory, and FSDP2 '
-         f'takes contiguous ones only (channels-last convolution weights are not); drop --channels-last '
-         f'(off by default under {name}), or use --shard optimizer.'),
-        (sharded and args.sync_bn, f'{name} with --sync-bn is not supported by dlojz yet; use --shard '
-         f'optimizer with --sync-bn (DDP under ZeRO-1).'),
-        (sharded and device_type == 'cuda' and backend == 'gloo' and world_size > 1, f'{name} '
-         f'reduce-scatters gradients on the GPU, which the gloo group of tasks sharing a GPU cannot do; '
-         f'give each task a GPU of its own.'),
+        (args.cpu_offload and not sharded,
+         f'--cpu-offload keeps the shards of --shard gradients or full in host memory, and --shard '
+         f'{args.shard} has none there; add --shard full (or gradients), or drop --cpu-offload.'),
+        (sharded and args.ema_decay,
+         f'{name} keeps a slice of the weights on each rank, and --ema-decay averages whole ones; '
+         f'drop --ema-decay, or use --shard optimizer.'),
+        (sharded and args.arch.endswith('-heads'),
+         f'{name} reduces every block\'s gradients each step, and --arch {args.arch} leaves its '
+         f'unused heads without one; use --shard optimizer, or another --arch.'),
+        (sharded and args.compile,
+         f'{name} with --compile is not supported by dlojz yet (its gathers would need compiling '
+         f'block by block); drop --compile, or use --shard optimizer.'),
+        (sharded and args.amp == 'fp16',
+         f'{name} would need a loss scale agreed over the ranks\' gradient slices, which --amp '
+         f'fp16\'s GradScaler does not do; use --amp bf16 (no loss scale) or --shard optimizer.'),
+        (sharded and args.channels_last,
+         f'{name} slices the parameters as they lie in memory, and FSDP2 takes contiguous ones '
+         f'only (channels-last convolution weights are not); drop --channels-last (off by default '
+         f'under {name}), or use --shard optimizer.'),
+        (sharded and args.sync_bn,
+         f'{name} with --sync-bn is not supported by dlojz yet; use --shard optimizer with '
+         f'--sync-bn (DDP under ZeRO-1).'),
+        (sharded and device_type == 'cuda' and backend == 'gloo' and world_size > 1,
+         f'{name} reduce-scatters gradients on the GPU, which the gloo group of tasks sharing a '
+         f'GPU cannot do; give each task a GPU of its own.'),
         # last: the combinations above are refused whatever the torch
-        (sharded and torch_version < FSDP_TORCH, f'{name} needs FSDP2\'s fully_shard, public from torch '
-         f'2.6 (this is {".".join(map(str, torch_version))}); use --shard optimizer (ZeRO-1) or upgrade '
-         f'torch.'),
+        (sharded and torch_version < FSDP_TORCH,
+         f'{name} needs FSDP2\'s fully_shard, public from torch 2.6 (this is {version}); use '
+         f'--shard optimizer (ZeRO-1) or upgrade torch.'),
     ]

@@ -1,15 +1,16 @@
 """--shard: the ways of spreading a run over its ranks, on torch's own APIs, a function per way
 (torchtitan's shape), and what the rest of dlojz needs to treat them alike: the accumulation's
-no_sync, whole state dicts for one-file checkpoints, the bytes of the model states, and validation in
-lockstep.
+no_sync, whole state dicts for one-file checkpoints, the bytes of the model states, and validation
+in lockstep.
 
     --shard none        launch.wrap_ddp: DistributedDataParallel
     --shard optimizer   wrap_ddp + zero_optimizer: ZeroRedundancyOptimizer (ZeRO-1)
     --shard gradients   apply_fsdp(reshard_after_forward=False): FSDP2 (ZeRO-2)
     --shard full        apply_fsdp(reshard_after_forward=True): FSDP2 (ZeRO-3)
 
-dlojz's autocast stays as it is: FSDP2 keeps fp32 parameters and gradients, and the losses and weights
-are DDP's bit for bit on CPU/gloo (tests/test_shard.py). What each mode keeps per rank: dist.plan.
+dlojz's autocast stays as it is: FSDP2 keeps fp32 parameters and gradients, and the losses and
+weights are DDP's bit for bit at 2 gloo ranks (tests/test_shard.py). What each mode keeps per rank:
+dist.plan.
 """
 from contextlib import contextmanager
 
@@ -20,21 +21,21 @@ from dlojzlib.dist.plan import FSDP_MODES  # noqa: F401 (shard.FSDP_MODES: dlojz
 
 try:
     from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.5: no public DTensor, and --shard gradients and full are refused there
+except ImportError:  # torch < 2.5: no public DTensor; --shard gradients and full are refused there
     DTensor = ()
-
 
 
 def apply_fsdp(model, blocks, device, reshard_after_forward, offload):
     """FSDP2: each block its own unit (its parameters gathered just before it runs), then the root
     (the stem, the head and whatever no block holds). The model may still be on the CPU: each rank's
-    slices go to `device` (to host memory with offload), so a model larger than one GPU is never whole
-    on it."""
+    slices go to `device` (to host memory with offload), so a model larger than one GPU is never
+    whole on it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
     mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward,
-              offload_policy=CPUOffloadPolicy(pin_memory=device.type == 'cuda') if offload else OffloadPolicy())
+              offload_policy=CPUOffloadPolicy(pin_memory=device.type == 'cuda') if offload else
+              OffloadPolicy())
     for block in blocks:
         fully_shard(block, **kw)
     return fully_shard(model, **kw)
@@ -78,14 +79,15 @@ def no_sync(model):
 
 
 def _whole(value):
-    """A DTensor gathered whole (a collective: every rank calls it, in the same order), on the CPU."""
+    """A DTensor gathered whole (a collective: every rank calls it, in the same order), on the CPU.
+    """
     return value.full_tensor().cpu() if _is_dtensor(value) else value
 
 
 def model_state(module):
-    """The module's state dict with whole tensors, for a one-file checkpoint. Every rank calls it (FSDP2:
-    each parameter is gathered); rank 0's is the one written. Buffers are each rank's own: rank 0's
-    BatchNorm statistics are the ones saved, as under DDP."""
+    """The module's state dict with whole tensors, for a one-file checkpoint. Every rank calls it
+    (FSDP2: each parameter is gathered); rank 0's is the one written. Buffers are each rank's own:
+    rank 0's BatchNorm statistics are the ones saved, as under DDP."""
     state = module.state_dict()
     if not is_sharded(module):
         return state
@@ -101,7 +103,8 @@ def optimizer_state(optimizer):
     state = optimizer.state_dict()
     if not any(_is_dtensor(v) for s in state['state'].values() for v in s.values()):
         return state
-    return {**state, 'state': {i: {k: _whole(v) for k, v in s.items()} for i, s in state['state'].items()}}
+    whole = {i: {k: _whole(v) for k, v in s.items()} for i, s in state['state'].items()}
+    return {**state, 'state': whole}
 
 
 def load_model_state(module, state):
@@ -118,17 +121,19 @@ def _slice_like(value, like):
     from torch.distributed.tensor import distribute_tensor
     if not _is_dtensor(like) or not isinstance(value, torch.Tensor) or value.shape != like.shape:
         return value
-    return distribute_tensor(value.to(like.device_mesh.device_type), like.device_mesh, like.placements,
+    mesh = like.device_mesh
+    return distribute_tensor(value.to(mesh.device_type), mesh, like.placements,
                              src_data_rank=None)
 
 
 def optimizer_state_for(optimizer, state):
-    """A one-process optimizer state dict made ready for this rank's optimizer: FSDP2's moments cut to
-    their parameter's slice (ZeRO-1's load_state_dict keeps its own part by itself)."""
+    """A one-process optimizer state dict made ready for this rank's optimizer: FSDP2's moments cut
+    to their parameter's slice (ZeRO-1's load_state_dict keeps its own part by itself)."""
     params = [p for g in optimizer.param_groups for p in g['params']]
     if not any(_is_dtensor(p) for p in params):
         return state
-    cut = {i: {k: _slice_like(v, params[i]) for k, v in s.items()} for i, s in state['state'].items()}
+    cut = {i: {k: _slice_like(v, params[i]) for k, v in s.items()}
+           for i, s in state['state'].items()}
     return {**state, 'state': cut}
 
 
@@ -150,7 +155,8 @@ def state_bytes(model, optimizer):
 
 class StateMeter:
     """This rank's model states, counted once, just after the first optimizer step that ran (its
-    state then exists, the gradients are not yet cleared): an optimizer hook, nothing in the step."""
+    state then exists, the gradients are not yet cleared): an optimizer hook, nothing in the step.
+    """
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer, self.bytes = model, optimizer, None
@@ -162,21 +168,21 @@ class StateMeter:
 
 
 def most_batches(run, max_batches=None):
-    """Validation under --shard gradients or full: each forward gathers parameters from every rank, and
-    each rank evaluates its own unpadded part of the validation set, so the ranks may have a batch
-    more or less. -> the most batches a rank runs (a collective: every rank calls it before its first
-    batch); 0 where the model is not sliced."""
+    """Validation under --shard gradients or full: each forward gathers parameters from every rank,
+    and each rank evaluates its own unpadded part of the validation set, so the ranks may have a
+    batch more or less. -> the most batches a rank runs (a collective: every rank calls it before
+    its first batch); 0 where the model is not sliced."""
     if not is_sharded(run.model_without_ddp):
         return 0
-    mine = len(run.data.val_loader) if max_batches is None else min(len(run.data.val_loader), max_batches)
+    mine = min(len(run.data.val_loader), max_batches or len(run.data.val_loader))
     most = torch.tensor([mine], device=run.device)
     tdist.all_reduce(most, op=tdist.ReduceOp.MAX)
     return int(most.item())
 
 
 def blank_forwards(model, n, run):
-    """n forwards of a blank image, discarded: a rank out of validation batches keeps gathering in step
-    with the ranks still validating (most_batches)."""
+    """n forwards of a blank image, discarded: a rank out of validation batches keeps gathering in
+    step with the ranks still validating (most_batches)."""
     size = run.args.val_image_size
     blank = torch.zeros((1, 3, size, size), device=run.device)
     for _ in range(n):

@@ -1,7 +1,7 @@
-"""Memory planned before the first step and measured after it: the model states per rank of every --shard
-mode at this world size (dist.plan's arithmetic over the shapes of a model built on the meta device), the
-refusal of a mode whose states cannot fit the GPU, and the `>>> Memory:` line that puts the largest
-rank's measured states beside the plan."""
+"""Memory planned before the first step and measured after it: the model states per rank of every
+--shard mode at this world size (dist.plan's arithmetic over the shapes of a model built on the meta
+device), the refusal of a mode whose states cannot fit the GPU, and the `>>> Memory:` line that puts
+the largest rank's measured states beside the plan."""
 import torch
 
 from dlojzlib.dist import plan
@@ -14,16 +14,17 @@ def shapes(module):
 
 
 def plan_run(args, build, blocks, world_size, capacity=None, say=print):
-    """-> {mode: plan} of the model `build()` makes, built on the meta device (nothing allocated), under
-    this run's optimizer, printed with say(); None, with a note, where the model cannot be built there.
-    blocks(model): the units --shard shards. capacity: the GPU's memory in bytes (None on CPU): a mode
-    whose model states exceed it is refused, naming one that fits."""
+    """-> {mode: plan} of the model `build()` makes, built on the meta device (nothing allocated),
+    under this run's optimizer, printed with say(); None, with a note, where the model cannot be
+    built there. blocks(model): the units --shard shards. capacity: the GPU's memory in bytes (None
+    on CPU): a mode whose model states exceed it is refused, naming one that fits."""
     try:
         with torch.device('meta'):
             meta_model = build()
-    except (RuntimeError, NotImplementedError) as e:  # timm 1.0.3 reads values (.item()) while it builds a ViT
-        say(f'Memory plan: not made, as --arch {args.arch} cannot be built on the meta device with this '
-            f'torch and timm ({str(e).splitlines()[0][:80]}); the measured states are still reported.')
+    except (RuntimeError, NotImplementedError) as e:  # timm 1.0.3 reads .item() building ViTs
+        why = str(e).splitlines()[0][:80]
+        say(f'Memory plan: not made, as --arch {args.arch} cannot be built on the meta device with '
+            f'this torch and timm ({why}); the measured states are still reported.')
         return None
     plans = plan_model(args, meta_model, blocks(meta_model), world_size, capacity)
     say('\n'.join(plan.plan_lines(plans, args.shard, world_size)))
@@ -35,19 +36,21 @@ def plan_model(args, meta_model, blocks, world_size, capacity=None):
     groups = [[tuple(p.shape) for p in g['params']]
               for g in param_groups(meta_model, args.wd, args.wd_norm_bias)]
     size = next(meta_model.parameters()).element_size()
-    plans = plan.plans(groups, world_size, args.optimizer, args.mom, size, [shapes(b) for b in blocks])
-    if capacity is not None:
-        offload = args.cpu_offload
-        need = plan.device_bytes(plans[args.shard], offload)
-        if need > capacity:
-            fits = plan.fitting_mode(plans, capacity, offload)
-            what = (f'--shard {fits} ({plan.ZERO[fits]}) plans {plan.gib(plan.device_bytes(plans[fits], offload))} '
-                    f'GiB: use it' if fits else f'no mode fits at {world_size} rank(s): add GPUs, or '
-                    f'--shard full --cpu-offload')
-            raise UsageError(f'--arch {args.arch} with --optimizer {args.optimizer} needs {plan.gib(need)} GiB '
-                             f'of model states per GPU under --shard {args.shard} ({plan.ZERO[args.shard]}) at '
-                             f'{world_size} rank(s), more than this GPU\'s {plan.gib(capacity)} GiB; {what}.')
-    return plans
+    plans = plan.plans(groups, world_size, args.optimizer, args.mom, size,
+                       [shapes(b) for b in blocks])
+    need = plan.device_bytes(plans[args.shard], args.cpu_offload)
+    if capacity is None or need <= capacity:
+        return plans
+    fits = plan.fitting_mode(plans, capacity, args.cpu_offload)
+    if fits:
+        what = (f'--shard {fits} ({plan.ZERO[fits]}) plans '
+                f'{plan.gib(plan.device_bytes(plans[fits], args.cpu_offload))} GiB: use it')
+    else:
+        what = f'no mode fits at {world_size} rank(s): add GPUs, or --shard full --cpu-offload'
+    raise UsageError(f'--arch {args.arch} with --optimizer {args.optimizer} needs '
+                     f'{plan.gib(need)} GiB of model states per GPU under --shard {args.shard} '
+                     f'({plan.ZERO[args.shard]}) at {world_size} rank(s), more than this GPU\'s '
+                     f'{plan.gib(capacity)} GiB; {what}.')
 
 
 def capacity(device):
@@ -57,8 +60,10 @@ def capacity(device):
 
 def summary(plans, mode, measured):
     """summary.json's memory entries: the plan of every mode (None where none was made), the chosen
-    one's model states, and the largest rank's measured (None until the first optimizer step ran)."""
-    return {'model_state_plan': plans, 'model_state_plan_bytes': plans[mode]['model_states'] if plans else None,
+    one's model states, and the largest rank's measured (None until the first optimizer step ran).
+    """
+    return {'model_state_plan': plans,
+            'model_state_plan_bytes': plans[mode]['model_states'] if plans else None,
             'model_state_bytes': measured['model_states'] if measured else None,
             'model_state_measured': measured}
 

@@ -223,7 +223,8 @@ def inputs_from_summary(summary):
                and s is not None]
     split = step_split(t) or {}
     return {'step_s': batch / rate, 'backward_s': backward, 'batch_per_device': batch,
-            # what the run's --shard sends per step, in gradient all-reduces (ZeRO-3: 1.5 x); DDP's before
+            # what the run's --shard sends per step, in gradient all-reduces (ZeRO-3: 1.5 x); DDP's
+            # before
             # --shard wrote no factor
             'grad_bytes': comm['gradient_bytes_per_step'] * factor,
             'bucket_cap_mb': summary.get('config', {}).get('bucket_cap_mb', 25.0),
@@ -235,9 +236,9 @@ def traffic_factor(comm):
     where it is absent (a summary from before --shard). Anything else: ValueError, naming it."""
     f = comm.get('traffic_factor', 1.0)
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 1 <= f <= 2:
-        raise ValueError(f'the summary\'s communication.traffic_factor is {f!r}, where dlojz writes a '
-                         f'number from 1 to 2 (1.5 under --shard optimizer and full); give the summary.json '
-                         f'dlojz wrote.')
+        raise ValueError(f'the summary\'s communication.traffic_factor is {f!r}, where dlojz '
+                         f'writes a number from 1 to 2 (1.5 under --shard optimizer and full); '
+                         f'give the summary.json dlojz wrote.')
     return float(f)
 
 
@@ -449,7 +450,8 @@ def main(argv=None):
             reference = json.load(f)
         x = inputs_from_summary(reference)
         factor = traffic_factor(reference.get('communication') or {})
-        shard = f' x {factor:g} (--shard {(reference.get("config") or {}).get("shard")})' if factor != 1 else ''
+        mode = (reference.get('config') or {}).get('shard')
+        shard = f' x {factor:g} (--shard {mode})' if factor != 1 else ''
         threads, cores = shared_cores(reference)
         if a.cores is not None:
             threads, cores = threads or 1, a.cores or None
@@ -484,8 +486,8 @@ def main(argv=None):
     spread = f", {len(steps)} steady steps (p90/median {p90:.3f})" if steps else \
         ', no per-step times: no straggler term'
     print(f"one device: step {x['step_s'] * 1e3:.1f} ms, backward {x['backward_s'] * 1e3:.1f} ms, "
-          f"batch {x['batch_per_device']}, gradients {x['grad_bytes'] / factor / 2**20:.1f} MiB{shard}{spread}; "
-          f"link {asdict(link)}")
+          f"batch {x['batch_per_device']}, gradients {x['grad_bytes'] / factor / 2**20:.1f} "
+          f"MiB{shard}{spread}; link {asdict(link)}")
     print(f'compute slowed: {slowed_source}')
     print('\n'.join(table(rows, measured, x['work_s'])))
     return 0

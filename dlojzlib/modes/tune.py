@@ -69,8 +69,8 @@ def configurations(cuda, bf16=True, shard='none'):
     """(amp, channels_last, compile) combinations valid on the device, the default first; compile
     is False (eager) or a --compile-mode: 'default', and with channels-last 'reduce-overhead'
     (inductor's kernels replayed as CUDA graphs: the host's launch time off the step). Under --shard
-    gradients and full, those the mode takes: neither channels-last, nor fp16, nor compile (dist.plan's
-    refusals)."""
+    gradients and full, those the mode takes: neither channels-last, nor fp16, nor compile
+    (dist.plan's refusals)."""
     if not cuda:  # autocast on CPU is bf16 only; compile left out (minutes per trial on a small CPU)
         every = [(a, cl, False) for a in ('off', 'bf16') for cl in (False, True)]
     else:

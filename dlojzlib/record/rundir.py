@@ -26,7 +26,7 @@ def default_output_dir(args, dist):
     # the loader modes build no model: their folders are named after what they measure, not after
     # --arch
     what = 'loader' if args.loader_only else 'tune-loader' if args.tune_loader else \
-        args.arch.replace(':', '-')  # timm:vit_base_patch16_224: no ':' in a folder name (PATH lists)
+        args.arch.replace(':', '-')  # timm:vit_base_patch16_224: no ':' in a folder name (PATHs)
     return os.path.join('runs', f'{tag}_{what}_bs{args.batch_size}')
 
 

@@ -53,11 +53,11 @@ def set_device_rng_state(state, device):
 
 
 def checkpoint_state(run, progress, device_rng, model, optimizer):
-    """device_rng: every rank's device_rng_state(), indexed by rank. model, optimizer: their state dicts
-    whole (dist.shard.model_state, optimizer_state: gathered on every rank, whatever --shard). The
-    position is the loop's own: an epoch that is trained but not yet closed (end_due: a stop during its
-    last step) is resumed by its validation. metrics_bytes: how much of metrics.jsonl was written then (the resumed run keeps
-    that much)."""
+    """device_rng: every rank's device_rng_state(), indexed by rank. model, optimizer: their state
+    dicts whole (dist.shard.model_state, optimizer_state: gathered on every rank, whatever --shard).
+    The position is the loop's own: an epoch that is trained but not yet closed (end_due: a stop
+    during its last step) is resumed by its validation. metrics_bytes: how much of metrics.jsonl was
+    written then (the resumed run keeps that much)."""
     epoch, step = progress.epoch, progress.step
     return {'version': SUMMARY_VERSION, 'arch': run.args.arch, 'num_classes': len(run.data.classes),
             'classes': list(run.data.classes), 'train_images': run.data.n_train,
@@ -84,7 +84,8 @@ def save(run, progress, path=None):
     path, on every rank."""
     device_rng = launch.all_gather_object(device_rng_state(run.device))
     # every rank: FSDP2 gathers each parameter's slices, ZeRO-1 its optimizer's parts, on rank 0
-    model, optimizer = shard.model_state(run.model_without_ddp), shard.optimizer_state(run.optimizer)
+    model = shard.model_state(run.model_without_ddp)
+    optimizer = shard.optimizer_state(run.optimizer)
     keep = None if path else run.args.keep_checkpoints
     path = path or checkpoint_path(run.args.output_dir, progress.global_step)
 
@@ -92,7 +93,8 @@ def save(run, progress, path=None):
         warning = space_warning(run.args.output_dir)
         if warning:
             print(f'dlojz: warning: {warning}', file=sys.stderr, flush=True)
-        save_checkpoint(path, checkpoint_state(run, progress, device_rng, model, optimizer), keep=keep)
+        state = checkpoint_state(run, progress, device_rng, model, optimizer)
+        save_checkpoint(path, state, keep=keep)
     launch.on_ranks(write, when=run.dist.is_main)
     run.log.print(f'Checkpoint {path} written (step {progress.global_step})')
     return path
@@ -290,7 +292,7 @@ def load_optimizer(optimizer, state):
         for group, mine in zip(optimizer.param_groups, fresh):
             group.update({k: mine[k] for k in keys if k in mine})
     take(IMPLEMENTATION)
-    local = shard.local_optimizer(optimizer)  # ZeRO-1: the part this rank steps (it follows the groups above)
+    local = shard.local_optimizer(optimizer)  # ZeRO-1: this rank's part (following the groups)
     for group in local.param_groups:
         on_device = group.get('fused') or group.get('capturable')
         for p in group['params']:

@@ -73,7 +73,8 @@ def write_summary(run, progress, status, error=None, extra=None):
                  'dali': run.data.dali,
                  'staging': run.data.staging, 'index': run.data.index},
         'timing': timing,
-        'memory': {**run.memory.summary(), **states_summary(run, [states_of(run)])}, 'host': run.host,
+        'memory': {**run.memory.summary(), **states_summary(run, [states_of(run)])},
+        'host': run.host,
         'energy': energy,
         'global_step': progress.global_step, 'train': progress.train, 'val': progress.val,
         'val_ema': progress.val_ema,
@@ -84,7 +85,8 @@ def write_summary(run, progress, status, error=None, extra=None):
     }
     starts = [rank_startup(run)]  # every rank's once the run completed (gathered below)
     if dist.distributed:
-        summary['communication'] = communication_estimate(args.bucket_cap_mb, run.model_without_ddp, args.shard,
+        summary['communication'] = communication_estimate(args.bucket_cap_mb, run.model_without_ddp,
+                                                          args.shard,
                                                           dist.world_size)
         if status == 'completed':
             ranks = launch.all_gather_object(rank_report(run))
@@ -164,10 +166,10 @@ def ranks_summary(ranks, gathers=False):
     excess over it is waiting for a late peer (`late_s`). Only durations are compared, so hosts'
     clocks need not agree. The late rank is the one that waited least for the others
     (`straggler_rank`); its own bound says why it was late. Without those measurements (phase timing
-    off, or --shard gradients and full, whose collectives no hook times), a rank's backward time above
-    the fastest rank's is taken as waiting for peers, and a network every rank waits for alike reads
-    as compute. gathers: FSDP2's, whose forward gathers the parameters from every rank too: the
-    forward and the backward above the fastest rank's."""
+    off, or --shard gradients and full, whose collectives no hook times), a rank's backward time
+    above the fastest rank's is taken as waiting for peers, and a network every rank waits for alike
+    reads as compute. gathers: FSDP2's, whose forward gathers the parameters from every rank too:
+    the forward and the backward above the fastest rank's."""
     timed = [r for r in ranks if r['step_median_s']]
     if not timed:
         return {'ranks': ranks}
@@ -198,10 +200,11 @@ def ranks_summary(ranks, gathers=False):
             r['backward_s'] + ((r.get('forward_s') or 0.0) if gathers else 0.0)
         times = [waits(r) for r in measured]
         fastest = min(times) if None not in times else None
-        for r, t in zip(measured, times):  # seconds spent waiting for peers, over the rank's steady steps
+        for r, t in zip(measured, times):  # seconds waiting for peers, over the rank's steady steps
             r['comm_s'] = (t - fastest) * r['steady_steps'] if fastest is not None else 0.0
             r['late_s'] = 0.0
-        res['comm_measured'] = ('forward and backward' if gathers else 'backward') + ' above the fastest rank'
+        where = 'forward and backward' if gathers else 'backward'
+        res['comm_measured'] = f'{where} above the fastest rank'
     least_data = min(r['data_s'] for r in measured)
     for r in measured:
         r['data_excess_s'] = r['data_s'] - least_data  # the others waited for this rank's loader
@@ -223,9 +226,10 @@ def ranks_summary(ranks, gathers=False):
     return res
 
 
-# what a rank sends per step under --shard, in gradient all-reduces: an all-reduce is a reduce-scatter
-# then an all-gather, (W-1)/W of the buffer each; ZeRO-1 broadcasts the stepped parameters too, ZeRO-3
-# gathers them for the forward and again for the backward (Rajbhandari et al. 2020, section 7)
+# what a rank sends per step under --shard, in gradient all-reduces: an all-reduce is a
+# reduce-scatter then an all-gather, (W-1)/W of the buffer each; ZeRO-1 broadcasts the stepped
+# parameters too, ZeRO-3 gathers them for the forward and again for the backward (Rajbhandari et al.
+# 2020, section 7)
 TRAFFIC = {'none': 1.0, 'optimizer': 1.5, 'gradients': 1.0, 'full': 1.5}
 
 
@@ -233,13 +237,15 @@ def communication_estimate(bucket_cap_mb, model, shard, world_size):
     """Gradient all-reduce volume per step: 4 bytes per trainable parameter (gradients are fp32 even
     under AMP, the parameters being fp32), sent in DDP buckets: a first 1 MiB bucket, then
     --bucket-cap-mb ones. Under --shard, the traffic in all-reduces of that volume (TRAFFIC)."""
-    grad_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensors: whole
+    # DTensors count their whole size
+    grad_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     first, cap = 2 ** 20, bucket_cap_mb * 2 ** 20
     buckets = 1 + math.ceil(max(0, grad_bytes - first) / cap)
     return {'gradient_bytes_per_step': grad_bytes, 'bucket_cap_mb': bucket_cap_mb,
             'buckets_estimate': buckets, 'shard': shard, 'traffic_factor': TRAFFIC[shard],
             # a ring all-reduce sends (and receives) 2 (W-1)/W of the buffer per rank
-            'ring_bytes_per_rank_per_step': TRAFFIC[shard] * 2 * (world_size - 1) / world_size * grad_bytes}
+            'ring_bytes_per_rank_per_step':
+                TRAFFIC[shard] * 2 * (world_size - 1) / world_size * grad_bytes}
 
 
 SHARE_NAMES = {'communication': 'exposed communication', 'straggler': 'waiting for a late rank',
@@ -295,8 +301,9 @@ def final_lines(summary, chrono, steps_per_epoch):
                      f"%)")
     c = summary.get('communication')
     if c and c.get('shard', 'none') != 'none':
-        lines.append(f">>> Sharded traffic per step (--shard {c['shard']}): {c['traffic_factor']:g} x the "
-                     f"gradient all-reduce of {c['gradient_bytes_per_step'] / 2**20:.1f} MiB")
+        mib = c['gradient_bytes_per_step'] / 2**20
+        lines.append(f">>> Sharded traffic per step (--shard {c['shard']}): "
+                     f"{c['traffic_factor']:g} x the gradient all-reduce of {mib:.1f} MiB")
     elif c:
         lines.append(f">>> Gradient all-reduce per step: "
                      f"{c['gradient_bytes_per_step'] / 2**20:.1f} MiB in about "
@@ -311,7 +318,8 @@ def final_lines(summary, chrono, steps_per_epoch):
         lines.append(start)
     m = summary['memory']
     config = summary['config']
-    states = memory.line(m, config.get('shard', 'none'), summary.get('world_size', 1), config.get('cpu_offload'))
+    states = memory.line(m, config.get('shard', 'none'), summary.get('world_size', 1),
+                         config.get('cpu_offload'))
     if states:
         lines.append(states)
     if m['gpu_max_allocated_bytes'] is not None:

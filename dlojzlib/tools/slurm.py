@@ -25,13 +25,14 @@ SHIPPED = [(m, g, 1) for m in ('v100', 'a100', 'h100', 'narval', 'booster')
            for g in (1, MACHINES[m]['gpus_per_node'], 2 * MACHINES[m]['gpus_per_node'])] + \
     [('narval', 1, 4), ('generic', 4, 1), ('cpu', 0, 1)]
 PREFIX = {'jz': 'jz-', 'ac': 'ac-', 'jsc': 'jsc-'}
-# Runs with their own flags, as scripts of their own. The course's fourth day trains CoAtNet-7 (2.43 B
-# parameters), which does not fit one GPU's memory with its AdamW state: ZeRO-3 on Jean Zay's H100s.
-# 'plan': the model states per GPU (GB, fp32, AdamW) that dlojz prints before the first step, per mode
-# at each size (tests/test_slurm_scripts.py computes them again from the model).
+# Runs with their own flags, as scripts of their own. The course's fourth day trains CoAtNet-7
+# (2.43 B parameters), which does not fit one GPU's memory with its AdamW state: ZeRO-3 on Jean
+# Zay's H100s. 'plan': the model states per GPU (GB, fp32, AdamW) that dlojz prints before the first
+# step, per mode at each size (tests/test_slurm_scripts.py computes them again from the model).
 RECIPES = {
     'coatnet7': {
-        'what': "the course's fourth day, CoAtNet-7 (2.43 B parameters) with ZeRO-3 (docs/sharding.md)",
+        'what': "the course's fourth day, CoAtNet-7 (2.43 B parameters) with ZeRO-3 "
+                "(docs/sharding.md)",
         'flags': ['--arch coatnet7', '--shard full', '--optimizer adamw', '--amp bf16', '-b 32'],
         'plan': {4: {'none': 38.9, 'optimizer': 24.3, 'gradients': 9.7, 'full': 9.7},
                  8: {'none': 38.9, 'optimizer': 21.9, 'gradients': 4.9, 'full': 4.9}},
@@ -59,8 +60,10 @@ def recipe_lines(recipe, gpus):
     r = RECIPES[recipe]
     plan = ', '.join(f'--shard {mode} {gb:g}' for mode, gb in r['plan'][gpus].items())
     return [f'# This run: {r["what"]}.',
-            f'# Model states per GPU planned at {gpus} GPUs, GB (parameters, gradients and AdamW state in fp32, as',
-            '# dlojz prints them before the first step; the sharded modes gather parameters during the step on',
+            f'# Model states per GPU planned at {gpus} GPUs, GB (parameters, gradients and AdamW '
+            'state in fp32, as',
+            '# dlojz prints them before the first step; the sharded modes gather parameters during '
+            'the step on',
             f'# top): {plan}.']
 
 
@@ -79,22 +82,24 @@ def shape(machine, gpus, partition=None):
     return max(1, gpus // cap), min(gpus, cap)
 
 
-def command(machine, gpus, time_limit='02:00:00', account=None, qos=None, partition=None, ranks_per_gpu=1,
-            recipe=None):
+def command(machine, gpus, time_limit='02:00:00', account=None, qos=None, partition=None,
+            ranks_per_gpu=1, recipe=None):
     """The dlojz_slurm.py command that renders this script."""
     extra = [f'--{k} {v}' for k, v in (('account', account), ('qos', qos), ('partition', partition),
-                                       ('ranks-per-gpu', ranks_per_gpu if ranks_per_gpu > 1 else None),
+                                       ('ranks-per-gpu', ranks_per_gpu if ranks_per_gpu > 1
+                                        else None),
                                        ('recipe', recipe)) if v]
     return ' '.join(['python dlojz_slurm.py --machine', machine, '--gpus', str(gpus), '--time', time_limit, *extra,
                      '--dry-run'])
 
 
-def sbatch_options(machine, gpus, time_limit='02:00:00', account=None, qos=None, partition=None, ranks_per_gpu=1,
-                   recipe=None):
+def sbatch_options(machine, gpus, time_limit='02:00:00', account=None, qos=None, partition=None,
+                   ranks_per_gpu=1, recipe=None):
     """-> [(option, why)]; an option starting with '#' is printed commented out (##SBATCH)."""
     m = spec(machine, partition)
     nodes, per_node = shape(machine, gpus, partition)
-    name = script_name(machine, gpus, ranks_per_gpu, partition, recipe)[:-len('.slurm')]  # also the run's name
+    # also the run's name
+    name = script_name(machine, gpus, ranks_per_gpu, partition, recipe)[:-len('.slurm')]
     tasks = nodes * per_node * ranks_per_gpu
     opts = [(f'--job-name=dlojz-{name}', 'name in squeue and in the log file names'),
             (f'--output=slurm/log/%x_%j_{nodes}nodes_{tasks}tasks.out', '%x job name, %j job id'),
@@ -206,10 +211,10 @@ def check_values(time_limit, account, qos, partition):
                              f'_ . @ + - only (a comma between partitions).')
 
 
-def render(machine, gpus, time_limit='02:00:00', account=None, qos=None, partition=None, ranks_per_gpu=1,
-           recipe=None):
-    """The batch script. account/qos/partition: given, they are set; else the script shows where they go.
-    recipe: a run of RECIPES, its flags before the user's."""
+def render(machine, gpus, time_limit='02:00:00', account=None, qos=None, partition=None,
+           ranks_per_gpu=1, recipe=None):
+    """The batch script. account/qos/partition: given, they are set; else the script shows where
+    they go. recipe: a run of RECIPES, its flags before the user's."""
     check_values(time_limit, account, qos, partition)
     m = spec(machine, partition)
     nodes, per_node = shape(machine, gpus, partition)
@@ -222,7 +227,8 @@ def render(machine, gpus, time_limit='02:00:00', account=None, qos=None, partiti
     L = ['#!/bin/bash',
          f'# dlojz on {m["title"]}: {what}.',
          '# Submit from the repository root:  sbatch <this script> [dlojz flags, e.g. --test-nsteps 50]',
-         f'# Made by: {command(machine, gpus, time_limit, account, qos, partition, ranks_per_gpu, recipe)}',
+         '# Made by: ' + command(machine, gpus, time_limit, account, qos, partition, ranks_per_gpu,
+                                 recipe),
          '# (the scripts of slurm/ come from `python dlojz_slurm.py --write`): change the generator, or the lines '
          'marked ADAPT.',
          f'# Sources: docs/slurm.md#sites ({", ".join(sources)})' if sources else None]
@@ -306,10 +312,11 @@ def parser():
     p.add_argument('--partition', help='partition, where the cluster needs one (Jean Zay V100: gpu_p2, gpu_p2s or '
                    'gpu_p2l select the 8-GPU nodes)')
     p.add_argument('--ranks-per-gpu', type=int, default=1, help='tasks sharing each GPU through NVIDIA MPS')
-    p.add_argument('--recipe', choices=sorted(RECIPES), help='a run with its own flags and their plan in the '
-                   'script\'s comments (coatnet7: the course\'s fourth day, --shard full); its size: '
-                   + '; '.join(f'{r}: {", ".join(f"{g} GPUs" for _, g, n in SHIPPED_RECIPES if n == r)}'
-                               for r in sorted(RECIPES)))
+    sizes = '; '.join(f'{r}: {", ".join(f"{g} GPUs" for _, g, n in SHIPPED_RECIPES if n == r)}'
+                      for r in sorted(RECIPES))
+    p.add_argument('--recipe', choices=sorted(RECIPES), help='a run with its own flags and their '
+                   'plan in the script\'s comments (coatnet7: the course\'s fourth day, --shard '
+                   f'full); its size: {sizes}')
     p.add_argument('--dry-run', action='store_true', help='print the script instead of submitting it')
     p.add_argument('--write', action='store_true', help='regenerate the scripts of slurm/')
     p.add_argument('dlojz_flags', nargs=argparse.REMAINDER, help='flags for dlojz.py (after --)')
@@ -326,10 +333,11 @@ def main(argv=None):
         if args.ranks_per_gpu < 1 or args.ranks_per_gpu > 1 and args.machine == 'cpu':
             raise ValueError(f'--ranks-per-gpu {args.ranks_per_gpu}: give 1 or more, on a GPU machine.')
         if args.recipe and args.gpus not in RECIPES[args.recipe]['plan']:
-            raise ValueError(f'--recipe {args.recipe} is planned for {sorted(RECIPES[args.recipe]["plan"])} GPUs, '
-                             f'not --gpus {args.gpus}; give one of those.')
-        text = render(args.machine, args.gpus, args.time, args.account, args.qos, args.partition, args.ranks_per_gpu,
-                      args.recipe)
+            raise ValueError(f'--recipe {args.recipe} is planned for '
+                             f'{sorted(RECIPES[args.recipe]["plan"])} GPUs, not --gpus '
+                             f'{args.gpus}; give one of those.')
+        text = render(args.machine, args.gpus, args.time, args.account, args.qos, args.partition,
+                      args.ranks_per_gpu, args.recipe)
     except ValueError as e:
         print(f'dlojz_slurm: error: {e}', file=sys.stderr)
         return 2
