@@ -600,11 +600,10 @@ def test_under_fsdp2_a_rank_waits_in_its_forward_too():
     """--shard full gathers each block's parameters from every rank in the forward as well: rank 0,
     fast in its own work, waits 40 ms in its forward and 50 ms in its backward for rank 1 (90 of its
     200 device-ms per step, by hand). DDP's reading (the backward alone) would see 50."""
-    fast = rank(0, {'h2d': 0.0, 'forward': 0.09, 'backward': 0.11, 'optimizer': 0.0})
-    slow = rank(1, {'h2d': 0.0, 'forward': 0.05, 'backward': 0.06, 'optimizer': 0.0})
-    fsdp = ranks_summary([fast, slow], gathers=True)
+    works = ({'h2d': 0.0, 'forward': 0.09, 'backward': 0.11, 'optimizer': 0.0},
+             {'h2d': 0.0, 'forward': 0.05, 'backward': 0.06, 'optimizer': 0.0})
+    fsdp = ranks_summary([rank(0, works[0]), rank(1, works[1])], gathers=True)
     assert fsdp['comm_measured'] == 'forward and backward above the fastest rank'
     assert fsdp['comm_share'] == pytest.approx(90 / 310, rel=0.05)
-    ddp = ranks_summary([rank(0, {'h2d': 0.0, 'forward': 0.09, 'backward': 0.11, 'optimizer': 0.0}),
-                         rank(1, {'h2d': 0.0, 'forward': 0.05, 'backward': 0.06, 'optimizer': 0.0})])
+    ddp = ranks_summary([rank(0, works[0]), rank(1, works[1])])
     assert ddp['comm_share'] == pytest.approx(50 / 310, rel=0.05)

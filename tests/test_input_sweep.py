@@ -66,7 +66,8 @@ def written(tmp_path_factory, cache_dir):
     shutil.copytree(root / 'shards', root / 'damaged')
     with open(root / 'damaged' / 'index-val.npy', 'r+b') as f:
         f.truncate(30)
-    with open(root / 'run' / 'summary.json') as f:  # a one-device summary whose traffic factor is not a number
+    # a one-device summary whose traffic factor is not a number
+    with open(root / 'run' / 'summary.json') as f:
         odd = json.load(f)
     odd['communication'] = {'gradient_bytes_per_step': 4000, 'traffic_factor': 'x'}
     os.makedirs(root / 'odd')
@@ -132,14 +133,16 @@ CASES = {
                                                         'me\n#SBATCH --mem=1'], ['--account']),
     'slurm qos with a space': ('dlojz_slurm.py', ['--dry-run', '--qos', 'a b'], ['--qos']),
     'slurm gpus zero': ('dlojz_slurm.py', ['--dry-run', '--gpus', '0'], ['--gpus 0']),
-    'slurm recipe at a size it has no plan for': ('dlojz_slurm.py', '--dry-run --machine h100 '
-                                                  '--gpus 1 --recipe coatnet7'.split(), ['--recipe coatnet7', '--gpus 1']),
+    'slurm recipe at a size it has no plan for': (
+        'dlojz_slurm.py', '--dry-run --machine h100 --gpus 1 --recipe coatnet7'.split(),
+        ['--recipe coatnet7', '--gpus 1']),
     # dlojz_scaling.py
     'forecast gpus not numbers': ('dlojz_scaling.py', [*FORECAST, '--gpus', '1,x'],
                                   ['--gpus', '1,x']),
     'forecast cores negative': ('dlojz_scaling.py', [*FORECAST, '--cores', '-1'], ['--cores']),
-    'forecast traffic factor not a number': ('dlojz_scaling.py', '--summary {odd} --machine a100'.split(),
-                                             ['communication.traffic_factor', "'x'"]),
+    'forecast traffic factor not a number': (
+        'dlojz_scaling.py', '--summary {odd} --machine a100'.split(),
+        ['communication.traffic_factor', "'x'"]),
     # dlojz_bench.py
     'bench corpus of no image': ('dlojz_bench.py', 'corpus {new} --images 0'.split(),
                                  ['--images']),

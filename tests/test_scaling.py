@@ -152,20 +152,22 @@ def test_inputs_from_summary():
 
 
 def test_the_forecast_sends_what_the_shard_mode_sends():
-    """A reference run under --shard full (ZeRO-3) writes traffic_factor 1.5: the forecast sends 1.5 x
-    its gradients per step; a summary without the factor (before --shard) sends them once."""
+    """A reference run under --shard full (ZeRO-3) writes traffic_factor 1.5: the forecast sends
+    1.5 x its gradients per step; a summary without the factor (before --shard) sends them once."""
     plain, zero3 = summary(), summary()
-    plain['communication'] = {'gradient_bytes_per_step': 10 ** 8}  # ResNet-50's 98 MiB, where bandwidth rules
+    # ResNet-50's 98 MiB, where bandwidth rules
+    plain['communication'] = {'gradient_bytes_per_step': 10 ** 8}
     zero3['communication'] = {'gradient_bytes_per_step': 10 ** 8, 'traffic_factor': 1.5}
     assert S.inputs_from_summary(zero3)['grad_bytes'] == 1.5e8
     link = S.Link(1e9, 1e-5)
-    plain, zero3 = (S.forecast(**S.inputs_from_summary(s), link=link, gpus=(2,))[0] for s in (plain, zero3))
+    plain, zero3 = (S.forecast(**S.inputs_from_summary(s), link=link, gpus=(2,))[0]
+                    for s in (plain, zero3))
     assert zero3['comm_s'] / plain['comm_s'] == pytest.approx(1.5, rel=0.02)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=5),
-                 st.lists(st.integers(), max_size=2)))
+@given(st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True),
+                 st.text(max_size=5), st.lists(st.integers(), max_size=2)))
 def test_a_traffic_factor_is_a_number_from_1_to_2_or_one_sentence(value):
     try:
         f = S.traffic_factor({'traffic_factor': value})

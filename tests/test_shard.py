@@ -36,10 +36,11 @@ from dlojzlib.errors import UsageError
 from dlojzlib.measure import memory
 
 TORCH = tuple(int(v) for v in re.findall(r'\d+', torch.__version__)[:2])
-FSDP = pytest.mark.skipif(TORCH < plan.FSDP_TORCH, reason='FSDP2 runs on CPU from torch 2.6 (refused below)')
+FSDP = pytest.mark.skipif(TORCH < plan.FSDP_TORCH,
+                          reason='FSDP2 runs on CPU from torch 2.6 (refused below)')
 # the equivalence runs of tests/test_ddp.py: a small constant LR, so that rounding stays rounding
-EQUIV = ['--test-nsteps', '4', '--lr', '0.002', '--scheduler', 'constant', '--wd', '0', '--log-interval', '1',
-         '--chkpt']
+EQUIV = ['--test-nsteps', '4', '--lr', '0.002', '--scheduler', 'constant', '--wd', '0',
+         '--log-interval', '1', '--chkpt']
 
 
 def trained(tmp_path, cache, name, ranks, *flags_):
@@ -79,15 +80,17 @@ def trains_as_ddp(tmp_path, cache, modes, ranks=2, *flags_):
     _, s0, losses0, ddp, _ = trained(tmp_path, cache, 'none', ranks, '--shard', 'none', *flags_)
     assert_states_planned(s0)
     for mode in modes:
-        out, s, losses, mine, stdout = trained(tmp_path, cache, mode, ranks, '--shard', mode, *flags_)
+        out, s, losses, mine, stdout = trained(tmp_path, cache, mode, ranks, '--shard', mode,
+                                               *flags_)
         rel = 0.0 if mode == 'optimizer' or ranks & (ranks - 1) == 0 else 1e-5
         # a loss per step: 4, or the 3 an epoch holds at --accum-steps 2
-        assert losses == pytest.approx(losses0, rel=rel, abs=0) and len(losses) == s0['global_step'] >= 3, \
-            (mode, losses, losses0)
+        assert losses == pytest.approx(losses0, rel=rel, abs=0), (mode, losses, losses0)
+        assert len(losses) == s0['global_step'] >= 3, (mode, losses)
         assert s['val']['loss'] == pytest.approx(s0['val']['loss'], rel=rel, abs=0), mode
         assert_same_state(mine, ddp, rel)
         assert_states_planned(s)
-        assert f'>>> Memory: model states per rank' in stdout and f'(--shard {mode}, ' in stdout, stdout
+        assert '>>> Memory: model states per rank' in stdout, stdout
+        assert f'(--shard {mode}, ' in stdout, stdout
     return s0
 
 
@@ -99,7 +102,8 @@ def test_full_sharding_trains_as_ddp_and_its_checkpoint_is_one_plain_file(tmp_pa
     s, _ = run_main(tmp_path / 'ev', cache_dir, '--resume', latest(tmp_path / 'full'), '--evaluate',
                     '-b', '16')
     # top-1 exactly; the loss to float32's rounding (its sum over the ranks adds in another order)
-    assert s['val']['top1'] == s0['val']['top1'] and s['val']['loss'] == pytest.approx(s0['val']['loss'], rel=1e-6)
+    assert s['val']['top1'] == s0['val']['top1']
+    assert s['val']['loss'] == pytest.approx(s0['val']['loss'], rel=1e-6)
 
 
 @pytest.mark.slow
@@ -123,8 +127,10 @@ def test_channels_last_is_off_by_default_where_fsdp2_slices_the_parameters():
     yet', torch 2.14): on a GPU, where channels-last is the default, --shard gradients and full turn
     it off; DDP and ZeRO-1 keep it. (An H100's capability given: no GPU is asked.)"""
     for mode, on in (('none', True), ('optimizer', True), ('gradients', False), ('full', False)):
-        args = flags.get_args_parser().parse_args(['--shard', mode, '--test-nsteps', '2', '--wandb', 'off'])
-        assert flags.check_args(args, torch.device('cuda', 0), 1, capability=(9, 0)).channels_last is on, mode
+        args = flags.get_args_parser().parse_args(['--shard', mode, '--test-nsteps', '2', '--wandb',
+                                                   'off'])
+        args = flags.check_args(args, torch.device('cuda', 0), 1, capability=(9, 0))
+        assert args.channels_last is on, mode
 
 
 @pytest.mark.slow
@@ -144,25 +150,29 @@ def test_a_sharded_checkpoint_validates_and_resumes_at_another_world_size(tmp_pa
     ckpt = latest(out)
     val = ['--synthetic-val-per-class', '5', '--val-batch-size', '2']
     one, _ = run_main(tmp_path / 'ev1', cache_dir, '--resume', ckpt, '--evaluate', *val)
-    p = torchrun(3, *TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'ev3', '--resume', ckpt,
-                 '--evaluate', '--shard', 'full', *val)
+    p = torchrun(3, *TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'ev3', '--resume',
+                 ckpt, '--evaluate', '--shard', 'full', *val)
     assert p.returncode == 0, p.stderr[-3000:]
     three = json.load(open(tmp_path / 'ev3' / 'summary.json'))
-    assert (three['val']['top1'], three['val']['batches']) == (one['val']['top1'], 4), (three['val'], one['val'])
+    assert (three['val']['top1'], three['val']['batches']) == (one['val']['top1'], 4), \
+        (three['val'], one['val'])
     assert three['val']['loss'] == pytest.approx(one['val']['loss'], rel=1e-6)
     ends = {}
     for mode in ('none', 'full'):
         run = tmp_path / f'resumed-{mode}'
-        p = torchrun(3, *TINY, '--cache-dir', cache_dir, '--output-dir', run, *EQUIV, '--resume', ckpt,
-                     '--test-nsteps', '8', '--allow-batch-change', '--shard', mode)
+        p = torchrun(3, *TINY, '--cache-dir', cache_dir, '--output-dir', run, *EQUIV, '--resume',
+                     ckpt, '--test-nsteps', '8', '--allow-batch-change', '--shard', mode)
         assert p.returncode == 0, p.stderr[-3000:]
         ends[mode] = torch.load(latest(run), weights_only=False)
-    assert ends['full']['global_step'] == 4  # resumed at image 64 = step 2 of the 4 of 24 images an epoch holds
-    assert_same_state(ends['full'], ends['none'], rel=1e-5)  # 3 ranks: trains_as_ddp says why not bit for bit
-    assert not torch.equal(ends['full']['model']['fc.weight'], torch.load(ckpt, weights_only=False)['model']['fc.weight'])
+    # resumed at image 64: step 2 of the 4 steps of 24 images an epoch holds
+    assert ends['full']['global_step'] == 4
+    # 3 ranks: trains_as_ddp says why not bit for bit
+    assert_same_state(ends['full'], ends['none'], rel=1e-5)
+    written = torch.load(ckpt, weights_only=False)['model']['fc.weight']
+    assert not torch.equal(ends['full']['model']['fc.weight'], written)
 
 
-# ------------------------------------------------------------------------------------------------ the plan
+# ----------------------------------------------------------------------------------------- the plan
 
 def test_the_plan_by_hand():
     """Two tensors, (4, 3) and (3,): 15 elements of 4 bytes. SGD with momentum keeps one buffer per
@@ -180,8 +190,9 @@ def test_the_plan_by_hand():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=3), min_size=1, max_size=6),
-                min_size=1, max_size=3), st.integers(1, 9), st.sampled_from(sorted(plan.STATE)))
+@given(st.lists(st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=3), min_size=1,
+                         max_size=6), min_size=1, max_size=3),
+       st.integers(1, 9), st.sampled_from(sorted(plan.STATE)))
 def test_each_mode_keeps_no_more_than_the_one_before(groups, world, optimizer):
     groups = [[tuple(s) for s in g] for g in groups]
     p = plan.plans(groups, world, optimizer)
@@ -195,8 +206,9 @@ def test_each_mode_keeps_no_more_than_the_one_before(groups, world, optimizer):
 
 
 def plan_args(**kw):
-    return argparse.Namespace(**{**dict(wd=0.0, wd_norm_bias=True, optimizer='adamw', mom=0.9, shard='none',
-                                        cpu_offload=False, arch='timm:vit_giant_patch14_224'), **kw})
+    base = dict(wd=0.0, wd_norm_bias=True, optimizer='adamw', mom=0.9, shard='none',
+                cpu_offload=False, arch='timm:vit_giant_patch14_224')
+    return argparse.Namespace(**{**base, **kw})
 
 
 def on_meta(arch):
@@ -219,7 +231,8 @@ def test_vit_g_fits_16_gb_gpus_only_when_sharded():
     assert len(blocks) == 40
     plans = memory.plan_model(plan_args(shard='full'), meta, blocks, 4, capacity=16e9)
     assert plans['full']['model_states'] <= 4.1e9 and plans['none']['model_states'] >= 16.1e9, plans
-    with pytest.raises(UsageError, match=r'needs 15\.\d\d GiB .* under --shard none .* --shard optimizer'):
+    refused = r'needs 15\.\d\d GiB .* under --shard none .* --shard optimizer'
+    with pytest.raises(UsageError, match=refused):
         memory.plan_model(plan_args(), meta, blocks, 4, capacity=16e9)
 
 
@@ -230,9 +243,10 @@ def test_a_model_the_meta_device_cannot_build_runs_without_a_plan():
         torch.linspace(0, 1, 3)[1].item()  # what timm 1.0.3's ViT does for its drop-path rates
     assert memory.plan_run(plan_args(), build, custom_models.blocks, 2, say=said.append) is None
     assert len(said) == 1 and said[0].startswith('Memory plan: not made') and 'meta' in said[0]
-    line = memory.line(memory.summary(None, 'none', {'parameters': 4, 'gradients': 4, 'optimizer': 8,
-                                                      'model_states': 16}), 'none', 2)
-    assert line.startswith('>>> Memory: model states per rank 0.00 GiB measured') and 'no plan' in line
+    measured = {'parameters': 4, 'gradients': 4, 'optimizer': 8, 'model_states': 16}
+    line = memory.line(memory.summary(None, 'none', measured), 'none', 2)
+    assert line.startswith('>>> Memory: model states per rank 0.00 GiB measured'), line
+    assert 'no plan' in line
 
 
 def test_coatnet7_has_the_papers_parameter_count():
@@ -242,7 +256,7 @@ def test_coatnet7_has_the_papers_parameter_count():
     assert len(custom_models.blocks(model)) == 2 + 4 + 8 + 42 + 2
 
 
-# ------------------------------------------------------------------------------------------------ refusals
+# ----------------------------------------------------------------------------------------- refusals
 
 def checked(*argv, device='cpu', world=2):
     args = flags.get_args_parser().parse_args(['--test-nsteps', '2', '--wandb', 'off', *argv])
@@ -271,23 +285,27 @@ def test_fsdp_is_refused_below_torch_2_6_and_where_gloo_would_carry_gpu_slices()
     sentences = [s for refused, s in plan.refusals(args, 'cpu', 2, (2, 4)) if refused]
     assert sentences == ['--shard full needs FSDP2\'s fully_shard, public from torch 2.6 (this is '
                          '2.4); use --shard optimizer (ZeRO-1) or upgrade torch.']
-    assert any(r and 'gloo' in s for r, s in plan.refusals(args, 'cuda', 2, (2, 14), backend='gloo'))
+    gloo = plan.refusals(args, 'cuda', 2, (2, 14), backend='gloo')
+    assert any(r and 'gloo' in s for r, s in gloo)
 
 
-@pytest.mark.skipif(TORCH >= plan.FSDP_TORCH, reason='the floor stage: torch below 2.6 refuses --shard full')
+@pytest.mark.skipif(TORCH >= plan.FSDP_TORCH,
+                    reason='the floor stage: torch below 2.6 refuses --shard full')
 def test_the_floor_refuses_full_sharding(tmp_path):
     p = run_cli(*TINY, '--output-dir', tmp_path / 'run', '--shard', 'full', '--test-nsteps', '1')
-    assert p.returncode == 2 and 'public from torch 2.6' in p.stderr and 'Traceback' not in p.stderr, p.stderr
+    assert p.returncode == 2 and 'public from torch 2.6' in p.stderr, p.stderr
+    assert 'Traceback' not in p.stderr, p.stderr
 
 
-# ------------------------------------------------------------------------------------------------ timm
+# --------------------------------------------------------------------------------------------- timm
 
 def test_a_timm_vit_trains_and_resumes_where_an_uninterrupted_run_is(tmp_path, cache_dir):
-    vit = ['--arch', 'timm:vit_tiny_patch16_224', '--optimizer', 'adamw', '--lr', '0.0005', '--chkpt',
-           '--scheduler', 'constant']
+    vit = ['--arch', 'timm:vit_tiny_patch16_224', '--optimizer', 'adamw', '--lr', '0.0005',
+           '--chkpt', '--scheduler', 'constant']
     whole, _ = run_main(tmp_path / 'whole', cache_dir, *vit, '--test-nsteps', '4')
     run_main(tmp_path / 'cut', cache_dir, *vit, '--test-nsteps', '2')
-    resumed, records = run_main(tmp_path / 'cut', cache_dir, *vit, '--test-nsteps', '4', '--resume', 'auto')
+    resumed, records = run_main(tmp_path / 'cut', cache_dir, *vit, '--test-nsteps', '4', '--resume',
+                                'auto')
     assert any(r['type'] == 'resume' for r in records) and resumed['global_step'] == 4
     a, b = (torch.load(latest(tmp_path / d), weights_only=False) for d in ('whole', 'cut'))
     assert a['global_step'] == b['global_step'] == 4

@@ -30,9 +30,9 @@ def test_no_stale_script_is_left_in_slurm():
 
 @pytest.mark.parametrize('machine,gpus,recipe', S.SHIPPED_RECIPES)
 def test_a_recipe_script_runs_its_flags_and_says_its_plan(machine, gpus, recipe):
-    """The course's fourth day: the shipped file is the generator's, its flags come before the user's
-    (which win), its run has a name of its own, and the plan in its comments is the one dlojz prints:
-    recomputed here from CoAtNet-7 built on the meta device."""
+    """The course's fourth day: the shipped file is the generator's, its flags come before the
+    user's (which win), its run has a name of its own, and the plan in its comments is the one dlojz
+    prints: recomputed here from CoAtNet-7 built on the meta device."""
     import argparse
     import torch
     import custom_models
@@ -44,13 +44,14 @@ def test_a_recipe_script_runs_its_flags_and_says_its_plan(machine, gpus, recipe)
     assert all(f'    {flag} \\\n' in srun for flag in S.RECIPES[recipe]['flags'])
     assert f'--job-name=dlojz-{S.script_name(machine, gpus, recipe=recipe)[:-6]} ' in text
     flags = dict(f.split(' ', 1) for f in S.RECIPES[recipe]['flags'])
-    args = argparse.Namespace(wd=0.0, wd_norm_bias=True, optimizer=flags['--optimizer'], mom=0.9, shard='full',
-                              cpu_offload=False, arch=flags['--arch'])
+    args = argparse.Namespace(wd=0.0, wd_norm_bias=True, optimizer=flags['--optimizer'], mom=0.9,
+                              shard='full', cpu_offload=False, arch=flags['--arch'])
     with torch.device('meta'):
         model = custom_models.build_model(flags['--arch'], 1000)
     plans = memory.plan_model(args, model, custom_models.blocks(model), gpus)
     said = dict(re.findall(r'--shard (\w+) (\d+(?:\.\d+)?)', text.split('#SBATCH')[0]))
-    assert said == {m: f"{p['model_states'] / 1e9:.1f}".rstrip('0').rstrip('.') for m, p in plans.items()}
+    gb = lambda p: f"{p['model_states'] / 1e9:.1f}".rstrip('0').rstrip('.')  # as the comments say
+    assert said == {m: gb(p) for m, p in plans.items()}
 
 
 def test_a_recipe_is_refused_at_a_size_it_is_not_planned_for(capsys):

@@ -152,9 +152,11 @@ def test_configurations():
                                                                       'reduce-overhead']
     assert T.trial_argv(64, 'bf16', True, True)[-1] == '--compile'  # a tune.json of before the modes
     assert T.trial_name(64, 'bf16', True, 'reduce-overhead') == 'b64-bf16-cl-compile-reduce-overhead'
-    # --shard gradients and full refuse channels-last, fp16 and compile: no trial is launched only to be refused
-    assert T.configurations(True, shard='full') == [('off', False, False), ('bf16', False, False)]
-    assert T.configurations(False, shard='gradients') == [('off', False, False), ('bf16', False, False)]
+    # --shard gradients and full refuse channels-last, fp16 and compile: no trial is launched only
+    # to be refused
+    eager = [('off', False, False), ('bf16', False, False)]
+    assert T.configurations(True, shard='full') == eager
+    assert T.configurations(False, shard='gradients') == eager
     assert T.configurations(True, shard='optimizer') == T.configurations(True)
 
 

@@ -18,8 +18,9 @@ import torch
 from conftest import TINY, latest, run_cli
 
 # ResNet-50 at 64 px: model states (0.3 GiB with SGD) well above the batch's activations' noise
-FLAGS = [*TINY, '--arch', 'resnet50', '--image-size', '64', '--val-resize', '73', '--val-image-size', '64',
-         '--device', 'cuda', '--amp', 'bf16', '--test-nsteps', '6', '--log-interval', '1']
+FLAGS = [*TINY, '--arch', 'resnet50', '--image-size', '64', '--val-resize', '73',
+         '--val-image-size', '64', '--device', 'cuda', '--amp', 'bf16', '--test-nsteps', '6',
+         '--log-interval', '1']
 
 
 def summary_of(out):
@@ -34,7 +35,8 @@ def sharded(tmp_path_factory, cache_dir):
     runs = {}
     for name, extra in (('full', []), ('offload', ['--cpu-offload'])):
         out = tmp_path_factory.mktemp(name)
-        p = run_cli(*FLAGS, '--cache-dir', cache_dir, '--output-dir', out, '--shard', 'full', '--chkpt', *extra)
+        p = run_cli(*FLAGS, '--cache-dir', cache_dir, '--output-dir', out, '--shard', 'full',
+                    '--chkpt', *extra)
         assert p.returncode == 0, p.stderr[-3000:]
         runs[name] = (out, summary_of(out), p.stdout)
     return runs
@@ -51,9 +53,10 @@ def test_full_sharding_runs_on_one_gpu_with_its_memory_recorded(sharded):
 
 def test_cpu_offload_takes_the_states_off_the_gpu(sharded):
     on_gpu, offloaded = sharded['full'][1]['memory'], sharded['offload'][1]['memory']
-    assert offloaded['model_state_bytes'] == on_gpu['model_state_bytes']  # the same states, elsewhere
-    # the blocks being computed are gathered onto the GPU either way (two of ResNet-50's largest: 0.04 GB
-    # of its 0.28 GB of states), and their gradients pass through it: at least half must go
+    # the same states, elsewhere
+    assert offloaded['model_state_bytes'] == on_gpu['model_state_bytes']
+    # the blocks being computed are gathered onto the GPU either way (two of ResNet-50's largest:
+    # 0.04 GB of its 0.28 GB of states), and their gradients pass through it: at least half must go
     saved = on_gpu['gpu_max_allocated_bytes'] - offloaded['gpu_max_allocated_bytes']
     assert saved >= 0.5 * on_gpu['model_state_bytes'], (on_gpu, offloaded)
 
