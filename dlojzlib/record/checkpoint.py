@@ -115,6 +115,9 @@ def _save_checkpoint(path, state, keep):
             os.remove(tmp)
         if log.no_space(e) or (writes is not None and log.no_space(writes.error)):
             raise disk_full(path, log.disk_usage) from None
+        if isinstance(e, RuntimeError) and isinstance(e.__context__, KeyboardInterrupt):
+            # Ctrl-C inside torch.save: its zip writer's close raised 'unexpected pos' over it
+            raise e.__context__ from None
         raise
     if keep:
         for old in list_checkpoints(os.path.dirname(path) or '.')[:-keep]:
