@@ -118,6 +118,21 @@ def replace_ddp_buffer_sync(ddp, fn):
     ddp._sync_buffers = fn
 
 
+def load_whole_dcp(path):
+    """A torch.distributed.checkpoint folder read whole in this one process, whatever world size
+    wrote it: {key: whole tensors, and the values saved as bytes}. The public dcp.load fills only
+    the keys of a state dict given to it, which a process without the model's slices cannot make;
+    _load_state_dict with _EmptyStateDictLoadPlanner is what torch's own dcp_to_torch_save calls.
+    torch 2.4 to 2.14."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    state = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(path),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
+
+
 # ---------------------------------------------------------------- DALI
 
 def dali_native_pipeline(pipe):

@@ -273,7 +273,8 @@ def run_flags(p):
                    'epoch and images seen when validation top-1 (a fraction, e.g. 0.759) first reaches this, for '
                    'the raw weights and the EMA')
     g.add_argument('--chkpt', action='store_true', help='write checkpoint-<step>.pt at the end of each epoch and run, '
-                   'and best.pt when validation top-1 improves')
+                   'and best.pt when validation top-1 improves (.dcp folders under --shard '
+                   'gradients, full)')
     g.add_argument('--chkpt-every', type=COUNT, default=0, help='also every N steps (implies --chkpt)')
     g.add_argument('--keep-checkpoints', type=POSITIVE_INT, default=2, help='newest checkpoints kept in the run directory')
     g.add_argument('--resume', default=None, help='checkpoint to continue from, or "auto": the newest readable '

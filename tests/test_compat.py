@@ -96,6 +96,20 @@ def test_ddp_has_the_buffer_broadcast_comm_times():
         tdist.destroy_process_group()
 
 
+def test_a_dcp_folder_is_read_whole_without_a_state_dict_to_fill(tmp_path):
+    import io
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    saved = {'model': {'w': torch.arange(6.0).reshape(2, 3)}, 'rest': io.BytesIO(b'dlojz')}
+    with warnings.catch_warnings():  # 'no process group: saving in one process' is what we ask
+        warnings.simplefilter('ignore')
+        dcp.save(saved, checkpoint_id=str(tmp_path))
+    read = compat.load_whole_dcp(str(tmp_path))
+    assert torch.equal(read['model']['w'], saved['model']['w'])
+    assert read['rest'].getvalue() == b'dlojz'
+
+
 def test_the_standard_library_keeps_what_compat_reads():
     with ProcessPoolExecutor(1) as pool:
         assert pool.submit(abs, -1).result() == 1

@@ -73,6 +73,13 @@ def written(tmp_path_factory, cache_dir):
     os.makedirs(root / 'odd')
     with open(root / 'odd' / 'summary.json', 'w') as f:
         json.dump(odd, f)
+    # a sharded checkpoint (one process, --shard full) copied without DCP's metadata
+    r = run('dlojz.py', *TINY, '--test-nsteps', '2', '--cache-dir', cache_dir, '--shard', 'full',
+            '--chkpt', '--output-dir', root / 'sharded')
+    assert r.returncode == 0, r.stderr[-2000:]
+    shutil.copytree(root / 'sharded' / 'checkpoint-00000002.dcp',
+                    root / 'cut' / 'checkpoint-00000002.dcp')
+    os.remove(root / 'cut' / 'checkpoint-00000002.dcp' / '.metadata')
     return root, os.path.join(cache_dir, synth)
 
 
@@ -114,6 +121,9 @@ CASES = {
     'the data folder named by its variable': ('dlojz.py', T, ['$DLOJZ_DATA_DIR', 'unset it'],
                                               {'DLOJZ_DATA_DIR': '{new}-missing'}),
     # dlojz.py: its own files, and staging
+    'a sharded checkpoint without its metadata': (
+        'dlojz.py', [*T, '--evaluate', '--resume', '{cut}'],
+        ['checkpoint-00000002.dcp cannot be read', 'resume from another checkpoint']),
     'a damaged shard table': ('dlojz.py', [*T, '--data-dir', '{damaged}'],
                               ['index-val.npy is damaged']),
     'staging into the data folder': ('dlojz.py', [*T, '--data-dir', '{shards}', '--stage-dir',
@@ -162,6 +172,7 @@ def test_a_bad_input_is_one_sentence_and_changes_nothing(case, written, tmp_path
     script, argv, words, *env = CASES[case]
     paths = {'run': root / 'run', 'shards': root / 'shards', 'damaged': root / 'damaged',
              'odd': root / 'odd' / 'summary.json',
+             'cut': root / 'cut' / 'checkpoint-00000002.dcp',
              'synth': synth, 'new': tmp_path / 'new', 'cache': cache_dir}
     argv = [a.format(**paths) if isinstance(a, str) else a for a in argv]
     env = {k: v.format(**paths) for k, v in (env[0] if env else {}).items()}

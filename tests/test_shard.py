@@ -8,9 +8,12 @@ gloo:
   single-process loop;
 - each rank's model states, counted from their storage after the first step, are the plan's, which
   is arithmetic over the parameters' shapes (dist.plan), within 1 %;
-- a --shard full checkpoint is one plain .pt: a single process without sharding validates it as the
-  2 ranks did, and 3 ranks under --shard full, one of them short of batches, as one process; a
-  resume at 3 ranks under --shard full ends where the same resume under --shard none ends;
+- under --shard gradients and full each rank writes its slices of a checkpoint into a
+  torch.distributed.checkpoint folder, with rank 0's BatchNorm statistics (DDP's, bit for bit); a
+  single process without sharding validates it as the 2 ranks did and resumes it where it resumes
+  DDP's one-file checkpoint, 3 ranks under --shard full, one of them short of batches, validate it
+  as one process does, and a resume at 3 ranks under --shard full ends where the same resume under
+  --shard none ends; torch's dcp_to_torch_save makes it one file torchvision's scripts read;
 - the plan by hand counts, its order over the modes (a property test), ViT-g on 4 GPUs, the refusal
   of a mode a GPU cannot hold, CoAtNet-7's parameter count on the meta device;
 - every flag a sharded mode cannot take is refused in one sentence, and --shard full below torch 2.6
@@ -22,6 +25,8 @@ import argparse
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -34,6 +39,7 @@ from dlojzlib import flags
 from dlojzlib.dist import plan
 from dlojzlib.errors import UsageError
 from dlojzlib.measure import memory
+from dlojzlib.record.checkpoint import load_checkpoint
 
 TORCH = tuple(int(v) for v in re.findall(r'\d+', torch.__version__)[:2])
 FSDP = pytest.mark.skipif(TORCH < plan.FSDP_TORCH,
@@ -51,7 +57,10 @@ def trained(tmp_path, cache, name, ranks, *flags_):
         summary = json.load(f)
     with open(out / 'metrics.jsonl') as f:
         losses = [r['loss'] for r in map(json.loads, f) if r.get('type') == 'train']
-    return out, summary, losses, torch.load(latest(out), weights_only=False), p.stdout
+    # FSDP2's modes: a folder of each rank's slices; the others: one file
+    assert latest(out).suffix == ('.dcp' if '--shard' in flags_ and flags_[
+        flags_.index('--shard') + 1] in plan.FSDP_MODES else '.pt'), latest(out)
+    return out, summary, losses, load_checkpoint(str(latest(out))), p.stdout
 
 
 def assert_same_state(mine, ddp, rel=0.0):
@@ -94,9 +103,11 @@ def trains_as_ddp(tmp_path, cache, modes, ranks=2, *flags_):
     return s0
 
 
-@pytest.mark.slow  # 14 s: two 2-rank launches
+@pytest.mark.slow  # 20 s: two 2-rank launches, two resumes in this process
 @FSDP
-def test_full_sharding_trains_as_ddp_and_its_checkpoint_is_one_plain_file(tmp_path, cache_dir):
+def test_full_sharding_trains_as_ddp_and_one_process_resumes_its_checkpoint(tmp_path, cache_dir):
+    """trains_as_ddp holds the folder's BatchNorm statistics to DDP's, which are rank 0's (DDP
+    broadcasts them): FSDP2's ranks each keep their own, and DCP keeps any one rank's copy."""
     s0 = trains_as_ddp(tmp_path, cache_dir, ['full'])
     # the 2 ranks' ZeRO-3 checkpoint, read by one process without sharding: the same validation
     s, _ = run_main(tmp_path / 'ev', cache_dir, '--resume', latest(tmp_path / 'full'), '--evaluate',
@@ -104,6 +115,17 @@ def test_full_sharding_trains_as_ddp_and_its_checkpoint_is_one_plain_file(tmp_pa
     # top-1 exactly; the loss to float32's rounding (its sum over the ranks adds in another order)
     assert s['val']['top1'] == s0['val']['top1']
     assert s['val']['loss'] == pytest.approx(s0['val']['loss'], rel=1e-6)
+    # 2 -> 1: one process resumes the folder where it resumes DDP's file, bit for bit
+    ends = []
+    for mode in ('none', 'full'):
+        run = tmp_path / f'one-{mode}'
+        run_main(run, cache_dir, *EQUIV, '--resume', latest(tmp_path / mode), '--test-nsteps',
+                 '6', '-b', '16')  # the 2 ranks' global batch
+        ends.append(load_checkpoint(str(latest(run))))
+    assert ends[0]['global_step'] == ends[1]['global_step'] == 6
+    assert_same_state(ends[1], ends[0])
+    assert not torch.equal(ends[1]['model']['fc.weight'],
+                           load_checkpoint(str(latest(tmp_path / 'full')))['model']['fc.weight'])
 
 
 @pytest.mark.slow
@@ -163,13 +185,208 @@ def test_a_sharded_checkpoint_validates_and_resumes_at_another_world_size(tmp_pa
         p = torchrun(3, *TINY, '--cache-dir', cache_dir, '--output-dir', run, *EQUIV, '--resume',
                      ckpt, '--test-nsteps', '8', '--allow-batch-change', '--shard', mode)
         assert p.returncode == 0, p.stderr[-3000:]
-        ends[mode] = torch.load(latest(run), weights_only=False)
+        ends[mode] = load_checkpoint(str(latest(run)))
     # resumed at image 64: step 2 of the 4 steps of 24 images an epoch holds
     assert ends['full']['global_step'] == 4
     # 3 ranks: trains_as_ddp says why not bit for bit
     assert_same_state(ends['full'], ends['none'], rel=1e-5)
-    written = torch.load(ckpt, weights_only=False)['model']['fc.weight']
+    written = load_checkpoint(str(ckpt))['model']['fc.weight']
     assert not torch.equal(ends['full']['model']['fc.weight'], written)
+
+
+def _checkpointing_rank(rank, port, folder, result):
+    """A rank of 2 (gloo) saving sharded checkpoints of a sliced Conv-BatchNorm-Linear model whose
+    BatchNorm statistics differ per rank (rank + 1), as FSDP2's do: one that writes, one whose
+    rank 1 finds its disk full, one pruned to the newest, best.dcp written twice."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    from dlojzlib.dist import launch, shard
+    from dlojzlib.dist.launch import DistInfo
+    from dlojzlib.errors import DiskFull
+    from dlojzlib.record.checkpoint import checkpoint_path, save_sharded_checkpoint
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    launch.setup(DistInfo(rank=rank, world_size=2, local_world_size=2, master_port=port,
+                          launcher='torchrun'), torch.device('cpu'))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5))
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    optimizer.step()
+    model[1].running_mean.fill_(rank + 1.0)
+    slices = shard.sharded_state(model, optimizer)
+    said = {'saved': slices['model']['1.running_mean'].tolist(),
+            'own': model[1].running_mean.tolist()}
+    rest = {'global_step': 1} if rank == 0 else None
+    save_sharded_checkpoint(checkpoint_path(folder, 1, True), slices, rest, 2, rank == 0)
+    if rank == 1:  # the next write fails on rank 1's disk
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, 'No space left on device')
+        real, dcp.FileSystemWriter.write_data = dcp.FileSystemWriter.write_data, full
+    try:
+        save_sharded_checkpoint(checkpoint_path(folder, 2, True), slices, rest, 2, rank == 0)
+        said['full'] = 'written'
+    except DiskFull as e:
+        said['full'] = str(e)
+    if rank == 1:
+        dcp.FileSystemWriter.write_data = real
+    said['after_full'] = sorted(os.listdir(folder))
+    for step in (3, 4):
+        save_sharded_checkpoint(checkpoint_path(folder, step, True), slices, rest, 2, rank == 0)
+    for _ in range(2):
+        save_sharded_checkpoint(os.path.join(folder, 'best.dcp'), slices, rest, None, rank == 0)
+    launch.cleanup()
+    result.put((rank, said))
+
+
+@FSDP
+@pytest.mark.slow  # 8 s: 2 spawned ranks
+def test_a_sharded_checkpoint_keeps_rank_0s_statistics_and_survives_a_full_disk(tmp_path):
+    """The folder holds rank 0's BatchNorm statistics whatever copy DCP keeps, and each rank's own
+    stay its own. A full disk on rank 1 is DiskFull's sentence on both ranks and leaves the
+    previous checkpoint and no partial folder; --keep-checkpoints prunes folders; best.dcp is
+    replaced."""
+    import multiprocessing as mp
+
+    from conftest import free_port
+    ctx = mp.get_context('spawn')
+    result, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_checkpointing_rank, args=(r, port, str(tmp_path), result))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        said = dict(result.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            p.kill()
+    for rank in (0, 1):
+        assert said[rank]['saved'] == [1.0] * 4, said
+        assert said[rank]['own'] == [rank + 1.0] * 4, said
+        assert said[rank]['full'].startswith('no space left on'), said[rank]['full']
+        assert 'checkpoint-00000002.dcp;' in said[rank]['full'], said[rank]['full']
+    assert said[0]['after_full'] == ['checkpoint-00000001.dcp'], said[0]
+    assert sorted(os.listdir(tmp_path)) == ['best.dcp', 'checkpoint-00000003.dcp',
+                                            'checkpoint-00000004.dcp']
+    for name in ('best.dcp', 'checkpoint-00000004.dcp'):
+        read = load_checkpoint(str(tmp_path / name))
+        assert read['global_step'] == 1
+        assert read['model']['1.running_mean'].tolist() == [1.0] * 4
+        assert read['optimizer']['state'][0]['exp_avg'].shape == (4, 3, 3, 3)
+    # docs/sharding.md's conversion for torchvision's scripts, and torch.load's default reads it
+    p = subprocess.run([sys.executable, '-m', 'torch.distributed.checkpoint.format_utils',
+                        'dcp_to_torch', str(tmp_path / 'best.dcp'), str(tmp_path / 'model.pt')],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    fresh = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5))
+    fresh.load_state_dict(torch.load(tmp_path / 'model.pt')['model'])
+    assert fresh[1].running_mean.tolist() == [1.0] * 4
+
+
+def _params_in_groups(sizes):
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(sum(sizes))]
+    groups, at = [], 0
+    for n in sizes:
+        groups.append({'params': params[at:at + n], 'lr': 0.1 * (len(groups) + 1)})
+        at += n
+    return params, groups
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=4), data=st.data())
+def test_an_optimizer_state_by_name_loads_where_torch_puts_each_parameter(sizes, data):
+    """DCP keys the optimizer's state by parameter name; by_index puts it in torch's one-process
+    form. torch's own load_state_dict, given the result, must put each name's state on the
+    parameter of that name, in any groups, with any parameters still without state."""
+    from dlojzlib.record.checkpoint import by_index
+    params, groups = _params_in_groups(sizes)
+    names = data.draw(st.permutations([f'layer{i}.weight' for i in range(len(params))]))
+    of = dict(zip(names, params))
+    stateful = data.draw(st.sets(st.sampled_from(names)))
+    named = {'state': {n: {'momentum_buffer': torch.full((2,), float(i))}
+                       for i, n in enumerate(names) if n in stateful},
+             'param_groups': [{'lr': g['lr'], 'momentum': 0.9, 'dampening': 0,
+                               'weight_decay': 0, 'nesterov': False, 'maximize': False,
+                               'foreach': None, 'differentiable': False, 'fused': None,
+                               'params': [n for q in g['params'] for n in names
+                                          if of[n] is q]}
+                              for g in groups]}
+    optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    optimizer.load_state_dict(by_index(named))
+    for name, p in of.items():
+        got = optimizer.state.get(p, {}).get('momentum_buffer')
+        want = named['state'].get(name, {}).get('momentum_buffer')
+        assert (got is None and want is None) or torch.equal(got, want), name
+    assert [g['lr'] for g in optimizer.param_groups] == [g['lr'] for g in groups]
+
+
+@pytest.fixture(scope='module')
+def dcp_folder(tmp_path_factory):
+    """A sharded checkpoint written by one process: what load_sharded_checkpoint reads."""
+    import warnings
+
+    from dlojzlib.record.checkpoint import save_sharded_checkpoint
+    folder = tmp_path_factory.mktemp('dcp') / 'checkpoint-00000003.dcp'
+    slices = {'model': {'w': torch.arange(12.0).reshape(3, 4), 'b': torch.ones(3)},
+              'optimizer': {'state': {'w': {'exp_avg': torch.full((3, 4), 2.0)}},
+                            'param_groups': [{'lr': 0.5, 'params': ['w', 'b']}]}}
+    with warnings.catch_warnings():  # 'no process group': one process is what is asked
+        warnings.simplefilter('ignore')
+        save_sharded_checkpoint(str(folder), slices, {'global_step': 3, 'args': {'arch': 'x'}})
+    return folder
+
+
+def test_a_sharded_checkpoint_a_kill_left_half_written_is_removed_and_not_resumed(tmp_path,
+                                                                                   monkeypatch):
+    """Killed after DCP wrote its files and before the rename: the temporary folder is not a
+    checkpoint, and the next run's start removes it (as it removes a half-written .pt)."""
+    import warnings
+
+    from dlojzlib.record import checkpoint
+    monkeypatch.setattr(checkpoint, '_publish', lambda *a: None)  # the kill, just before it
+    for name in ('checkpoint-00000004.dcp', 'best.dcp'):
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            checkpoint.save_sharded_checkpoint(str(tmp_path / name), {'model': {}}, {'x': 1})
+    assert len(os.listdir(tmp_path)) == 2 and checkpoint.list_checkpoints(str(tmp_path)) == []
+    said = []
+    checkpoint.remove_partial_checkpoints(str(tmp_path), said.append)
+    assert os.listdir(tmp_path) == [] and 'Removed 2 partial checkpoint' in said[0], said
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_a_damaged_sharded_checkpoint_is_one_sentence_or_reads_whole(dcp_folder, tmp_path_factory,
+                                                                    data):
+    """A folder a crash or a copy damaged (a file cut short, a file missing): the reader says so in
+    one sentence (UsageError), or it reads the checkpoint as written, never anything else."""
+    import shutil
+
+    from dlojzlib.record.checkpoint import load_checkpoint
+    copy = tmp_path_factory.mktemp('damaged') / dcp_folder.name
+    shutil.copytree(dcp_folder, copy)
+    name = data.draw(st.sampled_from(sorted(os.listdir(copy))))
+    if data.draw(st.booleans()):
+        os.remove(copy / name)
+    else:
+        size = os.path.getsize(copy / name)
+        with open(copy / name, 'r+b') as f:
+            f.truncate(data.draw(st.integers(0, max(size - 1, 0))))
+    try:
+        read = load_checkpoint(str(copy))
+    except UsageError as e:
+        assert 'cannot be read' in str(e) and str(copy) in str(e)
+        return
+    assert read['global_step'] == 3 and torch.equal(read['model']['w'],
+                                                     torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(read['optimizer']['state'][0]['exp_avg'], torch.full((3, 4), 2.0))
 
 
 # ----------------------------------------------------------------------------------------- the plan

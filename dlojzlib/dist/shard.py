@@ -54,8 +54,22 @@ def local_optimizer(optimizer):
 
 
 def is_sharded(module):
-    """Whether FSDP2 shards this module's parameters (they are DTensors)."""
-    return any(_is_dtensor(p) for p in module.parameters())
+    """Whether FSDP2 slices this module's parameters (fully_shard made it an FSDPModule). Not
+    whether they are DTensors now: under --shard gradients (reshard_after_forward=False) a forward
+    without a backward, validation's, leaves them whole until the next backward."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6: --shard gradients and full are refused there
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def reshard(module):
+    """Every FSDP2 unit of the module back to its slices (a no-op where they are), so that its
+    state dict holds each rank's slices and its whole parameters are freed."""
+    for m in module.modules():
+        if is_sharded(m):
+            m.reshard()
 
 
 def _is_dtensor(t):
@@ -107,10 +121,29 @@ def optimizer_state(optimizer):
     return {**state, 'state': whole}
 
 
+def sharded_state(module, optimizer):
+    """{'model', 'optimizer'}: the state dicts of a sliced model and its optimizer as they are,
+    each rank's slices (DTensors, keyed by parameter name), for torch.distributed.checkpoint.
+    Every rank calls it. Buffers are whole on every rank but each rank's own (FSDP2 does not
+    broadcast them as DDP does): DCP would keep any one rank's copy, so each is replaced by rank
+    0's, a copy (the ranks' own stay as they are), and rank 0's BatchNorm statistics are saved, as
+    under DDP."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    reshard(module)
+    model, optim = get_state_dict(module, optimizer)
+    for key, value in model.items():
+        if isinstance(value, torch.Tensor) and not _is_dtensor(value):
+            value = value.detach().clone()
+            tdist.broadcast(value, src=0)
+            model[key] = value
+    return {'model': model, 'optimizer': optim}
+
+
 def load_model_state(module, state):
     """Load a whole state dict (any world size, any mode wrote it) into this rank's module: each
     parameter's slice is cut as FSDP2 cuts it."""
     if is_sharded(module):
+        reshard(module)
         mine = module.state_dict()
         state = {k: _slice_like(v, mine[k]) if k in mine else v for k, v in state.items()}
     module.load_state_dict(state)

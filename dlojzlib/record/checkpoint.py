@@ -1,8 +1,15 @@
 """Checkpoint files: their names, atomic save (temp file, fsync, rename) and pruning, load, the
 newest readable one, the partial files a kill leaves, and the free space the next one needs. What a
-checkpoint holds, and restoring it, are record.state's."""
+checkpoint holds, and restoring it, are record.state's.
+
+A checkpoint is one torch.save file, checkpoint-<step>.pt, or, where FSDP2 slices the model
+(--shard gradients, full), a torch.distributed.checkpoint folder, checkpoint-<step>.dcp: each rank
+writes its own slices, no rank gathers the model."""
+import io
+import logging
 import os
 import re
+import shutil
 import signal
 import tempfile
 import threading
@@ -10,16 +17,36 @@ from contextlib import contextmanager
 
 import torch
 
-from dlojzlib import failpoints, files
+from dlojzlib import compat, failpoints, files
 from dlojzlib.errors import UsageError, disk_full
 from dlojzlib.record import log
 
 
-CHECKPOINT_RE = re.compile(r'checkpoint-(\d+)\.pt$')
+CHECKPOINT_RE = re.compile(r'checkpoint-(\d+)\.(?:pt|dcp)$')
+SHARDED = '.dcp'  # a torch.distributed.checkpoint folder's suffix
 
 
-def checkpoint_path(run_dir, global_step):
-    return os.path.join(run_dir, f'checkpoint-{global_step:08d}.pt')
+def checkpoint_path(run_dir, global_step, sharded=False):
+    return os.path.join(run_dir, f'checkpoint-{global_step:08d}{SHARDED if sharded else ".pt"}')
+
+
+def is_sharded_checkpoint(path):
+    return str(path).rstrip('/').endswith(SHARDED)
+
+
+def remove(path):
+    """Delete a checkpoint, a file or a folder."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
+def size_of(path):
+    """A checkpoint's bytes: the file's, or every file's of the folder."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path) for n in names)
 
 
 def list_checkpoints(run_dir):
@@ -32,7 +59,7 @@ def list_checkpoints(run_dir):
     return [os.path.join(run_dir, n) for _, n in found]
 
 
-PARTIAL_RE = re.compile(r'\.checkpoint-\w+\.tmp$')  # save_checkpoint's temporary files
+PARTIAL_RE = re.compile(r'\.checkpoint-\w+\.tmp$')  # the saves' temporary files and folders
 
 
 def remove_partial_checkpoints(path, say=print):
@@ -45,8 +72,8 @@ def remove_partial_checkpoints(path, say=print):
     size = 0
     for n in names:
         try:
-            size += os.path.getsize(os.path.join(path, n))
-            os.remove(os.path.join(path, n))
+            size += size_of(os.path.join(path, n))
+            remove(os.path.join(path, n))
         except OSError:
             pass
     if names:
@@ -120,8 +147,12 @@ def _save_checkpoint(path, state, keep):
             raise e.__context__ from None
         raise
     if keep:
-        for old in list_checkpoints(os.path.dirname(path) or '.')[:-keep]:
-            os.remove(old)
+        prune(os.path.dirname(path) or '.', keep)
+
+
+def prune(folder, keep):
+    for old in list_checkpoints(folder)[:-keep]:
+        remove(old)
 
 
 def space_warning(folder, usage=None):
@@ -132,7 +163,7 @@ def space_warning(folder, usage=None):
     if not found:
         return None
     try:
-        size, free = os.path.getsize(found[-1]), (usage or log.disk_usage)(folder).free
+        size, free = size_of(found[-1]), (usage or log.disk_usage)(folder).free
     except OSError:
         return None
     if free >= 2 * size:
@@ -144,10 +175,12 @@ def space_warning(folder, usage=None):
 
 
 def load_checkpoint(path):
+    if os.path.isdir(path) and is_sharded_checkpoint(path):
+        return load_sharded_checkpoint(path)
     if os.path.isdir(path):
         raise UsageError(f'--resume {path} is a folder, not a checkpoint file; pass a '
-                         f'checkpoint-*.pt file, or --resume auto --output-dir {path} to continue '
-                         f'the run it holds.')
+                         f'checkpoint-*.pt file (or a checkpoint-*.dcp folder), or --resume auto '
+                         f'--output-dir {path} to continue the run it holds.')
     if not os.path.isfile(path):
         raise UsageError(f'checkpoint {path} does not exist; pass --resume with the path of a '
                          f'checkpoint-*.pt written by --chkpt, or --resume auto.')
@@ -180,3 +213,105 @@ def strip_prefixes(state_dict):
                 k = k[len(prefix):]
         out[k] = v
     return out
+
+
+# ------------------------------------------------------------------ sharded: a folder of slices
+
+def save_sharded_checkpoint(path, slices, rest, keep=None, is_main=True):
+    """Every rank calls it. torch.distributed.checkpoint writes each rank's slices of `slices`
+    (model and optimizer state dicts whose parameters are DTensors) into one folder, in parallel, on
+    the run folder's shared file system. `rest` (rank 0's: the position, the RNG states, the
+    arguments) goes in as one entry, its torch.save bytes in a uint8 tensor: the folder alone is the
+    checkpoint, and the one file torch's dcp_to_torch_save makes of it loads with torch.load's
+    default weights_only=True (a bytes object would need weights_only=False).
+
+    Atomic as save_checkpoint: written under a temporary name, renamed by rank 0 once dcp.save has
+    returned (its coordinator writes the metadata after every rank's files), then pruned to the
+    newest `keep`. A full disk on any rank is DiskFull's sentence on every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    from dlojzlib.dist import launch
+    folder = os.path.dirname(path) or '.'
+    # .checkpoint-00000008_dcp.tmp, .checkpoint-best_dcp.tmp: PARTIAL_RE's, for a killed run's
+    stem = re.sub(r'\W', '_', os.path.basename(path).removeprefix('checkpoint-'))
+    tmp = os.path.join(folder, f'.checkpoint-{stem}.tmp')
+    # a killed attempt's folder: its stale files would mix with this one's
+    launch.on_ranks(lambda: shutil.rmtree(tmp, ignore_errors=True), when=is_main)
+    state = dict(slices)
+    if is_main:
+        buffer = io.BytesIO()
+        torch.save(rest, buffer)
+        state['dlojz'] = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    try:
+        with deferred_sigchld():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+    except BaseException as e:
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _one_failure(e, path) from None
+    launch.on_ranks(lambda: _publish(tmp, path, keep), when=is_main)
+
+
+def _one_failure(e, path):
+    """DCP's CheckpointException (every rank's failures, raised on every rank; a BaseException) as
+    one error: DiskFull when a rank's disk was full, else the first rank's own."""
+    failures = [f[0] if isinstance(f, tuple) else f for f in getattr(e, 'failures', {}).values()]
+    if any(log.no_space(f) for f in failures + [e]):
+        return disk_full(path, log.disk_usage)
+    return failures[0] if failures and isinstance(failures[0], BaseException) else e
+
+
+def _publish(tmp, path, keep):
+    """The written folder under its name; best.dcp replaces the previous best, which is set aside
+    under a temporary name first (a folder cannot be renamed over a folder that holds files)."""
+    aside = None
+    if os.path.exists(path):
+        aside = f'{tmp[:-len(".tmp")]}_old.tmp'
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(path, aside)
+    os.rename(tmp, path)  # DCP's writer has fsynced each file (sync_files)
+    if aside:
+        shutil.rmtree(aside, ignore_errors=True)
+    if keep:
+        prune(os.path.dirname(path) or '.', keep)
+
+
+def load_sharded_checkpoint(path):
+    """A checkpoint-<step>.dcp folder, whatever world size and mode wrote it, as the one-file
+    checkpoint's dict: whole tensors (every slice read), the optimizer's state by parameter index.
+    """
+    from torch.distributed.checkpoint import CheckpointException  # a BaseException
+    try:
+        with _quiet_logging():
+            read = compat.load_whole_dcp(path)
+        rest = io.BytesIO(read.pop('dlojz').numpy().tobytes())
+        # weights_only=False: our own arguments and RNG states, written by us
+        state = torch.load(rest, map_location='cpu', weights_only=False)
+    except (Exception, CheckpointException) as e:
+        raise UsageError(f'checkpoint {path} cannot be read ({type(e).__name__}); it may be '
+                         f'incomplete, resume from another checkpoint.') from None
+    return {**state, 'model': read.get('model'), 'optimizer': by_index(read.get('optimizer'))}
+
+
+@contextmanager
+def _quiet_logging():
+    """DCP logs a missing file's traceback on the root logger (WARNING) before it raises; what it
+    raises is told the user, in one sentence."""
+    old = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(old)
+
+
+def by_index(optimizer):
+    """An optimizer state dict keyed by parameter name (DCP's) in torch's one-process form: each
+    parameter by its place in the groups, in order."""
+    if optimizer is None:
+        return None
+    names = [n for g in optimizer['param_groups'] for n in g['params']]
+    index = {n: i for i, n in enumerate(names)}
+    return {'state': {index[n]: s for n, s in optimizer['state'].items()},
+            'param_groups': [{**g, 'params': [index[n] for n in g['params']]}
+                             for g in optimizer['param_groups']]}

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dlojzlib import failpoints, files
 from dlojzlib.dist import launch
 from dlojzlib.errors import Complete, UsageError, disk_full, writable
-from dlojzlib.record.checkpoint import CHECKPOINT_RE, remove_partial_checkpoints
+from dlojzlib.record.checkpoint import CHECKPOINT_RE, remove, remove_partial_checkpoints
 from dlojzlib.record.log import write_json
 
 
@@ -323,7 +323,7 @@ def _after(line, global_step):
     return isinstance(step, int) and step > global_step
 
 
-RUN_FILES = ('config.json', 'metrics.jsonl', 'summary.json', 'best.pt')
+RUN_FILES = ('config.json', 'metrics.jsonl', 'summary.json', 'best.pt', 'best.dcp')
 
 
 def run_files(path):
@@ -348,7 +348,7 @@ def prepare_output_dir(path, continues=False, overwrite=False):
                          f'to continue it, --overwrite to replace it, or another --output-dir.')
     if found and overwrite and not continues:
         for name in found:
-            os.remove(os.path.join(path, name))
+            remove(os.path.join(path, name))  # a sharded checkpoint is a folder
     if continues or overwrite:
         remove_partial_checkpoints(path)
     return writable(path, 'output directory', 'pass --output-dir with a writable folder')

@@ -13,9 +13,9 @@ import torch
 
 from dlojzlib.dist import launch, shard
 from dlojzlib.errors import Complete, Interrupted, Preempted, UsageError
-from dlojzlib.record.checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint,
-                                        load_latest_checkpoint, save_checkpoint, space_warning,
-                                        strip_prefixes)
+from dlojzlib.record.checkpoint import (SHARDED, checkpoint_path, list_checkpoints,
+                                        load_checkpoint, load_latest_checkpoint, save_checkpoint,
+                                        save_sharded_checkpoint, space_warning, strip_prefixes)
 from dlojzlib.record.log import SUMMARY_VERSION
 from dlojzlib.record.resume import flag, schedule_changes
 from dlojzlib.record.rundir import complete_sentence, completed_run
@@ -54,14 +54,15 @@ def set_device_rng_state(state, device):
 
 def checkpoint_state(run, progress, device_rng, model, optimizer):
     """device_rng: every rank's device_rng_state(), indexed by rank. model, optimizer: their state
-    dicts whole (dist.shard.model_state, optimizer_state: gathered on every rank, whatever --shard).
+    dicts whole (dist.shard.model_state, optimizer_state: gathered on every rank), or None in a
+    sharded checkpoint, whose folder holds them in slices (save).
     The position is the loop's own: an epoch that is trained but not yet closed (end_due: a stop
     during its last step) is resumed by its validation. metrics_bytes: how much of metrics.jsonl was
     written then (the resumed run keeps that much)."""
     epoch, step = progress.epoch, progress.step
     return {'version': SUMMARY_VERSION, 'arch': run.args.arch, 'num_classes': len(run.data.classes),
             'classes': list(run.data.classes), 'train_images': run.data.n_train,
-            'model': strip_prefixes(model), 'optimizer': optimizer,
+            'model': None if model is None else strip_prefixes(model), 'optimizer': optimizer,
             'scheduler': run.scheduler.state_dict(), 'scaler': run.scaler.state_dict(),
             'epoch': epoch,
             'step_in_epoch': step, 'end_due': progress.end_due, 'metrics_bytes': run.log.size(),
@@ -77,27 +78,43 @@ def checkpoint_state(run, progress, device_rng, model, optimizer):
                     'device': device_rng}}
 
 
-def save(run, progress, path=None):
+def save(run, progress, best=False):
     """Every rank calls it: each rank's device RNG state is gathered, then rank 0 writes
     checkpoint-<global step>.pt in the run directory, keeping the newest --keep-checkpoints (or
-    `path`, pruning nothing). A failure on rank 0 (a full disk) is raised on every rank. -> the
-    path, on every rank."""
+    best.pt, pruning nothing). Where FSDP2 slices the model, every rank writes its slices into
+    checkpoint-<global step>.dcp (or best.dcp) instead. A failure on any rank (a full disk) is
+    raised on every rank. -> the path, on every rank."""
     device_rng = launch.all_gather_object(device_rng_state(run.device))
+    sharded = shard.is_sharded(run.model_without_ddp)
+    keep = None if best else run.args.keep_checkpoints
+    path = os.path.join(run.args.output_dir, f'best{SHARDED if sharded else ".pt"}') if best \
+        else checkpoint_path(run.args.output_dir, progress.global_step, sharded)
+    warn = lambda: _space_warning(run.args.output_dir)
+    if sharded:
+        slices = shard.sharded_state(run.model_without_ddp, run.optimizer)
+        launch.on_ranks(warn, when=run.dist.is_main)
+        rest = checkpoint_state(run, progress, device_rng, None, None) if run.dist.is_main \
+            else None
+        save_sharded_checkpoint(path, slices, rest, keep, run.dist.is_main)
+        run.log.print(f'Checkpoint {path} written (step {progress.global_step})')
+        return path
     # every rank: FSDP2 gathers each parameter's slices, ZeRO-1 its optimizer's parts, on rank 0
     model = shard.model_state(run.model_without_ddp)
     optimizer = shard.optimizer_state(run.optimizer)
-    keep = None if path else run.args.keep_checkpoints
-    path = path or checkpoint_path(run.args.output_dir, progress.global_step)
 
     def write():
-        warning = space_warning(run.args.output_dir)
-        if warning:
-            print(f'dlojz: warning: {warning}', file=sys.stderr, flush=True)
+        warn()
         state = checkpoint_state(run, progress, device_rng, model, optimizer)
         save_checkpoint(path, state, keep=keep)
     launch.on_ranks(write, when=run.dist.is_main)
     run.log.print(f'Checkpoint {path} written (step {progress.global_step})')
     return path
+
+
+def _space_warning(folder):
+    warning = space_warning(folder)
+    if warning:
+        print(f'dlojz: warning: {warning}', file=sys.stderr, flush=True)
 
 
 def find_resume_checkpoint(args, dist, say):
@@ -437,7 +454,7 @@ def note_validation(run, progress):
     improved = progress.best_top1 is None or top1 > progress.best_top1
     progress.best_top1 = max(top1, progress.best_top1 or 0.0)
     if run.args.chkpt and not run.args.test and improved:
-        save(run, progress, os.path.join(run.args.output_dir, 'best.pt'))
+        save(run, progress, best=True)
 
 
 def interrupted(args, step):
