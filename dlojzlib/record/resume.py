@@ -133,8 +133,8 @@ CONTRACT = {
     'dist_timeout': (HONOURED, ''),
     'nccl_debug': (HONOURED, ''),
     'dist_debug': (HONOURED, ''),
-    'shard': (HONOURED, 'a checkpoint is one whole file under every mode: it loads under another '
-                        'mode and world size'),
+    'shard': (HONOURED, 'a checkpoint (a `.pt` file, or under `gradients` and `full` a `.dcp` '
+                        "folder of every rank's slices) loads under another mode and world size"),
     'cpu_offload': (HONOURED, ''),
     'share_gpu': (HONOURED, ''),
     # logging and profiling
