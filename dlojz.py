@@ -102,7 +102,7 @@ def build_model(args, num_classes, device, dist, comm=None, phase=lambda name: n
     with phase('ddp_wrap'):  # its first broadcast of the weights
         if fsdp:
             train_model = shard.apply_fsdp(model, custom_models.blocks(model), device,
-                                           args.shard == 'full', args.cpu_offload)
+                                           args.shard == 'full', args.cpu_offload, comm)
         else:
             train_model = launch.wrap_ddp(model, device, args, comm) if dist.distributed else model
     eval_model = model

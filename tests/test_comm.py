@@ -1,7 +1,8 @@
 """The all-reduce timing (measure.comm) and the verdict made of it across ranks
 (record.summary.ranks_summary), on stamps and rank reports whose expected values are worked out by
-hand. The same verdicts on real gloo runs, with the cause outside the code (a shaped network link, a
-slowed loader), are in tests/test_ddp_truth.py."""
+hand; FSDP2's waits against the sleeps put into its collectives. The same verdicts on real gloo runs,
+with the cause outside the code (a shaped network link, a slowed loader, a rank sharing its core),
+are in tests/test_ddp_truth.py."""
 import contextlib
 import multiprocessing
 import os
@@ -67,7 +68,7 @@ def test_host_stamps_give_exposed_time_link_time_and_bytes():
     got = comm.resolve(*timer.take())
     assert got['exposed'] == pytest.approx(0.050) and got['link'] == pytest.approx(0.090)
     assert got['bytes'] == 600 * 4
-    assert timer.take() == ([], [])  # the next step starts empty
+    assert timer.take() == ([], [], [])  # the next step starts empty
 
 
 def test_a_link_idle_between_buckets_is_not_counted():
@@ -332,7 +333,7 @@ def ddp_step(tmp_path, read_in_hook=False):
         x = torch.randn(4, 3, 6, 6)
         with DeviceReads() as mode:
             ddp(x).square().mean().backward()
-        marks, buffers = timer.take()
+        marks, buffers, _ = timer.take()
         return mode.seen, len(buffers), comm.resolve(marks, buffers)
     finally:
         tdist.destroy_process_group()
@@ -390,3 +391,75 @@ def test_each_share_reads_its_own_name_where_it_is_the_largest():
     # on a GPU the host may wait for a batch while the device works: only the idle part is the
     # loader's
     assert verdict(1.0, 0.7, 0.9) == 'compute'
+
+
+# ------------------------------------------------------------------------------------------ FSDP2
+
+GATHER_S, REDUCE_S = 0.05, 0.03  # what each FSDP2 all-gather and reduce-scatter is slowed by
+
+
+def fsdp_step(rank, tmp_path):
+    """One FSDP2 training step (gloo, 2 ranks: a world of one calls no collective) of a root and
+    two blocks, each its own unit,
+    with every all-gather slowed by GATHER_S and every reduce-scatter by REDUCE_S (the collective
+    functions FSDP2 calls, wrapped) -> (gathers, reduce-scatters called, the step's measures, the
+    waits a forward without gradients added). Spawned, as ddp_step."""
+    import time
+
+    import torch.distributed as tdist
+    from torch.distributed.fsdp import fully_shard
+    tdist.init_process_group('gloo', init_method=f'file://{tmp_path}/store', rank=rank,
+                             world_size=2)
+    calls = {'gather': 0, 'reduce': 0}
+
+    def slowed(kind, fn, seconds):
+        def call(*a, **k):
+            calls[kind] += 1
+            time.sleep(seconds)
+            return fn(*a, **k)
+        return call
+    for kind, names, seconds in (('gather', ('all_gather_single', 'all_gather_into_tensor'),
+                                  GATHER_S),
+                                 ('reduce', ('reduce_scatter_single', 'reduce_scatter_tensor'),
+                                  REDUCE_S)):
+        for name in names:
+            if hasattr(tdist, name):
+                setattr(tdist, name, slowed(kind, getattr(tdist, name), seconds))
+    try:
+        blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(2)]
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), *blocks, torch.nn.Linear(8, 2))
+        for b in blocks:
+            fully_shard(b)
+        fully_shard(model)
+        timer = comm.CommTimer(1)
+        timer.time_fsdp([*blocks, model])
+        start = time.perf_counter()
+        model(torch.randn(3, 4)).square().mean().backward()
+        step = {**comm.resolve(*timer.take()), 'wall': time.perf_counter() - start}
+        seen = dict(calls)
+        with torch.no_grad():  # validation's forward is no step
+            model(torch.randn(3, 4))
+        return seen, step, timer.take()[2]
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_fsdp2s_waits_are_timed_where_the_step_waits_for_them(tmp_path):
+    """By hand: the forward gathers the root's and the two blocks' parameters (3 gathers), the
+    backward the two blocks' again (the root stays gathered: FSDP2 does not reshard it after the
+    forward), and each unit reduce-scatters its gradients, the root's in FSDP2's final callback,
+    which no hook brackets: 5 gathers and 2 reduce-scatters are timed, 0.31 s of sleeps."""
+    pytest.importorskip('torch.distributed.fsdp', reason='FSDP2')
+    from torch.distributed import fsdp
+    if not hasattr(fsdp, 'fully_shard'):
+        pytest.skip('FSDP2 is public from torch 2.6')
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context('spawn')) as pool:
+        ranks = list(pool.map(fsdp_step, [0, 1], [str(tmp_path)] * 2))
+    timed = 5 * GATHER_S + 2 * REDUCE_S
+    for calls, step, after in ranks:
+        assert calls == {'gather': 5, 'reduce': 3}, calls
+        # and no wait counted twice: within the step (on a busy machine each rank also waits for
+        # the other as long as they drift apart)
+        assert timed <= step['exposed'] <= step['wall'], step
+        assert (step['link'], step['bytes'], step['buffers']) == (0.0, 0, 0.0)
+        assert after == []

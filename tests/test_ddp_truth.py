@@ -2,7 +2,9 @@
 - a slow link: the two ranks run in two network namespaces joined by a veth pair, shaped by the kernel (tc's
   token bucket filter) on both ends, so both ranks are slowed alike in the transport (root only);
 - a slow loader: rank 1's loader sleeps per image (the slow-loader failpoint, in the dataset);
-- the control: two alike ranks with fast in-memory batches.
+- the control: two alike ranks with fast in-memory batches;
+- under --shard full (FSDP2's hooks): the slow loader, and rank 1 sharing its core with two busy
+  loops.
 Each test fails on the code before issue 27: the slow link read "compute", the slow loader "communication",
 and neither reported an exposed or a late share. The arithmetic of the verdicts is in tests/test_comm.py."""
 import json
@@ -162,3 +164,82 @@ def test_two_ranks_that_mostly_compute_read_compute_with_their_waits_in_order(tm
     assert values == sorted(values, reverse=True), line
     assert set(names) == {'compute', 'exposed communication', 'waiting for a late rank',
                           'data wait', 'host'}, line
+
+
+# ------------------------------------------------------------------ FSDP2 (--shard full): its hooks
+
+def test_a_slow_loader_under_full_sharding_is_named_from_fsdp2s_waits(tmp_path, cache_dir):
+    """The slow loader above, under --shard full: rank 0 now waits in FSDP2's first all-gather of
+    each forward, which no DDP hook sees; FSDP2's hooks (measure.comm.CommTimer.time_fsdp) time it,
+    and the late rank is named as under DDP. Before them the wait read as communication, late 0."""
+    p = torchrun(2, *FLAGS, '--shard', 'full', '--cache-dir', cache_dir, '--output-dir', tmp_path,
+                 env={'DLOJZ_FAULT': 'slow-loader:1:0.05'})
+    assert p.returncode == 0, p.stderr[-3000:]
+    t = summary(tmp_path)['timing']
+    assert t['comm_measured'] == 'FSDP2 hooks', t
+    assert (t['bound'], t['straggler_rank'], t['straggler_bound']) == ('straggler', 1, 'loader'), t
+    ranks = {r['rank']: r for r in t['ranks']}
+    assert ranks[0]['late_s'] > 0.4 * ranks[0]['steady_steps'] > ranks[1]['late_s']
+    assert 'rank 1 is late, bound by loader' in p.stdout
+
+
+def _rank_pid(launcher, rank, timeout=60):
+    """The pid of torchrun's worker of that rank (its environment says RANK)."""
+    import time
+    end = time.time() + timeout
+    while time.time() < end:
+        for child in open(f'/proc/{launcher}/task/{launcher}/children').read().split():
+            try:
+                env = open(f'/proc/{child}/environ', 'rb').read().split(b'\0')
+            except OSError:
+                continue
+            if f'RANK={rank}'.encode() in env:
+                return int(child)
+        time.sleep(0.1)
+    raise AssertionError(f'no rank {rank} under {launcher}')
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason='needs two cores: one per rank')
+def test_a_rank_sharing_its_core_under_full_sharding_is_named(tmp_path, cache_dir):
+    """Issue 46's regime: each rank on its own core, rank 1's shared with two busy loops (about a
+    third of it left), under --shard full, at 128 px so that computing outweighs the collectives'
+    own CPU work (at 64 px rank 1 spent most of its time in them, starved as well, and read
+    communication). Rank 0 computes as fast as ever and waits for rank 1 in every gather and
+    reduce-scatter. Both ranks' forward and backward last about as long, so the reading before
+    the hooks (the forward and backward above the fastest rank's) named no one; the hooks' waits
+    name rank 1, bound by its compute."""
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', '2',
+           '--master-port', str(free_port()), os.path.join(ROOT, 'dlojz.py'), *FLAGS,
+           '--image-size', '128', '--val-resize', '144', '--val-image-size', '128',
+           '--shard', 'full', '--cache-dir', str(cache_dir), '--output-dir', str(tmp_path)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    loops = []
+    try:
+        for rank in (0, 1):  # every thread the rank has yet (later ones inherit it)
+            pid = _rank_pid(p.pid, rank)
+            for task in os.listdir(f'/proc/{pid}/task'):
+                os.sched_setaffinity(int(task), {cores[rank]})
+        for _ in range(2):
+            loop = subprocess.Popen([sys.executable, '-c', 'while True: pass'])
+            os.sched_setaffinity(loop.pid, {cores[1]})
+            loops.append(loop)
+        _, err = p.communicate(timeout=600)
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+        p.kill()
+    assert p.returncode == 0, err[-3000:]
+    t = summary(tmp_path)['timing']
+    assert t['comm_measured'] == 'FSDP2 hooks' and t['straggler_rank'] == 1, t
+    assert t['straggler_bound'] == 'compute', t
+    ranks = {r['rank']: r for r in t['ranks']}
+    # rank 0: a quarter of its time or more waiting for rank 1 (32 %, and 2.25 s more in the
+    # transfer, which rank 1's starved core slows too), rank 1 for no one
+    assert ranks[0]['late_s'] > ranks[0]['wall_s'] / 4 > ranks[1]['late_s'], ranks
+    # what the reading before the hooks had to go by: the forward and backward, as long on both
+    # ranks (1.05 and 1.04 s per step), named no one
+    fb = [ranks[r]['forward_s'] + ranks[r]['backward_s'] for r in (0, 1)]
+    assert abs(fb[0] - fb[1]) < 0.1 * fb[0], fb

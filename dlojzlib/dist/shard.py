@@ -25,11 +25,11 @@ except ImportError:  # torch < 2.5: no public DTensor; --shard gradients and ful
     DTensor = ()
 
 
-def apply_fsdp(model, blocks, device, reshard_after_forward, offload):
+def apply_fsdp(model, blocks, device, reshard_after_forward, offload, comm=None):
     """FSDP2: each block its own unit (its parameters gathered just before it runs), then the root
     (the stem, the head and whatever no block holds). The model may still be on the CPU: each rank's
     slices go to `device` (to host memory with offload), so a model larger than one GPU is never
-    whole on it."""
+    whole on it. comm: a measure.comm.CommTimer, which times each unit's waits."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
     mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
@@ -38,7 +38,10 @@ def apply_fsdp(model, blocks, device, reshard_after_forward, offload):
               OffloadPolicy())
     for block in blocks:
         fully_shard(block, **kw)
-    return fully_shard(model, **kw)
+    model = fully_shard(model, **kw)
+    if comm is not None:
+        comm.time_fsdp([*blocks, model])
+    return model
 
 
 def zero_optimizer(cls, groups, **kw):

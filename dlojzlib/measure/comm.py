@@ -21,6 +21,15 @@ ranks, at the end of the run (record.summary.ranks_summary), the smallest time i
 (exposed + buffers, summed) is the transfer and each rank's excess over it is waiting for a late rank. Only
 durations measured on one rank's own clock are compared, never clock readings of two hosts.
 
+Under --shard gradients and full (FSDP2) there is no bucket to hook: FSDP2 gathers and reduces
+inside its own hooks. Its collectives are timed where the computation waits for them, by hooks on
+either side of FSDP2's own on each unit (time_fsdp): around its forward pre-hook (the all-gather of
+the unit's parameters), its pre-backward hook (the all-gather again under `full`) and its
+post-backward function (the reduce-scatter of the gradients). Each such wait counts as exposed; the
+same rule over the ranks then tells the transfer from the wait for a late rank, so that the late
+rank is named under FSDP2 as under DDP. Not seen: on a GPU, the last reduce-scatters the backward
+waits for in FSDP2's final callback (nothing runs after it), and gathers a prefetch hid.
+
 On the host clock the stamps are time.perf_counter() (gloo's callback runs in gloo's thread when the
 all-reduce is done). On a GPU they are CUDA events: the ready event is recorded on the stream that
 ran the backward pass, the done event in the callback, whose current stream waits for the all-reduce
@@ -29,6 +38,7 @@ once they have completed, by the Chronometer, never by synchronising. Nothing he
 value on the host."""
 import time
 
+import torch
 import torch.distributed as tdist
 
 from dlojzlib import compat
@@ -43,7 +53,9 @@ class CommTimer:
             lambda t: tdist.all_reduce(t, group=group, async_op=True).get_future())
         self.marks = []  # this step's buckets: [ready stamp, done stamp (None until done), bytes]
         self.buffer_marks = []  # this step's buffer broadcasts: [start stamp, end stamp, 0]
+        self.waits = []  # this step's FSDP2 waits: [start stamp, end stamp]
         self.buffers_timed = False
+        self._open = {}  # FSDP2 unit -> the pre-backward wait its backward will stamp
 
     def time_buffers(self, ddp):
         """Time DDP's buffer broadcast before each forward pass (an instance attribute over the
@@ -80,15 +92,111 @@ class CommTimer:
         return self.all_reduce(tensor).then(done)
 
     def take(self):
-        """The stamps of the step that ends: (all-reduce buckets, buffer broadcasts) since the last
-        call."""
-        marks, buffers, self.marks, self.buffer_marks = self.marks, self.buffer_marks, [], []
-        return marks, buffers
+        """The stamps of the step that ends: (all-reduce buckets, buffer broadcasts, FSDP2 waits)
+        since the last call."""
+        marks, buffers, waits = self.marks, self.buffer_marks, self.waits
+        self.marks, self.buffer_marks, self.waits = [], [], []
+        return marks, buffers, waits
+
+    # ------------------------------------------------------------------------------------- FSDP2
+
+    def time_fsdp(self, units):
+        """Time FSDP2's waits on each unit (fully_shard's modules). torch runs a module's hooks,
+        and a tensor's, in the order they were registered, prepended ones first; fully_shard has
+        registered FSDP2's: its forward pre-hook prepended, its forward hook (which registers its
+        pre-backward hook on the outputs) appended. Training steps only (grad enabled): validation
+        forwards are not steps."""
+        for unit in units:
+            unit.register_forward_pre_hook(self._before_gather, prepend=True)
+            unit.register_forward_pre_hook(self._after_gather)
+            unit.register_forward_hook(self._before_backward_gather, prepend=True)
+            unit.register_forward_hook(self._after_backward_gather)
+
+    def _before_gather(self, module, args):
+        if not torch.is_grad_enabled():
+            return None
+        wait = [self._stamp(), None]
+        self._open[module] = wait
+        # in the backward, after FSDP2's post-backward (its inputs' gradients come out of it)
+        return _on_backward(args, lambda: self._close(wait[2]) if len(wait) > 2 else None)
+
+    def _after_gather(self, module, args):
+        wait = self._open.pop(module, None)
+        if wait is None:
+            return None
+        wait[1] = self._stamp()
+        self.waits.append(wait)
+        reduce = [None, None]
+        wait.append(reduce)
+
+        def started():  # the unit's own backward is done; FSDP2's post-backward comes next
+            reduce[0] = self._stamp()
+        return _on_backward(args, started)
+
+    def _close(self, wait):
+        if wait[0] is not None:
+            wait[1] = self._stamp()
+            self.waits.append(wait)
+
+    def _before_backward_gather(self, module, args, output):
+        if torch.is_grad_enabled():
+            self._open[module] = (output, _on_grad(output, self._stamp))
+
+    def _after_backward_gather(self, module, args, output):
+        opened = self._open.pop(module, None)
+        if opened is None or opened[0] is not output or opened[1] is None:
+            return  # FSDP2 returned other outputs (a cast): the order is not known
+        stamps = opened[1]
+        _on_grad(output, lambda: self.waits.append([stamps[0], self._stamp()])
+                 if stamps else None)
 
 
-def completed(marks, buffers=()):
+def _on_backward(args, fn):
+    """args with the tensors that need a gradient passed through an identity whose backward calls
+    fn(), or None (the args unchanged) where none needs one."""
+    at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not at:
+        return None
+    out = _Stamp.apply(fn, *(args[i] for i in at))
+    out = out if isinstance(out, tuple) else (out,)
+    args = list(args)
+    for i, t in zip(at, out):
+        args[i] = t
+    return tuple(args)
+
+
+class _Stamp(torch.autograd.Function):
+    """The identity; its backward calls fn() when its outputs' gradients have come."""
+
+    @staticmethod
+    def forward(ctx, fn, *tensors):
+        ctx.fn = fn
+        return tensors if len(tensors) > 1 else tensors[0]  # as FSDP2's post-backward function
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.fn()
+        return (None, *grads)
+
+
+def _on_grad(output, stamp):
+    """Call stamp() when the first gradient of the output's tensors comes, before the hooks
+    registered after this one; -> the list the stamp goes in, or None where no output tensor needs
+    a gradient."""
+    tensors = [t for t in (output if isinstance(output, (tuple, list)) else (output,))
+               if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not tensors:
+        return None
+    got = []
+    torch.autograd.graph.register_multi_grad_hook(tensors, lambda grad: got.append(stamp()),
+                                                  mode='any')
+    return got
+
+
+def completed(marks, buffers=(), waits=()):
     """Whether a step's stamps can be read without waiting (events: query(), no synchronisation)."""
-    return all(done is not None and (isinstance(done, float) or done.query()) for _, done, _ in [*marks, *buffers])
+    return all(done is not None and (isinstance(done, float) or done.query())
+               for _, done, *_ in [*marks, *buffers, *waits])
 
 
 def _seconds(marks):
@@ -99,9 +207,17 @@ def _seconds(marks):
             for start, end, _ in marks]
 
 
-def resolve(marks, buffers=()):
+def _span(start, end):
+    return end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3
+
+
+def resolve(marks, buffers=(), waits=()):
     """A step's stamps -> {'exposed': s, 'link': s, 'bytes': n, 'buffers': s}, or None for a step
-    with no all-reduce (a no_sync() micro-batch) or one whose callback never ran."""
+    with no all-reduce (a no_sync() micro-batch) or one whose callback never ran. FSDP2's waits:
+    their sum is exposed (link and bytes 0: no bucket is seen whole)."""
+    if waits and completed((), waits=waits):
+        return {'exposed': sum(_span(start, end) for start, end, *_ in waits), 'link': 0.0,
+                'bytes': 0, 'buffers': 0.0}
     if not marks or not completed(marks, buffers):
         return None
     times = _seconds(marks)

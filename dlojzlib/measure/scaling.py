@@ -56,6 +56,10 @@ from dataclasses import asdict, dataclass
 
 from dlojzlib.flags import COUNT
 
+# timing.comm_measured where each rank timed its waits in collectives (measure.comm): DDP's
+# all-reduce, FSDP2's gathers and reduce-scatters
+HOOKED = ('all-reduce hook', 'FSDP2 hooks')
+
 FIRST_BUCKET_BYTES = 2 ** 20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES: DDP's first bucket, 1 MiB
 
 
@@ -257,7 +261,7 @@ def collective_waits(timing):
     for, the most any rank waited per step for a late one: the step is shared, so that wait is what the late
     rank added to it), or (None, None) where the ranks did not measure them (measure.comm; docs/chronometer.md)."""
     ranks = [r for r in timing.get('ranks') or [] if r.get('steady_steps')]
-    if not ranks or timing.get('comm_measured') != 'all-reduce hook':
+    if not ranks or timing.get('comm_measured') not in HOOKED:
         return None, None
     return (statistics.fmean(r['comm_s'] / r['steady_steps'] for r in ranks),
             max(r['late_s'] / r['steady_steps'] for r in ranks))
@@ -283,7 +287,7 @@ def step_split(timing):
         return {'step': tot['wall_s'] / n, 'work': work / n if work is not None else None,
                 'data': tot['data_s'] / n, 'comm': collective / n, 'late': 0.0}
     mean = lambda f: statistics.fmean(f(r) / r['steady_steps'] for r in ranks)  # noqa: E731
-    hooked = timing.get('comm_measured') == 'all-reduce hook'
+    hooked = timing.get('comm_measured') in HOOKED
     busy = all(r.get('busy_s') is not None for r in ranks)
     return {'step': mean(lambda r: r['wall_s']), 'data': mean(lambda r: r['data_s']),
             'comm': mean(lambda r: r['comm_s']) if hooked else None,

@@ -12,6 +12,7 @@ from dlojzlib.dist import launch, plan
 from dlojzlib.flags import get_args_parser
 from dlojzlib.host import provenance
 from dlojzlib.measure import memory, startup
+from dlojzlib.measure.scaling import HOOKED
 from dlojzlib.record.log import SUMMARY_VERSION, write_json
 
 
@@ -165,11 +166,11 @@ def ranks_summary(ranks, gathers=False):
     ranks is the transfer (`comm_s`, communication every rank waits for alike) and each rank's
     excess over it is waiting for a late peer (`late_s`). Only durations are compared, so hosts'
     clocks need not agree. The late rank is the one that waited least for the others
-    (`straggler_rank`); its own bound says why it was late. Without those measurements (phase timing
-    off, or --shard gradients and full, whose collectives no hook times), a rank's backward time
-    above the fastest rank's is taken as waiting for peers, and a network every rank waits for alike
-    reads as compute. gathers: FSDP2's, whose forward gathers the parameters from every rank too:
-    the forward and the backward above the fastest rank's."""
+    (`straggler_rank`); its own bound says why it was late. Under --shard gradients and full
+    (gathers: FSDP2's) the waits are those of FSDP2's gathers and reduce-scatters
+    (measure.comm.CommTimer.time_fsdp). Without those measurements (phase timing off), a rank's
+    backward time (and forward, where FSDP2 gathers) above the fastest rank's is taken as waiting
+    for peers, and a network every rank waits for alike reads as compute."""
     timed = [r for r in ranks if r['step_median_s']]
     if not timed:
         return {'ranks': ranks}
@@ -192,9 +193,10 @@ def ranks_summary(ranks, gathers=False):
             r['late_s'] = r['collective_s'] - r['comm_s']
         volume = last_in['comm_bytes'] / last_in['comm_steps']
         link = last_in['link_s'] / last_in['comm_steps']
-        res.update(comm_measured='all-reduce hook', gradient_bytes_per_step=volume,
-                   link_s_per_step=link,
-                   achieved_bytes_per_s=volume / link if link > 0 else None)
+        res['comm_measured'] = HOOKED[1] if gathers else HOOKED[0]
+        if not gathers:  # FSDP2's hooks see waits, not buckets: no volume, no bandwidth
+            res.update(gradient_bytes_per_step=volume, link_s_per_step=link,
+                       achieved_bytes_per_s=volume / link if link > 0 else None)
     else:
         waits = lambda r: None if r.get('backward_s') is None else \
             r['backward_s'] + ((r.get('forward_s') or 0.0) if gathers else 0.0)
