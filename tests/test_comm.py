@@ -1,8 +1,8 @@
 """The all-reduce timing (measure.comm) and the verdict made of it across ranks
 (record.summary.ranks_summary), on stamps and rank reports whose expected values are worked out by
-hand; FSDP2's waits against the sleeps put into its collectives. The same verdicts on real gloo runs,
-with the cause outside the code (a shaped network link, a slowed loader, a rank sharing its core),
-are in tests/test_ddp_truth.py."""
+hand; FSDP2's waits against the sleeps put into its collectives. The same verdicts on real gloo
+runs, with the cause outside the code (a shaped network link, a slowed loader, a rank sharing its
+core), are in tests/test_ddp_truth.py."""
 import contextlib
 import multiprocessing
 import os
