@@ -399,11 +399,12 @@ GATHER_S, REDUCE_S = 0.05, 0.03  # what each FSDP2 all-gather and reduce-scatter
 
 
 def fsdp_step(rank, tmp_path):
-    """One FSDP2 training step (gloo, 2 ranks: a world of one calls no collective) of a root and
-    two blocks, each its own unit,
+    """One FSDP2 training step, the second (gloo, 2 ranks: a world of one calls no collective) of
+    a root and two blocks, each its own unit,
     with every all-gather slowed by GATHER_S and every reduce-scatter by REDUCE_S (the collective
     functions FSDP2 calls, wrapped) -> (gathers, reduce-scatters called, the step's measures, the
-    waits a forward without gradients added). Spawned, as ddp_step."""
+    waits a forward without gradients added; the step's host reads beside those of the same step
+    without the hooks, in 'reads'). Spawned, as ddp_step."""
     import time
 
     import torch.distributed as tdist
@@ -425,21 +426,40 @@ def fsdp_step(rank, tmp_path):
         for name in names:
             if hasattr(tdist, name):
                 setattr(tdist, name, slowed(kind, getattr(tdist, name), seconds))
-    try:
+    from test_gpu_seams import DeviceReads
+
+    def sharded(timer):
         blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(2)]
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), *blocks, torch.nn.Linear(8, 2))
         for b in blocks:
             fully_shard(b)
         fully_shard(model)
-        timer = comm.CommTimer(1)
-        timer.time_fsdp([*blocks, model])
-        start = time.perf_counter()
+        if timer is not None:
+            timer.time_fsdp([*blocks, model])
+        return model
+    def step(model):
         model(torch.randn(3, 4)).square().mean().backward()
-        step = {**comm.resolve(*timer.take()), 'wall': time.perf_counter() - start}
+    try:
+        # the control: FSDP2's own second step (the first initialises), its host reads whatever
+        # they are
+        plain_model = sharded(None)
+        step(plain_model)
+        with DeviceReads() as plain:
+            step(plain_model)
+        timer = comm.CommTimer(1)
+        model = sharded(timer)
+        step(model)
+        timer.take()
+        calls.update(gather=0, reduce=0)
+        start = time.perf_counter()
+        with DeviceReads() as timed:
+            step(model)
+        measured = {**comm.resolve(*timer.take()), 'wall': time.perf_counter() - start,
+                    'reads': (timed.seen, plain.seen)}
         seen = dict(calls)
         with torch.no_grad():  # validation's forward is no step
             model(torch.randn(3, 4))
-        return seen, step, timer.take()[2]
+        return seen, measured, timer.take()[2]
     finally:
         tdist.destroy_process_group()
 
@@ -463,3 +483,5 @@ def test_fsdp2s_waits_are_timed_where_the_step_waits_for_them(tmp_path):
         assert timed <= step['exposed'] <= step['wall'], step
         assert (step['link'], step['bytes'], step['buffers']) == (0.0, 0, 0.0)
         assert after == []
+        hooked, plain = step['reads']
+        assert hooked == plain, step['reads']  # the hooks read nothing on the host
