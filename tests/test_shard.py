@@ -343,6 +343,14 @@ def dcp_folder(tmp_path_factory):
     return folder
 
 
+def test_a_sharded_checkpoint_named_with_a_trailing_slash_is_the_folder(dcp_folder):
+    """A shell completes a folder's name with '/': the run still knows the checkpoint is in its
+    own folder (a resume there cuts metrics.jsonl back to it)."""
+    from dlojzlib.record.state import find_resume_checkpoint
+    path, ckpt = find_resume_checkpoint(argparse.Namespace(resume=f'{dcp_folder}/'), None, print)
+    assert path == str(dcp_folder) and ckpt['global_step'] == 3
+
+
 def test_a_sharded_checkpoint_a_kill_left_half_written_is_removed_and_not_resumed(tmp_path,
                                                                                    monkeypatch):
     """Killed after DCP wrote its files and before the rename: the temporary folder is not a

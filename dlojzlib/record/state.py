@@ -124,7 +124,8 @@ def find_resume_checkpoint(args, dist, say):
     if not args.resume:
         return None, None
     if args.resume != 'auto':
-        return args.resume, load_checkpoint(args.resume)
+        path = os.path.normpath(args.resume)  # a .dcp folder given as 'checkpoint-<step>.dcp/'
+        return path, load_checkpoint(path)
     warn = lambda m: print(m, file=sys.stderr, flush=True)
     found = launch.on_ranks(lambda: load_latest_checkpoint(args.output_dir, warn),
                             when=dist.is_main)
