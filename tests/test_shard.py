@@ -197,10 +197,12 @@ def test_a_sharded_checkpoint_validates_and_resumes_at_another_world_size(tmp_pa
 def _checkpointing_rank(rank, port, folder, result):
     """A rank of 2 (gloo) saving sharded checkpoints of a sliced Conv-BatchNorm-Linear model whose
     BatchNorm statistics differ per rank (rank + 1), as FSDP2's do: one that writes, one whose
-    rank 1 finds its disk full, one pruned to the newest, best.dcp written twice."""
+    rank 1 finds its disk full in a tensor's data (inside torch.save, whose zip writer turns the
+    OSError into 'unexpected pos'), one pruned to the newest, best.dcp written twice. The head is
+    large (1000 outputs: 288 KB of weights a rank) for torch.save to write its data as it goes."""
+    import contextlib
     import errno
 
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
     from dlojzlib.dist import launch, shard
@@ -213,7 +215,7 @@ def _checkpointing_rank(rank, port, folder, result):
                           launcher='torchrun'), torch.device('cpu'))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
-                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5))
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 1000))
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 3, 8, 8)).sum().backward()
@@ -224,17 +226,35 @@ def _checkpointing_rank(rank, port, folder, result):
             'own': model[1].running_mean.tolist()}
     rest = {'global_step': 1} if rank == 0 else None
     save_sharded_checkpoint(checkpoint_path(folder, 1, True), slices, rest, 2, rank == 0)
-    if rank == 1:  # the next write fails on rank 1's disk
-        def full(*a, **k):
-            raise OSError(errno.ENOSPC, 'No space left on device')
-        real, dcp.FileSystemWriter.write_data = dcp.FileSystemWriter.write_data, full
+    if rank == 1:  # the next write fills rank 1's disk after 1000 bytes, inside torch.save
+        from torch.distributed.checkpoint.filesystem import FileSystem
+
+        class Filling:  # the first large write (a tensor's data, inside torch.save) fails; the
+            def __init__(self, f):  # small ones after it fit in the file's buffer, as they may
+                self.f, self.full = f, False
+
+            def write(self, b):
+                if len(b) >= 100_000 and not self.full:
+                    self.full = True
+                    raise OSError(errno.ENOSPC, 'No space left on device')
+                return self.f.write(b)
+
+            def __getattr__(self, name):
+                return getattr(self.f, name)
+        real = FileSystem.create_stream
+
+        @contextlib.contextmanager
+        def filling(self, path, mode):
+            with real(self, path, mode) as stream:
+                yield Filling(stream) if 'w' in mode else stream
+        FileSystem.create_stream = filling
     try:
         save_sharded_checkpoint(checkpoint_path(folder, 2, True), slices, rest, 2, rank == 0)
         said['full'] = 'written'
     except DiskFull as e:
         said['full'] = str(e)
     if rank == 1:
-        dcp.FileSystemWriter.write_data = real
+        FileSystem.create_stream = real
     said['after_full'] = sorted(os.listdir(folder))
     for step in (3, 4):
         save_sharded_checkpoint(checkpoint_path(folder, step, True), slices, rest, 2, rank == 0)
@@ -285,7 +305,7 @@ def test_a_sharded_checkpoint_keeps_rank_0s_statistics_and_survives_a_full_disk(
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     fresh = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
-                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5))
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 1000))
     fresh.load_state_dict(torch.load(tmp_path / 'model.pt')['model'])
     assert fresh[1].running_mean.tolist() == [1.0] * 4
 
@@ -341,6 +361,40 @@ def dcp_folder(tmp_path_factory):
         warnings.simplefilter('ignore')
         save_sharded_checkpoint(str(folder), slices, {'global_step': 3, 'args': {'arch': 'x'}})
     return folder
+
+
+def test_an_optimizer_without_state_round_trips(tmp_path):
+    """SGD without momentum keeps no state: DCP, which saves leaves only, gives back no 'state' at
+    all; the checkpoint still reads, its state empty."""
+    import warnings
+
+    from dlojzlib.record.checkpoint import load_checkpoint, save_sharded_checkpoint
+    folder = tmp_path / 'checkpoint-00000001.dcp'
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    named = {'state': {}, 'param_groups': [{**optimizer.state_dict()['param_groups'][0],
+                                            'params': ['w']}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        save_sharded_checkpoint(str(folder), {'model': {'w': torch.ones(2)}, 'optimizer': named},
+                                {'global_step': 1})
+    read = load_checkpoint(str(folder))['optimizer']
+    assert read['state'] == {} and read['param_groups'][0]['params'] == [0]
+    optimizer.load_state_dict(read)
+
+
+def test_ctrl_c_while_a_sharded_checkpoint_is_read_is_an_interrupt(dcp_folder, monkeypatch):
+    """DCP wraps whatever its reader raises, a KeyboardInterrupt too, in a CheckpointException:
+    Ctrl-C during --resume auto's read was taken for a damaged checkpoint, and the previous one was
+    resumed in its place."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from dlojzlib.record.checkpoint import load_checkpoint
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(FileSystemReader, 'read_data', interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_checkpoint(str(dcp_folder))
 
 
 def test_a_sharded_checkpoint_named_with_a_trailing_slash_is_the_folder(dcp_folder):

@@ -110,20 +110,25 @@ def save_checkpoint(path, state, keep=None):
 class _Writes:
     """A file for torch.save that remembers the OSError a write raised: torch's zip writer replaces
     it with 'RuntimeError: [enforce fail at inline_container.cc] unexpected pos', which names
-    neither the disk nor the file."""
+    neither the disk nor the file. errors: a list that collects it too."""
 
-    def __init__(self, f):
-        self.f, self.error = f, None
+    def __init__(self, f, errors=None):
+        self.f, self.error, self.errors = f, None, errors
 
     def write(self, b):
         try:
             return self.f.write(b)
         except OSError as e:
             self.error = e
+            if self.errors is not None:
+                self.errors.append(e)
             raise
 
     def flush(self):
         return self.f.flush()
+
+    def __getattr__(self, name):  # tell, fileno, close: what DCP's writer asks of its files
+        return getattr(self.f, name)
 
 
 def _save_checkpoint(path, state, keep):
@@ -227,7 +232,8 @@ def save_sharded_checkpoint(path, slices, rest, keep=None, is_main=True):
 
     Atomic as save_checkpoint: written under a temporary name, renamed by rank 0 once dcp.save has
     returned (its coordinator writes the metadata after every rank's files), then pruned to the
-    newest `keep`. A full disk on any rank is DiskFull's sentence on every rank."""
+    newest `keep`; best.dcp's replacement takes two renames (a crash between them loses the previous
+    best). A full disk on any rank is DiskFull's sentence on every rank."""
     import torch.distributed.checkpoint as dcp
 
     from dlojzlib.dist import launch
@@ -235,16 +241,17 @@ def save_sharded_checkpoint(path, slices, rest, keep=None, is_main=True):
     # .checkpoint-00000008_dcp.tmp, .checkpoint-best_dcp.tmp: PARTIAL_RE's, for a killed run's
     stem = re.sub(r'\W', '_', os.path.basename(path).removeprefix('checkpoint-'))
     tmp = os.path.join(folder, f'.checkpoint-{stem}.tmp')
-    # a killed attempt's folder: its stale files would mix with this one's
-    launch.on_ranks(lambda: shutil.rmtree(tmp, ignore_errors=True), when=is_main)
-    state = dict(slices)
-    if is_main:
+
+    def prepare():  # rank 0's alone: a failure here is every rank's (on_ranks), before DCP waits
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed attempt's: its files would mix in
         buffer = io.BytesIO()
         torch.save(rest, buffer)
-        state['dlojz'] = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    blob = launch.on_ranks(prepare, when=is_main)
+    state = dict(slices, **({'dlojz': blob} if is_main else {}))
     try:
         with deferred_sigchld():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+            dcp.save(state, storage_writer=_dcp_writer(dcp, tmp))
     except BaseException as e:
         if is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -252,13 +259,65 @@ def save_sharded_checkpoint(path, slices, rest, keep=None, is_main=True):
     launch.on_ranks(lambda: _publish(tmp, path, keep), when=is_main)
 
 
+def _dcp_writer(dcp, path):
+    """DCP's FileSystemWriter, its files' write errors collected: DCP writes each tensor with
+    torch.save, whose zip writer replaces an OSError (a full disk) with 'unexpected pos' (_Writes),
+    and hands that to every rank. Its write_data raises the OSError itself instead, so that every
+    rank's DiskFull names the disk."""
+    class Writer(dcp.FileSystemWriter):
+        def __init__(self, path):
+            super().__init__(path)
+            self.fs = _RecordingFileSystem(self.fs, [])
+
+        def write_data(self, plan, planner):
+            try:
+                written = super().write_data(plan, planner)
+                written.wait()
+                return written
+            except BaseException:
+                full = next((e for e in self.fs.errors if log.no_space(e)), None)
+                if full is not None:
+                    raise full from None
+                raise
+    return Writer(path)
+
+
+class _RecordingFileSystem:
+    """A DCP file system whose streams for writing are _Writes, collecting into `errors`."""
+
+    def __init__(self, fs, errors):
+        self.fs, self.errors = fs, errors
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with self.fs.create_stream(path, mode) as stream:
+            yield _Writes(stream, self.errors) if 'w' in mode else stream
+
+
+def _failures(e):
+    """The exceptions of DCP's CheckpointException (each rank's, on every rank), or [e]."""
+    found = [f[0] if isinstance(f, tuple) else f for f in getattr(e, 'failures', {}).values()]
+    return [f for f in found if isinstance(f, BaseException)] or [e]
+
+
+def _interrupt(e):
+    """A Ctrl-C or an exit inside DCP, which wraps it in a CheckpointException: that, or None."""
+    return next((f for f in _failures(e) if isinstance(f, (KeyboardInterrupt, SystemExit))), None)
+
+
 def _one_failure(e, path):
     """DCP's CheckpointException (every rank's failures, raised on every rank; a BaseException) as
-    one error: DiskFull when a rank's disk was full, else the first rank's own."""
-    failures = [f[0] if isinstance(f, tuple) else f for f in getattr(e, 'failures', {}).values()]
+    one error: an interrupt as itself, DiskFull when a rank's disk was full, else the first rank's
+    own."""
+    failures = _failures(e)
+    if _interrupt(e) is not None:
+        return _interrupt(e)
     if any(log.no_space(f) for f in failures + [e]):
         return disk_full(path, log.disk_usage)
-    return failures[0] if failures and isinstance(failures[0], BaseException) else e
+    return failures[0]
 
 
 def _publish(tmp, path, keep):
@@ -287,10 +346,12 @@ def load_sharded_checkpoint(path):
         rest = io.BytesIO(read.pop('dlojz').numpy().tobytes())
         # weights_only=False: our own arguments and RNG states, written by us
         state = torch.load(rest, map_location='cpu', weights_only=False)
+        return {**state, 'model': read.get('model'), 'optimizer': by_index(read.get('optimizer'))}
     except (Exception, CheckpointException) as e:
+        if _interrupt(e) is not None:  # Ctrl-C while it read: not a damaged checkpoint
+            raise _interrupt(e) from None
         raise UsageError(f'checkpoint {path} cannot be read ({type(e).__name__}); it may be '
                          f'incomplete, resume from another checkpoint.') from None
-    return {**state, 'model': read.get('model'), 'optimizer': by_index(read.get('optimizer'))}
 
 
 @contextmanager
@@ -312,6 +373,7 @@ def by_index(optimizer):
         return None
     names = [n for g in optimizer['param_groups'] for n in g['params']]
     index = {n: i for i, n in enumerate(names)}
-    return {'state': {index[n]: s for n, s in optimizer['state'].items()},
+    # no state at all (SGD without momentum keeps none): DCP saves leaves only, and no 'state' comes
+    return {'state': {index[n]: s for n, s in optimizer.get('state', {}).items()},
             'param_groups': [{**g, 'params': [index[n] for n in g['params']]}
                              for g in optimizer['param_groups']]}

@@ -93,8 +93,9 @@ def save(run, progress, best=False):
     if sharded:
         slices = shard.sharded_state(run.model_without_ddp, run.optimizer)
         launch.on_ranks(warn, when=run.dist.is_main)
-        rest = checkpoint_state(run, progress, device_rng, None, None) if run.dist.is_main \
-            else None
+        # rank 0's alone, before DCP's first collective: a failure is every rank's (on_ranks)
+        rest = launch.on_ranks(lambda: checkpoint_state(run, progress, device_rng, None, None),
+                               when=run.dist.is_main)
         save_sharded_checkpoint(path, slices, rest, keep, run.dist.is_main)
         run.log.print(f'Checkpoint {path} written (step {progress.global_step})')
         return path
