@@ -1,6 +1,6 @@
 """--shard: the ways of spreading a run over its ranks, on torch's own APIs, a function per way
 (torchtitan's shape), and what the rest of dlojz needs to treat them alike: the accumulation's
-no_sync, whole state dicts for one-file checkpoints, the bytes of the model states, and validation
+no_sync, state dicts for checkpoints, the bytes of the model states, and validation
 in lockstep.
 
     --shard none        launch.wrap_ddp: DistributedDataParallel
@@ -95,33 +95,14 @@ def no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def _whole(value):
-    """A DTensor gathered whole (a collective: every rank calls it, in the same order), on the CPU.
-    """
-    return value.full_tensor().cpu() if _is_dtensor(value) else value
-
-
-def model_state(module):
-    """The module's state dict with whole tensors, for a one-file checkpoint. Every rank calls it
-    (FSDP2: each parameter is gathered); rank 0's is the one written. Buffers are each rank's own:
-    rank 0's BatchNorm statistics are the ones saved, as under DDP."""
-    state = module.state_dict()
-    if not is_sharded(module):
-        return state
-    return {k: _whole(v) for k, v in state.items()}
-
-
 def optimizer_state(optimizer):
-    """The optimizer's state dict in torch's one-process form (state by parameter index): ZeRO-1's
-    parts consolidated on rank 0 (None elsewhere), FSDP2's slices gathered. Every rank calls it."""
+    """The optimizer's state dict in torch's one-process form (state by parameter index), for a
+    one-file checkpoint (--shard none and optimizer; FSDP2's slices go to a sharded one): ZeRO-1's
+    parts consolidated on rank 0 (None elsewhere). Every rank calls it."""
     if hasattr(optimizer, 'consolidate_state_dict'):
         optimizer.consolidate_state_dict(to=0)
         return optimizer.state_dict() if tdist.get_rank() == 0 else None
-    state = optimizer.state_dict()
-    if not any(_is_dtensor(v) for s in state['state'].values() for v in s.values()):
-        return state
-    whole = {i: {k: _whole(v) for k, v in s.items()} for i, s in state['state'].items()}
-    return {**state, 'state': whole}
+    return optimizer.state_dict()
 
 
 def sharded_state(module, optimizer):

@@ -312,9 +312,9 @@ def _one_failure(e, path):
     """DCP's CheckpointException (every rank's failures, raised on every rank; a BaseException) as
     one error: an interrupt as itself, DiskFull when a rank's disk was full, else the first rank's
     own."""
-    failures = _failures(e)
-    if _interrupt(e) is not None:
-        return _interrupt(e)
+    failures, stop = _failures(e), _interrupt(e)
+    if stop is not None:
+        return stop
     if any(log.no_space(f) for f in failures + [e]):
         return disk_full(path, log.disk_usage)
     return failures[0]

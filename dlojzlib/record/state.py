@@ -54,7 +54,7 @@ def set_device_rng_state(state, device):
 
 def checkpoint_state(run, progress, device_rng, model, optimizer):
     """device_rng: every rank's device_rng_state(), indexed by rank. model, optimizer: their state
-    dicts whole (dist.shard.model_state, optimizer_state: gathered on every rank), or None in a
+    dicts whole (dist.shard.optimizer_state: ZeRO-1's consolidated on rank 0), or None in a
     sharded checkpoint, whose folder holds them in slices (save).
     The position is the loop's own: an epoch that is trained but not yet closed (end_due: a stop
     during its last step) is resumed by its validation. metrics_bytes: how much of metrics.jsonl was
@@ -99,9 +99,8 @@ def save(run, progress, best=False):
         save_sharded_checkpoint(path, slices, rest, keep, run.dist.is_main)
         run.log.print(f'Checkpoint {path} written (step {progress.global_step})')
         return path
-    # every rank: FSDP2 gathers each parameter's slices, ZeRO-1 its optimizer's parts, on rank 0
-    model = shard.model_state(run.model_without_ddp)
-    optimizer = shard.optimizer_state(run.optimizer)
+    model = run.model_without_ddp.state_dict()
+    optimizer = shard.optimizer_state(run.optimizer)  # every rank: ZeRO-1's parts, on rank 0
 
     def write():
         warn()
