@@ -53,7 +53,7 @@ from dlojzlib import failpoints
 from dlojzlib import recipe
 from dlojzlib.data import augment
 from dlojzlib.data.datasets import IMAGENET_MEAN, IMAGENET_STD, build_data
-from dlojzlib.dist import launch, shard
+from dlojzlib.dist import launch, pipeline, shard
 from dlojzlib.dist.launch import get_dist_info
 from dlojzlib.errors import (CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation,
                              report_error, translate)
@@ -84,16 +84,18 @@ def seed_everything(seed):
 
 # ------------------------------------------------------------------------------------------------ building
 
-def build_model(args, num_classes, device, dist, comm=None, phase=lambda name: nullcontext()):
+def build_model(args, num_classes, device, dist, comm=None, phase=lambda name: nullcontext(), pipe=None):
     """-> (model to train: DDP-wrapped and/or compiled, model to evaluate, plain module for state dicts).
 
     Validation runs the module without its DDP wrapper: a DDP forward may broadcast buffers (a collective),
     and ranks can run different numbers of validation batches. `comm`: a measure.comm.CommTimer to time the
-    gradient all-reduce with."""
+    gradient all-reduce with. pipe(model): --pipeline-stages' cut (dist.pipeline), the model to evaluate."""
     model = custom_models.build_model(args.arch, num_classes, args.sd_prob, args.n_heads,
                                       args.image_size)
     if args.grad_checkpointing:
         custom_models.apply_grad_checkpointing(model)
+    if pipe is not None:  # this rank's stages: the rest of the model never reaches the device
+        return model, pipe(model), model
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     fsdp = args.shard in shard.FSDP_MODES  # FSDP2 moves each rank's slices to the device, not all
     model = model.to(None if fsdp else device, memory_format=memory_format)
@@ -133,7 +135,7 @@ class Run:
     dist: launch.DistInfo
     device: torch.device
     data: object                  # data.datasets.Data: loaders, classes, counts
-    model: nn.Module              # what trains: DDP-wrapped and/or compiled
+    model: nn.Module              # what trains: DDP-wrapped and/or compiled (a pipeline's: this rank's part)
     eval_model: nn.Module         # what validates: without the DDP wrapper
     model_without_ddp: nn.Module  # plain module: state dicts, buffers
     criterion: nn.Module
@@ -159,6 +161,8 @@ class Run:
     startup: StartUp = None       # the time to the first step, by phase (measure.startup)
     plans: dict = None            # model states per rank of each --shard mode (memory.plan_run)
     states: shard.StateMeter = None  # this rank's, measured after the first optimizer step
+    pipe: pipeline.Pipeline = None  # --pipeline-stages or --microbatches: the steps go through it
+    replicas: int = 1             # of the data: the ranks, or the copies of a pipeline
 
 
 def build_run(args, dist, device, say, startup=None):
@@ -172,10 +176,14 @@ def build_run(args, dist, device, say, startup=None):
             check_form(args, ckpt, ckpt_path)
             if not args.evaluate:
                 resume.resolve(args, ckpt.get('args') or {}, say)
+    replicas = dist.world_size // args.pipeline_stages  # a pipeline's stages read the same batches
     with phase('loaders'):
-        data = build_data(args, dist, log=say, on_ranks=launch.on_ranks, device=device, phase=phase)
+        data = build_data(args, pipeline.data_view(dist, replicas), log=say, on_ranks=launch.on_ranks,
+                          device=device, phase=phase)
     say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train / '
         f'{data.n_val} val images, {len(data.classes)} classes')
+    amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
+    autocast = lambda: torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
     comm = CommTimer(dist.world_size, CudaTimeline(device) if device.type == 'cuda' else None) \
         if dist.distributed and args.timing else None
     # planned on the meta device first (shapes only): a mode that cannot fit is refused
@@ -183,7 +191,8 @@ def build_run(args, dist, device, say, startup=None):
         plans = plan_run(args, lambda: custom_models.build_model(
             args.arch, len(data.classes), args.sd_prob, args.n_heads, args.image_size),
             custom_models.blocks, dist.world_size, capacity(device), say)
-        model, eval_model, plain = build_model(args, len(data.classes), device, dist, comm, phase)
+        pipe = (lambda m: pipeline.build(args, m, device, dist, autocast(), say)) if pipeline.wanted(args) else None
+        model, eval_model, plain = build_model(args, len(data.classes), device, dist, comm, phase, pipe)
     steps_per_epoch = len(data.train_steps)
     total_steps = args.epochs * steps_per_epoch
     if args.test and args.test_nsteps > total_steps:
@@ -197,7 +206,7 @@ def build_run(args, dist, device, say, startup=None):
         criterion, optimizer, scheduler, scaler = recipe.build_optimization(
             args, plain, steps_per_epoch, total_steps,
             torch.device('cpu') if args.cpu_offload else device)  # where the optimizer steps
-    global_batch = args.batch_size * dist.world_size * args.accum_steps
+    global_batch = args.batch_size * replicas * args.accum_steps
     check_resume(args, dist, ckpt_path, ckpt, data, plain, optimizer, global_batch, steps_per_epoch, total_steps)
     resumed = ckpt is not None and not args.evaluate
     metrics = os.path.join(args.output_dir, 'metrics.jsonl')
@@ -205,7 +214,6 @@ def build_run(args, dist, device, say, startup=None):
     if resumed and dist.is_main and os.path.samefile(os.path.dirname(os.path.abspath(ckpt_path)), args.output_dir):
         # the steps logged after the checkpoint are run again: their records are written again, not repeated
         dropped = trim_metrics(metrics, ckpt.get('metrics_bytes'), ckpt['global_step'])
-    amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
     chrono = Chronometer(device, phases=args.timing, sync=args.sync_timing, warmup=args.warmup_steps)
     with phase('logs_and_meters'):  # NVML's start, wandb's, the host's check
         power, memory = PowerMeter(device, gather=launch.all_gather_object), PeakMemory(device)
@@ -214,9 +222,10 @@ def build_run(args, dist, device, say, startup=None):
         host = host_check(args.num_workers, device.type == 'cpu')
     chrono.on_steady += [memory.reset, power.window_start]  # once the warm-up steps are over
     chrono.comm = comm
+    chrono.pipe = eval_model.timer if isinstance(eval_model, pipeline.Pipeline) else None
     run = Run(args=args, dist=dist, device=device, data=data, model=model, eval_model=eval_model,
               model_without_ddp=plain, criterion=criterion, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-              autocast=torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext(),
+              autocast=autocast(),
               norm=tuple(torch.tensor(v, device=device).view(1, 3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD)),
               chrono=chrono, power=power, memory=memory,
               # a non-finite loss is looked for every step on CPU (free); on a GPU at each log line, in the
@@ -230,7 +239,8 @@ def build_run(args, dist, device, say, startup=None):
               mix=augment.Mix(args.mixup, args.cutmix, len(data.classes), args.seed),
               ema=recipe.EMA(plain, args.ema_decay, args.ema_warmup) if args.ema_decay else None,
               started=time.time(), process_started=process_start_time(), startup=startup,
-              plans=plans, states=shard.StateMeter(plain, optimizer))
+              plans=plans, states=shard.StateMeter(plain, optimizer), replicas=replicas,
+              pipe=eval_model if isinstance(eval_model, pipeline.Pipeline) else None)
     sync = recipe.scaler_sync_warning(optimizer, args.amp)
     run.host['warnings'] += [sync] if sync else []  # printed in the header, kept in summary.json
     if resumed:  # where this attempt starts, and what it replaced of the one before
@@ -259,6 +269,8 @@ def train_step(run, images, labels):
     whose gradients add up: each micro-batch's loss is divided by their number, so the step follows the mean
     over all its images, as N ranks' all-reduce would; DDP syncs only during the last backward (no_sync
     before). -> (mean loss, output, labels): detached, on the device."""
+    if run.pipe is not None:  # --pipeline-stages, --microbatches: the schedule's own step (dist.pipeline)
+        return run.pipe.step(run, images, labels, to_device)
     micro = list(zip(images, labels)) if isinstance(images, list) else [(images, labels)]
     n = len(micro)
     losses, outputs, targets = [], [], []
@@ -361,7 +373,7 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
         loss, output, labels = train_step(run, images, labels)
         if run.startup.pending:  # this process's first step ends its start-up (one GPU sync)
             run.startup.first_step_done(run.device)
-        progress.advance(labels.shape[0] * run.dist.world_size)  # every rank's batch has this size
+        progress.advance(labels.shape[0] * run.replicas)  # every replica's batch has this size
         # the epoch's (or --test-nsteps') last step: a checkpoint from here on owes the closing validation
         progress.end_due = progress.step == run.steps_per_epoch or progress.step - first == max_steps
         window += loss
@@ -422,8 +434,9 @@ def evaluate(run, epoch, progress, max_batches=None, ema=False):
             x, labels = to_device(x, labels, run)
             with run.autocast:
                 output = model(x)  # loss: plain cross-entropy (timm's); criterion_loss: the training criterion's
-                meters.update(nn.functional.cross_entropy(output, labels), output, labels,
-                              run.criterion(output, labels))
+                if output is not None:  # None: a pipeline stage before the last (its ranks count no image)
+                    meters.update(nn.functional.cross_entropy(output, labels), output, labels,
+                                  run.criterion(output, labels))
             batches += 1
             failpoints.after_val_batch()
         # a sliced model gathers in every forward: every rank runs as many

@@ -54,34 +54,35 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from dlojzlib import compat
-from dlojzlib.measure import comm
+from dlojzlib.measure import bubble, comm
 
 PHASES = ('data', 'h2d', 'forward', 'backward', 'optimizer', 'other')
 # --prof: the course's record_function tags (solutions/dlojz1_4.py), one per phase
 LABELS = {'h2d': 'host to device copy', 'forward': 'inference and loss function', 'backward': 'gradient compute',
           'optimizer': 'optimizer step and weights update'}
 GPU_PHASES = ('h2d', 'forward', 'backward', 'optimizer')
-SHARES = ('compute', 'communication', 'straggler', 'loader', 'host')  # step_shares' names
+SHARES = ('compute', 'communication', 'bubble', 'straggler', 'loader', 'host')  # step_shares' names
 PROBE_MIN, PROBE_EVERY = 5, 100  # probe steps: until 5 clean steps are measured, then one per 100 steps
 PROBE_MAX_S = 0.5  # the longest spin a probe queues (seconds)
 
 
-def step_shares(wall, busy, data, comm=0.0, late=0.0, data_excess=0.0):
+def step_shares(wall, busy, data, comm=0.0, late=0.0, data_excess=0.0, idle=None):
     """What the steady steps' time went to, from their sums (seconds, one rank or all ranks added
     up) -> {name: seconds}, largest first (ties in SHARES' order), adding up to `wall`:
     - 'compute': the device's own work, its busy time less the time it spent inside collectives
       waiting for the transfer (`comm`) or for a late peer (`late`);
-    - 'communication': the exposed all-reduce; 'straggler': the wait for a late peer, and the part
+    - 'communication': the exposed all-reduce; 'bubble': a pipeline stage's waits for the others
+      inside its schedule (`idle`, measure.bubble; no such share where it is None); 'straggler': the wait for a late peer, and the part
       of the data wait by which this rank's loader was slower than the fastest rank's
       (`data_excess`: it made the others wait);
     - 'loader': the rest of the data wait, as far as the device was idle during it (on a GPU the
       host can wait for a batch while queued work still runs: that part is compute's);
     - 'host': the time left, with the device idle and nothing waited for (launches, Python,
       synchronisations). On the host clock (CPU) it is the few microseconds between steps."""
-    work = min(wall, max(0.0, busy - comm - late))
+    work = min(wall, max(0.0, busy - comm - late - (idle or 0.0)))
     left, out = wall - work, {'compute': work}
-    waits = (('communication', comm), ('straggler', late + data_excess),
-             ('loader', data - data_excess))
+    waits = (('communication', comm), *((('bubble', idle),) if idle is not None else ()),
+             ('straggler', late + data_excess), ('loader', data - data_excess))
     for name, v in waits:
         out[name] = min(max(0.0, v), left)
         left -= out[name]
@@ -89,9 +90,9 @@ def step_shares(wall, busy, data, comm=0.0, late=0.0, data_excess=0.0):
     return dict(sorted(out.items(), key=lambda kv: (-kv[1], SHARES.index(kv[0]))))
 
 
-def verdict(wall, busy, data, comm=0.0, late=0.0, data_excess=0.0):
+def verdict(wall, busy, data, comm=0.0, late=0.0, data_excess=0.0, idle=None):
     """What bounds a run: the largest share of its steps' time (step_shares)."""
-    return next(iter(step_shares(wall, busy, data, comm, late, data_excess)))
+    return next(iter(step_shares(wall, busy, data, comm, late, data_excess, idle)))
 
 
 def percents(fractions):
@@ -211,6 +212,7 @@ class Chronometer:
         self._clean = 0        # clean steps after the warm-up
         self.labels = False    # --prof: each phase is also a torch.profiler record_function range
         self.comm = None       # measure.comm.CommTimer of a distributed run: each step's all-reduce stamps
+        self.pipe = None       # measure.bubble.StageTimer of a pipeline: each step's chunks
         self.steps = []        # completed records: {'data': s, 'step': s, 'compute': s, 'h2d': s, ...}
         self._pending = []     # records whose events may not have completed yet
         self._current = None
@@ -280,6 +282,8 @@ class Chronometer:
         rec['step'] = self.clock() - rec.pop('t0')
         if self.comm is not None:
             rec['comm'] = self.comm.take()
+        if self.pipe is not None:
+            rec['pipe'] = self.pipe.take()
         if self.events:
             rec['span'] = (rec['span'], self._event(rec))
             del rec['last']
@@ -338,6 +342,10 @@ class Chronometer:
                 if timed:
                     rec.update(exposed=timed['exposed'], link=timed['link'], comm_bytes=timed['bytes'],
                                buffers=timed['buffers'])
+            if rec.get('pipe'):  # the stage's chunks are its forward and backward; the rest of the span waited
+                timed = bubble.resolve(rec.pop('pipe'))
+                rec.update(forward=timed['forward'], backward=timed['backward'], pipe_span=timed['span'],
+                           bubble=timed['span'] - timed['compute'], chunks=timed['chunks'])
             for name, start, end in rec.pop('events'):
                 rec[name] = rec.get(name, 0.0) + start.elapsed_time(end) / 1e3  # ms -> s
             if self.events:
@@ -347,7 +355,7 @@ class Chronometer:
                 rec['compute'] = rec['step'] - rec['data']
                 rec['clean'] = True  # a host interval (CPU, --sync-timing): nothing queued behind the host
             if self.phases_on:
-                rec['other'] = rec['compute'] - sum(rec.get(p, 0.0) for p in GPU_PHASES)
+                rec['other'] = rec['compute'] - sum(rec.get(p, 0.0) for p in (*GPU_PHASES, 'bubble'))
             self.steps.append(rec)
             self._pending.pop(0)
 
@@ -412,6 +420,12 @@ class Chronometer:
                        link_s=sum(r['link'] for r in timed), comm_bytes=sum(r['comm_bytes'] for r in timed),
                        buffers_s=sum(r['buffers'] for r in timed))
             res['collective_s'] = res['exposed_s'] + res['buffers_s']  # waiting in collectives, for any reason
+        piped = [r for r in steady if 'bubble' in r]  # a pipeline stage's (measure.bubble)
+        if piped:
+            mid = sorted(piped, key=lambda r: r['pipe_span'])[len(piped) // 2]
+            res.update(pipe_steps=len(piped), bubble_s=sum(r['bubble'] for r in piped),
+                       pipe_span_s=sum(r['pipe_span'] for r in piped), timeline=mid['chunks'],
+                       timeline_span_s=mid['pipe_span'])
         clean = [r for r in steady if r.get('clean')]
         measured, source = (clean, 'clean') if clean else (steady, 'spans')
         if not measured:
@@ -447,7 +461,8 @@ class Chronometer:
             res['gpu_step_source'] = tot['gpu_step_source']
             res['device_busy'] = busy / total
             res['data_share'] = tot['data_s'] / total
-            shares = step_shares(total, busy, tot['data_s'], tot.get('collective_s', 0.0))
+            shares = step_shares(total, busy, tot['data_s'], tot.get('collective_s', 0.0),
+                                 idle=tot.get('bubble_s'))
             res['shares'] = {k: v / total for k, v in shares.items()}
             res['bound'] = next(iter(shares))
             if 'collective_s' in tot:

@@ -63,7 +63,10 @@ class Meters:
         self.sums = torch.zeros(5 if criterion else 4, dtype=torch.float64, device=device)
 
     def update(self, loss, output, labels, criterion_loss=None):
-        """loss: the batch's mean loss (0-d tensor); output: (n, classes) logits; labels: (n,)."""
+        """loss: the batch's mean loss (0-d tensor); output: (n, classes) logits; labels: (n,).
+        output None: a pipeline stage before the last, which has no logits and counts no image."""
+        if output is None:
+            return
         n = labels.shape[0]
         if self.criterion:
             self.sums[4] += criterion_loss.detach().double() * n

@@ -427,8 +427,8 @@ def all_reduce_(tensor, op='sum'):
 def broadcast_buffers_(module, src=0):
     """Give every rank rank `src`'s BatchNorm running statistics (they drift apart: each rank
     updates them with its own batches, DDP only re-broadcasts at the start of the next training
-    forward)."""
-    if tdist.is_available() and tdist.is_initialized():
+    forward). A pipeline's ranks hold different parts, and no BatchNorm: nothing to share."""
+    if tdist.is_available() and tdist.is_initialized() and not getattr(module, 'piped', False):
         for b in module.buffers():
             tdist.broadcast(b, src=src)
 

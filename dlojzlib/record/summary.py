@@ -183,7 +183,12 @@ def ranks_summary(ranks, gathers=False):
     measured = [r for r in timed if r.get('busy_s') is not None and r.get('wall_s')]
     if len(measured) != len(ranks):
         return res
-    if all(r.get('comm_steps') for r in measured):
+    piped = all('bubble_s' in r for r in measured)  # pipeline stages: their waits are measured
+    if piped:  # as the bubble (measure.bubble); the replicas' all-reduce is not timed yet
+        for r in ranks:
+            r['comm_s'] = r['late_s'] = 0.0
+        res['comm_measured'] = 'pipeline stages\' waits (bubble)'
+    elif all(r.get('comm_steps') for r in measured):
         # the rank that waited least is the one the others waited for: its wait is the transfer
         # alone. Sums over the run, not step by step: ranks that are late by turns (noise) wait
         # alike and read as communication; a rank late every step is a straggler
@@ -210,18 +215,21 @@ def ranks_summary(ranks, gathers=False):
     least_data = min(r['data_s'] for r in measured)
     for r in measured:
         r['data_excess_s'] = r['data_s'] - least_data  # the others waited for this rank's loader
-        r['bound'] = verdict(r['wall_s'], r['busy_s'], r['data_s'], r['comm_s'], r['late_s'])
+        r['bound'] = verdict(r['wall_s'], r['busy_s'], r['data_s'], r['comm_s'], r['late_s'],
+                             idle=r.get('bubble_s'))
     wall, busy, data, comm, late, excess = (sum(r[k] for r in measured) for k in
                                              ('wall_s', 'busy_s', 'data_s', 'comm_s', 'late_s',
                                               'data_excess_s'))
-    shares = step_shares(wall, busy, data, comm, late, excess)
+    idle = sum(r['bubble_s'] for r in measured) if piped else None
+    shares = step_shares(wall, busy, data, comm, late, excess, idle)
     res.update(bound=next(iter(shares)), bound_all_ranks=True,
                shares_all_ranks={k: v / wall for k, v in shares.items()},
                device_busy_all_ranks=busy / wall, data_share_all_ranks=data / wall,
                comm_share=comm / wall,
                late_share=late / wall, straggler_share=(late + excess) / wall,
                # waiting for peers or the network is waiting: the headroom leaves it out
-               compute_headroom_all_ranks=wall / (busy - comm - late) if busy > comm + late else None)
+               compute_headroom_all_ranks=wall / (busy - comm - late - (idle or 0.0))
+               if busy > comm + late + (idle or 0.0) else None)
     if late + excess > 0:
         late_rank = min(measured, key=lambda r: (r['late_s'] - r['data_excess_s'], r['rank']))
         res.update(straggler_rank=late_rank['rank'], straggler_bound=late_rank['bound'])
@@ -250,7 +258,8 @@ def communication_estimate(bucket_cap_mb, model, shard, world_size):
                 TRAFFIC[shard] * 2 * (world_size - 1) / world_size * grad_bytes}
 
 
-SHARE_NAMES = {'communication': 'exposed communication', 'straggler': 'waiting for a late rank',
+SHARE_NAMES = {'communication': 'exposed communication', 'bubble': 'pipeline bubble',
+               'straggler': 'waiting for a late rank',
                'loader': 'data wait', 'host': 'host'}
 
 

@@ -1,0 +1,169 @@
+"""The plan of --pipeline-stages: where a model is cut (contiguous runs of blocks, balanced by
+cost), what a schedule leaves idle (its bubble), and the flags a pipeline cannot take. Light: no
+torch at import (flags.check_args reads the refusals; dist.pipeline builds the stages).
+
+A pipeline of S stages runs each step's batch as M microbatches. Each stage waits for its first
+microbatch while the stages before it fill the pipeline, and for the last backward while the ones
+after it drain it: with equal stages, a share (S - 1) / (M + S - 1) of the step, GPipe's and
+1F1B's alike (Huang et al. 2019; Narayanan et al. 2021). The interleaved schedule gives each rank
+V = 2 stages, each half as long, and fills in half the time: (S - 1) / (V M + S - 1).
+"""
+import re
+
+SCHEDULES = ('gpipe', '1f1b', 'interleaved')
+VIRTUAL = {'gpipe': 1, '1f1b': 1, 'interleaved': 2}  # stages each rank holds
+BALANCE = ('time', 'params')
+PIPELINE_TORCH = (2, 4)  # torch.distributed.pipelining is public from torch 2.4
+# before pytorch/pytorch#152938 (torch 2.8) the schedules waited on one of the works gloo's
+# batch_isend_irecv returns, not all: 1F1B and the interleaved schedule hang on gloo there
+GLOO_P2P_TORCH = (2, 8)
+
+
+def add_flags(p):
+    """The pipeline's flags, a group of --help's (flags.get_args_parser)."""
+    g = p.add_argument_group('pipeline parallelism (docs/pipeline.md)')
+    g.add_argument('--pipeline-stages', type=_positive, default=1, help='cut the model into this '
+                   'many stages, one per rank; the ranks make stages x replicas (timm ViTs and '
+                   'CoAtNets)')
+    g.add_argument('--microbatches', type=_positive, default=1, help='microbatches of each '
+                   'step\'s -b images, run through the stages one after the other; with '
+                   '--pipeline-stages 1, the reference a pipeline is held to')
+    g.add_argument('--pipeline-schedule', choices=SCHEDULES, default='1f1b', help='gpipe (all '
+                   'forwards, then all backwards), 1f1b (a backward after each forward once '
+                   'filled: fewer activations held), interleaved (two stages per rank)')
+    g.add_argument('--pipeline-split', type=_split, default='time', help='where the stages '
+                   'begin: time (balanced by the time of each block, measured here), params (by '
+                   'parameters), or the blocks where stages 2, 3, ... begin, e.g. 6 or 4,8')
+
+
+def _positive(text):
+    import argparse
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f'invalid value {text!r}: a whole number, 1 or more')
+    return int(text)
+
+
+def _split(text):
+    import argparse
+    try:
+        parse_split(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text.strip()
+
+
+def parse_split(text):
+    """--pipeline-split: 'time', 'params', or the blocks where stages 2, 3, ... begin ('4,8':
+    blocks 0-3, 4-7, 8-). -> the word, or a tuple of increasing positive ints."""
+    text = text.strip()
+    if text in BALANCE:
+        return text
+    if not re.fullmatch(r'\d+(,\d+)*', text):
+        raise ValueError(f'--pipeline-split takes time, params or the blocks where the stages after '
+                         f'the first begin, such as 4,8; got {text!r}')
+    cuts = tuple(int(v) for v in text.split(','))
+    if cuts[0] == 0 or any(b <= a for a, b in zip(cuts, cuts[1:])):
+        raise ValueError(f'--pipeline-split {text}: each stage begins after the one before, and '
+                         f'the first at block 0; give increasing block numbers above 0.')
+    return cuts
+
+
+def balance(costs, parts):
+    """Cut `costs` (one per block, in order) into `parts` contiguous runs, none empty, so that the
+    largest run's sum is as small as it can be (the pipeline goes at its slowest stage's pace) ->
+    the bounds [0, b1, ..., len(costs)]: run k is costs[bounds[k]:bounds[k+1]]. Among equal
+    largest sums, the one whose runs are the most even from the first on."""
+    n = len(costs)
+    if not 1 <= parts <= n:
+        raise ValueError(f'{n} blocks cannot make {parts} stages')
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float('inf')
+    # best[k][i]: (largest run, runs' sums from the last) of costs[:i] in k runs
+    best = [[(inf, ())] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = (0.0, ())
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                run = prefix[i] - prefix[j]
+                worst, sums = best[k - 1][j]
+                cand = (max(worst, run), tuple(sorted(sums + (run,), reverse=True)))
+                if cand < best[k][i]:
+                    best[k][i], cut[k][i] = cand, j
+    bounds, i = [n], n
+    for k in range(parts, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    return bounds[::-1]
+
+
+def bounds_of(cuts, n, parts):
+    """--pipeline-split's block numbers -> the bounds balance() gives, refused in one sentence
+    where they do not make `parts` stages of `n` blocks."""
+    if len(cuts) != parts - 1 or cuts[-1] >= n:
+        raise ValueError(f'--pipeline-split {",".join(map(str, cuts))} does not cut the {n} blocks '
+                         f'into {parts} stages; give {parts - 1} increasing block numbers below {n}.')
+    return [0, *cuts, n]
+
+
+def bubble(schedule, stages, microbatches):
+    """The share of a step each rank waits, with equal stages and free communication."""
+    v = VIRTUAL[schedule]
+    return (stages - 1) / (v * microbatches + stages - 1)
+
+
+def refusals(args, world_size, torch_version, backend=None):
+    """-> [(refused, sentence)] for the pipeline flags (flags.check_args raises the first)."""
+    s, m = args.pipeline_stages, args.microbatches
+    piped = s > 1 or m > 1
+    name = f'--pipeline-stages {s}'
+    version = '.'.join(map(str, torch_version))
+    resnet = not args.arch.startswith('timm:') and args.arch != 'coatnet7'
+    return [
+        (piped and world_size % s != 0,
+         f'{name} needs a multiple of {s} ranks (stages x data-parallel replicas); this run has '
+         f'{world_size}.'),
+        (piped and resnet,
+         f'{name} --microbatches {m} would run --arch {args.arch}\'s BatchNorm over microbatches '
+         f'of {args.batch_size // m} images instead of -b {args.batch_size}, which changes what it '
+         f'learns; pipelines are for timm\'s ViTs and CoAtNets (--arch timm:vit_base_patch16_224, '
+         f'coatnet7).'),
+        (piped and args.batch_size % m != 0,
+         f'-b {args.batch_size} does not split into --microbatches {m} equal microbatches; give a '
+         f'multiple of {m}.'),
+        (piped and args.accum_steps > 1,
+         f'--microbatches already splits each step\'s batch; drop --accum-steps, or raise '
+         f'--microbatches.'),
+        (piped and args.shard != 'none',
+         f'{name} with --shard {args.shard} is not supported by dlojz yet; drop --shard (each '
+         f'stage\'s replicas all-reduce its gradients, as DDP does).'),
+        (piped and args.ema_decay,
+         f'{name} keeps a part of the weights on each rank, and --ema-decay averages whole ones; '
+         f'drop --ema-decay.'),
+        (piped and args.compile,
+         f'{name} with --compile is not supported by dlojz yet; drop --compile.'),
+        (piped and args.amp == 'fp16',
+         f'{name} would need a loss scale agreed over the stages, which --amp fp16\'s GradScaler '
+         f'does not do; use --amp bf16 (no loss scale).'),
+        (piped and (args.mixup or args.cutmix),
+         f'{name} with --mixup or --cutmix is not supported by dlojz yet; drop them.'),
+        (piped and args.findlr,
+         f'--findlr with {name} is not supported by dlojz yet; find the rate without the pipeline.'),
+        (s > 1 and args.pipeline_schedule == 'interleaved' and m % s != 0,
+         f'--pipeline-schedule interleaved runs the microbatches in rounds of {s} (one per stage); '
+         f'give --microbatches a multiple of {s}.'),
+        (s > 1 and args.pipeline_schedule != 'gpipe' and m < s,
+         f'--pipeline-schedule {args.pipeline_schedule} needs at least one microbatch per stage; '
+         f'give --microbatches {s} or more, or use gpipe.'),
+        # last: the combinations above are refused whatever the torch
+        (piped and torch_version < PIPELINE_TORCH,
+         f'{name} needs torch.distributed.pipelining, public from torch 2.4 (this is {version}); '
+         f'upgrade torch.'),
+        (s > 1 and args.pipeline_schedule != 'gpipe' and backend == 'gloo'
+         and torch_version < GLOO_P2P_TORCH,
+         f'--pipeline-schedule {args.pipeline_schedule} hangs on gloo below torch 2.8 (its '
+         f'batched sends and receives, pytorch/pytorch#152938; this is {version}); use '
+         f'--pipeline-schedule gpipe, or upgrade torch.'),
+    ]
