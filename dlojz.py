@@ -58,6 +58,7 @@ from dlojzlib.dist.launch import get_dist_info
 from dlojzlib.errors import (CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation,
                              report_error, translate)
 from dlojzlib.host import host_check, intra_op_threads, process_start_time
+from dlojzlib.measure.bubble import StageTimer
 from dlojzlib.measure.comm import CommTimer
 from dlojzlib.measure.memory import capacity, plan_run
 from dlojzlib.measure.power import PowerMeter
@@ -191,7 +192,8 @@ def build_run(args, dist, device, say, startup=None):
         plans = plan_run(args, lambda: custom_models.build_model(
             args.arch, len(data.classes), args.sd_prob, args.n_heads, args.image_size),
             custom_models.blocks, dist.world_size, capacity(device), say)
-        pipe = (lambda m: pipeline.build(args, m, device, dist, autocast(), say)) if pipeline.wanted(args) else None
+        pipe = (lambda m: pipeline.build(args, m, device, dist, autocast(), say, (ckpt or {}).get('pipeline'))) \
+            if pipeline.wanted(args) else None
         model, eval_model, plain = build_model(args, len(data.classes), device, dist, comm, phase, pipe)
     steps_per_epoch = len(data.train_steps)
     total_steps = args.epochs * steps_per_epoch
@@ -222,7 +224,7 @@ def build_run(args, dist, device, say, startup=None):
         host = host_check(args.num_workers, device.type == 'cpu')
     chrono.on_steady += [memory.reset, power.window_start]  # once the warm-up steps are over
     chrono.comm = comm
-    chrono.pipe = eval_model.timer if isinstance(eval_model, pipeline.Pipeline) else None
+    chrono.pipe = StageTimer(device).attach(eval_model) if getattr(eval_model, 'stages', None) else None
     run = Run(args=args, dist=dist, device=device, data=data, model=model, eval_model=eval_model,
               model_without_ddp=plain, criterion=criterion, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
               autocast=autocast(),

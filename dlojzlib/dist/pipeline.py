@@ -28,7 +28,6 @@ import torch.distributed as tdist
 import torch.nn as nn
 
 from dlojzlib.dist import launch, stages
-from dlojzlib.measure.bubble import StageTimer
 
 
 def wanted(args):
@@ -230,8 +229,7 @@ class Pipeline(nn.Module):
         self.ranks, self.replicas, self.rank_in_pipe, self.replica = layout
         self.first, self.last = ids[0] == 0, ids[-1] == n_total - 1
         self.pp, self.dp = groups
-        self.timer = StageTimer(device) if schedule is not None else None  # one stage: no bubble
-        self.schedule = None
+        self.schedule, self.stages = None, []  # one stage: no schedule (measure.bubble times the stages)
         if schedule is not None:
             from torch.distributed.pipelining import PipelineStage
             # torch 2.4 needs example tensors (and would run a forward for the outputs'); later
@@ -244,13 +242,28 @@ class Pipeline(nn.Module):
                 kw = dict(input_args=empty(shape_in), output_args=empty(shape_out)) if examples \
                     else {}
                 stage = PipelineStage(part, k, n_total, device, group=self.pp, **kw)
-                self.timer.wrap(stage)
                 made.append(stage)
-            self.schedule = _schedule(schedule, made, microbatches, self._loss)
+            self.stages, self.schedule = made, _schedule(schedule, made, microbatches, self._loss)
 
     def _loss(self, output, target):
         # each microbatch's mean loss over M: the step's gradient is the mean over its images
         return self.criterion(output, target) / self.microbatches
+
+    def state(self, optimizer):
+        """{'model', 'optimizer'} of this rank's stages for a torch.distributed.checkpoint folder:
+        the parameters under their whole-model names (the stages' together are the whole model's),
+        the optimizer's state as torch keeps it, under this rank's place in the pipeline (the
+        replicas write the same; DCP keeps one)."""
+        return {'model': self.model.state_dict(),
+                'optimizer': {f'pipe{self.rank_in_pipe}': optimizer.state_dict()}}
+
+    def optimizer_part(self, state):
+        """This rank's optimizer state from a pipeline checkpoint's (the same cut: a resume keeps
+        it) -> torch's one-process form."""
+        mine = state.get(f'pipe{self.rank_in_pipe}') if 'param_groups' not in state else None
+        if mine is None:
+            raise KeyError(f'pipe{self.rank_in_pipe}')
+        return {**mine, 'state': {int(k): v for k, v in mine.get('state', {}).items()}}
 
     def _global(self, pipe_rank):
         return pipe_rank * self.replicas + self.replica
@@ -265,8 +278,6 @@ class Pipeline(nn.Module):
                 y = labels.to(self.device, non_blocking=run.args.non_blocking)
         losses, outputs = [], []
         self.criterion = run.criterion
-        if self.timer is not None:
-            self.timer.begin()
         with run.autocast:
             if self.schedule is None:  # one stage: the microbatches one after the other
                 for xk, yk in zip(x.chunk(self.microbatches), y.chunk(self.microbatches)):
@@ -279,8 +290,6 @@ class Pipeline(nn.Module):
             else:
                 output = self.schedule.step(*((x,) if self.first else ()),
                                             **({'target': y, 'losses': losses} if self.last else {}))
-        if self.timer is not None:
-            self.timer.end()
         loss = torch.stack([v.detach() for v in losses]).sum() if self.last else \
             torch.zeros((), device=self.device)
         if self.ranks > 1:  # every stage's ranks log the loss and watch it (one scalar)
@@ -322,12 +331,12 @@ class Pipeline(nn.Module):
         return h if self.last else None
 
 
-def build(args, model, device, dist, autocast, say=print):
+def build(args, model, device, dist, autocast, say=print, cut=None):
     """--pipeline-stages S --microbatches M over this run's ranks -> the Pipeline of this rank,
-    its model moved to `device` (the parts it does not run never go there). The cut: the one
+    its model moved to `device` (the parts it does not run never go there). The cut: a resumed
+    checkpoint's (`cut`, its stages hold their blocks' optimizer state), else the one
     --pipeline-split gives, or balanced by the time each piece takes forward and backward on rank
-    0's device (or by parameters); it is printed, and kept in args.pipeline_split (config.json,
-    checkpoints: a resumed run keeps it)."""
+    0's device (or by parameters); it is printed, and kept in the checkpoints."""
     from dlojzlib.errors import UsageError
     n_ranks, schedule = args.pipeline_stages, args.pipeline_schedule
     virtual = stages.VIRTUAL[schedule] if n_ranks > 1 else 1
@@ -354,13 +363,20 @@ def build(args, model, device, dist, autocast, say=print):
             costs, shapes = measure(model, fam, x, device, autocast, 3 if split == 'time' else 0)
             return piece_params(model, fam) if split == 'params' else costs, shapes
         costs, shapes = launch.broadcast_object(launch.on_ranks(probe, when=dist.is_main))
-    bounds = plan_cut(split, costs, n_total) if n_total > 1 else [0, n_blocks]
-    if isinstance(split, str) and n_total > 1:
-        args.pipeline_split = ','.join(map(str, bounds[1:-1]))
+    if cut is not None and (len(cut) != n_total + 1 or cut[-1] != n_blocks):
+        raise UsageError(f'the checkpoint holds a pipeline of {len(cut) - 1} stages (cut at blocks '
+                         f'{",".join(map(str, cut[1:-1]))}) and this run makes {n_total}; resume '
+                         f'with the --pipeline-stages and --pipeline-schedule it was written with.')
+    try:
+        bounds = list(cut) if cut is not None else \
+            plan_cut(split, costs, n_total) if n_total > 1 else [0, n_blocks]
+    except ValueError as e:  # --pipeline-split's numbers against this model's blocks
+        raise UsageError(str(e)) from None
     if n_total > 1:
-        say(cut_line(args, bounds, costs, split, replicas, mb, virtual))
+        say(cut_line(args, bounds, costs, 'checkpoint' if cut is not None else split, replicas,
+                     mb, virtual))
     parts = prune(model, fam, bounds, ids)
-    model.piped = True  # launch.broadcast_buffers_: the ranks hold different parts
+    model.piped = n_total > 1  # its ranks hold different parts (launch.broadcast_buffers_, checkpoints)
     model.to(device)
     stage_shapes = None
     if shapes is not None:
@@ -368,15 +384,18 @@ def build(args, model, device, dist, autocast, say=print):
         stage_shapes = [(image if k == 0 else shapes[bounds[k]],
                          shapes[-1] if k == n_total - 1 else shapes[bounds[k + 1]]) for k in ids]
     pipe_groups = groups(world, n_ranks) if dist.distributed else (None, None)
-    return Pipeline(model, parts, ids, n_total, (n_ranks, replicas, rank_in_pipe, replica),
+    pipe = Pipeline(model, parts, ids, n_total, (n_ranks, replicas, rank_in_pipe, replica),
                     args.microbatches, device, stage_shapes,
                     schedule if n_ranks > 1 else None, pipe_groups)
+    pipe.cut = bounds
+    return pipe
 
 
 def cut_line(args, bounds, costs, split, replicas, mb, virtual):
     """The cut, as the run's header prints it."""
     how = {'time': 'by the time of each block forward and backward here',
-           'params': 'by parameters'}.get(split, 'as --pipeline-split gives')
+           'params': 'by parameters', 'checkpoint': 'as the checkpoint was'}.get(
+        split, 'as --pipeline-split gives')
     blocks = list(costs[1:-1])
     blocks[0] += costs[0]
     blocks[-1] += costs[-1]

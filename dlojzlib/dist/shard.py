@@ -126,6 +126,9 @@ def sharded_state(module, optimizer):
 def load_model_state(module, state):
     """Load a whole state dict (any world size, any mode wrote it) into this rank's module: each
     parameter's slice is cut as FSDP2 cuts it."""
+    if getattr(module, 'piped', False):  # a pipeline stage: its part of the whole
+        mine = module.state_dict()
+        state = {k: v for k, v in state.items() if k in mine}
     if is_sharded(module):
         reshard(module)
         mine = module.state_dict()

@@ -167,3 +167,48 @@ def refusals(args, world_size, torch_version, backend=None):
          f'batched sends and receives, pytorch/pytorch#152938; this is {version}); use '
          f'--pipeline-schedule gpipe, or upgrade torch.'),
     ]
+
+
+def forecast(compute_s, schedule, n_stages, microbatches):
+    """A pipeline's step (its schedule's span, seconds) from one stage's compute in a step (the
+    forward and backward of its M microbatches) and the schedule: the slowest stage paces the
+    others, and every rank idles the bubble's share besides."""
+    return compute_s / (1 - bubble(schedule, n_stages, microbatches))
+
+
+def summary(ranks, schedule, n_stages, microbatches):
+    """summary.json's timing['pipeline'] from every rank's report (Chronometer.totals with its
+    place in the pipeline, 'pipe_rank'): per stage, the mean step's span of the schedule, its
+    compute and its waits (seconds) and the bubble (the waits' share of the span), over the
+    stage's replicas; the schedule's bubble beside the measured one; the forecast of the span from
+    the slowest stage's compute; the timeline of a median step of each stage (replica 0)."""
+    out = []
+    for p in range(n_stages):
+        mine = [r for r in ranks if r.get('pipe_rank') == p and r.get('pipe_steps')]
+        if not mine:
+            return None
+        steps = sum(r['pipe_steps'] for r in mine)
+        span = sum(r['pipe_span_s'] for r in mine)
+        idle = sum(r['bubble_s'] for r in mine)
+        out.append({'stage': p, 'span_s': span / steps, 'compute_s': (span - idle) / steps,
+                    'wait_s': idle / steps, 'bubble': idle / span if span else None,
+                    'timeline': mine[0].get('timeline'),
+                    'timeline_span_s': mine[0].get('timeline_span_s')})
+    slowest = max(s['compute_s'] for s in out)
+    return {'schedule': schedule, 'n_stages': n_stages, 'microbatches': microbatches,
+            'expected_bubble': bubble(schedule, n_stages, microbatches),
+            'measured_bubble': sum(s['bubble'] for s in out) / len(out),
+            'forecast_span_s': forecast(slowest, schedule, n_stages, microbatches),
+            'span_s': max(s['span_s'] for s in out), 'stages': out}
+
+
+def line(p):
+    """'>>> Pipeline: ...' from summary()."""
+    each = '; '.join(f"stage {s['stage']} computes {s['compute_s'] * 1e3:.1f} ms and waits "
+                     f"{s['wait_s'] * 1e3:.1f} ms ({s['bubble']:.1%})" for s in p['stages'])
+    v = VIRTUAL[p['schedule']]
+    return (f">>> Pipeline: {p['n_stages']} stages, {p['schedule']}, {p['microbatches']} "
+            f"microbatches: bubble {p['measured_bubble']:.1%} measured, "
+            f"{p['expected_bubble']:.1%} the schedule's ((S-1)/({v if v > 1 else ''}M+S-1)); "
+            f"{each}; forecast from the slowest stage {p['forecast_span_s'] * 1e3:.1f} ms a step "
+            f"(measured {p['span_s'] * 1e3:.1f} ms)")

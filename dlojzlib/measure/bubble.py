@@ -14,11 +14,26 @@ import torch
 class StageTimer:
     """This rank's stages' forward and backward chunks inside each schedule step: the host clock,
     or CUDA events on a GPU (read once the Chronometer's step has completed). take() -> the step's
-    (start, [(kind, start, end)], end) for the Chronometer; resolve() turns it into seconds."""
+    (start, [(kind, stage, start, end)], end) for the Chronometer; resolve() turns it into seconds.
+    """
 
     def __init__(self, device):
         self.cuda = device.type == 'cuda'
         self._step = None
+
+    def attach(self, pipe):
+        """Time a dist.pipeline.Pipeline's schedule steps and its stages' chunks -> self."""
+        for stage in pipe.stages:
+            self.wrap(stage)
+        step = pipe.schedule.step
+
+        def timed(*a, **k):
+            self.begin()
+            out = step(*a, **k)
+            self.end()
+            return out
+        pipe.schedule.step = timed
+        return self
 
     def mark(self):
         if not self.cuda:
@@ -47,7 +62,7 @@ class StageTimer:
 
     def take(self):
         step, self._step = self._step, None
-        return step
+        return step if step is not None and len(step) == 3 else None
 
 
 def resolve(step):

@@ -137,6 +137,13 @@ CONTRACT = {
                         "folder of every rank's slices) loads under another mode and world size"),
     'cpu_offload': (HONOURED, ''),
     'share_gpu': (HONOURED, ''),
+    # pipeline parallelism
+    'pipeline_stages': (REFUSED, 'each stage keeps the optimizer state of its own blocks; '
+                                 '--evaluate validates a checkpoint under any'),
+    'microbatches': (HONOURED, 'the step follows the mean over its images, however split'),
+    'pipeline_schedule': (HONOURED, 'the same cut: a schedule with as many stages per rank'),
+    'pipeline_split': (CHECKPOINT, "the checkpoint's cut is kept: each stage's blocks and their "
+                                   'optimizer state'),
     # logging and profiling
     'log_interval': (HONOURED, ''),
     'metric_step': (HONOURED, ''),

@@ -67,6 +67,7 @@ def checkpoint_state(run, progress, device_rng, model, optimizer):
             'epoch': epoch,
             'step_in_epoch': step, 'end_due': progress.end_due, 'metrics_bytes': run.log.size(),
             'global_step': progress.global_step, 'global_batch': run.global_batch,
+            'pipeline': run.pipe.cut if run.pipe is not None else None,  # where a resume cuts
             'args': vars(run.args), 'ema': run.ema.state_dict() if run.ema is not None else None,
             'race': {'best_top1': progress.best_top1, 'reached': progress.reached,
                      'images': progress.images,
@@ -85,13 +86,15 @@ def save(run, progress, best=False):
     checkpoint-<global step>.dcp (or best.dcp) instead. A failure on any rank (a full disk) is
     raised on every rank. -> the path, on every rank."""
     device_rng = launch.all_gather_object(device_rng_state(run.device))
-    sharded = shard.is_sharded(run.model_without_ddp)
+    piped = getattr(run.model_without_ddp, 'piped', False)  # a pipeline's stages: each rank its part
+    sharded = shard.is_sharded(run.model_without_ddp) or piped
     keep = None if best else run.args.keep_checkpoints
     path = os.path.join(run.args.output_dir, f'best{SHARDED if sharded else ".pt"}') if best \
         else checkpoint_path(run.args.output_dir, progress.global_step, sharded)
     warn = lambda: _space_warning(run.args.output_dir)
     if sharded:
-        slices = shard.sharded_state(run.model_without_ddp, run.optimizer)
+        slices = run.pipe.state(run.optimizer) if piped else \
+            shard.sharded_state(run.model_without_ddp, run.optimizer)
         launch.on_ranks(warn, when=run.dist.is_main)
         # rank 0's alone, before DCP's first collective: a failure is every rank's (on_ranks)
         rest = launch.on_ranks(lambda: checkpoint_state(run, progress, device_rng, None, None),
@@ -235,6 +238,8 @@ def check_fits(ckpt, path, arch, model, optimizer=None):
     take (an edited 'arch', other model flags, another optimizer's groups), before any log is
     opened."""
     mine, theirs = model.state_dict(), strip_prefixes(ckpt['model'])
+    if getattr(model, 'piped', False):  # a pipeline stage takes its part of the whole
+        theirs = {k: v for k, v in theirs.items() if k in mine}
     if set(mine) != set(theirs) or any(_shape(mine[k]) != _shape(theirs[k]) for k in mine):
         raise UsageError(f"checkpoint {path} (labelled --arch {ckpt.get('arch')}) holds weights "
                          f"that do not fit this run's --arch {arch} model: "
@@ -352,7 +357,8 @@ def _restore(run, ckpt):
                                 {'module': run.model_without_ddp.state_dict(), 'updates': 0})
     if run.args.evaluate:
         return progress
-    take = load_optimizer(run.optimizer, ckpt['optimizer'])
+    take = load_optimizer(run.optimizer, run.pipe.optimizer_part(ckpt['optimizer']) if run.pipe is not None
+                          else ckpt['optimizer'])
     was = ckpt.get('args') or {}
     for dest, keys in HYPERPARAMETERS.items():  # the resume contract: a changed flag is used from here on
         if dest in was and was[dest] != getattr(run.args, dest):

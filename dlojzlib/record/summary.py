@@ -8,7 +8,7 @@ import socket
 
 from dlojz_chrono import percents, step_shares, verdict
 from dlojzlib import recipe
-from dlojzlib.dist import launch, plan
+from dlojzlib.dist import launch, plan, stages
 from dlojzlib.flags import get_args_parser
 from dlojzlib.host import provenance
 from dlojzlib.measure import memory, startup
@@ -93,6 +93,9 @@ def write_summary(run, progress, status, error=None, extra=None):
             ranks = launch.all_gather_object(rank_report(run))
             timing['bound_rank0'] = timing.get('bound')
             timing.update(ranks_summary(ranks, gathers=args.shard in plan.FSDP_MODES))
+            if run.pipe is not None and run.pipe.schedule is not None:  # per stage (measure.bubble)
+                timing['pipeline'] = stages.summary(ranks, args.pipeline_schedule, args.pipeline_stages,
+                                                    args.microbatches)
             summary['memory']['gpu_max_allocated_bytes_any_rank'] = max(
                 (r['gpu_max_allocated_bytes'] or 0 for r in ranks), default=0) if cuda else None
             summary['memory'].update(states_summary(run, [r['model_states'] for r in ranks]))
@@ -111,6 +114,7 @@ def rank_report(run):
     step, data = st.get('step'), st.get('data')
     profiled = sum(bool(r.get('excluded')) for r in run.chrono.steps)
     return {**run.chrono.totals(), 'profiled_steps': profiled, 'rank': run.dist.rank,
+            'pipe_rank': run.pipe.rank_in_pipe if run.pipe is not None else None,
             'host': socket.gethostname(),
             'steps': len(run.chrono.steps),
             'step_median_s': step['median'] if step else None,
@@ -305,6 +309,8 @@ def final_lines(summary, chrono, steps_per_epoch):
                      f"{t['epoch_time_estimate_s']:.1f} s")
     if t.get('bound'):
         lines.append(bound_line(t))
+    if t.get('pipeline'):
+        lines.append(stages.line(t['pipeline']))
     if t.get('rank_skew') is not None:
         lines.append(f">>> Step time per rank (median): fastest rank {t['fastest_rank']} "
                      f"{t['fastest_step_median_s'] * 1e3:.1f} ms, slowest rank {t['slowest_rank']} "

@@ -31,6 +31,7 @@ from dlojzlib.tools.report.diff import config_diff, diff_view
 from dlojzlib.tools.report.doctor import doctor_view
 from dlojzlib.tools.report.lr_finder import lr_finder_view
 from dlojzlib.tools.report.metric_sync import metric_sync_view
+from dlojzlib.tools.report.pipeline import pipeline_view
 from dlojzlib.tools.report.race import race_view
 from dlojzlib.tools.report.runs import ReportError, collect_runs, is_run_dir
 from dlojzlib.tools.report.scaling import scaling_view
@@ -55,7 +56,7 @@ class Report:
 
 VIEWS = [('comparison', comparison_view), ('run dashboards', dashboards_view),
          ('batch-size sweep', sweep_view), ('scaling', scaling_view),
-         ('communication', communication_view), ('BatchNorm view', batchnorm_view),
+         ('communication', communication_view), ('pipelines', pipeline_view), ('BatchNorm view', batchnorm_view),
          ('metric sync log', metric_sync_view), ('LR finder', lr_finder_view),
          ('loader doctor', doctor_view), ('tuning', tune_view),
          ('time to accuracy', race_view), ('diff', diff_view)]
