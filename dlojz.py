@@ -63,12 +63,12 @@ from dlojzlib.measure.comm import CommTimer
 from dlojzlib.measure.memory import capacity, plan_run
 from dlojzlib.measure.power import PowerMeter
 from dlojzlib.measure.startup import StartUp
-from dlojzlib.metrics import Meters, NonFiniteGuard, PeakMemory, log_train_metrics
+from dlojzlib.metrics import Meters, NonFiniteGuard, PeakMemory, log_train, log_train_metrics
 from dlojzlib.modes import doctor
 from dlojzlib.modes import tune
 from dlojzlib.record import resume
 from dlojzlib.record import rundir
-from dlojzlib.record.log import Console, Logger, console_lines, wandb_mode, write_json
+from dlojzlib.record.log import Console, Logger, build_wandb, console_lines, write_json
 from dlojzlib.record.rundir import trim_metrics
 from dlojzlib.record.state import (Progress, check_form, check_resume, find_resume_checkpoint, interrupted, note_validation,
                          preempt, process_wall_s, restore, run_wall_s, save)
@@ -85,12 +85,14 @@ def seed_everything(seed):
 
 # ------------------------------------------------------------------------------------------------ building
 
-def build_model(args, num_classes, device, dist, comm=None, phase=lambda name: nullcontext(), pipe=None):
+def build_model(args, num_classes, device, dist, comm=None, phase=lambda name: nullcontext(),
+                pipe=None):
     """-> (model to train: DDP-wrapped and/or compiled, model to evaluate, plain module for state dicts).
 
     Validation runs the module without its DDP wrapper: a DDP forward may broadcast buffers (a collective),
     and ranks can run different numbers of validation batches. `comm`: a measure.comm.CommTimer to time the
-    gradient all-reduce with. pipe(model): --pipeline-stages' cut (dist.pipeline), the model to evaluate."""
+    gradient all-reduce with. pipe(model): --pipeline-stages' cut (dist.pipeline), the model to
+    evaluate."""
     model = custom_models.build_model(args.arch, num_classes, args.sd_prob, args.n_heads,
                                       args.image_size)
     if args.grad_checkpointing:
@@ -118,17 +120,6 @@ def build_model(args, num_classes, device, dist, comm=None, phase=lambda name: n
     return train_model, eval_model, model
 
 
-def build_wandb(args, dist):
-    if args.wandb == 'off' or not dist.is_main:
-        return None
-    args.wandb, warning = wandb_mode(args.wandb)  # what config.json records: the mode used
-    if warning:
-        print(f'Warning: {warning}', flush=True)
-    import wandb  # seconds to import: only when asked for
-    return wandb.init(project='dlojz', name=os.path.basename(args.output_dir), mode=args.wandb,
-                      dir=args.output_dir, config=vars(args))
-
-
 @dataclass(kw_only=True)
 class Run:
     """What a run is built from; none of it changes while the loops run (their state is a Progress)."""
@@ -136,7 +127,7 @@ class Run:
     dist: launch.DistInfo
     device: torch.device
     data: object                  # data.datasets.Data: loaders, classes, counts
-    model: nn.Module              # what trains: DDP-wrapped and/or compiled (a pipeline's: this rank's part)
+    model: nn.Module              # what trains: DDP-wrapped and/or compiled; a pipeline's part
     eval_model: nn.Module         # what validates: without the DDP wrapper
     model_without_ddp: nn.Module  # plain module: state dicts, buffers
     criterion: nn.Module
@@ -179,8 +170,8 @@ def build_run(args, dist, device, say, startup=None):
                 resume.resolve(args, ckpt.get('args') or {}, say)
     replicas = dist.world_size // args.pipeline_stages  # a pipeline's stages read the same batches
     with phase('loaders'):
-        data = build_data(args, pipeline.data_view(dist, replicas), log=say, on_ranks=launch.on_ranks,
-                          device=device, phase=phase)
+        data = build_data(args, pipeline.data_view(dist, replicas), log=say,
+                          on_ranks=launch.on_ranks, device=device, phase=phase)
     say(f'Data: {data.source.kind} {data.source.root} ({data.source.reason}); {data.n_train} train / '
         f'{data.n_val} val images, {len(data.classes)} classes')
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
@@ -192,9 +183,11 @@ def build_run(args, dist, device, say, startup=None):
         plans = plan_run(args, lambda: custom_models.build_model(
             args.arch, len(data.classes), args.sd_prob, args.n_heads, args.image_size),
             custom_models.blocks, dist.world_size, capacity(device), say)
-        pipe = (lambda m: pipeline.build(args, m, device, dist, autocast(), say, (ckpt or {}).get('pipeline'))) \
+        cut = (ckpt or {}).get('pipeline')  # a resumed pipeline keeps its cut
+        pipe = (lambda m: pipeline.build(args, m, device, dist, autocast(), say, cut)) \
             if pipeline.wanted(args) else None
-        model, eval_model, plain = build_model(args, len(data.classes), device, dist, comm, phase, pipe)
+        model, eval_model, plain = build_model(args, len(data.classes), device, dist, comm, phase,
+                                               pipe)
     steps_per_epoch = len(data.train_steps)
     total_steps = args.epochs * steps_per_epoch
     if args.test and args.test_nsteps > total_steps:
@@ -224,7 +217,8 @@ def build_run(args, dist, device, say, startup=None):
         host = host_check(args.num_workers, device.type == 'cpu')
     chrono.on_steady += [memory.reset, power.window_start]  # once the warm-up steps are over
     chrono.comm = comm
-    chrono.pipe = StageTimer(device).attach(eval_model) if getattr(eval_model, 'stages', None) else None
+    if getattr(eval_model, 'stages', None):  # a pipeline's schedule: its stages' chunks
+        chrono.pipe = StageTimer(device).attach(eval_model)
     run = Run(args=args, dist=dist, device=device, data=data, model=model, eval_model=eval_model,
               model_without_ddp=plain, criterion=criterion, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
               autocast=autocast(),
@@ -271,7 +265,7 @@ def train_step(run, images, labels):
     whose gradients add up: each micro-batch's loss is divided by their number, so the step follows the mean
     over all its images, as N ranks' all-reduce would; DDP syncs only during the last backward (no_sync
     before). -> (mean loss, output, labels): detached, on the device."""
-    if run.pipe is not None:  # --pipeline-stages, --microbatches: the schedule's own step (dist.pipeline)
+    if run.pipe is not None:  # --pipeline-stages, --microbatches: dist.pipeline's own step
         return run.pipe.step(run, images, labels, to_device)
     micro = list(zip(images, labels)) if isinstance(images, list) else [(images, labels)]
     n = len(micro)
@@ -404,21 +398,6 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
     return stopped
 
 
-def log_train(run, progress, lr, window, t_last):
-    """The periodic training record; -> the time it was taken (wall time per step is measured between
-    records, so it includes everything the loop does)."""
-    data_s, n = run.chrono.interval()
-    now = time.perf_counter()
-    step_s = (now - t_last) / n
-    mem = run.memory.peak()
-    loss_sum, = run.guard.check(window)  # one read: the NaN guard's first bad step and the summed loss
-    run.log.log(type='train', epoch=progress.epoch + 1, step=progress.step, global_step=progress.global_step,
-                loss=loss_sum / n, lr=lr, step_ms=step_s * 1e3, data_ms=data_s * 1e3,
-                img_s=run.global_batch / step_s if step_s else None, mem_bytes=mem)
-    window.zero_()
-    return now
-
-
 @torch.inference_mode()
 def evaluate(run, epoch, progress, max_batches=None, ema=False):
     """Exact validation: each rank evaluates its own unpadded shard of the validation set and the meters of
@@ -436,7 +415,7 @@ def evaluate(run, epoch, progress, max_batches=None, ema=False):
             x, labels = to_device(x, labels, run)
             with run.autocast:
                 output = model(x)  # loss: plain cross-entropy (timm's); criterion_loss: the training criterion's
-                if output is not None:  # None: a pipeline stage before the last (its ranks count no image)
+                if output is not None:  # None: a pipeline stage before the last (counts no image)
                     meters.update(nn.functional.cross_entropy(output, labels), output, labels,
                                   run.criterion(output, labels))
             batches += 1

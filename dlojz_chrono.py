@@ -72,7 +72,8 @@ def step_shares(wall, busy, data, comm=0.0, late=0.0, data_excess=0.0, idle=None
     - 'compute': the device's own work, its busy time less the time it spent inside collectives
       waiting for the transfer (`comm`) or for a late peer (`late`);
     - 'communication': the exposed all-reduce; 'bubble': a pipeline stage's waits for the others
-      inside its schedule (`idle`, measure.bubble; no such share where it is None); 'straggler': the wait for a late peer, and the part
+      inside its schedule (`idle`, measure.bubble; no such share where it is None);
+      'straggler': the wait for a late peer, and the part
       of the data wait by which this rank's loader was slower than the fastest rank's
       (`data_excess`: it made the others wait);
     - 'loader': the rest of the data wait, as far as the device was idle during it (on a GPU the
@@ -342,10 +343,11 @@ class Chronometer:
                 if timed:
                     rec.update(exposed=timed['exposed'], link=timed['link'], comm_bytes=timed['bytes'],
                                buffers=timed['buffers'])
-            if rec.get('pipe'):  # the stage's chunks are its forward and backward; the rest of the span waited
+            if rec.get('pipe'):  # the stage's chunks: its forward and backward; the rest waited
                 timed = bubble.resolve(rec.pop('pipe'))
-                rec.update(forward=timed['forward'], backward=timed['backward'], pipe_span=timed['span'],
-                           bubble=timed['span'] - timed['compute'], chunks=timed['chunks'])
+                rec.update(forward=timed['forward'], backward=timed['backward'],
+                           pipe_span=timed['span'], bubble=timed['span'] - timed['compute'],
+                           chunks=timed['chunks'])
             for name, start, end in rec.pop('events'):
                 rec[name] = rec.get(name, 0.0) + start.elapsed_time(end) / 1e3  # ms -> s
             if self.events:
@@ -355,7 +357,8 @@ class Chronometer:
                 rec['compute'] = rec['step'] - rec['data']
                 rec['clean'] = True  # a host interval (CPU, --sync-timing): nothing queued behind the host
             if self.phases_on:
-                rec['other'] = rec['compute'] - sum(rec.get(p, 0.0) for p in (*GPU_PHASES, 'bubble'))
+                named = (*GPU_PHASES, 'bubble')
+                rec['other'] = rec['compute'] - sum(rec.get(p, 0.0) for p in named)
             self.steps.append(rec)
             self._pending.pop(0)
 

@@ -94,8 +94,8 @@ def get_args_parser(add_help=True):
     p = Parser(description='dlojz: ResNet training and benchmarking', add_help=add_help, allow_abbrev=False,
                formatter_class=HelpFormatter, epilog=EXAMPLES)
     for add_group in (data_flags, loader_flags, model_flags, precision_flags, optimization_flags,  # --help's order
-                      augmentation_flags, run_flags, distributed_flags, stages.add_flags, logging_flags,
-                      benchmark_flags, tuning_flags):
+                      augmentation_flags, run_flags, distributed_flags, stages.add_flags,
+                      logging_flags, benchmark_flags, tuning_flags):
         add_group(p)
     return p
 
@@ -575,8 +575,8 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
     if args.wd_norm_bias is None:
         args.wd_norm_bias = args.optimizer not in ADAPTIVE
     if args.lr is None:  # Goyal et al. 2017: the learning rate grows with the global batch
-        replicas = world_size // args.pipeline_stages  # the data-parallel ones: the global batch's
-        args.lr = 10.0 if args.findlr else args.base_lr * args.batch_size * replicas * args.accum_steps / 256
+        gb = args.batch_size * world_size // args.pipeline_stages * args.accum_steps  # global batch
+        args.lr = 10.0 if args.findlr else args.base_lr * gb / 256
     # wandb is optional where a cluster module lacks it: a full run then logs to metrics.jsonl only
     # (config.json says 'off'); asked for by name, its absence is refused before any work
     wandb = importlib.util.find_spec('wandb') is not None

@@ -1,6 +1,7 @@
 """What the training loop measures about learning, on the device and without a host sync per step:
 loss and accuracy meters (shared by training and validation), the non-finite-loss guard, and the
 peak memory a steady step needs."""
+import time
 from contextlib import contextmanager
 
 import torch
@@ -162,6 +163,23 @@ class PeakMemory:
         """The figure the log line shows: GPU max allocated, or host peak RSS on CPU."""
         s = self.summary()
         return s['gpu_max_allocated_bytes'] if self.gpu else s['host_peak_rss_bytes']
+
+
+def log_train(run, progress, lr, window, t_last):
+    """The periodic training record; -> the time it was taken (wall time per step is measured
+    between records, so it includes everything the loop does)."""
+    data_s, n = run.chrono.interval()
+    now = time.perf_counter()
+    step_s = (now - t_last) / n
+    mem = run.memory.peak()
+    # one read: the NaN guard's first bad step and the summed loss
+    loss_sum, = run.guard.check(window)
+    run.log.log(type='train', epoch=progress.epoch + 1, step=progress.step,
+                global_step=progress.global_step, loss=loss_sum / n, lr=lr, step_ms=step_s * 1e3,
+                data_ms=data_s * 1e3,
+                img_s=run.global_batch / step_s if step_s else None, mem_bytes=mem)
+    window.zero_()
+    return now
 
 
 def log_train_metrics(run, progress, meters):

@@ -17,7 +17,8 @@ dist.stages, measure.bubble), on CPU with gloo:
   model's parts put back together are the model, the flags a pipeline cannot take are refused in
   one sentence, 1F1B on gloo below torch 2.8 too (the floor stage of .ci/run runs it).
 
-The 2- and 4-rank launches are in the long tier; the cut, the parts and the refusals in the fast one.
+The 2- and 4-rank launches are in the long tier; the cut, the parts and the refusals in the fast
+one.
 Run: python -m pytest -q -m "" tests/test_pipeline.py"""
 import itertools
 import json
@@ -220,7 +221,8 @@ def test_the_measured_pieces_give_the_shapes_between_stages():
     assert len(costs) == len(shapes) == 12 + 2 and all(c > 0 for c in costs)
     assert shapes[0] == ((2, 5, 192), torch.float32)  # 4 patches and the class token
     assert shapes[-1] == ((2, 4), torch.float32)
-    assert pipeline.piece_params(model, fam)[1] == sum(p.numel() for p in model.blocks[0].parameters())
+    first_block = sum(p.numel() for p in model.blocks[0].parameters())
+    assert pipeline.piece_params(model, fam)[1] == first_block
     assert sum(pipeline.piece_params(model, fam)) == sum(p.numel() for p in model.parameters())
 
 

@@ -225,11 +225,13 @@ class Pipeline(nn.Module):
         super().__init__()
         self.model = model
         self.__dict__.update(parts=parts, ids=ids, criterion=None)
-        self.n_total, self.microbatches, self.device, self.shapes = n_total, microbatches, device, shapes
+        self.n_total, self.microbatches, self.device = n_total, microbatches, device
+        self.shapes = shapes  # each local stage's (input, output) (shape, dtype) of a microbatch
         self.ranks, self.replicas, self.rank_in_pipe, self.replica = layout
         self.first, self.last = ids[0] == 0, ids[-1] == n_total - 1
         self.pp, self.dp = groups
-        self.schedule, self.stages = None, []  # one stage: no schedule (measure.bubble times the stages)
+        # one stage: no schedule; measure.bubble times the stages' chunks
+        self.schedule, self.stages = None, []
         if schedule is not None:
             from torch.distributed.pipelining import PipelineStage
             # torch 2.4 needs example tensors (and would run a forward for the outputs'); later
@@ -288,8 +290,8 @@ class Pipeline(nn.Module):
                     outputs.append(out.detach())
                 output = torch.cat(outputs)
             else:
-                output = self.schedule.step(*((x,) if self.first else ()),
-                                            **({'target': y, 'losses': losses} if self.last else {}))
+                last = {'target': y, 'losses': losses} if self.last else {}
+                output = self.schedule.step(*((x,) if self.first else ()), **last)
         loss = torch.stack([v.detach() for v in losses]).sum() if self.last else \
             torch.zeros((), device=self.device)
         if self.ranks > 1:  # every stage's ranks log the loss and watch it (one scalar)
@@ -376,7 +378,8 @@ def build(args, model, device, dist, autocast, say=print, cut=None):
         say(cut_line(args, bounds, costs, 'checkpoint' if cut is not None else split, replicas,
                      mb, virtual))
     parts = prune(model, fam, bounds, ids)
-    model.piped = n_total > 1  # its ranks hold different parts (launch.broadcast_buffers_, checkpoints)
+    # its ranks hold different parts: launch.broadcast_buffers_, record.state's checkpoints
+    model.piped = n_total > 1
     model.to(device)
     stage_shapes = None
     if shapes is not None:

@@ -59,8 +59,8 @@ def parse_split(text):
     if text in BALANCE:
         return text
     if not re.fullmatch(r'\d+(,\d+)*', text):
-        raise ValueError(f'--pipeline-split takes time, params or the blocks where the stages after '
-                         f'the first begin, such as 4,8; got {text!r}')
+        raise ValueError(f'--pipeline-split takes time, params or the blocks where the stages '
+                         f'after the first begin, such as 4,8; got {text!r}')
     cuts = tuple(int(v) for v in text.split(','))
     if cuts[0] == 0 or any(b <= a for a, b in zip(cuts, cuts[1:])):
         raise ValueError(f'--pipeline-split {text}: each stage begins after the one before, and '
@@ -103,8 +103,9 @@ def bounds_of(cuts, n, parts):
     """--pipeline-split's block numbers -> the bounds balance() gives, refused in one sentence
     where they do not make `parts` stages of `n` blocks."""
     if len(cuts) != parts - 1 or cuts[-1] >= n:
-        raise ValueError(f'--pipeline-split {",".join(map(str, cuts))} does not cut the {n} blocks '
-                         f'into {parts} stages; give {parts - 1} increasing block numbers below {n}.')
+        raise ValueError(f'--pipeline-split {",".join(map(str, cuts))} does not cut the {n} '
+                         f'blocks into {parts} stages; give {parts - 1} increasing block numbers '
+                         f'below {n}.')
     return [0, *cuts, n]
 
 
@@ -150,7 +151,8 @@ def refusals(args, world_size, torch_version, backend=None):
         (piped and (args.mixup or args.cutmix),
          f'{name} with --mixup or --cutmix is not supported by dlojz yet; drop them.'),
         (piped and args.findlr,
-         f'--findlr with {name} is not supported by dlojz yet; find the rate without the pipeline.'),
+         f'--findlr with {name} is not supported by dlojz yet; find the rate without the '
+         f'pipeline.'),
         (s > 1 and args.pipeline_schedule == 'interleaved' and m % s != 0,
          f'--pipeline-schedule interleaved runs the microbatches in rounds of {s} (one per stage); '
          f'give --microbatches a multiple of {s}.'),

@@ -369,7 +369,8 @@ def _quiet_logging():
 def by_index(optimizer):
     """An optimizer state dict keyed by parameter name (DCP's) in torch's one-process form: each
     parameter by its place in the groups, in order."""
-    if optimizer is None or 'param_groups' not in optimizer:  # a pipeline's: by stage (dist.pipeline)
+    # a pipeline's is by stage (dist.pipeline)
+    if optimizer is None or 'param_groups' not in optimizer:
         return optimizer
     names = [n for g in optimizer['param_groups'] for n in g['params']]
     index = {n: i for i, n in enumerate(names)}

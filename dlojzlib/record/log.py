@@ -196,3 +196,15 @@ def console_lines(args, steps_per_epoch):
         'findlr': lambda r: (f"LR sweep step {r['global_step']}: lr {r['lr']:.3g} loss "
                              f"{r['loss']:.4f} (smoothed {r['smoothed']:.4f})"),
     }
+
+
+def build_wandb(args, dist):
+    """Rank 0's wandb run under --wandb offline or online (imported only then), else None."""
+    if args.wandb == 'off' or not dist.is_main:
+        return None
+    args.wandb, warning = wandb_mode(args.wandb)  # what config.json records: the mode used
+    if warning:
+        print(f'Warning: {warning}', flush=True)
+    import wandb  # seconds to import: only when asked for
+    return wandb.init(project='dlojz', name=os.path.basename(args.output_dir), mode=args.wandb,
+                      dir=args.output_dir, config=vars(args))

@@ -86,7 +86,7 @@ def save(run, progress, best=False):
     checkpoint-<global step>.dcp (or best.dcp) instead. A failure on any rank (a full disk) is
     raised on every rank. -> the path, on every rank."""
     device_rng = launch.all_gather_object(device_rng_state(run.device))
-    piped = getattr(run.model_without_ddp, 'piped', False)  # a pipeline's stages: each rank its part
+    piped = getattr(run.model_without_ddp, 'piped', False)  # a pipeline: each rank its part
     sharded = shard.is_sharded(run.model_without_ddp) or piped
     keep = None if best else run.args.keep_checkpoints
     path = os.path.join(run.args.output_dir, f'best{SHARDED if sharded else ".pt"}') if best \
@@ -357,8 +357,8 @@ def _restore(run, ckpt):
                                 {'module': run.model_without_ddp.state_dict(), 'updates': 0})
     if run.args.evaluate:
         return progress
-    take = load_optimizer(run.optimizer, run.pipe.optimizer_part(ckpt['optimizer']) if run.pipe is not None
-                          else ckpt['optimizer'])
+    saved = ckpt['optimizer'] if run.pipe is None else run.pipe.optimizer_part(ckpt['optimizer'])
+    take = load_optimizer(run.optimizer, saved)
     was = ckpt.get('args') or {}
     for dest, keys in HYPERPARAMETERS.items():  # the resume contract: a changed flag is used from here on
         if dest in was and was[dest] != getattr(run.args, dest):

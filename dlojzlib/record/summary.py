@@ -94,8 +94,8 @@ def write_summary(run, progress, status, error=None, extra=None):
             timing['bound_rank0'] = timing.get('bound')
             timing.update(ranks_summary(ranks, gathers=args.shard in plan.FSDP_MODES))
             if run.pipe is not None and run.pipe.schedule is not None:  # per stage (measure.bubble)
-                timing['pipeline'] = stages.summary(ranks, args.pipeline_schedule, args.pipeline_stages,
-                                                    args.microbatches)
+                timing['pipeline'] = stages.summary(ranks, args.pipeline_schedule,
+                                                    args.pipeline_stages, args.microbatches)
             summary['memory']['gpu_max_allocated_bytes_any_rank'] = max(
                 (r['gpu_max_allocated_bytes'] or 0 for r in ranks), default=0) if cuda else None
             summary['memory'].update(states_summary(run, [r['model_states'] for r in ranks]))

@@ -56,7 +56,8 @@ class Report:
 
 VIEWS = [('comparison', comparison_view), ('run dashboards', dashboards_view),
          ('batch-size sweep', sweep_view), ('scaling', scaling_view),
-         ('communication', communication_view), ('pipelines', pipeline_view), ('BatchNorm view', batchnorm_view),
+         ('communication', communication_view), ('pipelines', pipeline_view),
+         ('BatchNorm view', batchnorm_view),
          ('metric sync log', metric_sync_view), ('LR finder', lr_finder_view),
          ('loader doctor', doctor_view), ('tuning', tune_view),
          ('time to accuracy', race_view), ('diff', diff_view)]
