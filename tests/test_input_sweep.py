@@ -111,6 +111,17 @@ CASES = {
                               {'RANK': '0', 'WORLD_SIZE': '2', 'LOCAL_RANK': '0',
                                'LOCAL_WORLD_SIZE': '2', 'MASTER_ADDR': '127.0.0.1',
                                'MASTER_PORT': '29999'}),
+    # dlojz.py: a pipeline's flags
+    'pipeline stages zero': ('dlojz.py', ['--pipeline-stages', '0'], ['--pipeline-stages', "'0'"]),
+    'pipeline split not block numbers': ('dlojz.py', ['--pipeline-split', '4,x'],
+                                         ['--pipeline-split', "'4,x'"]),
+    'pipeline split beyond the blocks': ('dlojz.py', [*T, '--arch', 'timm:vit_tiny_patch16_224',
+                                                      '--microbatches', '2', '--pipeline-split',
+                                                      '99'],
+                                         ['--pipeline-split 99', 'one stage']),
+    'pipeline stages over the ranks': ('dlojz.py', [*T, '--arch', 'timm:vit_tiny_patch16_224',
+                                                    '--pipeline-stages', '2'],
+                                       ['--pipeline-stages 2 needs a multiple of 2 ranks']),
     # dlojz.py: the environment it reads
     'a DLOJZ_ variable misspelt': ('dlojz.py', FAKE, ['DLOJZ_DATADIR'],
                                    {'DLOJZ_DATADIR': '{shards}'}),

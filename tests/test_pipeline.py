@@ -179,7 +179,7 @@ def test_a_split_is_read_or_refused_in_one_sentence(text):
         assert got in stages.BALANCE
     else:
         assert got[0] > 0 and list(got) == sorted(set(got))
-        assert ','.join(map(str, got)) == text.strip()
+        assert got == tuple(int(v) for v in text.strip().split(','))
 
 
 def test_the_schedules_bubble_by_hand():
@@ -284,3 +284,121 @@ def test_the_floor_refuses_1f1b_on_gloo(tmp_path):
                  '--microbatches', '2', '--test-nsteps', '1')
     assert p.returncode != 0 and 'hangs on gloo below torch 2.8' in p.stderr, p.stderr[-2000:]
     assert 'Traceback' not in p.stderr.split('torch.distributed.elastic')[0], p.stderr[-3000:]
+
+
+# ------------------------------------------------------------------- the measurement, by hand counts
+
+class FakeStage:
+    """A stage whose forward takes 2 and backward 3 units of a fake clock."""
+
+    def __init__(self, clock, index):
+        self.clock, self.stage_index = clock, index
+
+    def forward_one_chunk(self, *a, **k):
+        self.clock[0] += 2.0
+
+    def backward_one_chunk(self, *a, **k):
+        self.clock[0] += 3.0
+
+
+def test_a_stage_timer_splits_a_step_into_chunks_and_waits(monkeypatch):
+    """GPipe on the last of 2 stages, M = 2, by hand: it waits 1 for the first forward, then F F B
+    B back to back, then 1 for the last send: span 12, compute 10, bubble 2."""
+    from dlojzlib.measure import bubble
+    clock = [0.0]
+    monkeypatch.setattr(bubble.time, 'perf_counter', lambda: clock[0])
+    stage = FakeStage(clock, 1)
+
+    class Schedule:
+        def step(self):
+            clock[0] += 1.0
+            for _ in range(2):
+                stage.forward_one_chunk()
+            for _ in range(2):
+                stage.backward_one_chunk()
+            clock[0] += 1.0
+
+    class Pipe:
+        stages, schedule = [stage], Schedule()
+    timer = bubble.StageTimer(torch.device('cpu')).attach(Pipe)
+    Pipe.schedule.step()
+    got = bubble.resolve(timer.take())
+    assert got['span'] == 12.0 and got['compute'] == 10.0
+    assert got['forward'] == 4.0 and got['backward'] == 6.0
+    assert got['chunks'] == [('F', 1, 1.0, 3.0), ('F', 1, 3.0, 5.0), ('B', 1, 5.0, 8.0),
+                             ('B', 1, 8.0, 11.0)]
+    assert timer.take() is None  # taken once
+
+
+def test_the_bubble_is_a_share_of_the_steps_and_names_the_bound():
+    from dlojz_chrono import step_shares, verdict
+    shares = step_shares(10.0, 9.0, 1.0, idle=4.0)
+    assert shares == {'compute': 5.0, 'bubble': 4.0, 'loader': 1.0, 'communication': 0.0,
+                      'straggler': 0.0, 'host': 0.0}
+    assert verdict(10.0, 9.0, 1.0, idle=6.0) == 'bubble'
+    assert 'bubble' not in step_shares(10.0, 9.0, 1.0)  # a run without a pipeline
+
+
+def rank(p, steps, span, idle):
+    return {'pipe_rank': p, 'pipe_steps': steps, 'pipe_span_s': span, 'bubble_s': idle,
+            'timeline': [('F', p, 0.0, 0.1)], 'timeline_span_s': span / steps}
+
+
+def test_the_stages_summary_by_hand():
+    """2 stages x 2 replicas, 4 steps each: stage 0 computes 0.8 s a step and waits 0.2, stage 1
+    computes 0.6 and waits 0.4; the forecast paces the pipeline at the slowest stage, 0.8 s / (1 -
+    1/5)."""
+    ranks = [rank(0, 4, 4.0, 0.8), rank(0, 4, 4.0, 0.8), rank(1, 4, 4.0, 1.6),
+             rank(1, 4, 4.0, 1.6)]
+    p = stages.summary(ranks, 'gpipe', 2, 4)
+    assert [s['compute_s'] for s in p['stages']] == pytest.approx([0.8, 0.6])
+    assert [s['bubble'] for s in p['stages']] == pytest.approx([0.2, 0.4])
+    assert p['measured_bubble'] == pytest.approx(0.3) and p['expected_bubble'] == 0.2
+    assert p['forecast_span_s'] == pytest.approx(1.0) and p['span_s'] == pytest.approx(1.0)
+    line = stages.line(p)
+    assert line.startswith('>>> Pipeline: 2 stages, gpipe, 4 microbatches: bubble 30.0% measured, '
+                           '20.0% the schedule')
+    assert 'stage 1 computes 600.0 ms and waits 400.0 ms (40.0%)' in line
+    assert stages.summary(ranks[:2], 'gpipe', 2, 4) is None  # a stage without a report
+    assert stages.forecast(0.8, '1f1b', 4, 12) == pytest.approx(0.8 * 15 / 12)
+
+
+def test_the_report_draws_each_stage_on_one_scale(tmp_path):
+    from dlojzlib.tools.report import pipeline as view
+    p = stages.summary([rank(0, 1, 1.0, 0.5), rank(1, 1, 1.0, 0.5)], 'gpipe', 2, 2)
+    p['stages'][0]['timeline'] = [('F', 0, 0.0, 0.25), ('B', 0, 0.5, 1.0)]
+    p['stages'][1]['timeline'] = [('F', 1, 0.25, 0.5)]
+    assert view.text_timeline(p, width=8) == ['stage 0 |FF..BBBB|', 'stage 1 |..FF....|']
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 20), st.floats(0.01, 5.0), st.floats(0.0, 1.0),
+                          st.lists(st.tuples(st.sampled_from('FB'), st.floats(0, 1),
+                                             st.floats(0, 1)), max_size=6)),
+                min_size=1, max_size=4))
+def test_the_report_reads_any_stages_summary(tmp_path_factory, per_stage):
+    """Whatever the stages measured (any steps, spans, waits, chunks, even past the span), the
+    report's text timeline has a row per stage of F, B and '.', and its table's bubble is the
+    waits' share of the span."""
+    from dlojzlib.tools.report import pipeline as view
+    ranks = [{**rank(p, steps, span, span * idle),
+              'timeline': [(k, p, min(a, b), max(a, b)) for k, a, b in chunks]}
+             for p, (steps, span, idle, chunks) in enumerate(per_stage)]
+    p = stages.summary(ranks, 'gpipe', len(ranks), 4)
+    rows = view.text_timeline(p, width=20)
+    assert len(rows) == len(ranks)
+    assert all(re.fullmatch(r'stage \d+ \|[FB.]{20}\|', r) for r in rows), rows
+
+    class Run:
+        name = 'run'
+
+        def get(self, key):
+            return {'pipeline': p} if key == 'timing' else None
+
+    class Rep:
+        runs, out = [Run()], str(tmp_path_factory.mktemp('report'))
+    md = view.pipeline_view(Rep)
+    table = [line for line in md if re.match(r'\| \d+ \|', line)]
+    assert len(table) == len(ranks)
+    for line, (_, _, idle, _) in zip(table, per_stage):
+        assert float(line.strip('|').split('|')[3]) == pytest.approx(idle * 100, abs=0.06)

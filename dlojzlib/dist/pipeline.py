@@ -371,7 +371,8 @@ def build(args, model, device, dist, autocast, say=print, cut=None):
                          f'with the --pipeline-stages and --pipeline-schedule it was written with.')
     try:
         bounds = list(cut) if cut is not None else \
-            plan_cut(split, costs, n_total) if n_total > 1 else [0, n_blocks]
+            plan_cut(split, costs, n_total) if n_total > 1 or isinstance(split, tuple) \
+            else [0, n_blocks]
     except ValueError as e:  # --pipeline-split's numbers against this model's blocks
         raise UsageError(str(e)) from None
     if n_total > 1:

@@ -48,7 +48,7 @@ def _split(text):
     try:
         parse_split(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(str(e).removeprefix('--pipeline-split ')) from None
     return text.strip()
 
 
@@ -64,7 +64,7 @@ def parse_split(text):
     cuts = tuple(int(v) for v in text.split(','))
     if cuts[0] == 0 or any(b <= a for a, b in zip(cuts, cuts[1:])):
         raise ValueError(f'--pipeline-split {text}: each stage begins after the one before, and '
-                         f'the first at block 0; give increasing block numbers above 0.')
+                         f'the first at block 0; give increasing block numbers above 0')
     return cuts
 
 
@@ -102,10 +102,13 @@ def balance(costs, parts):
 def bounds_of(cuts, n, parts):
     """--pipeline-split's block numbers -> the bounds balance() gives, refused in one sentence
     where they do not make `parts` stages of `n` blocks."""
+    given = ','.join(map(str, cuts))
+    if parts == 1:
+        raise ValueError(f'--pipeline-split {given} cuts the model, and this run has one stage; '
+                         f'drop --pipeline-split, or raise --pipeline-stages.')
     if len(cuts) != parts - 1 or cuts[-1] >= n:
-        raise ValueError(f'--pipeline-split {",".join(map(str, cuts))} does not cut the {n} '
-                         f'blocks into {parts} stages; give {parts - 1} increasing block numbers '
-                         f'below {n}.')
+        raise ValueError(f'--pipeline-split {given} does not cut the {n} blocks into {parts} '
+                         f'stages; give {parts - 1} increasing block number(s) below {n}.')
     return [0, *cuts, n]
 
 
