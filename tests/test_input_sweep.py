@@ -160,6 +160,12 @@ CASES = {
     # dlojz_scaling.py
     'forecast gpus not numbers': ('dlojz_scaling.py', [*FORECAST, '--gpus', '1,x'],
                                   ['--gpus', '1,x']),
+    'pipeline forecast of a run without a pipeline': (
+        'dlojz_scaling.py', ['--pipeline', '{run}/summary.json'],
+        ['timing.pipeline', '--pipeline-stages run']),
+    'pipeline forecast of zero microbatches': (
+        'dlojz_scaling.py', ['--pipeline', '{run}/summary.json', '--microbatches', '4,0'],
+        ['--microbatches', '4,0']),
     'forecast cores negative': ('dlojz_scaling.py', [*FORECAST, '--cores', '-1'], ['--cores']),
     'forecast traffic factor not a number': (
         'dlojz_scaling.py', '--summary {odd} --machine a100'.split(),

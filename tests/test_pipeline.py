@@ -402,3 +402,56 @@ def test_the_report_reads_any_stages_summary(tmp_path_factory, per_stage):
     assert len(table) == len(ranks)
     for line, (_, _, idle, _) in zip(table, per_stage):
         assert float(line.strip('|').split('|')[3]) == pytest.approx(idle * 100, abs=0.06)
+
+
+def measured_pipeline(compute=(0.8, 0.6), span=1.0, step=1.25, m=4, schedule='gpipe'):
+    return {'global_batch': 32, 'timing': {'steady_images_per_s': 32 / step, 'pipeline': {
+        'n_stages': len(compute), 'microbatches': m, 'schedule': schedule, 'span_s': span,
+        'stages': [{'compute_s': c} for c in compute]}}}
+
+
+def test_the_pipeline_forecast_by_hand():
+    """The slowest stage computes 0.8 s a step at 2 stages: 4 stages halve it, 8 microbatches
+    shrink GPipe's bubble from 1/5 to 1/9 (S=2) or 3/11 (S=4); the loader and optimizer's 0.25 s
+    stay."""
+    rows = stages.forecast_rows(measured_pipeline(), [2, 4], [4, 8])
+    got = {(r['stages'], r['microbatches']): r for r in rows}
+    assert got[2, 4]['span_s'] == pytest.approx(1.0)  # the run's own point
+    assert got[2, 8]['span_s'] == pytest.approx(0.8 / (1 - 1 / 9))
+    assert got[4, 8]['span_s'] == pytest.approx(0.4 / (1 - 3 / 11))
+    assert got[4, 8]['step_s'] == pytest.approx(0.4 / (1 - 3 / 11) + 0.25)
+    assert got[4, 8]['images_per_s'] == pytest.approx(32 / got[4, 8]['step_s'])
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-3, 40) | st.floats()
+                           | st.text(max_size=4),
+                           lambda kids: st.lists(kids, max_size=3)
+                           | st.dictionaries(st.sampled_from(
+                               ['timing', 'pipeline', 'global_batch', 'steady_images_per_s',
+                                'n_stages', 'microbatches', 'schedule', 'span_s', 'stages',
+                                'compute_s']), kids, max_size=5), max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values)
+def test_a_summary_the_forecast_cannot_read_is_one_sentence(summary):
+    try:
+        rows = stages.forecast_rows(summary, [2, 4], [1, 8])
+    except ValueError as e:
+        assert '\n' not in str(e) and str(e).endswith('.')
+        return
+    assert all(r['span_s'] > 0 and r['images_per_s'] > 0 for r in rows)
+
+
+def test_the_forecast_command_prints_its_table(tmp_path):
+    path = tmp_path / 'summary.json'
+    path.write_text(json.dumps(measured_pipeline()))
+    from dlojzlib.measure import scaling
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert scaling.main(['--pipeline', str(path), '--pipeline-stages', '4',
+                             '--microbatches', '8']) == 0
+    last = out.getvalue().splitlines()[-1].split()
+    assert last[:2] == ['4', '8'] and float(last[2]) == pytest.approx(300 / 11, abs=0.05)

@@ -8,6 +8,7 @@ after it drain it: with equal stages, a share (S - 1) / (M + S - 1) of the step,
 1F1B's alike (Huang et al. 2019; Narayanan et al. 2021). The interleaved schedule gives each rank
 V = 2 stages, each half as long, and fills in half the time: (S - 1) / (V M + S - 1).
 """
+import math
 import re
 
 SCHEDULES = ('gpipe', '1f1b', 'interleaved')
@@ -217,3 +218,44 @@ def line(p):
             f"{p['expected_bubble']:.1%} the schedule's ((S-1)/({v if v > 1 else ''}M+S-1)); "
             f"{each}; forecast from the slowest stage {p['forecast_span_s'] * 1e3:.1f} ms a step "
             f"(measured {p['span_s'] * 1e3:.1f} ms)")
+
+
+def forecast_rows(summary, n_stages=None, microbatches=None):
+    """The pipeline forecast of dlojz_scaling.py --pipeline: from a pipeline run's summary.json
+    (timing.pipeline, global_batch, timing.steady_images_per_s), its slowest stage's compute per
+    step, spread over S' stages (the model's compute is S times the slowest stage's, at best) and
+    run as M' microbatches of the same -b (the compute per image kept): the schedule's span is
+    that compute / (1 - its bubble), the rest of the step (loader, optimizer) as measured ->
+    [{'stages', 'microbatches', 'bubble', 'span_s', 'step_s', 'images_per_s'}]. Refused in one
+    sentence (ValueError) where the summary lacks what it needs."""
+    t = summary.get('timing') if isinstance(summary, dict) else None
+    p = t.get('pipeline') if isinstance(t, dict) else None
+    try:
+        s, m, schedule = int(p['n_stages']), int(p['microbatches']), p['schedule']
+        slowest = max(float(st['compute_s']) for st in p['stages'])
+        span = float(p['span_s'])
+        step = float(summary['global_batch']) / float(t['steady_images_per_s'])
+        replicas_batch = float(summary['global_batch'])
+    except (TypeError, KeyError, ValueError, ZeroDivisionError):
+        raise ValueError('the summary holds no measured pipeline (timing.pipeline, '
+                         'timing.steady_images_per_s, global_batch): give the summary.json of a '
+                         'completed --pipeline-stages run with --timing.') from None
+    finite = all(map(math.isfinite, (slowest, span, step)))
+    if schedule not in SCHEDULES or s < 2 or m < 1 or not finite or not slowest > 0 \
+            or not step > 0:
+        raise ValueError(f'the summary\'s pipeline ({s} stages, {m} microbatches, schedule '
+                         f'{schedule!r}, slowest stage {slowest!r} s) cannot be forecast from; '
+                         f'give the summary.json of a completed --pipeline-stages run.')
+    rest = max(0.0, step - span)
+    rows = []
+    for s2 in n_stages or [s]:
+        for m2 in microbatches or [m]:
+            b = bubble(schedule, s2, m2)
+            span2 = slowest * s / s2 / (1 - b)
+            if not math.isfinite(span2 + rest) or not replicas_batch / (span2 + rest) > 0:
+                raise ValueError(f'the summary\'s times ({slowest!r} s a step) are out of '
+                                 f'range; give the summary.json of a completed '
+                                 f'--pipeline-stages run.')
+            rows.append({'stages': s2, 'microbatches': m2, 'bubble': b, 'span_s': span2,
+                         'step_s': span2 + rest, 'images_per_s': replicas_batch / (span2 + rest)})
+    return rows

@@ -54,6 +54,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
+from dlojzlib.dist import stages
 from dlojzlib.flags import COUNT
 
 # timing.comm_measured where each rank timed its waits in collectives (measure.comm): DDP's
@@ -422,6 +423,26 @@ def gpu_counts(text):
     return counts
 
 
+def pipeline_main(a):
+    """--pipeline: the forecast table of stages.forecast_rows."""
+    try:
+        with open(a.pipeline) as f:
+            summary = json.load(f)
+        rows = stages.forecast_rows(summary, a.pipeline_stages, a.microbatches)
+    except (ValueError, OSError) as e:  # a JSONDecodeError is a ValueError
+        print(f'dlojz_scaling: error: {e}', file=sys.stderr)
+        return 2
+    p = summary['timing']['pipeline']
+    print(f"measured: {p['n_stages']} stages, {p['schedule']}, {p['microbatches']} microbatches: "
+          f"span {p['span_s'] * 1e3:.1f} ms, slowest stage computes "
+          f"{max(s['compute_s'] for s in p['stages']) * 1e3:.1f} ms")
+    print(f"{'stages':>6} {'micro':>6} {'bubble %':>9} {'span ms':>9} {'step ms':>9} {'img/s':>9}")
+    for r in rows:
+        print(f"{r['stages']:>6} {r['microbatches']:>6} {r['bubble'] * 100:>9.1f} "
+              f"{r['span_s'] * 1e3:>9.1f} {r['step_s'] * 1e3:>9.1f} {r['images_per_s']:>9.1f}")
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--summary', help='summary.json of a one-rank run (under torchrun or srun)')
@@ -440,6 +461,13 @@ def main(argv=None):
     p.add_argument('--cores', type=COUNT, metavar='N', help='cores the ranks of a node share (CPU '
                    'ranks); default: the one-device run\'s usable cores when it ran on the CPU; 0: '
                    'they share none (a GPU each)')
+    p.add_argument('--pipeline', metavar='SUMMARY', help='summary.json of a --pipeline-stages '
+                   'run: its step forecast at the --pipeline-stages and --microbatches given '
+                   '(docs/pipeline.md)')
+    p.add_argument('--pipeline-stages', type=gpu_counts, help='stage counts for --pipeline, '
+                   'comma separated (default: the run\'s)')
+    p.add_argument('--microbatches', type=gpu_counts, help='microbatch counts for --pipeline, '
+                   'comma separated (default: the run\'s)')
     p.add_argument('--probe', metavar='JSON',
                    help='run the all-reduce probe on this torchrun group (gloo) and write its '
                    'points and fit')
@@ -447,6 +475,8 @@ def main(argv=None):
     if a.probe:
         _probe_main(a.probe)
         return 0
+    if a.pipeline:
+        return pipeline_main(a)
     try:
         if not a.summary or bool(a.machine) == bool(a.link):
             raise ValueError('give --summary and one of --machine or --link.')
