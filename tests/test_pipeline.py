@@ -455,3 +455,16 @@ def test_the_forecast_command_prints_its_table(tmp_path):
                              '--microbatches', '8']) == 0
     last = out.getvalue().splitlines()[-1].split()
     assert last[:2] == ['4', '8'] and float(last[2]) == pytest.approx(300 / 11, abs=0.05)
+
+
+def test_a_non_finite_loss_stops_a_microbatched_run_before_its_step(tmp_path, cache_dir):
+    """The NaN guard watches the pipeline's loss: a huge learning rate ends the run with status
+    'nan' and no checkpoint at or after the bad step (the pipeline's own step, one stage here)."""
+    out = tmp_path / 'run'
+    p = run_cli(*TINY, *VIT[:2], '--cache-dir', cache_dir, '--output-dir', out, '--microbatches',
+                '2', '--test-nsteps', '8', '--chkpt-every', '1', '--lr', '1e30', '--scheduler',
+                'constant')
+    assert p.returncode == 3 and 'NaN or infinite at step' in p.stderr, p.stderr[-2000:]
+    summary = json.loads((out / 'summary.json').read_text())
+    saved = [int(c.stem.split('-')[1]) for c in out.glob('checkpoint-*.pt')]
+    assert summary['status'] == 'nan' and max(saved, default=0) == summary['failed_step'] - 1

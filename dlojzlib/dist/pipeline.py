@@ -296,6 +296,7 @@ class Pipeline(nn.Module):
             torch.zeros((), device=self.device)
         if self.ranks > 1:  # every stage's ranks log the loss and watch it (one scalar)
             tdist.all_reduce(loss, group=self.pp)
+        run.guard.observe(loss)  # before the optimizer: on CPU a non-finite loss is never applied
         with run.chrono.phase('optimizer'):
             self._average_gradients()
             run.scaler.step(run.optimizer)
