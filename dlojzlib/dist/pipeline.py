@@ -31,6 +31,7 @@ from dlojzlib.dist import launch, stages
 
 
 def wanted(args):
+    """Whether the steps go through a Pipeline: stages, or microbatches in one process."""
     return args.pipeline_stages > 1 or args.microbatches > 1
 
 
@@ -45,8 +46,9 @@ def data_view(dist, replicas):
 # ------------------------------------------------------------------------------------ the cut
 
 class Family:
-    """How a kind of model runs around its blocks: `first` and `last` name the model's own
-    parts (modules or parameters) run before and after them."""
+    """How a kind of model runs around its blocks: `first` names the model's own parts (modules
+    or parameters) its head runs before them; the others, but the blocks' container, run after
+    them (its tail). blocks(model): [(name, block)] in order."""
 
     def __init__(self, first, head, tail, blocks):
         self.first, self.head, self.tail, self.blocks = first, head, tail, blocks
@@ -292,10 +294,7 @@ class Pipeline(nn.Module):
             else:
                 last = {'target': y, 'losses': losses} if self.last else {}
                 output = self.schedule.step(*((x,) if self.first else ()), **last)
-        loss = torch.stack([v.detach() for v in losses]).sum() if self.last else \
-            torch.zeros((), device=self.device)
-        if self.ranks > 1:  # every stage's ranks log the loss and watch it (one scalar)
-            tdist.all_reduce(loss, group=self.pp)
+        loss = self.share_loss(losses)
         run.guard.observe(loss)  # before the optimizer: on CPU a non-finite loss is never applied
         with run.chrono.phase('optimizer'):
             self._average_gradients()
@@ -304,6 +303,16 @@ class Pipeline(nn.Module):
             run.optimizer.zero_grad(set_to_none=True)
         run.scheduler.step()
         return loss, (output.detach() if self.last else None), y
+
+    def share_loss(self, losses):
+        """The step's loss, from the last stage to every stage's ranks, which log it and watch
+        it (one scalar). The schedule's span ends here: the last stage, done first, waits in this
+        all-reduce while the first stage drains the pipeline (measure.bubble)."""
+        loss = torch.stack([v.detach() for v in losses]).sum() if self.last else \
+            torch.zeros((), device=self.device)
+        if self.ranks > 1:
+            tdist.all_reduce(loss, group=self.pp)
+        return loss
 
     def _average_gradients(self):
         """The replicas' gradients averaged, as DDP does (divided, then summed), in one

@@ -22,17 +22,23 @@ class StageTimer:
         self._step = None
 
     def attach(self, pipe):
-        """Time a dist.pipeline.Pipeline's schedule steps and its stages' chunks -> self."""
+        """Time a dist.pipeline.Pipeline's steps, from its schedule's start to the end of its
+        loss's all-reduce (share_loss: where the stages meet again; the last stage waits there
+        while the first drains), and its stages' chunks -> self."""
         for stage in pipe.stages:
             self.wrap(stage)
-        step = pipe.schedule.step
+        step, share = pipe.schedule.step, pipe.share_loss
 
-        def timed(*a, **k):
+        def started(*a, **k):
             self.begin()
-            out = step(*a, **k)
-            self.end()
+            return step(*a, **k)
+
+        def ended(*a, **k):
+            out = share(*a, **k)
+            if self._step is not None:
+                self.end()
             return out
-        pipe.schedule.step = timed
+        pipe.schedule.step, pipe.share_loss = started, ended
         return self
 
     def mark(self):

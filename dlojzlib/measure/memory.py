@@ -17,7 +17,12 @@ def plan_run(args, build, blocks, world_size, capacity=None, say=print):
     """-> {mode: plan} of the model `build()` makes, built on the meta device (nothing allocated),
     under this run's optimizer, printed with say(); None, with a note, where the model cannot be
     built there. blocks(model): the units --shard shards. capacity: the GPU's memory in bytes (None
-    on CPU): a mode whose model states exceed it is refused, naming one that fits."""
+    on CPU): a mode whose model states exceed it is refused, naming one that fits. A pipeline's
+    ranks hold their stages' part, which the plan does not know yet: none is made."""
+    if getattr(args, 'pipeline_stages', 1) > 1:
+        say(f'Memory plan: not made for --pipeline-stages {args.pipeline_stages} (each rank holds '
+            f'its stages\' part); the measured states are reported after the first step.')
+        return None
     try:
         with torch.device('meta'):
             meta_model = build()

@@ -86,9 +86,9 @@ def write_summary(run, progress, status, error=None, extra=None):
     }
     starts = [rank_startup(run)]  # every rank's once the run completed (gathered below)
     if dist.distributed:
-        summary['communication'] = communication_estimate(args.bucket_cap_mb, run.model_without_ddp,
-                                                          args.shard,
-                                                          dist.world_size)
+        if run.pipe is None:  # DDP's buckets; a pipeline has none
+            summary['communication'] = communication_estimate(
+                args.bucket_cap_mb, run.model_without_ddp, args.shard, dist.world_size)
         if status == 'completed':
             ranks = launch.all_gather_object(rank_report(run))
             timing['bound_rank0'] = timing.get('bound')
