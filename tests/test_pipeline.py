@@ -492,3 +492,14 @@ def test_the_memory_plan_does_not_refuse_a_pipeline():
     with pytest.raises(UsageError, match='more than this GPU'):
         memory.plan_run(args, lambda: custom_models.build_model('coatnet7', 4), custom_models.blocks,
                         2, 2 ** 30, said.append)
+
+
+def test_the_cut_follows_the_measured_time():
+    """The head's time counts with the first block and the tail's with the last: a slow head moves
+    the cut towards it; parameters or given blocks cut where they say."""
+    costs = [3.0, 1.0, 1.0, 1.0, 1.0, 0.0]  # head, 4 blocks, tail
+    assert pipeline.plan_cut('time', costs, 2) == [0, 1, 4]
+    assert pipeline.plan_cut('time', [0.0, 1.0, 1.0, 1.0, 1.0, 3.0], 2) == [0, 3, 4]
+    assert pipeline.plan_cut((2,), costs, 2) == [0, 2, 4]
+    with pytest.raises(ValueError, match='does not cut the 4 blocks into 3 stages'):
+        pipeline.plan_cut((2,), costs, 3)
