@@ -121,8 +121,9 @@ def test_a_pipeline_resumes_its_checkpoint_where_the_uninterrupted_run_is(tmp_pa
 
 @pytest.mark.slow  # 30 s
 def test_the_measured_bubble_of_balanced_stages_is_the_schedules(tmp_path, cache_dir):
-    """Two equal stages (6 blocks each; the head and tail weigh little) at 128 px, where a chunk
-    takes some 50 ms against gloo's millisecond a transfer on this 2-core machine: the share of
+    """Two equal stages (6 blocks each; the head and tail weigh little) at 128 px, where a
+    microbatch's forward and backward take some 100 ms a stage against gloo's millisecond a
+    transfer on this 2-core machine: the share of
     each step a stage waits is (S-1)/(M+S-1), measured from its own chunks, for GPipe and 1F1B
     (BENCHMARKS.md: at 64 px the transfers add 4 to 10 points; torch's interleaved schedule idles
     more than Megatron's (S-1)/(2M+S-1))."""
@@ -503,3 +504,15 @@ def test_the_cut_follows_the_measured_time():
     assert pipeline.plan_cut((2,), costs, 2) == [0, 2, 4]
     with pytest.raises(ValueError, match='does not cut the 4 blocks into 3 stages'):
         pipeline.plan_cut((2,), costs, 3)
+
+
+def test_what_microbatches_change_in_batchnorm_is_said():
+    """A CoAtNet's MBConv stages hold BatchNorm: the note counts its layers and names the
+    microbatch's size; a ViT holds none."""
+    model = custom_models.build_model('timm:coatnet_nano_rw_224', 4, image_size=32)
+    n = sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    note = pipeline.batchnorm_note(model, 'timm:coatnet_nano_rw_224', 32, 4)
+    assert n > 0 and f'has {n} BatchNorm layers' in note
+    assert 'microbatches of 8 images, not -b 32' in note
+    assert pipeline.batchnorm_note(model, 'x', 32, 1) is None
+    assert pipeline.batchnorm_note(vit(), 'x', 32, 4) is None

@@ -177,6 +177,18 @@ def piece_params(model, fam):
             count(_owned(model, _last(model, fam)))]
 
 
+def batchnorm_note(model, arch, batch, microbatches):
+    """What microbatches change in a model with BatchNorm (a CoAtNet's MBConv stages): a
+    sentence, or None."""
+    n = sum(isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm))
+            for m in model.modules())
+    if not n or microbatches == 1:
+        return None
+    return (f'Note: --arch {arch} has {n} BatchNorm layers: under --microbatches {microbatches} '
+            f'each normalises over microbatches of {batch // microbatches} images, not -b {batch}, '
+            f'and updates its running statistics {microbatches} times a step.')
+
+
 def plan_cut(split, costs, parts):
     """-> bounds over the blocks. costs: per piece (head, blocks, tail); the head counts with
     the first block and the tail with the last, which always go to the first and last stage."""
@@ -363,6 +375,9 @@ def build(args, model, device, dist, autocast, say=print, cut=None):
         raise UsageError(f'--arch {args.arch} has {n_blocks} blocks, too few for {n_total} stages; '
                          f'lower --pipeline-stages.')
     split, mb = stages.parse_split(args.pipeline_split), args.batch_size // args.microbatches
+    note = batchnorm_note(model, args.arch, args.batch_size, args.microbatches)
+    if note:
+        say(note)
     replicas = world // n_ranks
     rank_in_pipe, replica = (dist.rank // replicas, dist.rank % replicas) if dist.distributed \
         else (0, 0)
