@@ -42,7 +42,10 @@ def build_optimizer(args, model, lr, device):
     """-> the optimizer of --optimizer over `model`'s parameter groups; with --shard optimizer,
     ZeRO-1's around it (each rank keeps and steps a part of the state)."""
     groups = param_groups(model, args.wd, args.wd_norm_bias, args.optimizer in ADAPTIVE)
-    make = shard.zero_optimizer if getattr(args, 'shard', 'none') == 'optimizer' else \
+    # ZeRO-1 over every rank, or a pipeline stage's replicas (dist.pipeline)
+    replicas = getattr(model, 'replica_group', None)
+    make = (lambda cls, groups, **kw: shard.zero_optimizer(cls, groups, replicas, **kw)) \
+        if getattr(args, 'shard', 'none') == 'optimizer' else \
         lambda cls, groups, **kw: cls(groups, **kw)
     # On a GPU the fused kernels update every parameter in a few launches, and take fp16's loss
     # scale and inf flag as device tensors: GradScaler.step then skips its per-step found_inf.item()

@@ -11,6 +11,8 @@ dist.stages, measure.bubble), on CPU with gloo:
 - a 2 x 2 mesh validates a checkpoint exactly as DDP at 2 ranks does (every image counted once);
 - a pipeline's checkpoint is a folder of each stage's part; a resume keeps the cut and continues as
   the uninterrupted run, bit for bit; a resume at another number of stages is refused;
+- --shard on the replicas' dimension (ZeRO-1, FSDP2's two modes) trains a 2 x 2 mesh as its
+  replicas without it do, bit for bit, and a sliced checkpoint resumes;
 - the measured bubble of balanced stages is within 5 points of the schedule's (S-1)/(M+S-1), and
   '>>> Bound by:' names it;
 - the cut: the balance by hand counts and against every cut of small cases (a property test), the
@@ -84,6 +86,26 @@ def test_four_stages_and_a_two_by_two_mesh_train_as_their_references(tmp_path, c
                        '4', '--pipeline-schedule', 'gpipe', '--test-nsteps', '3')
     assert losses(mesh) == losses(two)
     assert losses(mesh)[1][0][2] == 24  # every validation image once
+
+
+@pytest.mark.slow  # 90 s: 4-rank launches
+def test_each_stage_shards_over_its_replicas_as_they_replicate(tmp_path, cache_dir):
+    """--shard on the replicas' dimension of a 2 x 2 mesh: ZeRO-1 over each stage's replicas and
+    FSDP2 slicing each stage's blocks over them train as the replicas without --shard do, bit for
+    bit (two replicas: FSDP2's mean and DDP's divided sum agree); a --shard full checkpoint (a
+    folder of each stage's slices) resumes as the uninterrupted run."""
+    mesh = ['--pipeline-stages', '2', '--microbatches', '4', '--pipeline-schedule', 'gpipe']
+    plain, _ = launched(tmp_path, cache_dir, 'none', 4, *mesh, '--test-nsteps', '4')
+    want = losses(plain)
+    for mode in ('optimizer', 'gradients', 'full'):
+        out, _ = launched(tmp_path, cache_dir, mode, 4, *mesh, '--shard', mode, '--test-nsteps', '4')
+        assert losses(out) == want, mode
+    cut, _ = launched(tmp_path, cache_dir, 'cut', 4, *mesh, '--shard', 'full', '--chkpt',
+                      '--test-nsteps', '2')
+    assert latest(cut).suffix == '.dcp'
+    cut, _ = launched(tmp_path, cache_dir, 'cut', 4, *mesh, '--shard', 'full', '--chkpt',
+                      '--test-nsteps', '4', '--resume', 'auto')
+    assert losses(cut)[0] == want[0] and losses(cut)[1][-1] == want[1][-1]
 
 
 @pytest.mark.slow  # 40 s
@@ -241,7 +263,10 @@ def checked(*argv, world=2, version=TORCH, backend='gloo'):
     (['--pipeline-stages', '2', '--arch', 'resnet18'], 'BatchNorm over microbatches'),
     (['--microbatches', '3', '--arch', 'coatnet7'], 'does not split into --microbatches 3'),
     (['--pipeline-stages', '2', '--arch', 'coatnet7', '--accum-steps', '2'], 'drop --accum-steps'),
-    (['--pipeline-stages', '2', '--arch', 'coatnet7', '--shard', 'optimizer'], 'drop --shard'),
+    (['--pipeline-stages', '2', '--arch', 'coatnet7', '--shard', 'full', '--microbatches', '2',
+      '--pipeline-schedule', 'interleaved'], 'an FSDP2 root of its own'),
+    (['--pipeline-stages', '2', '--arch', 'coatnet7', '--shard', 'full', '--cpu-offload'],
+     'drop --cpu-offload'),
     (['--pipeline-stages', '2', '--arch', 'coatnet7', '--ema-decay', '0.9'], 'drop --ema-decay'),
     (['--pipeline-stages', '2', '--arch', 'coatnet7', '--compile'], 'drop --compile'),
     (['--pipeline-stages', '2', '--arch', 'coatnet7', '--amp', 'fp16'], 'use --amp bf16'),

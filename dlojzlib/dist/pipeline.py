@@ -27,7 +27,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
-from dlojzlib.dist import launch, stages
+from dlojzlib.dist import launch, shard, stages
 
 
 def wanted(args):
@@ -203,19 +203,12 @@ def plan_cut(split, costs, parts):
 
 # ------------------------------------------------------------------------------------ the mesh
 
-def groups(world, n_stages):
-    """(pipeline group, data-parallel group) of this rank, every group made on every rank (torch
-    asks it of new_group): ranks s x R + r, for stage s and replica r of R."""
-    replicas = world // n_stages
-    rank = tdist.get_rank()
-    pp = dp = None
-    for r in range(replicas):
-        g = tdist.new_group([s * replicas + r for s in range(n_stages)])
-        pp = g if rank % replicas == r else pp
-    for s in range(n_stages):
-        g = tdist.new_group([s * replicas + r for r in range(replicas)])
-        dp = g if rank // replicas == s else dp
-    return pp, dp
+def mesh(device, n_stages, replicas):
+    """The 2-D mesh (stages x replicas; rank = stage x replicas + replica) -> (this rank's
+    pipeline group, its stage's replicas' group, their 1-D mesh: FSDP2's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    m = init_device_mesh(device.type, (n_stages, replicas), mesh_dim_names=('pp', 'dp'))
+    return m.get_group('pp'), m.get_group('dp'), m['dp']
 
 
 def _schedule(name, parts, microbatches, loss_fn):
@@ -270,6 +263,11 @@ class Pipeline(nn.Module):
         the parameters under their whole-model names (the stages' together are the whole model's),
         the optimizer's state as torch keeps it, under this rank's place in the pipeline (the
         replicas write the same; DCP keeps one)."""
+        shard.reshard(self.model)  # FSDP2's slices over the replicas, as DCP writes them
+        if hasattr(optimizer, 'consolidate_state_dict'):  # ZeRO-1: the stage's first replica's
+            optimizer.consolidate_state_dict(to=0)
+            if self.replica != 0:
+                return {'model': self.model.state_dict()}
         return {'model': self.model.state_dict(),
                 'optimizer': {f'pipe{self.rank_in_pipe}': optimizer.state_dict()}}
 
@@ -329,7 +327,7 @@ class Pipeline(nn.Module):
     def _average_gradients(self):
         """The replicas' gradients averaged, as DDP does (divided, then summed), in one
         all-reduce per step."""
-        if self.replicas == 1:
+        if self.replicas == 1 or shard.is_sharded(self.model):  # FSDP2 reduce-scatters them itself
             return
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.replicas)
@@ -404,6 +402,10 @@ def build(args, model, device, dist, autocast, say=print, cut=None):
         say(cut_line(args, bounds, costs, 'checkpoint' if cut is not None else split, replicas,
                      mb, virtual))
     parts = prune(model, fam, bounds, ids)
+    kept = [b for k in ids for _, b in fam.blocks(model)[bounds[k]:bounds[k + 1]]]
+    if virtual == 1:  # the model runs its one stage itself: FSDP2's root sees its forward
+        model.forward = parts[0].forward
+        parts = [model]
     # its ranks hold different parts: launch.broadcast_buffers_, record.state's checkpoints
     model.piped = n_total > 1
     model.to(device)
@@ -412,10 +414,15 @@ def build(args, model, device, dist, autocast, say=print, cut=None):
         image = ((mb, 3, args.image_size, args.image_size), torch.float32)
         stage_shapes = [(image if k == 0 else shapes[bounds[k]],
                          shapes[-1] if k == n_total - 1 else shapes[bounds[k + 1]]) for k in ids]
-    pipe_groups = groups(world, n_ranks) if dist.distributed else (None, None)
+    pp = dp = dp_mesh = None
+    if dist.distributed:
+        pp, dp, dp_mesh = mesh(device, n_ranks, replicas)
+    if args.shard in shard.FSDP_MODES:  # each stage's blocks sliced over its replicas
+        shard.apply_fsdp(model, kept, device, args.shard == 'full', False, mesh=dp_mesh)
+    model.replica_group = dp  # --shard optimizer: ZeRO-1 over them (recipe.build_optimizer)
     pipe = Pipeline(model, parts, ids, n_total, (n_ranks, replicas, rank_in_pipe, replica),
                     args.microbatches, device, stage_shapes,
-                    schedule if n_ranks > 1 else None, pipe_groups)
+                    schedule if n_ranks > 1 else None, (pp, dp))
     pipe.cut = bounds
     return pipe
 

@@ -25,14 +25,15 @@ except ImportError:  # torch < 2.5: no public DTensor; --shard gradients and ful
     DTensor = ()
 
 
-def apply_fsdp(model, blocks, device, reshard_after_forward, offload, comm=None):
+def apply_fsdp(model, blocks, device, reshard_after_forward, offload, comm=None, mesh=None):
     """FSDP2: each block its own unit (its parameters gathered just before it runs), then the root
     (the stem, the head and whatever no block holds). The model may still be on the CPU: each rank's
     slices go to `device` (to host memory with offload), so a model larger than one GPU is never
-    whole on it. comm: a measure.comm.CommTimer, which times each unit's waits."""
+    whole on it. comm: a measure.comm.CommTimer, which times each unit's waits. mesh: the ranks
+    that share the slices (every rank; a pipeline stage's replicas)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-    mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
+    mesh = mesh or init_device_mesh(device.type, (tdist.get_world_size(),))
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward,
               offload_policy=CPUOffloadPolicy(pin_memory=device.type == 'cuda') if offload else
               OffloadPolicy())
@@ -44,11 +45,12 @@ def apply_fsdp(model, blocks, device, reshard_after_forward, offload, comm=None)
     return model
 
 
-def zero_optimizer(cls, groups, **kw):
+def zero_optimizer(cls, groups, group=None, **kw):
     """ZeRO-1: each rank keeps the state of a part of the parameters (whole tensors, balanced by
-    size), steps them and broadcasts them to the others."""
+    size), steps them and broadcasts them to the others. group: the ranks that share them (every
+    rank; a pipeline stage's replicas)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kw)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=group, **kw)
 
 
 def local_optimizer(optimizer):

@@ -141,9 +141,12 @@ def refusals(args, world_size, torch_version, backend=None):
         (piped and args.accum_steps > 1,
          f'--microbatches already splits each step\'s batch; drop --accum-steps, or raise '
          f'--microbatches.'),
-        (piped and args.shard != 'none',
-         f'{name} with --shard {args.shard} is not supported by dlojz yet; drop --shard (each '
-         f'stage\'s replicas all-reduce its gradients, as DDP does).'),
+        (s > 1 and args.shard in ('gradients', 'full') and args.pipeline_schedule == 'interleaved',
+         f'--shard {args.shard} with --pipeline-schedule interleaved is not supported by dlojz yet '
+         f'(each of a rank\'s two stages would need an FSDP2 root of its own); use gpipe or 1f1b, '
+         f'or --shard optimizer.'),
+        (piped and args.cpu_offload,
+         f'{name} with --cpu-offload is not supported by dlojz yet; drop --cpu-offload.'),
         (piped and args.ema_decay,
          f'{name} keeps a part of the weights on each rank, and --ema-decay averages whole ones; '
          f'drop --ema-decay.'),
