@@ -98,7 +98,8 @@ def test_each_stage_shards_over_its_replicas_as_they_replicate(tmp_path, cache_d
     plain, _ = launched(tmp_path, cache_dir, 'none', 4, *mesh, '--test-nsteps', '4')
     want = losses(plain)
     for mode in ('optimizer', 'gradients', 'full'):
-        out, _ = launched(tmp_path, cache_dir, mode, 4, *mesh, '--shard', mode, '--test-nsteps', '4')
+        out, _ = launched(tmp_path, cache_dir, mode, 4, *mesh, '--shard', mode, '--test-nsteps',
+                          '4')
         assert losses(out) == want, mode
     cut, _ = launched(tmp_path, cache_dir, 'cut', 4, *mesh, '--shard', 'full', '--chkpt',
                       '--test-nsteps', '2')
@@ -315,7 +316,7 @@ def test_the_floor_refuses_1f1b_on_gloo(tmp_path):
     assert 'Traceback' not in p.stderr.split('torch.distributed.elastic')[0], p.stderr[-3000:]
 
 
-# ------------------------------------------------------------------- the measurement, by hand counts
+# ------------------------------------------------------------------ the measurement, by hand counts
 
 class FakeStage:
     """A stage whose forward takes 2 and backward 3 units of a fake clock."""
@@ -516,8 +517,8 @@ def test_the_memory_plan_does_not_refuse_a_pipeline():
     assert said and said[0].startswith('Memory plan: not made for --pipeline-stages 2')
     args.pipeline_stages = 1
     with pytest.raises(UsageError, match='more than this GPU'):
-        memory.plan_run(args, lambda: custom_models.build_model('coatnet7', 4), custom_models.blocks,
-                        2, 2 ** 30, said.append)
+        memory.plan_run(args, lambda: custom_models.build_model('coatnet7', 4),
+                        custom_models.blocks, 2, 2 ** 30, said.append)
 
 
 def test_the_cut_follows_the_measured_time():
