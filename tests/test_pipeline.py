@@ -406,7 +406,7 @@ def test_the_report_draws_each_stage_on_one_scale(tmp_path):
     assert view.text_timeline(p, width=8) == ['stage 0 |FF..BBBB|', 'stage 1 |..FF....|']
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 20), st.floats(0.01, 5.0), st.floats(0.0, 1.0),
                           st.lists(st.tuples(st.sampled_from('FB'), st.floats(0, 1),
                                              st.floats(0, 1)), max_size=6)),
