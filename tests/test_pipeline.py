@@ -140,6 +140,11 @@ def test_a_pipeline_resumes_its_checkpoint_where_the_uninterrupted_run_is(tmp_pa
     # each worker exits 2 (torchrun says 1)
     assert p.returncode != 0 and 'exitcode  : 2' in p.stderr, p.stderr[-2000:]
     assert '--pipeline-stages 1 differs from the checkpoint\'s 2' in p.stderr, p.stderr[-2000:]
+    if 'interleaved' in SCHEDULES:  # its cut has 4 stages, the checkpoint's 2
+        p = torchrun(2, *TINY, *VIT, '--cache-dir', cache_dir, '--output-dir', cut, '--resume',
+                     'auto', '--test-nsteps', '6', *pp[:4], '--pipeline-schedule', 'interleaved')
+        assert p.returncode != 0 and 'the checkpoint holds a pipeline of 2 stages' in p.stderr, \
+            p.stderr[-2000:]
 
 
 @pytest.mark.slow  # 30 s

@@ -141,7 +141,8 @@ CONTRACT = {
     'pipeline_stages': (REFUSED, 'each stage keeps the optimizer state of its own blocks; '
                                  '--evaluate validates a checkpoint under any'),
     'microbatches': (HONOURED, 'the step follows the mean over its images, however split'),
-    'pipeline_schedule': (HONOURED, 'the same cut: a schedule with as many stages per rank'),
+    'pipeline_schedule': (CHECKED, "the checkpoint's cut: gpipe and 1f1b hold as many stages, "
+                                   'interleaved twice as many'),
     'pipeline_split': (CHECKPOINT, "the checkpoint's cut is kept: each stage's blocks and their "
                                    'optimizer state'),
     # logging and profiling
