@@ -318,7 +318,8 @@ def test_the_floor_refuses_1f1b_on_gloo(tmp_path):
     p = torchrun(2, *TINY, *VIT, '--output-dir', tmp_path / 'run', '--pipeline-stages', '2',
                  '--microbatches', '2', '--test-nsteps', '1')
     assert p.returncode != 0 and 'hangs on gloo below torch 2.8' in p.stderr, p.stderr[-2000:]
-    assert 'Traceback' not in p.stderr.split('torch.distributed.elastic')[0], p.stderr[-3000:]
+    # torchrun prints its own traceback; none comes from dlojz's workers
+    assert 'dlojz.py", line' not in p.stderr and 'dlojzlib' not in p.stderr, p.stderr[-3000:]
 
 
 # ------------------------------------------------------------------ the measurement, by hand counts
@@ -521,9 +522,13 @@ def test_the_memory_plan_does_not_refuse_a_pipeline():
     assert memory.plan_run(args, vit, custom_models.blocks, 2, 2 ** 30, said.append) is None
     assert said and said[0].startswith('Memory plan: not made for --pipeline-stages 2')
     args.pipeline_stages = 1
-    with pytest.raises(UsageError, match='more than this GPU'):
-        memory.plan_run(args, lambda: custom_models.build_model('coatnet7', 4),
-                        custom_models.blocks, 2, 2 ** 30, said.append)
+    try:
+        got = memory.plan_run(args, lambda: custom_models.build_model('coatnet7', 4),
+                              custom_models.blocks, 2, 2 ** 30, said.append)
+    except UsageError as e:
+        assert 'more than this GPU' in str(e)
+    else:  # timm 1.0.3 (the floor) cannot build it on the meta device: no plan there
+        assert got is None and 'cannot be built on the meta device' in said[-1], said
 
 
 def test_the_cut_follows_the_measured_time():
