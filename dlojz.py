@@ -261,12 +261,24 @@ def to_device(images, labels, run):
 
 
 def train_step(run, images, labels):
-    """One optimisation step, as every mode runs it, over a batch or (--accum-steps) lists of micro-batches
-    whose gradients add up: each micro-batch's loss is divided by their number, so the step follows the mean
-    over all its images, as N ranks' all-reduce would; DDP syncs only during the last backward (no_sync
-    before). -> (mean loss, output, labels): detached, on the device."""
-    if run.pipe is not None:  # --pipeline-stages, --microbatches: dist.pipeline's own step
-        return run.pipe.step(run, images, labels, to_device)
+    """One optimisation step, as every mode runs it: the gradients (accumulate's, or a pipeline's schedule:
+    dist.pipeline), then the optimizer. -> (mean loss, output, labels): detached, on the device."""
+    loss, output, target = accumulate(run, images, labels) if run.pipe is None else \
+        run.pipe.gradients(run, images, labels, to_device)  # --pipeline-stages, --microbatches
+    with run.chrono.phase('optimizer'):
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    if run.ema is not None:
+        run.ema.update(run.model_without_ddp)
+    return loss, output, target
+
+
+def accumulate(run, images, labels):
+    """The gradients of a batch or (--accum-steps) lists of micro-batches, which add up: each micro-batch's
+    loss is divided by their number, so the step follows the mean over all its images, as N ranks' all-reduce
+    would; DDP syncs only during the last backward (no_sync before). -> (mean loss, output, labels)."""
     micro = list(zip(images, labels)) if isinstance(images, list) else [(images, labels)]
     n = len(micro)
     losses, outputs, targets = [], [], []
@@ -287,13 +299,6 @@ def train_step(run, images, labels):
                 run.scaler.scale(loss / n if n > 1 else loss).backward()
         outputs.append(output.detach() if n == 1 else output.detach().clone())
         targets.append(y)
-    with run.chrono.phase('optimizer'):
-        run.scaler.step(run.optimizer)
-        run.scaler.update()
-        run.optimizer.zero_grad(set_to_none=True)
-    run.scheduler.step()
-    if run.ema is not None:
-        run.ema.update(run.model_without_ddp)
     if n == 1:
         return losses[0], outputs[0], targets[0]
     return torch.stack(losses).mean(), torch.cat(outputs), torch.cat(targets)

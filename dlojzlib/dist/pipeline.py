@@ -2,11 +2,11 @@
 torch.distributed.pipelining, with data-parallel replicas of every stage (a 2-D mesh; torchtitan's
 order, the stages outermost: rank = stage x replicas + replica).
 
-    build(...)        the cut (dist.stages: balanced by time measured here, or by parameters),
-                      this rank's part of the model, and a Pipeline
-    Pipeline.step     one optimisation step: the schedule over the microbatches, the replicas'
-                      gradient all-reduce, the optimizer
-    Pipeline.forward  validation: each batch through the stages in turn (sends and receives)
+    build(...)          the cut (dist.stages: balanced by time measured here, or by parameters),
+                        this rank's part of the model, and a Pipeline
+    Pipeline.gradients  a step's gradients: the schedule over the microbatches, the replicas'
+                        all-reduce (dlojz.train_step then steps the optimizer)
+    Pipeline.forward    validation: each batch through the stages in turn (sends and receives)
 
 Each rank keeps the model with the parts it does not run replaced by nn.Identity (or None for a
 bare parameter), so that its state dict holds its parameters under their whole-model names: the
@@ -189,16 +189,21 @@ def batchnorm_note(model, arch, batch, microbatches):
             f'and updates its running statistics {microbatches} times a step.')
 
 
-def plan_cut(split, costs, parts):
-    """-> bounds over the blocks. costs: per piece (head, blocks, tail); the head counts with
-    the first block and the tail with the last, which always go to the first and last stage."""
-    n = len(costs) - 2
-    if isinstance(split, tuple):
-        return stages.bounds_of(split, n, parts)
+def block_costs(costs):
+    """Costs per piece (head, blocks, tail) -> per block: the head counts with the first block and
+    the tail with the last, which always go to the first and last stage."""
     blocks = list(costs[1:-1])
     blocks[0] += costs[0]
     blocks[-1] += costs[-1]
-    return stages.balance(blocks, parts)
+    return blocks
+
+
+def plan_cut(split, costs, parts):
+    """-> bounds over the blocks, from --pipeline-split's block numbers or balancing
+    block_costs(costs)."""
+    if isinstance(split, tuple):
+        return stages.bounds_of(split, len(costs) - 2, parts)
+    return stages.balance(block_costs(costs), parts)
 
 
 # ------------------------------------------------------------------------------------ the mesh
@@ -282,8 +287,9 @@ class Pipeline(nn.Module):
     def _global(self, pipe_rank):
         return pipe_rank * self.replicas + self.replica
 
-    def step(self, run, images, labels, to_device):
-        """One optimisation step -> (the step's mean loss on every rank, the logits on the last
+    def gradients(self, run, images, labels, to_device):
+        """A step's forwards and backwards, its gradients averaged over the replicas (the caller
+        steps the optimizer) -> (the step's mean loss on every rank, the logits on the last
         stage's ranks (None elsewhere), the labels)."""
         with run.chrono.phase('h2d'):
             if self.first:
@@ -306,12 +312,8 @@ class Pipeline(nn.Module):
                 output = self.schedule.step(*((x,) if self.first else ()), **last)
         loss = self.share_loss(losses)
         run.guard.observe(loss)  # before the optimizer: on CPU a non-finite loss is never applied
-        with run.chrono.phase('optimizer'):
+        with run.chrono.phase('optimizer'):  # the replicas' all-reduce, timed with the step after it
             self._average_gradients()
-            run.scaler.step(run.optimizer)
-            run.scaler.update()
-            run.optimizer.zero_grad(set_to_none=True)
-        run.scheduler.step()
         return loss, (output.detach() if self.last else None), y
 
     def share_loss(self, losses):
@@ -362,7 +364,7 @@ def build(args, model, device, dist, autocast, say=print, cut=None):
     from dlojzlib.errors import UsageError
     n_ranks, schedule = args.pipeline_stages, args.pipeline_schedule
     virtual = stages.VIRTUAL[schedule] if n_ranks > 1 else 1
-    n_total, world = n_ranks * virtual, max(1, dist.world_size)
+    n_total, world = n_ranks * virtual, dist.world_size
     fam = family(model)
     if fam is None:
         raise UsageError(f'--pipeline-stages cuts timm\'s ViTs and CoAtNets at their blocks, and '
@@ -380,18 +382,20 @@ def build(args, model, device, dist, autocast, say=print, cut=None):
     rank_in_pipe, replica = (dist.rank // replicas, dist.rank % replicas) if dist.distributed \
         else (0, 0)
     ids = [rank_in_pipe + i * n_ranks for i in range(virtual)]
-    costs, shapes = [0.0] * (n_blocks + 2), None
-    if n_total > 1:
-        def probe():
-            x = torch.randn(mb, 3, args.image_size, args.image_size,
-                            generator=torch.Generator().manual_seed(0))
-            costs, shapes = measure(model, fam, x, device, autocast, 3 if split == 'time' else 0)
-            return piece_params(model, fam) if split == 'params' else costs, shapes
-        costs, shapes = launch.broadcast_object(launch.on_ranks(probe, when=dist.is_main))
     if cut is not None and (len(cut) != n_total + 1 or cut[-1] != n_blocks):
         raise UsageError(f'the checkpoint holds a pipeline of {len(cut) - 1} stages (cut at blocks '
                          f'{",".join(map(str, cut[1:-1]))}) and this run makes {n_total}; resume '
                          f'with the --pipeline-stages and --pipeline-schedule it was written with.')
+    costs, shapes = [0.0] * (n_blocks + 2), None
+    if n_total > 1:  # the shapes between stages always; the time only where it chooses the cut
+        reps = 3 if split == 'time' and cut is None else 0
+
+        def probe():
+            x = torch.randn(mb, 3, args.image_size, args.image_size,
+                            generator=torch.Generator().manual_seed(0))
+            costs, shapes = measure(model, fam, x, device, autocast, reps)
+            return piece_params(model, fam) if split == 'params' else costs, shapes
+        costs, shapes = launch.broadcast_object(launch.on_ranks(probe, when=dist.is_main))
     try:
         bounds = list(cut) if cut is not None else \
             plan_cut(split, costs, n_total) if n_total > 1 or isinstance(split, tuple) \
@@ -432,9 +436,7 @@ def cut_line(args, bounds, costs, split, replicas, mb, virtual):
     how = {'time': 'by the time of each block forward and backward here',
            'params': 'by parameters', 'checkpoint': 'as the checkpoint was'}.get(
         split, 'as --pipeline-split gives')
-    blocks = list(costs[1:-1])
-    blocks[0] += costs[0]
-    blocks[-1] += costs[-1]
+    blocks = block_costs(costs)
     unit = (lambda v: f'{v * 1e3:.1f} ms') if split == 'time' else \
         (lambda v: f'{v / 1e6:.2f} M parameters') if split == 'params' else (lambda v: '')
     runs = [f'stage {k}: blocks {a}-{b - 1}' + (f' {unit(sum(blocks[a:b]))}' if unit(0) else '')

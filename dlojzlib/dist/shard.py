@@ -125,12 +125,19 @@ def sharded_state(module, optimizer):
     return {'model': model, 'optimizer': optim}
 
 
+def part_of(module, state):
+    """A whole model's state dict as this rank's module holds it: a pipeline stage's entries
+    (dist.pipeline keeps the whole model's names), or all of it."""
+    if not getattr(module, 'piped', False):
+        return state
+    mine = module.state_dict()
+    return {k: v for k, v in state.items() if k in mine}
+
+
 def load_model_state(module, state):
     """Load a whole state dict (any world size, any mode wrote it) into this rank's module: each
-    parameter's slice is cut as FSDP2 cuts it."""
-    if getattr(module, 'piped', False):  # a pipeline stage: its part of the whole
-        mine = module.state_dict()
-        state = {k: v for k, v in state.items() if k in mine}
+    parameter's slice is cut as FSDP2 cuts it, a pipeline stage's part taken."""
+    state = part_of(module, state)
     if is_sharded(module):
         reshard(module)
         mine = module.state_dict()

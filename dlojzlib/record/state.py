@@ -237,9 +237,7 @@ def check_fits(ckpt, path, arch, model, optimizer=None):
     """Refuse a checkpoint whose weights or optimizer state this run's model and optimizer cannot
     take (an edited 'arch', other model flags, another optimizer's groups), before any log is
     opened."""
-    mine, theirs = model.state_dict(), strip_prefixes(ckpt['model'])
-    if getattr(model, 'piped', False):  # a pipeline stage takes its part of the whole
-        theirs = {k: v for k, v in theirs.items() if k in mine}
+    mine, theirs = model.state_dict(), shard.part_of(model, strip_prefixes(ckpt['model']))
     if set(mine) != set(theirs) or any(_shape(mine[k]) != _shape(theirs[k]) for k in mine):
         raise UsageError(f"checkpoint {path} (labelled --arch {ckpt.get('arch')}) holds weights "
                          f"that do not fit this run's --arch {arch} model: "
