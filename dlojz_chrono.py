@@ -218,6 +218,7 @@ class Chronometer:
         self._pending = []     # records whose events may not have completed yet
         self._current = None
         self._begun = 0        # steps begun, over every iterate() call
+        self._steadied = False  # steady_check() has run
         self._interval = []    # data-wait seconds of the steps begun since the last interval() call
         self.val_time = None
         self.val_batches = 0
@@ -250,34 +251,50 @@ class Chronometer:
         it = iter(iterable)
         n = 0
         while max_steps is None or n < max_steps:
-            if self._begun == self.warmup:
-                if self.events:  # the warm-up's queued work is not the steady window's (one sync per run)
-                    self.timeline.synchronize()
-                    if self.probe and hasattr(self.timeline, 'calibrate'):
-                        self.timeline.calibrate()
-                for fn in self.on_steady:
-                    fn()
+            self.steady_check()
             t0 = self.clock()
             try:
                 batch = next(it)
             except StopIteration:
                 return
-            self._current = {'t0': t0, 'data': self.clock() - t0, 'events': [], 'images': _images(batch)}
-            if self._begun in self.exclude_steps:
-                self._current['excluded'] = True
-            if self.events:  # the step's work starts now, on the device's clock
-                if self._probe_s is not None:
-                    self.timeline.delay(self._probe_s)
-                    self._current['probe'], self._probe_s, self._last_probe = True, None, self._begun
-                self._current.update(clean=True, last=None)
-                self._current['span'] = self._event(self._current)
-            self._interval.append(self._current['data'])
-            self._begun += 1
+            self.begin_step(batch, t0, self.clock() - t0)
             n += 1
             yield batch
-            self._end_step()
+            self.end_step()
 
-    def _end_step(self):
+    def steady_check(self):
+        """Before the first steady step asks for its batch: the warm-up's queued work is not the
+        steady window's (one sync per run), and the on_steady callables run (once)."""
+        if self._begun == self.warmup and not self._steadied:
+            self._steadied = True
+            if self.events:
+                self.timeline.synchronize()
+                if self.probe and hasattr(self.timeline, 'calibrate'):
+                    self.timeline.calibrate()
+            for fn in self.on_steady:
+                fn()
+
+    def begin_step(self, batch, t0, data):
+        """A step begins with `batch` in hand: asked for at host time t0, after `data` seconds of
+        waiting. iterate() calls it; a loop it does not drive (dlojzlib.lightning) calls it and
+        end_step() itself, and steady_check() before the step's batch is asked for."""
+        self._current = {'t0': t0, 'data': data, 'events': [], 'images': _images(batch)}
+        if self._begun in self.exclude_steps:
+            self._current['excluded'] = True
+        if self.events:  # the step's work starts now, on the device's clock
+            if self._probe_s is not None:
+                self.timeline.delay(self._probe_s)
+                self._current['probe'], self._probe_s, self._last_probe = True, None, self._begun
+            self._current.update(clean=True, last=None)
+            self._current['span'] = self._event(self._current)
+        self._interval.append(self._current['data'])
+        self._begun += 1
+
+    @property
+    def in_step(self):
+        return self._current is not None
+
+    def end_step(self):
         rec = self._current
         self._current = None
         rec['step'] = self.clock() - rec.pop('t0')
