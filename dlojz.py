@@ -52,7 +52,8 @@ from dlojz_chrono import Chronometer, CudaTimeline, profiler
 from dlojzlib import failpoints
 from dlojzlib import recipe
 from dlojzlib.data import augment
-from dlojzlib.data.datasets import IMAGENET_MEAN, IMAGENET_STD, build_data
+from dlojzlib.data import datasets
+from dlojzlib.data.datasets import build_data
 from dlojzlib.dist import launch, pipeline, shard
 from dlojzlib.dist.launch import get_dist_info
 from dlojzlib.errors import (CommFailure, DiskFull, DlojzError, Interrupted, NonFiniteValidation,
@@ -222,7 +223,7 @@ def build_run(args, dist, device, say, startup=None):
     run = Run(args=args, dist=dist, device=device, data=data, model=model, eval_model=eval_model,
               model_without_ddp=plain, criterion=criterion, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
               autocast=autocast(),
-              norm=tuple(torch.tensor(v, device=device).view(1, 3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD)),
+              norm=datasets.normalisation(device),
               chrono=chrono, power=power, memory=memory,
               # a non-finite loss is looked for every step on CPU (free); on a GPU at each log line, in the
               # same read as the line's loss (one sync per --log-interval steps); the LR sweep reads its loss
@@ -248,16 +249,9 @@ def build_run(args, dist, device, say, startup=None):
 # ------------------------------------------------------------------------------------------------ training
 
 def to_device(images, labels, run):
-    """uint8 NCHW batch -> normalised float on the device (normalising here is 4x less PCIe traffic)."""
-    nb = run.args.non_blocking
-    mean, std = run.norm
-    x = images.to(run.device, non_blocking=nb)
-    labels = labels.to(run.device, non_blocking=nb)
-    for i, j in getattr(images, 'replaced', ()):  # --decode gpu --skip-bad-images: sample j took bad i's place
-        labels[i] = labels[j]
-    if run.args.channels_last:  # reorder the uint8 batch (1 byte per value), not a float copy of it
-        x = x.contiguous(memory_format=torch.channels_last)
-    return (x.float() - mean) / std, labels
+    """uint8 NCHW batch -> normalised float on the device (data.datasets.to_device)."""
+    return datasets.to_device(images, labels, run.device, run.norm, run.args.non_blocking,
+                              run.args.channels_last)
 
 
 def train_step(run, images, labels):

@@ -110,21 +110,26 @@ def write_summary(run, progress, status, error=None, extra=None):
 def rank_report(run):
     """This rank's timing, memory and energy; gathered from every rank at the end of a completed
     run."""
-    st, memory = run.chrono.stats(), run.memory.summary()
-    step, data = st.get('step'), st.get('data')
-    profiled = sum(bool(r.get('excluded')) for r in run.chrono.steps)
-    return {**run.chrono.totals(), 'profiled_steps': profiled, 'rank': run.dist.rank,
+    return {**rank_timing(run.chrono, run.memory, run.power, run.dist.rank),
             'pipe_rank': run.pipe.rank_in_pipe if run.pipe is not None else None,
+            'model_states': states_of(run), 'startup': rank_startup(run)}
+
+
+def rank_timing(chrono, memory, power, rank):
+    """What every loop's rank reports of its steps (a Chronometer's), memory and energy: dlojz.py's
+    and a Lightning run's (dlojzlib.lightning)."""
+    st, mem = chrono.stats(), memory.summary()
+    step, data = st.get('step'), st.get('data')
+    profiled = sum(bool(r.get('excluded')) for r in chrono.steps)
+    return {**chrono.totals(), 'profiled_steps': profiled, 'rank': rank,
             'host': socket.gethostname(),
-            'steps': len(run.chrono.steps),
+            'steps': len(chrono.steps),
             'step_median_s': step['median'] if step else None,
             'step_mean_s': step['mean'] if step else None,
-            'data_mean_s': data['mean'] if data else None, 'val_time_s': run.chrono.val_time,
-            'gpu_max_allocated_bytes': memory['gpu_max_allocated_bytes'],
-            'host_peak_rss_bytes': memory['host_peak_rss_bytes'],
-            'model_states': states_of(run),
-            'startup': rank_startup(run),
-            **run.power.report()}
+            'data_mean_s': data['mean'] if data else None, 'val_time_s': chrono.val_time,
+            'gpu_max_allocated_bytes': mem['gpu_max_allocated_bytes'],
+            'host_peak_rss_bytes': mem['host_peak_rss_bytes'],
+            **power.report()}
 
 
 def states_of(run):
