@@ -34,6 +34,7 @@ ALLOWED = {
     'record': {'base', 'dist', 'flags', 'core', 'measure', 'chrono'},
     'modes': LIBRARY - {'modes'},
     'tools': LIBRARY,                         # the library, never the modes; nothing imports a tool
+    'lightning': LIBRARY,                     # optional (Lightning): nothing imports it
     'launchers': {'data', 'measure', 'modes', 'tools'},
     'script': LIBRARY | {'modes'},            # dlojz.py
 }
