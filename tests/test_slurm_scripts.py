@@ -25,7 +25,7 @@ def test_shipped_script_is_the_generator_output(machine, gpus, ranks):
 def test_no_stale_script_is_left_in_slurm():
     names = {n for n in os.listdir(os.path.join(ROOT, 'slurm')) if n.endswith('.slurm')}
     assert names == {S.script_name(m, g, r) for m, g, r in S.SHIPPED} | \
-        {S.script_name(m, g, recipe=r) for m, g, r in S.SHIPPED_RECIPES}
+        {S.script_name(m, g, recipe=r) for m, g, r in S.SHIPPED_RECIPES + S.SHIPPED_PROGRAMS}
 
 
 @pytest.mark.parametrize('machine,gpus,recipe', S.SHIPPED_RECIPES)
@@ -52,6 +52,21 @@ def test_a_recipe_script_runs_its_flags_and_says_its_plan(machine, gpus, recipe)
     said = dict(re.findall(r'--shard (\w+) (\d+(?:\.\d+)?)', text.split('#SBATCH')[0]))
     gb = lambda p: f"{p['model_states'] / 1e9:.1f}".rstrip('0').rstrip('.')  # as the comments say
     assert said == {m: gb(p) for m, p in plans.items()}
+
+
+@pytest.mark.parametrize('machine,gpus,program', S.SHIPPED_PROGRAMS)
+def test_a_program_script_is_the_generator_output_and_runs_its_program(machine, gpus, program):
+    """The JSC course's Lightning script: the site's set-up and shape, its own program under srun
+    with the user's flags, and none of dlojz.py's (it has no --resume or --run-name)."""
+    name = S.script_name(machine, gpus, recipe=program)
+    text = open(os.path.join(ROOT, 'slurm', name)).read()
+    assert text == S.render(machine, gpus, recipe=program), f'{name} is stale: run python ' \
+                                                            'dlojz_slurm.py --write'
+    srun = text[text.index('srun python'):text.index('"$@" &')]
+    assert srun == f'srun python -u {S.RECIPES[program]["program"]} \\\n    '
+    assert os.path.exists(os.path.join(ROOT, S.RECIPES[program]['program']))
+    assert text.count(f'--ntasks-per-node={gpus} ') == 1 and f'--gres=gpu:{gpus} ' in text
+    assert 'module load Stages/2025' in text and 'RUN_NAME' not in text
 
 
 def test_a_recipe_is_refused_at_a_size_it_is_not_planned_for(capsys):

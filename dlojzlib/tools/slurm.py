@@ -38,7 +38,11 @@ RECIPES = {
                  8: {'none': 38.9, 'optimizer': 21.9, 'gradients': 4.9, 'full': 4.9}},
     },
 }
+RECIPES['lightning'] = {  # a script of its own: the JSC course's, measured by dlojzlib.lightning
+    'what': "the JSC course's Lightning ResNet-50, timed by dlojz's callback (docs/lightning.md)",
+    'program': 'examples/lightning_resnet50.py', 'flags': [], 'plan': None}
 SHIPPED_RECIPES = [('h100', 4, 'coatnet7'), ('h100', 8, 'coatnet7')]
+SHIPPED_PROGRAMS = [('booster', 1, 'lightning'), ('booster', 4, 'lightning')]
 
 
 def spec(machine, partition=None):
@@ -58,6 +62,8 @@ def script_name(machine, gpus, ranks_per_gpu=1, partition=None, recipe=None):
 def recipe_lines(recipe, gpus):
     """A recipe's comment block: what it runs and the plan at this size."""
     r = RECIPES[recipe]
+    if r['plan'] is None:
+        return [f'# This run: {r["what"]}.']
     plan = ', '.join(f'--shard {mode} {gb:g}' for mode, gb in r['plan'][gpus].items())
     return [f'# This run: {r["what"]}.',
             f'# Model states per GPU planned at {gpus} GPUs, GB (parameters, gradients and AdamW '
@@ -247,17 +253,21 @@ def render(machine, gpus, time_limit='02:00:00', account=None, qos=None, partiti
               'export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps',
               'export CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-log',
               'nvidia-cuda-mps-control -d']
-    L += ['# The run folder, runs/<run name>, does not depend on the job id: resubmitting this script with the same',
-          '# flags continues the run after scancel or a time limit without requeue (exit 5); once a run is over',
-          '# the next one goes to <run name>.2. Choose the name with DLOJZ_RUN=<name> sbatch ..., or pass',
-          '# --output-dir.',
-          'RUN_NAME=${DLOJZ_RUN:-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}-$(printf \'%s\\n\' "$@" | cksum | cut -d" " -f1)}',
-          'case " $* " in *" --output-dir "* | *" --output-dir="*) RUN_NAME= ;; esac  # the folder is given',
-          'set -x',
-          'srun python -u dlojz.py \\',
-          '    ${RUN_NAME:+--run-name "$RUN_NAME"} \\',
-          '    --resume auto \\',
-          '    --chkpt \\']
+    program = RECIPES[recipe].get('program') if recipe else None
+    if program:  # its own flags; Lightning requeues the job on SIGUSR2 (the script sets it)
+        L += ['set -x', f'srun python -u {program} \\']
+    else:
+        L += ['# The run folder, runs/<run name>, does not depend on the job id: resubmitting this script with the same',
+              '# flags continues the run after scancel or a time limit without requeue (exit 5); once a run is over',
+              '# the next one goes to <run name>.2. Choose the name with DLOJZ_RUN=<name> sbatch ..., or pass',
+              '# --output-dir.',
+              'RUN_NAME=${DLOJZ_RUN:-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}-$(printf \'%s\\n\' "$@" | cksum | cut -d" " -f1)}',
+              'case " $* " in *" --output-dir "* | *" --output-dir="*) RUN_NAME= ;; esac  # the folder is given',
+              'set -x',
+              'srun python -u dlojz.py \\',
+              '    ${RUN_NAME:+--run-name "$RUN_NAME"} \\',
+              '    --resume auto \\',
+              '    --chkpt \\']
     if machine == 'cpu':
         L.append('    --device cpu \\')
     if m.get('stage'):
@@ -286,7 +296,7 @@ def write_all(folder=os.path.join(ROOT, 'slurm')):
         with open(path, 'w') as f:
             f.write(render(machine, gpus, ranks_per_gpu=ranks))
         written.append(path)
-    for machine, gpus, recipe in SHIPPED_RECIPES:
+    for machine, gpus, recipe in SHIPPED_RECIPES + SHIPPED_PROGRAMS:
         path = os.path.join(folder, script_name(machine, gpus, recipe=recipe))
         with open(path, 'w') as f:
             f.write(render(machine, gpus, recipe=recipe))
@@ -313,10 +323,12 @@ def parser():
                    'gpu_p2l select the 8-GPU nodes)')
     p.add_argument('--ranks-per-gpu', type=int, default=1, help='tasks sharing each GPU through NVIDIA MPS')
     sizes = '; '.join(f'{r}: {", ".join(f"{g} GPUs" for _, g, n in SHIPPED_RECIPES if n == r)}'
+                      if RECIPES[r]['plan'] else f'{r}: any size'
                       for r in sorted(RECIPES))
     p.add_argument('--recipe', choices=sorted(RECIPES), help='a run with its own flags and their '
                    'plan in the script\'s comments (coatnet7: the course\'s fourth day, --shard '
-                   f'full); its size: {sizes}')
+                   'full; lightning: examples/lightning_resnet50.py, the JSC course\'s script); '
+                   f'its size: {sizes}')
     p.add_argument('--dry-run', action='store_true', help='print the script instead of submitting it')
     p.add_argument('--write', action='store_true', help='regenerate the scripts of slurm/')
     p.add_argument('dlojz_flags', nargs=argparse.REMAINDER, help='flags for dlojz.py (after --)')
@@ -332,7 +344,8 @@ def main(argv=None):
     try:
         if args.ranks_per_gpu < 1 or args.ranks_per_gpu > 1 and args.machine == 'cpu':
             raise ValueError(f'--ranks-per-gpu {args.ranks_per_gpu}: give 1 or more, on a GPU machine.')
-        if args.recipe and args.gpus not in RECIPES[args.recipe]['plan']:
+        if args.recipe and RECIPES[args.recipe]['plan'] and \
+                args.gpus not in RECIPES[args.recipe]['plan']:
             raise ValueError(f'--recipe {args.recipe} is planned for '
                              f'{sorted(RECIPES[args.recipe]["plan"])} GPUs, not --gpus '
                              f'{args.gpus}; give one of those.')
