@@ -82,8 +82,10 @@ def get_args_parser():
     p.add_argument('--max-steps', type=int, default=-1, help='stop after this many steps (-1: '
                    'the epochs)')
     p.add_argument('--accelerator', default='auto', help='gpu (the course), cpu or auto')
-    p.add_argument('--devices', default='auto', help='processes per node: the tasks per node '
-                   'under srun; a number to have Lightning start them')
+    tasks = os.getenv('SLURM_NTASKS_PER_NODE', '')  # Lightning wants devices = --ntasks-per-node
+    p.add_argument('--devices', default=tasks if tasks.isdigit() else 'auto',
+                   help='processes per node (default: Slurm\'s --ntasks-per-node, else all GPUs); a '
+                   'number outside Slurm to have Lightning start them')
     p.add_argument('--strategy', default='auto', help='Lightning\'s: auto (DDP on several '
                    'processes), ddp, ...')
     p.add_argument('--precision', default=None, help='Lightning\'s: 32, bf16-mixed, 16-mixed')

@@ -27,6 +27,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 import dlojz_chrono
 from dlojzlib.dist import launch
@@ -84,7 +85,8 @@ class Chronometer(pl.Callback):
             return
         device = trainer.strategy.root_device
         env = getattr(trainer.strategy, 'cluster_environment', None)  # None: one device
-        env = type(env).__name__ if env is not None else type(trainer.strategy).__name__
+        env = type(env).__name__ if env is not None else \
+            'SLURMEnvironment' if SLURMEnvironment.detect() else type(trainer.strategy).__name__
         self.dist = launch.DistInfo(rank=trainer.global_rank, local_rank=trainer.local_rank,
                                     world_size=trainer.world_size,
                                     local_world_size=trainer.num_devices,

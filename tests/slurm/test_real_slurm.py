@@ -66,6 +66,7 @@ def workdir(tmp_path_factory):
     shutil.copytree(os.path.join(ROOT, 'dlojzlib'), d / 'dlojzlib',
                     ignore=shutil.ignore_patterns('__pycache__'))
     shutil.copytree(os.path.join(ROOT, 'slurm'), d / 'slurm', ignore=shutil.ignore_patterns('*.out', '*.err'))
+    shutil.copytree(os.path.join(ROOT, 'examples'), d / 'examples')  # the Lightning scripts run one
     os.makedirs(d / 'slurm' / 'log', exist_ok=True)
     shims = d / 'shims'
     (shims / 'bin').mkdir(parents=True)
