@@ -29,6 +29,14 @@ def test_torch_has_the_private_calls_dlojz_makes():
     assert missing == []
 
 
+def test_torch_has_aotinductors_package_calls_from_2_6():
+    import torch._inductor
+    calls = ('aoti_compile_and_package', 'aoti_load_package')
+    if tuple(int(v) for v in torch.__version__.split('.')[:2]) < (2, 6):
+        pytest.skip('AOTInductor packages come with torch 2.6 (dlojz_export.py refuses --aoti)')
+    assert [name for name in calls if not hasattr(torch._inductor, name)] == []
+
+
 def test_the_wrappers_do_what_their_public_counterparts_do():
     """Each against a public computation of the same result."""
     a, b = [torch.zeros(3), torch.ones(2)], [torch.full((3,), 4.0), torch.full((2,), 3.0)]

@@ -20,7 +20,7 @@ BASE = {'dlojzlib', 'dlojzlib.errors', 'dlojzlib.failpoints', 'dlojzlib.host', '
         'dlojzlib.files', 'dlojzlib.tables', 'dlojzlib.environment'}
 CORE = {'dlojzlib.recipe', 'dlojzlib.metrics'}
 LAUNCHERS = {'dlojz_report', 'dlojz_data', 'dlojz_slurm', 'dlojz_scaling', 'dlojz_bench',
-             'dlojz_loader'}
+             'dlojz_loader', 'dlojz_export'}
 LIBRARY = {'base', 'flags', 'core', 'data', 'dist', 'measure', 'chrono', 'record', 'models'}
 ALLOWED = {
     'base': set(),

@@ -1,0 +1,100 @@
+"""dlojz_export.py: a trained checkpoint exported with torch.export, loaded back, gives the logits
+of torchvision's network holding the checkpoint's weights (the reference, built here); with
+--aoti, a C++ program built against the wheel's LibTorch loads the package and gives the same
+logits (slow: it compiles). A file that is not a checkpoint, and --ema without EMA weights, are
+refused in one sentence.
+
+Run: python -m pytest -q tests/test_export.py (the C++ one: -m slow)"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torchvision
+
+from conftest import ROOT, run_main
+
+AOTI = tuple(int(v) for v in torch.__version__.split('.')[:2]) >= (2, 6)
+
+
+@pytest.fixture(scope='module')
+def checkpoint(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp('trained')
+    run_main(out, cache_dir, '--test-nsteps', '2', '--chkpt')
+    path, = glob.glob(str(out / 'checkpoint-*.pt'))
+    return path
+
+
+def reference(path, images):
+    """torchvision's ResNet-18 with the checkpoint's weights: the logits to match."""
+    ckpt = torch.load(path, map_location='cpu', weights_only=False)
+    model = torchvision.models.resnet18(num_classes=ckpt['num_classes'])
+    model.load_state_dict(ckpt['model'])
+    with torch.no_grad():
+        return model.eval()(images)
+
+
+def export(*argv):
+    return subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_export.py'), *map(str, argv)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+def test_an_exported_program_gives_the_checkpoints_logits(checkpoint, tmp_path):
+    out = tmp_path / 'rn18.pt2'
+    p = export(checkpoint, '--out', out)
+    assert p.returncode == 0, p.stderr
+    assert 'ExportedProgram' in p.stdout and '32 px' in p.stdout  # the run's --val-image-size
+    images = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(1))  # any batch size
+    with torch.no_grad():
+        got = torch.export.load(str(out)).module()(images)
+    torch.testing.assert_close(got, reference(checkpoint, images), rtol=1e-5, atol=1e-5)
+
+
+def test_what_is_not_a_checkpoint_is_refused_in_one_sentence(checkpoint, tmp_path):
+    bad = tmp_path / 'x.pt'
+    torch.save({'weights': 1}, bad)
+    p = export(bad, '--out', tmp_path / 'y.pt2')
+    assert p.returncode == 2 and p.stderr.count('\n') == 1 and 'not a dlojz checkpoint' in p.stderr
+    p = export(checkpoint, '--out', tmp_path / 'y.pt2', '--ema')
+    assert p.returncode == 2 and p.stderr.count('\n') == 1 and 'holds no EMA weights' in p.stderr
+    assert not (tmp_path / 'y.pt2').exists()
+
+
+LOADER = r'''
+#include <iostream>
+#include <torch/torch.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+int main(int argc, char** argv) {
+  torch::inductor::AOTIModelPackageLoader loader(argv[1]);
+  auto x = torch::arange(3 * 3 * 32 * 32, torch::kFloat32).reshape({3, 3, 32, 32}).div(9216.0);
+  auto y = loader.run({x})[0].contiguous();
+  std::cout.precision(9);
+  for (int64_t i = 0; i < y.numel(); ++i) std::cout << y.view(-1)[i].item<float>() << "\n";
+}
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not AOTI or shutil.which('g++') is None,
+                    reason='AOTInductor packages need torch 2.6 and a C++ compiler')
+def test_a_cpp_program_loads_the_package_and_gives_the_same_logits(checkpoint, tmp_path):
+    out = tmp_path / 'rn18-aoti.pt2'
+    p = export(checkpoint, '--out', out, '--aoti')
+    assert p.returncode == 0, p.stderr
+    lib = os.path.dirname(torch.__file__)
+    (tmp_path / 'load.cpp').write_text(LOADER)
+    build = subprocess.run(['g++', '-std=c++20', '-O1', 'load.cpp', '-o', 'load',
+                            f'-I{lib}/include', f'-I{lib}/include/torch/csrc/api/include',
+                            f'-L{lib}/lib', '-ltorch', '-ltorch_cpu', '-lc10',
+                            f'-Wl,-rpath,{lib}/lib'], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(tmp_path / 'load'), str(out)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, 'LD_LIBRARY_PATH': f'{lib}/lib'})
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = torch.tensor([float(v) for v in run.stdout.split()]).view(3, -1)
+    images = torch.arange(3 * 3 * 32 * 32, dtype=torch.float32).view(3, 3, 32, 32) / 9216.0
+    torch.testing.assert_close(got, reference(checkpoint, images), rtol=1e-4, atol=1e-4)
