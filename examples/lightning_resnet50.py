@@ -25,7 +25,8 @@ try:  # dlojzlib.lightning first: without Lightning it says what to install
 except ModuleNotFoundError as e:
     if e.name != 'lightning':
         raise
-    sys.exit(f'lightning_resnet50: {e}')
+    print(f'lightning_resnet50: error: {e}', file=sys.stderr)
+    sys.exit(2)
 import torch
 import torch.nn.functional as F
 import torchmetrics
@@ -135,4 +136,5 @@ if __name__ == '__main__':
     try:
         main(get_args_parser().parse_args())
     except UsageError as e:
-        sys.exit(f'lightning_resnet50: {e}')
+        print(f'lightning_resnet50: error: {e}', file=sys.stderr)
+        sys.exit(2)

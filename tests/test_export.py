@@ -14,8 +14,12 @@ import sys
 import pytest
 import torch
 import torchvision
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import ROOT, run_main
+from dlojzlib.errors import UsageError
+from dlojzlib.tools.export import network
 
 AOTI = tuple(int(v) for v in torch.__version__.split('.')[:2]) >= (2, 6)
 
@@ -61,6 +65,30 @@ def test_what_is_not_a_checkpoint_is_refused_in_one_sentence(checkpoint, tmp_pat
     p = export(checkpoint, '--out', tmp_path / 'y.pt2', '--ema')
     assert p.returncode == 2 and p.stderr.count('\n') == 1 and 'holds no EMA weights' in p.stderr
     assert not (tmp_path / 'y.pt2').exists()
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) |
+                    st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
+FIELDS = st.fixed_dictionaries({}, optional={
+    'model': JSON | st.just({'fc.weight': torch.zeros(2, 512)}),
+    'arch': JSON | st.sampled_from(['resnet18', 'resnet50', 'nonet', '']),
+    'num_classes': JSON | st.integers(-2, 10**12), 'args': JSON | st.fixed_dictionaries(
+        {}, optional={'val_image_size': JSON | st.integers(-2, 10**9)}),
+    'ema': JSON})
+
+
+@settings(max_examples=60, deadline=1000)
+@given(ckpt=JSON | FIELDS, ema=st.booleans())
+def test_any_checkpoint_content_gives_a_network_or_one_sentence(ckpt, ema):
+    """What the reader of a checkpoint gets (an edited file, another program's): a network, or a
+    UsageError naming the file, within a second."""
+    try:
+        model, size = network(ckpt, 'c.pt', ema)
+    except UsageError as e:
+        assert 'c.pt' in str(e) or '--ema' in str(e)
+    else:
+        assert isinstance(model, torch.nn.Module) and 0 < size <= 4096
 
 
 LOADER = r'''

@@ -177,6 +177,17 @@ CASES = {
                               ['--cpu 4096']),
     'bench unknown pipeline': ('dlojz_bench.py', ['compare', '{synth}', '--pipelines',
                                                   'classic,turbo'], ['turbo']),
+    # dlojz_export.py
+    'export a summary as a checkpoint': ('dlojz_export.py', ['{run}/summary.json', '--out', '{new}'],
+                                         ['summary.json cannot be read']),
+    'export a checkpoint that is not there': ('dlojz_export.py', ['{new}.pt', '--out', '{new}'],
+                                              ['new.pt does not exist']),
+    'export a sharded checkpoint without its metadata': (
+        'dlojz_export.py', ['{cut}', '--out', '{new}'], ['checkpoint-00000002.dcp cannot be read']),
+    'export at zero pixels': ('dlojz_export.py', ['{cut}', '--out', '{new}', '--image-size', '0'],
+                              ['--image-size', 'got 0']),
+    'export into a missing folder': ('dlojz_export.py', ['{cut}', '--out', '{new}/x/y.pt2'],
+                                     ['--out', 'does not exist']),
     # dlojz_report.py
     'report comm steps zero': ('dlojz_report.py', '{run} --out {new} --comm-steps 0'.split(),
                                ['--comm-steps']),

@@ -32,7 +32,12 @@ pl = pytest.importorskip('lightning.pytorch', reason='Lightning is optional: '
                          'pip install -r requirements-lightning.txt')
 import torch  # noqa: E402
 
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from dlojzlib.errors import UsageError  # noqa: E402
 from dlojzlib.lightning import Chronometer, ImageFolderDataModule  # noqa: E402
+from dlojzlib.lightning.datamodule import data_flags  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, 'examples', 'lightning_resnet50.py')
 # TINY's data (conftest), as the example's DataModule flags
@@ -82,8 +87,8 @@ def test_without_lightning_the_example_exits_with_one_sentence(tmp_path):
                       f'{EXAMPLE!r}, "exec"), {{"__file__": {EXAMPLE!r}, "__name__": "__main__"}})')
     p = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
-    assert p.returncode == 1 and 'Traceback' not in p.stderr
-    assert p.stderr.strip() == ('lightning_resnet50: dlojzlib.lightning needs PyTorch Lightning '
+    assert p.returncode == 2 and 'Traceback' not in p.stderr
+    assert p.stderr.strip() == ('lightning_resnet50: error: dlojzlib.lightning needs PyTorch Lightning '
                                 '2.x, which this Python does not have: pip install -r '
                                 'requirements-lightning.txt')
 
@@ -99,6 +104,37 @@ def test_nothing_but_its_package_imports_lightning():
                    n.startswith('dlojzlib.lightning') for n in names):
                 importers.add(name)
     assert importers and all(m.startswith('dlojzlib.lightning') for m in importers), importers
+
+
+# ---------------------------------------------------------------------------- the DataModule's flags
+@settings(max_examples=100, deadline=1000)
+@given(data_dir=st.none() | st.text(max_size=12), batch=st.integers(-2, 10**6),
+       workers=st.none() | st.integers(-2, 64),
+       flags=st.lists(st.sampled_from(['--image-size', '--decode', 'gpu', '--accum-steps', '2',
+                                       '--bogus', '-1', 'x', '--seed', '=']) | st.text(max_size=6),
+                      max_size=4))
+def test_any_datamodule_arguments_give_flags_or_one_sentence(data_dir, batch, workers, flags):
+    """The DataModule's arguments go through dlojz's parser: its flags, or one UsageError."""
+    try:
+        args = data_flags(data_dir, batch, workers, flags)
+    except UsageError as e:
+        assert str(e).startswith('ImageFolderDataModule: ') and '\n' not in str(e)
+    else:
+        assert args.batch_size == batch > 0 and args.accum_steps == 1 and args.decode != 'gpu'
+
+
+@pytest.mark.parametrize('argv,words', [
+    (['-b', '0'], ['--batch-size', 'got 0']),
+    (['--data-flag=--accum-steps=2'], ["accumulate_grad_batches"]),
+    (['--data-flag=--decode=gpu'], ['--decode gpu is not offered']),
+    (['--data-flag=--bogus'], ['unrecognized arguments: --bogus']),
+])
+def test_the_examples_bad_flags_are_one_sentence(argv, words, tmp_path):
+    p = run_example(*argv, '--output-dir', tmp_path / 'new')
+    assert p.returncode == 2 and 'Traceback' not in p.stderr, p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if 'error:' in line]
+    assert len(errors) == 1 and all(w in errors[0] for w in words), p.stderr
+    assert not (tmp_path / 'new').exists()
 
 
 # ---------------------------------------------------------------------------- verdicts

@@ -11,7 +11,6 @@ leaves as they are. The validation share of each rank is unpadded (every image c
 the ranks); a module that sums its metrics' counts over the ranks (torchmetrics) then reports the
 exact validation at any world size. Batches leave the workers as uint8 and are normalised on the
 device (transfer_batch_to_device), as dlojz.py's."""
-import argparse
 import contextlib
 import copy
 import time
@@ -33,12 +32,14 @@ def data_flags(data_dir, batch_size, num_workers, flags):
     argv += ['--data-dir', str(data_dir)] if data_dir is not None else []
     argv += ['--num-workers', str(num_workers)] if num_workers is not None else []
     parser = get_args_parser()
-    parser.exit_on_error = False
-    try:
-        args = parser.parse_args(argv)
-    except (argparse.ArgumentError, SystemExit) as e:
-        raise UsageError(f'ImageFolderDataModule: {e} (its flags are dlojz.py\'s data flags: '
-                         f'python dlojz.py --help)') from None
+
+    def refuse(message):  # argparse's sentence, raised instead of printed with an exit
+        raise UsageError(f'ImageFolderDataModule: {message} (its flags are dlojz.py\'s data '
+                         f'flags: python dlojz.py --help)')
+    parser.error = refuse
+    if '-h' in argv or '--help' in argv:  # argparse would print the help and exit
+        refuse('--help is no data flag')
+    args = parser.parse_args(argv)
     if args.accum_steps != 1:
         raise UsageError('ImageFolderDataModule: --accum-steps is the Trainer\'s '
                          'accumulate_grad_batches; pass that instead.')

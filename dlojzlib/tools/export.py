@@ -24,41 +24,60 @@ import torch
 
 import custom_models
 from dlojzlib import compat
-from dlojzlib.errors import UsageError
+from dlojzlib.errors import UsageError, first_line
+from dlojzlib.flags import POSITIVE_INT
 from dlojzlib.record.checkpoint import load_checkpoint
 
 TOLERANCE = 1e-3  # largest difference between the logits, relative to their largest magnitude
 MAX_BATCH = 1024
+MAX_CLASSES, MAX_SIZE = 100_000, 4096  # beyond: not a checkpoint dlojz wrote (ImageNet-21k: 21841)
 
 
-def network(ckpt, ema=False):
+def network(ckpt, path, ema=False):
     """The checkpoint's network in evaluation mode, on the CPU. -> (model, image size)."""
-    args = ckpt.get('args') or {}
-    if not isinstance(ckpt.get('model'), dict) or 'arch' not in ckpt:
-        raise UsageError('this file is not a dlojz checkpoint (no model or arch in it); export a '
-                         'checkpoint-*.pt or best.pt written by dlojz.py --chkpt.')
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get('model'), dict) or \
+            not isinstance(ckpt.get('arch'), str):
+        raise UsageError(f'{path} is not a dlojz checkpoint (no model or arch in it); export a '
+                         f'checkpoint-*.pt or best.pt written by dlojz.py --chkpt.')
+    args = ckpt.get('args') if isinstance(ckpt.get('args'), dict) else {}
     size = args.get('val_image_size') or args.get('image_size') or 224
-    model = custom_models.build_model(ckpt['arch'], ckpt['num_classes'], args.get('sd_prob', 0.5),
-                                      args.get('n_heads', 3), size)
+    classes = ckpt.get('num_classes')
+    if not (type(classes) is int and 0 < classes <= MAX_CLASSES and type(size) is int and
+            0 < size <= MAX_SIZE):
+        raise UsageError(f'{path} does not hold a network dlojz can build (num_classes '
+                         f'{classes!r}, image size {size!r}); export a checkpoint written by '
+                         f'dlojz.py --chkpt.')
     state = ckpt['model']
     if ema:
-        if not ckpt.get('ema'):
+        if not isinstance(ckpt.get('ema'), dict) or not isinstance(ckpt['ema'].get('module'), dict):
             raise UsageError('--ema: this checkpoint holds no EMA weights (its run had no '
                              '--ema-decay); export without --ema.')
         state = ckpt['ema']['module']
-    model.load_state_dict(state)
+    try:  # the fields of a file that may have been edited or written by another program
+        model = custom_models.build_model(ckpt['arch'], classes,
+                                          args.get('sd_prob', 0.5), args.get('n_heads', 3), size)
+        model.load_state_dict(state)
+    except (ValueError, TypeError, KeyError, RuntimeError, AttributeError) as e:
+        raise UsageError(f'{path} does not hold a network dlojz can build ({type(e).__name__}: '
+                         f'{first_line(e)[:200]}); export a checkpoint written by dlojz.py '
+                         f'--chkpt.') from None
     return model.eval(), size
 
 
 def export(path, out, aoti=False, image_size=None, ema=False, say=print):
     """Write `out` and check it against the checkpoint. -> the largest difference of the logits,
     relative to their largest magnitude."""
-    model, size = network(load_checkpoint(path), ema)
+    model, size = network(load_checkpoint(path), path, ema)
     size = image_size or size
     example = torch.randn(2, 3, size, size)
     batch = torch.export.Dim('batch', min=1, max=MAX_BATCH)
-    with torch.no_grad():
-        program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    try:
+        with torch.no_grad():
+            program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    except Exception as e:  # torch.export's many errors: an image size the network refuses, ...
+        raise UsageError(f'torch.export could not trace --arch {model.__class__.__name__} at '
+                         f'{size} px ({type(e).__name__}: {first_line(e)[:200]}); try the run\'s '
+                         f'own image size (leave --image-size out).') from None
     if aoti:
         if compat.aoti_compile_and_package(program, out) is None:
             raise UsageError(f'--aoti needs torch 2.6 or later (AOTInductor\'s packages); this is '
@@ -90,7 +109,8 @@ def parser():
     p.add_argument('checkpoint', help='a checkpoint-*.pt, best.pt or checkpoint-*.dcp of dlojz.py')
     p.add_argument('--out', required=True, help='the file to write (.pt2)')
     p.add_argument('--aoti', action='store_true', help='an AOTInductor package for C++ (LibTorch)')
-    p.add_argument('--image-size', type=int, help='pixels (default: the run\'s --val-image-size)')
+    p.add_argument('--image-size', type=POSITIVE_INT,
+                   help='pixels (default: the run\'s --val-image-size)')
     p.add_argument('--ema', action='store_true', help='the EMA weights (runs with --ema-decay)')
     return p
 
@@ -98,6 +118,12 @@ def parser():
 def main(argv=None):
     a = parser().parse_args(argv)
     try:
+        if os.path.isdir(a.out) or not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
+            raise UsageError(f'--out {a.out} is a folder or lies in a folder that does not '
+                             f'exist; give a file name (.pt2) in an existing folder.')
+        if not os.path.exists(a.checkpoint):
+            raise UsageError(f'{a.checkpoint} does not exist; give a checkpoint-*.pt, best.pt or '
+                             f'checkpoint-*.dcp written by dlojz.py --chkpt.')
         export(a.checkpoint, a.out, a.aoti, a.image_size, a.ema)
     except UsageError as e:
         print(f'dlojz_export: error: {e}', file=sys.stderr)
