@@ -37,9 +37,9 @@ from dlojzlib.errors import UsageError
 
 
 class resnet50Model(pl.LightningModule):  # the course's name
-    def __init__(self, arch='resnet50', lr=0.02):
+    def __init__(self, arch='resnet50', lr=0.02, optimizer='adam'):
         super().__init__()
-        self.arch, self.lr = arch, lr
+        self.arch, self.lr, self.optimizer = arch, lr, optimizer
 
     def setup(self, stage):
         if not hasattr(self, 'model'):
@@ -67,6 +67,8 @@ class resnet50Model(pl.LightningModule):  # the course's name
         self.log('val_top1', self.val_top1, on_epoch=True)
 
     def configure_optimizers(self):
+        if self.optimizer == 'sgd':  # dlojz.py's default optimizer: the side-by-side's same work
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
@@ -78,7 +80,9 @@ def get_args_parser():
     p.add_argument('--num-workers', type=int, help='DataLoader workers per process (default: '
                    'SLURM_CPUS_PER_TASK, as the course)')
     p.add_argument('--image-size', type=int, default=224, help='training crop, pixels')
-    p.add_argument('--lr', type=float, default=0.02, help='Adam\'s learning rate (the course\'s)')
+    p.add_argument('--lr', type=float, default=0.02, help='the learning rate (the course\'s)')
+    p.add_argument('--optimizer', choices=['adam', 'sgd'], default='adam',
+                   help='adam (the course\'s) or sgd (momentum 0.9, as dlojz.py\'s default)')
     p.add_argument('--max-epochs', type=int, default=10, help='epochs (the course: 10)')
     p.add_argument('--max-steps', type=int, default=-1, help='stop after this many steps (-1: '
                    'the epochs)')
@@ -111,7 +115,7 @@ def main(args):
                                        flags=['--image-size', str(args.image_size),
                                               '--seed', str(args.seed), *args.data_flag])
     # 2. Build the model using desired Task
-    model = resnet50Model(args.arch, args.lr)
+    model = resnet50Model(args.arch, args.lr, args.optimizer)
     # 3. Create the trainer
     callbacks = [] if args.no_chronometer else \
         [Chronometer(os.path.join(out, 'dlojz'), warmup_steps=args.warmup_steps)]

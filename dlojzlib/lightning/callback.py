@@ -78,6 +78,8 @@ class Chronometer(pl.Callback):
         self._window = None  # the loss summed on the device since the last train record
         self._val = None
         self._ended = False
+        self._batches = 0    # training batches seen: a train record every log_every_n_steps
+        self.host = None
 
     # ------------------------------------------------------------------------- set-up and records
     def setup(self, trainer, pl_module, stage):
@@ -223,7 +225,8 @@ class Chronometer(pl.Callback):
         loss = outputs.get('loss') if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self._window += loss.detach().float()
-        if trainer.global_step % trainer.log_every_n_steps == 0:
+        self._batches += 1
+        if self._batches % trainer.log_every_n_steps == 0:
             self.log_train(trainer)
         self.chrono.steady_check()
         self._t_last = time.perf_counter()
