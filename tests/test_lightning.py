@@ -123,6 +123,7 @@ def test_any_datamodule_arguments_give_flags_or_one_sentence(data_dir, batch, wo
         assert args.batch_size == batch > 0 and args.accum_steps == 1 and args.decode != 'gpu'
 
 
+@pytest.mark.slow  # the input sweep's kind: a subprocess per case
 @pytest.mark.parametrize('argv,words', [
     (['-b', '0'], ['--batch-size', 'got 0']),
     (['--data-flag=--accum-steps=2'], ["accumulate_grad_batches"]),
