@@ -89,8 +89,8 @@ def get_args_parser():
     p.add_argument('--accelerator', default='auto', help='gpu (the course), cpu or auto')
     tasks = os.getenv('SLURM_NTASKS_PER_NODE', '')  # Lightning wants devices = --ntasks-per-node
     p.add_argument('--devices', default=tasks if tasks.isdigit() else 'auto',
-                   help='processes per node (default: Slurm\'s --ntasks-per-node, else all GPUs); a '
-                   'number outside Slurm to have Lightning start them')
+                   help='processes per node (default: Slurm\'s --ntasks-per-node, else all '
+                   'GPUs); a number outside Slurm to have Lightning start them')
     p.add_argument('--strategy', default='auto', help='Lightning\'s: auto (DDP on several '
                    'processes), ddp, ...')
     p.add_argument('--precision', default=None, help='Lightning\'s: 32, bf16-mixed, 16-mixed')
@@ -108,8 +108,8 @@ def get_args_parser():
 def main(args):
     pl.seed_everything(args.seed, workers=True)
     nnodes = int(os.getenv('SLURM_NNODES', '1'))  # the course's line: Trainer(num_nodes=...)
-    out = args.output_dir or os.path.join('runs', f"lightning_{os.getenv('SLURM_JOB_ID') or 'local'}"
-                                                  f"_{args.arch}")
+    job = os.getenv('SLURM_JOB_ID') or 'local'
+    out = args.output_dir or os.path.join('runs', f'lightning_{job}_{args.arch}')
     # 1. Organize the data
     datamodule = ImageFolderDataModule(args.data_dir, args.batch_size, args.num_workers,
                                        flags=['--image-size', str(args.image_size),

@@ -178,7 +178,8 @@ CASES = {
     'bench unknown pipeline': ('dlojz_bench.py', ['compare', '{synth}', '--pipelines',
                                                   'classic,turbo'], ['turbo']),
     # dlojz_export.py
-    'export a summary as a checkpoint': ('dlojz_export.py', ['{run}/summary.json', '--out', '{new}'],
+    'export a summary as a checkpoint': ('dlojz_export.py',
+                                         ['{run}/summary.json', '--out', '{new}'],
                                          ['summary.json cannot be read']),
     'export a checkpoint that is not there': ('dlojz_export.py', ['{new}.pt', '--out', '{new}'],
                                               ['new.pt does not exist']),

@@ -88,8 +88,8 @@ def test_without_lightning_the_example_exits_with_one_sentence(tmp_path):
     p = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2 and 'Traceback' not in p.stderr
-    assert p.stderr.strip() == ('lightning_resnet50: error: dlojzlib.lightning needs PyTorch Lightning '
-                                '2.x, which this Python does not have: pip install -r '
+    assert p.stderr.strip() == ('lightning_resnet50: error: dlojzlib.lightning needs PyTorch '
+                                'Lightning 2.x, which this Python does not have: pip install -r '
                                 'requirements-lightning.txt')
 
 
@@ -106,7 +106,7 @@ def test_nothing_but_its_package_imports_lightning():
     assert importers and all(m.startswith('dlojzlib.lightning') for m in importers), importers
 
 
-# ---------------------------------------------------------------------------- the DataModule's flags
+# ------------------------------------------------------------------------ the DataModule's flags
 @settings(max_examples=100, deadline=1000)
 @given(data_dir=st.none() | st.text(max_size=12), batch=st.integers(-2, 10**6),
        workers=st.none() | st.integers(-2, 64),
@@ -296,7 +296,8 @@ def test_two_processes_give_one_record_with_every_rank(tmp_path, cache_dir):
     assert sorted(r['rank'] for r in t['ranks']) == [0, 1]
     assert t['bound_all_ranks'] and t['comm_measured'] == 'all-reduce hook'
     assert all(r['comm_steps'] == r['steady_steps'] > 0 for r in t['ranks'])
-    assert summary['communication']['gradient_bytes_per_step'] == 4 * 11_178_564  # ResNet-18, 4 classes
+    # ResNet-18 with 4 classes: 11,178,564 parameters of 4 bytes
+    assert summary['communication']['gradient_bytes_per_step'] == 4 * 11_178_564
     train = [r['global_step'] for r in records if r['type'] == 'train']
     assert train == list(range(2, 7, 2))  # 6 steps, a record every 2, written once
     assert p.stdout.count('>>> Bound by:') == 1
@@ -312,8 +313,9 @@ from dlojzlib.lightning import ImageFolderDataModule
 pl.seed_everything(0)
 dm = ImageFolderDataModule(None, 8, 0, flags={flags!r})
 model = ex.resnet50Model('resnet18')
-trainer = pl.Trainer(accelerator='cpu', devices=int(sys.argv[1]), strategy='ddp' if sys.argv[1] != '1'
-                     else 'auto', logger=False, enable_progress_bar=False)
+trainer = pl.Trainer(accelerator='cpu', devices=int(sys.argv[1]),
+                     strategy='ddp' if sys.argv[1] != '1' else 'auto', logger=False,
+                     enable_progress_bar=False)
 import torch
 
 

@@ -42,7 +42,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 def normalisation(device):
     """ImageNet's mean and std x 255 on `device`, shaped (1, 3, 1, 1): made once per run."""
-    return tuple(torch.tensor(v, device=device).view(1, 3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD))
+    return tuple(torch.tensor(v, device=device).view(1, 3, 1, 1) * 255
+                 for v in (IMAGENET_MEAN, IMAGENET_STD))
 
 
 def to_device(images, labels, device, norm, non_blocking=False, channels_last=False):
@@ -51,7 +52,8 @@ def to_device(images, labels, device, norm, non_blocking=False, channels_last=Fa
     mean, std = norm
     x = images.to(device, non_blocking=non_blocking)
     labels = labels.to(device, non_blocking=non_blocking)
-    for i, j in getattr(images, 'replaced', ()):  # --decode gpu --skip-bad-images: sample j took bad i's place
+    # --decode gpu --skip-bad-images: sample j took bad i's place
+    for i, j in getattr(images, 'replaced', ()):
         labels[i] = labels[j]
     if channels_last:  # reorder the uint8 batch (1 byte per value), not a float copy of it
         x = x.contiguous(memory_format=torch.channels_last)

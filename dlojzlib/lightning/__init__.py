@@ -1,5 +1,5 @@
-"""dlojz's measurements in a PyTorch Lightning run (docs/lightning.md): `Chronometer`, a Callback that
-writes dlojz.py's '>>>' lines, summary.json and metrics.jsonl for any LightningModule, and
+"""dlojz's measurements in a PyTorch Lightning run (docs/lightning.md): `Chronometer`, a Callback
+that writes dlojz.py's '>>>' lines, summary.json and metrics.jsonl for any LightningModule, and
 `ImageFolderDataModule`, dlojz's loaders as a LightningDataModule.
 
     import lightning.pytorch as pl

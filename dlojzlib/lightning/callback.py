@@ -42,6 +42,9 @@ from dlojzlib.record.summary import (communication_estimate, energy_over_ranks, 
 
 SIGTERM_SYNC = ('Lightning broadcasts its SIGTERM flag from rank 0 and reads it on the host at '
                 'each step under DDP (a host-device synchronisation per step, in the host share)')
+OTHER_DATA = ('the data wait is the time from the step\'s start to on_train_batch_start: the '
+              'fetch, Lightning\'s copy to the device and its bookkeeping (ImageFolderDataModule '
+              'times the loader\'s wait and the copy apart)')
 NOT_SPLIT = ('the start-up (imports, the Trainer, the process group, the model) is not split into '
              'phases, and the model states per rank are not measured')
 
@@ -100,19 +103,18 @@ class Chronometer(pl.Callback):
         self.power = PowerMeter(device, gather=launch.all_gather_object)
         self.chrono.on_steady += [self.memory.reset, self.power.window_start]
         stamp = self.dist.job_id or datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
-        path = self.output_dir or os.path.join('runs', f'lightning_{stamp}_{type(pl_module).__name__}')
+        name = f'lightning_{stamp}_{type(pl_module).__name__}'
+        path = self.output_dir or os.path.join('runs', name)
         self.output_dir = trainer.strategy.broadcast(os.path.abspath(path))  # rank 0's
         if trainer.is_global_zero:
             os.makedirs(self.output_dir, exist_ok=True)
-        self.log = Logger(os.path.join(self.output_dir, 'metrics.jsonl'), Console(trainer.is_global_zero))
+        self.log = Logger(os.path.join(self.output_dir, 'metrics.jsonl'),
+                          Console(trainer.is_global_zero))
         self.ours = isinstance(trainer.datamodule, ImageFolderDataModule)
         if self.ours:  # its loader stamps each wait, its copy is a phase
             trainer.datamodule.timer = self
         else:
-            self.unseen.append('the data wait is the time from the step\'s start to '
-                               'on_train_batch_start: the fetch, Lightning\'s copy to the device and '
-                               'its bookkeeping (ImageFolderDataModule times the loader\'s wait and '
-                               'the copy apart)')
+            self.unseen.append(OTHER_DATA)
         if trainer.world_size > 1:
             self.unseen.append(SIGTERM_SYNC)
         self.unseen.append(NOT_SPLIT)
@@ -124,7 +126,8 @@ class Chronometer(pl.Callback):
         workers = getattr(trainer.datamodule, 'args', None)
         self.host = host_check(workers.num_workers if workers else 0, not self.chrono.cuda)
         if trainer.is_global_zero:
-            write_json(os.path.join(self.output_dir, 'config.json'), self.config(trainer, pl_module))
+            write_json(os.path.join(self.output_dir, 'config.json'),
+                       self.config(trainer, pl_module))
         self.write(trainer, pl_module, 'running')
         self.chrono.start()
         self.power.start()

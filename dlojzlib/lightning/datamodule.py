@@ -73,7 +73,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         view = launch.DistInfo(rank=trainer.global_rank, local_rank=trainer.local_rank,
                                world_size=trainer.world_size, local_world_size=trainer.num_devices)
         say = Console(trainer.is_global_zero)
-        self.data = datasets.build_data(args, view, log=say, on_ranks=launch.on_ranks, device=device)
+        self.data = datasets.build_data(args, view, log=say, on_ranks=launch.on_ranks,
+                                        device=device)
         self.args = args
         say(f'Data: {self.data.source.kind} {self.data.source.root} ({self.data.source.reason}); '
             f'{self.data.n_train} train / {self.data.n_val} val images, '

@@ -80,8 +80,9 @@ def export(path, out, aoti=False, image_size=None, ema=False, say=print):
                          f'own image size (leave --image-size out).') from None
     if aoti:
         if compat.aoti_compile_and_package(program, out) is None:
-            raise UsageError(f'--aoti needs torch 2.6 or later (AOTInductor\'s packages); this is '
-                             f'torch {torch.__version__}: export without --aoti (an ExportedProgram).')
+            raise UsageError(f'--aoti needs torch 2.6 or later (AOTInductor\'s packages); this '
+                             f'is torch {torch.__version__}: export without --aoti (an '
+                             f'ExportedProgram).')
         loaded = compat.aoti_load_package(out)
     else:
         torch.export.save(program, out)

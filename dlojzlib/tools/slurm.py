@@ -253,21 +253,21 @@ def render(machine, gpus, time_limit='02:00:00', account=None, qos=None, partiti
               'export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps',
               'export CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-log',
               'nvidia-cuda-mps-control -d']
+    start = len(L)
+    L += ['# The run folder, runs/<run name>, does not depend on the job id: resubmitting this script with the same',
+          '# flags continues the run after scancel or a time limit without requeue (exit 5); once a run is over',
+          '# the next one goes to <run name>.2. Choose the name with DLOJZ_RUN=<name> sbatch ..., or pass',
+          '# --output-dir.',
+          'RUN_NAME=${DLOJZ_RUN:-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}-$(printf \'%s\\n\' "$@" | cksum | cut -d" " -f1)}',
+          'case " $* " in *" --output-dir "* | *" --output-dir="*) RUN_NAME= ;; esac  # the folder is given',
+          'set -x',
+          'srun python -u dlojz.py \\',
+          '    ${RUN_NAME:+--run-name "$RUN_NAME"} \\',
+          '    --resume auto \\',
+          '    --chkpt \\']
     program = RECIPES[recipe].get('program') if recipe else None
     if program:  # its own flags; Lightning requeues the job on SIGUSR2 (the script sets it)
-        L += ['set -x', f'srun python -u {program} \\']
-    else:
-        L += ['# The run folder, runs/<run name>, does not depend on the job id: resubmitting this script with the same',
-              '# flags continues the run after scancel or a time limit without requeue (exit 5); once a run is over',
-              '# the next one goes to <run name>.2. Choose the name with DLOJZ_RUN=<name> sbatch ..., or pass',
-              '# --output-dir.',
-              'RUN_NAME=${DLOJZ_RUN:-$SLURM_JOB_NAME${SLURM_ARRAY_TASK_ID:+-$SLURM_ARRAY_TASK_ID}-$(printf \'%s\\n\' "$@" | cksum | cut -d" " -f1)}',
-              'case " $* " in *" --output-dir "* | *" --output-dir="*) RUN_NAME= ;; esac  # the folder is given',
-              'set -x',
-              'srun python -u dlojz.py \\',
-              '    ${RUN_NAME:+--run-name "$RUN_NAME"} \\',
-              '    --resume auto \\',
-              '    --chkpt \\']
+        L[start:] = ['set -x', f'srun python -u {program} \\']
     if machine == 'cpu':
         L.append('    --device cpu \\')
     if m.get('stage'):

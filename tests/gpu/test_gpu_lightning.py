@@ -1,7 +1,7 @@
-"""dlojzlib.lightning on a GPU (what tests/test_lightning.py cannot show on CPU): the callback's phases
-on the device clock (CUDA events) with no phase outside its step, its own hooks under 1 % of the
-steps, and its img/s and verdict beside dlojz.py's on the same model, data, batch and precision,
-each run's figures printed for BENCHMARKS.md.
+"""dlojzlib.lightning on a GPU (what tests/test_lightning.py cannot show on CPU): the callback's
+phases on the device clock (CUDA events) with no phase outside its step, its own hooks under 1 % of
+the steps, and its img/s and verdict beside dlojz.py's on the same model, data, batch and
+precision, each run's figures printed for BENCHMARKS.md.
 
 Run: python -m pytest -q -s tests/gpu/test_gpu_lightning.py
 """

@@ -124,28 +124,35 @@ def test_two_node_alliance_job_requeued_copies_nothing_and_continues(slurm, work
 
 
 # TINY's data, as the Lightning example's DataModule flags
-LIGHTNING_TINY = ['--arch', 'resnet18', '--image-size', '32', '--num-workers', '0', '--accelerator', 'cpu',
-                  '--data-flag=--synthetic-classes=4', '--data-flag=--synthetic-train-per-class=24',
+LIGHTNING_TINY = ['--arch', 'resnet18', '--image-size', '32', '--num-workers', '0',
+                  '--accelerator', 'cpu', '--data-flag=--synthetic-classes=4',
+                  '--data-flag=--synthetic-train-per-class=24',
                   '--data-flag=--synthetic-val-per-class=6', '--data-flag=--val-resize=36',
                   '--data-flag=--val-image-size=32', '--data-flag=--val-batch-size=16']
 
 
-def test_the_lightning_scripts_train_with_jscs_set_up(slurm, workdir, cache_dir, tmp_path):  # noqa: F811
-    """The JSC course's Lightning script (examples/lightning_resnet50.py) under its Booster scripts: Lightning
-    takes Slurm's tasks as its processes, the callback's record names every rank, the stage and modules ran."""
-    pytest.importorskip('lightning', reason='optional: .ci/run installs requirements-lightning.txt for it')
+def test_the_lightning_scripts_train_with_jscs_set_up(slurm, workdir, cache_dir,  # noqa: F811
+                                                      tmp_path):
+    """The JSC course's Lightning script (examples/lightning_resnet50.py) under its Booster
+    scripts: Lightning takes Slurm's tasks as its processes, the callback's record names every
+    rank, the stage and modules ran."""
+    pytest.importorskip('lightning', reason='optional: .ci/run installs '
+                        'requirements-lightning.txt for it')
     jobs = {}
     for machine, gpus, program in S.SHIPPED_PROGRAMS:
         name = S.script_name(machine, gpus, recipe=program)
-        jobs[name] = submit(slurm, workdir, name, *LIGHTNING_TINY, f'--data-flag=--cache-dir={cache_dir}',
-                            '--output-dir', tmp_path / name, '-b', '4', '--max-epochs', '1',
-                            options=['--partition=debug'], DLOJZ_STUB_LOG=str(tmp_path / f'{name}.stubs'))
+        jobs[name] = submit(slurm, workdir, name, *LIGHTNING_TINY,
+                            f'--data-flag=--cache-dir={cache_dir}', '--output-dir',
+                            tmp_path / name, '-b', '4', '--max-epochs', '1',
+                            options=['--partition=debug'],
+                            DLOJZ_STUB_LOG=str(tmp_path / f'{name}.stubs'))
     for machine, gpus, program in S.SHIPPED_PROGRAMS:
         name = S.script_name(machine, gpus, recipe=program)
         info = slurm.wait(jobs[name], timeout=900)
         assert info['JobState'] == 'COMPLETED', (name, job_log(workdir, jobs[name], 'err')[-3000:])
         s = summary(tmp_path / name / 'dlojz')
-        assert (s['status'], s['world_size'], s['global_batch']) == ('completed', gpus, 4 * gpus), name
+        assert (s['status'], s['world_size']) == ('completed', gpus), name
+        assert s['global_batch'] == 4 * gpus, name
         assert s['provenance']['slurm_job_id'] == jobs[name], name
         assert s['provenance']['launcher'] == 'lightning (SLURMEnvironment)', name
         assert s['timing']['steps'] == 96 // (4 * gpus), name
