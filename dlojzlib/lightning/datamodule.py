@@ -34,6 +34,8 @@ def data_flags(data_dir, batch_size, num_workers, flags):
     parser = get_args_parser()
 
     def refuse(message):  # argparse's sentence, raised instead of printed with an exit
+        # a flag's control characters (a newline) shown escaped: the sentence stays one line
+        message = ''.join(c if c.isprintable() else repr(c)[1:-1] for c in message)
         raise UsageError(f'ImageFolderDataModule: {message} (its flags are dlojz.py\'s data '
                          f'flags: python dlojz.py --help)')
     parser.error = refuse
