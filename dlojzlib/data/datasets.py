@@ -389,6 +389,16 @@ class Data:
         (ImageFolder opens one file per sample read)."""
         return getattr(self.train_dataset, 'file_opens', None)
 
+    def record(self, batches_per_epoch):
+        """summary.json's 'data': where the images came from, how many, how they were read."""
+        return {'source': self.source.kind, 'root': self.source.root, 'reason': self.source.reason,
+                'classes': len(self.classes), 'train_images': self.n_train,
+                'val_images': self.n_val, 'batches_per_epoch': batches_per_epoch,
+                'bad_images_skipped': self.bad_images, 'shard_file_opens': self.file_opens,
+                'gpu_decode': self.gpu_decode, 'fast_decode': self.fast_decode,
+                'handover': self.handover, 'dali': self.dali, 'staging': self.staging,
+                'index': self.index}
+
     def set_epoch(self, epoch, start_sample=0):
         """start_sample: optimizer steps done in the epoch x images per micro-batch."""
         if self.train_dataset is not None:

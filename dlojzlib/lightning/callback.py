@@ -123,8 +123,8 @@ class Chronometer(pl.Callback):
         ddp = trainer.strategy.model
         if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             self.attach_comm(ddp, trainer.world_size, trainer.strategy.root_device)
-        workers = getattr(trainer.datamodule, 'args', None)
-        self.host = host_check(workers.num_workers if workers else 0, not self.chrono.cuda)
+        workers = trainer.datamodule.args.num_workers if self.ours else 0
+        self.host = host_check(workers, not self.chrono.cuda)
         if trainer.is_global_zero:
             write_json(os.path.join(self.output_dir, 'config.json'),
                        self.config(trainer, pl_module))
@@ -328,8 +328,8 @@ class Chronometer(pl.Callback):
             'provenance': provenance(trainer.strategy.root_device, self.dist),
             'world_size': ws, 'num_nodes': trainer.num_nodes, 'global_batch': global_batch,
             'mode': 'train',
-            'data': dm.record() if self.ours else {'source': type(dm).__name__ if dm else None,
-                                                   'batches_per_epoch': steps_per_epoch},
+            'data': dm.data.record(steps_per_epoch) if self.ours else
+            {'source': type(dm).__name__ if dm else None, 'batches_per_epoch': steps_per_epoch},
             'timing': timing, 'memory': self.memory.summary(), 'host': self.host,
             'energy': self.power.summary(), 'global_step': trainer.global_step,
             'lightning': {'version': pl.__version__,

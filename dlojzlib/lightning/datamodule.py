@@ -103,15 +103,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
             return datasets.to_device(images, labels, device, self._norm, self.args.non_blocking,
                                       bool(self.args.channels_last))
 
-    def record(self):
-        """summary.json's 'data', as dlojz.py writes it."""
-        d = self.data
-        return {'source': d.source.kind, 'root': d.source.root, 'reason': d.source.reason,
-                'classes': len(d.classes), 'train_images': d.n_train, 'val_images': d.n_val,
-                'batches_per_epoch': len(d.train_batches), 'bad_images_skipped': d.bad_images,
-                'shard_file_opens': d.file_opens, 'fast_decode': d.fast_decode,
-                'handover': d.handover, 'dali': d.dali, 'staging': d.staging, 'index': d.index}
-
 
 class _Sized:
     """A loader as a plain iterable with a length: Lightning then adds no sampler of its own."""
