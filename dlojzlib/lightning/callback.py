@@ -229,7 +229,8 @@ class Chronometer(pl.Callback):
         if isinstance(loss, torch.Tensor):
             self._window += loss.detach().float()
         self._batches += 1
-        if self._batches % trainer.log_every_n_steps == 0:
+        every = trainer.log_every_n_steps  # 0: no periodic record
+        if every and self._batches % every == 0:
             self.log_train(trainer)
         self.chrono.steady_check()
         self._t_last = time.perf_counter()
@@ -309,7 +310,7 @@ class Chronometer(pl.Callback):
     @staticmethod
     def steps_per_epoch(trainer):
         n = trainer.num_training_batches
-        return n if isinstance(n, int) or (isinstance(n, float) and math.isfinite(n)) else None
+        return int(n) if isinstance(n, (int, float)) and math.isfinite(n) else None
 
     def write(self, trainer, pl_module, status, error=None, gather=False):
         """summary.json, dlojz.py's shape (record.summary.write_summary): every rank calls it on a
@@ -343,7 +344,7 @@ class Chronometer(pl.Callback):
         if gather and ws > 1:
             ranks = launch.all_gather_object(rank_timing(chrono, self.memory, self.power,
                                                          trainer.global_rank))
-            for r in ranks:
+            for r in ranks:  # the entries dlojz.py's rank reports have too, unmeasured here
                 r.update(pipe_rank=None, model_states=None, startup=None)
             timing['bound_rank0'] = timing.get('bound')
             timing.update(ranks_summary(ranks))
