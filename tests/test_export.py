@@ -91,6 +91,13 @@ def test_any_checkpoint_content_gives_a_network_or_one_sentence(ckpt, ema):
         assert isinstance(model, torch.nn.Module) and 0 < size <= 4096
 
 
+@pytest.mark.skipif(AOTI, reason='this torch has AOTInductor packages (the floor, 2.4, has not)')
+def test_aoti_below_torch_2_6_is_refused_in_one_sentence(checkpoint, tmp_path):
+    p = export(checkpoint, '--out', tmp_path / 'm.pt2', '--aoti')
+    assert p.returncode == 2 and p.stderr.count('\n') == 1, p.stderr
+    assert '--aoti needs torch 2.6 or later' in p.stderr and not (tmp_path / 'm.pt2').exists()
+
+
 LOADER = r'''
 #include <iostream>
 #include <torch/torch.h>
