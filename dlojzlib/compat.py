@@ -135,14 +135,19 @@ def load_whole_dcp(path):
 
 # ---------------------------------------------------------------- torch: AOTInductor
 
+def aoti_available():
+    """Whether this torch has AOTInductor's packages (torch 2.6 on)."""
+    import torch._inductor
+    return hasattr(torch._inductor, 'aoti_compile_and_package')
+
+
 def aoti_compile_and_package(exported, path):
     """Compile an ExportedProgram into an AOTInductor package at `path` (a .pt2 file) that LibTorch
     loads in C++ without Python (torch::inductor::AOTIModelPackageLoader). torch's AOTInductor
     documentation calls torch._inductor.aoti_compile_and_package; torch.export has no public
-    name for it. torch 2.6 to 2.14; None where this torch lacks it (2.4, 2.5)."""
+    name for it. torch 2.6 to 2.14 (aoti_available: not 2.4 nor 2.5)."""
     import torch._inductor
-    compile_ = getattr(torch._inductor, 'aoti_compile_and_package', None)
-    return None if compile_ is None else compile_(exported, package_path=path)
+    return torch._inductor.aoti_compile_and_package(exported, package_path=path)
 
 
 def aoti_load_package(path):

@@ -168,17 +168,26 @@ class PeakMemory:
 def log_train(run, progress, lr, window, t_last):
     """The periodic training record; -> the time it was taken (wall time per step is measured
     between records, so it includes everything the loop does)."""
-    data_s, n = run.chrono.interval()
+    # one read: the NaN guard's first bad step and the summed loss
+    now = train_record(run.log, run.chrono, run.memory, run.global_batch, lr, t_last,
+                       lambda: run.guard.check(window)[0], epoch=progress.epoch + 1,
+                       step=progress.step, global_step=progress.global_step)
+    window.zero_()
+    return now
+
+
+def train_record(log, chrono, memory, global_batch, lr, t_last, loss_sum, **where):
+    """Write the periodic 'train' record of the steps since t_last (dlojz.py's, and a Lightning
+    run's: dlojzlib.lightning): their mean loss, step and data time, img/s and peak memory.
+    loss_sum() reads the summed loss (the record's one host read), after the clocks are read.
+    -> the time the record was taken."""
+    data_s, n = chrono.interval()
     now = time.perf_counter()
     step_s = (now - t_last) / n
-    mem = run.memory.peak()
-    # one read: the NaN guard's first bad step and the summed loss
-    loss_sum, = run.guard.check(window)
-    run.log.log(type='train', epoch=progress.epoch + 1, step=progress.step,
-                global_step=progress.global_step, loss=loss_sum / n, lr=lr, step_ms=step_s * 1e3,
-                data_ms=data_s * 1e3,
-                img_s=run.global_batch / step_s if step_s else None, mem_bytes=mem)
-    window.zero_()
+    mem = memory.peak()
+    log.log(type='train', **where, loss=loss_sum() / n, lr=lr, step_ms=step_s * 1e3,
+            data_ms=data_s * 1e3, img_s=global_batch / step_s if step_s else None,
+            mem_bytes=mem)
     return now
 
 

@@ -27,15 +27,14 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 import dlojz_chrono
 from dlojzlib.dist import launch
 from dlojzlib.host import host_check, provenance
-from dlojzlib.lightning.datamodule import ImageFolderDataModule
+from dlojzlib.lightning.datamodule import ImageFolderDataModule, dist_of
 from dlojzlib.measure.comm import CommTimer
 from dlojzlib.measure.power import PowerMeter
-from dlojzlib.metrics import PeakMemory
+from dlojzlib.metrics import PeakMemory, train_record
 from dlojzlib.record.log import SUMMARY_VERSION, Console, Logger, write_json
 from dlojzlib.record.summary import (communication_estimate, energy_over_ranks, final_lines,
                                      rank_timing, ranks_summary)
@@ -89,14 +88,7 @@ class Chronometer(pl.Callback):
         if stage != 'fit' or self.chrono is not None:
             return
         device = trainer.strategy.root_device
-        env = getattr(trainer.strategy, 'cluster_environment', None)  # None: one device
-        env = type(env).__name__ if env is not None else \
-            'SLURMEnvironment' if SLURMEnvironment.detect() else type(trainer.strategy).__name__
-        self.dist = launch.DistInfo(rank=trainer.global_rank, local_rank=trainer.local_rank,
-                                    world_size=trainer.world_size,
-                                    local_world_size=trainer.num_devices,
-                                    launcher=f'lightning ({env})',
-                                    job_id=launch.get_dist_info().job_id)
+        self.dist = dist_of(trainer)
         self.chrono = dlojz_chrono.Chronometer(device, phases=self.phases, sync=self.sync,
                                                warmup=self.warmup)
         self.memory = PeakMemory(device)
@@ -236,18 +228,13 @@ class Chronometer(pl.Callback):
         self._t_last = time.perf_counter()
 
     def log_train(self, trainer):
-        """The periodic record of dlojz.py (metrics.log_train): one read of the summed loss."""
-        data_s, n = self.chrono.interval()
-        now = time.perf_counter()
-        step_s = (now - self._t_log) / n if n else None
-        self._t_log = now
-        full = self.chrono.full_batch or 0
-        self.log.log(type='train', epoch=trainer.current_epoch + 1, step=trainer.global_step,
-                     global_step=trainer.global_step, loss=self._window.item() / max(1, n),
-                     lr=trainer.optimizers[0].param_groups[0]['lr'] if trainer.optimizers else None,
-                     step_ms=step_s * 1e3 if step_s else None, data_ms=data_s * 1e3,
-                     img_s=full * trainer.world_size / step_s if step_s else None,
-                     mem_bytes=self.memory.summary()['gpu_max_allocated_bytes'])
+        """dlojz.py's periodic record (metrics.train_record): one read of the summed loss."""
+        lr = trainer.optimizers[0].param_groups[0]['lr'] if trainer.optimizers else None
+        self._t_log = train_record(self.log, self.chrono, self.memory,
+                                   (self.chrono.full_batch or 0) * trainer.world_size, lr,
+                                   self._t_log, self._window.item,
+                                   epoch=trainer.current_epoch + 1, step=trainer.global_step,
+                                   global_step=trainer.global_step)
         self._window.zero_()
 
     def on_train_epoch_end(self, trainer, pl_module):

@@ -51,6 +51,18 @@ def data_flags(data_dir, batch_size, num_workers, flags):
     return args
 
 
+def dist_of(trainer):
+    """The launch as the Trainer set it up, in dlojz's terms (dist.launch.DistInfo): its ranks,
+    the cluster environment Lightning detected, Slurm's job id."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+    env = getattr(trainer.strategy, 'cluster_environment', None)  # None: one device
+    env = type(env).__name__ if env is not None else \
+        'SLURMEnvironment' if SLURMEnvironment.detect() else type(trainer.strategy).__name__
+    return launch.DistInfo(rank=trainer.global_rank, local_rank=trainer.local_rank,
+                           world_size=trainer.world_size, local_world_size=trainer.num_devices,
+                           launcher=f'lightning ({env})', job_id=launch.get_dist_info().job_id)
+
+
 class ImageFolderDataModule(pl.LightningDataModule):
     """data_dir: an ImageFolder tree or a shards folder (None: $DLOJZ_DATA_DIR, then the built-in
     synthetic data, as dlojz.py); batch_size: images per process; num_workers: None as dlojz.py
@@ -72,8 +84,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         device = trainer.strategy.root_device
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         args = check_args(copy.copy(self.args), device, trainer.world_size, backend=backend)
-        view = launch.DistInfo(rank=trainer.global_rank, local_rank=trainer.local_rank,
-                               world_size=trainer.world_size, local_world_size=trainer.num_devices)
+        view = dist_of(trainer)
         say = Console(trainer.is_global_zero)
         self.data = datasets.build_data(args, view, log=say, on_ranks=launch.on_ranks,
                                         device=device)

@@ -67,6 +67,10 @@ def network(ckpt, path, ema=False):
 def export(path, out, aoti=False, image_size=None, ema=False, say=print):
     """Write `out` and check it against the checkpoint. -> the largest difference of the logits,
     relative to their largest magnitude."""
+    if aoti and not compat.aoti_available():  # before any tracing
+        raise UsageError(f'--aoti needs torch 2.6 or later (AOTInductor\'s packages); this '
+                         f'is torch {torch.__version__}: export without --aoti (an '
+                         f'ExportedProgram).')
     model, size = network(load_checkpoint(path), path, ema)
     size = image_size or size
     example = torch.randn(2, 3, size, size)
@@ -79,10 +83,7 @@ def export(path, out, aoti=False, image_size=None, ema=False, say=print):
                          f'{size} px ({type(e).__name__}: {first_line(e)[:200]}); try the run\'s '
                          f'own image size (leave --image-size out).') from None
     if aoti:
-        if compat.aoti_compile_and_package(program, out) is None:
-            raise UsageError(f'--aoti needs torch 2.6 or later (AOTInductor\'s packages); this '
-                             f'is torch {torch.__version__}: export without --aoti (an '
-                             f'ExportedProgram).')
+        compat.aoti_compile_and_package(program, out)
         loaded = compat.aoti_load_package(out)
     else:
         torch.export.save(program, out)
