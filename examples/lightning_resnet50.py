@@ -33,6 +33,8 @@ import torchmetrics
 import torchvision
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
+from dlojzlib.dist import launch
+from dlojzlib.dist.launch import get_dist_info
 from dlojzlib.errors import UsageError
 
 
@@ -108,7 +110,7 @@ def get_args_parser():
 def main(args):
     pl.seed_everything(args.seed, workers=True)
     nnodes = int(os.getenv('SLURM_NNODES', '1'))  # the course's line: Trainer(num_nodes=...)
-    job = os.getenv('SLURM_JOB_ID') or 'local'
+    job = get_dist_info().job_id or 'local'
     out = args.output_dir or os.path.join('runs', f'lightning_{job}_{args.arch}')
     # 1. Organize the data
     datamodule = ImageFolderDataModule(args.data_dir, args.batch_size, args.num_workers,
@@ -133,6 +135,9 @@ def main(args):
     trainer.fit(model, datamodule=datamodule)
     # 5. Save the model!
     trainer.save_checkpoint(os.path.join(out, "image_classification_model.pt"))
+    # Lightning leaves its process group to the interpreter's exit, where gloo's threads can abort
+    # the process (SIGABRT, 'terminate called without an active exception'): dlojz.py's cleanup
+    launch.cleanup(synchronize=True)
     return trainer
 
 

@@ -340,6 +340,8 @@ trainer.callbacks.append(count)
 res = trainer.validate(model, datamodule=dm)
 if trainer.is_global_zero:
     json.dump({{**res[0], 'images': count.n}}, open(sys.argv[2], 'w'))
+from dlojzlib.dist import launch  # gloo's threads joined before the interpreter's exit
+launch.cleanup(synchronize=True)
 '''
 
 
