@@ -255,8 +255,9 @@ def to_device(images, labels, run):
 
 
 def train_step(run, images, labels):
-    """One optimisation step, as every mode runs it: the gradients (accumulate's, or a pipeline's schedule:
-    dist.pipeline), then the optimizer. -> (mean loss, output, labels): detached, on the device."""
+    """One optimisation step, as every mode runs it: the gradients (accumulate's, or a pipeline's
+    schedule: dist.pipeline), then the optimizer. -> (mean loss, output, labels): detached, on the
+    device."""
     loss, output, target = accumulate(run, images, labels) if run.pipe is None else \
         run.pipe.gradients(run, images, labels, to_device)  # --pipeline-stages, --microbatches
     with run.chrono.phase('optimizer'):
@@ -270,9 +271,10 @@ def train_step(run, images, labels):
 
 
 def accumulate(run, images, labels):
-    """The gradients of a batch or (--accum-steps) lists of micro-batches, which add up: each micro-batch's
-    loss is divided by their number, so the step follows the mean over all its images, as N ranks' all-reduce
-    would; DDP syncs only during the last backward (no_sync before). -> (mean loss, output, labels)."""
+    """The gradients of a batch or (--accum-steps) lists of micro-batches, which add up: each
+    micro-batch's loss is divided by their number, so the step follows the mean over all its
+    images, as N ranks' all-reduce would; DDP syncs only during the last backward (no_sync
+    before). -> (mean loss, output, labels)."""
     micro = list(zip(images, labels)) if isinstance(images, list) else [(images, labels)]
     n = len(micro)
     losses, outputs, targets = [], [], []

@@ -312,7 +312,8 @@ class Pipeline(nn.Module):
                 output = self.schedule.step(*((x,) if self.first else ()), **last)
         loss = self.share_loss(losses)
         run.guard.observe(loss)  # before the optimizer: on CPU a non-finite loss is never applied
-        with run.chrono.phase('optimizer'):  # the replicas' all-reduce, timed with the step after it
+        # the replicas' all-reduce, timed with the step after it
+        with run.chrono.phase('optimizer'):
             self._average_gradients()
         return loss, (output.detach() if self.last else None), y
 
