@@ -25,7 +25,6 @@ from dlojzlib.flags import check_args, get_args_parser
 from dlojzlib.record.log import Console
 
 
-
 def data_flags(data_dir, batch_size, num_workers, flags):
     """-> dlojz's flags (an argparse.Namespace), checked by dlojz's own parser."""
     argv = [*flags, '--batch-size', str(batch_size)]
