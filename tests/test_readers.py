@@ -1,0 +1,132 @@
+"""dlojzlib.readers, the one door of every file dlojz reads back (issue 49): any bytes give a value
+of the declared shape or Unreadable, within a second; a special file is refused without blocking;
+a name read from a file never leads out of its folder."""
+import json
+import os
+import posixpath
+import threading
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dlojzlib import readers
+from dlojzlib.readers import Dict, Int, List, Map, Maybe, Num, Rel, Str, Unreadable
+
+SHAPE = Dict({'version': Int(1, 1), 'root': Str(),
+              'splits': Map(Map(Dict({'mtime_ns': Maybe(Int(0)), 'files': List(Rel())})))},
+             optional=['root'])
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+                    lambda kids: st.lists(kids, max_size=4)
+                    | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=20)
+
+
+def within(path, root):
+    real = posixpath.normpath(posixpath.join(root, path))
+    return real.startswith(root.rstrip('/') + '/')
+
+
+@settings(deadline=1000, max_examples=300)
+@given(st.binary(max_size=300))
+def test_any_bytes_give_a_value_or_one_reason(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp('b') / 'f.json'
+    path.write_bytes(data)
+    try:
+        value = readers.read_json(str(path), SHAPE)
+    except Unreadable as e:
+        assert str(e).startswith(str(path)) and '\n' not in str(e)
+    else:
+        assert value['version'] == 1
+
+
+@settings(deadline=1000, max_examples=300)
+@given(JSON | st.fixed_dictionaries({'version': st.just(1), 'splits': JSON}))
+def test_any_json_gives_its_shape_or_says_where_it_is_wrong(value):
+    try:
+        out = readers.parse_json('f.json', json.dumps(value), SHAPE)
+    except Unreadable as e:
+        assert ' at ' in e.why or 'is not JSON' in e.why, e.why
+        return
+    for split in out['splits'].values():
+        for entry in split.values():
+            assert all(within(f, '/data/train/cat') for f in entry['files'])
+
+
+@settings(deadline=1000, max_examples=500)
+@given(st.text(max_size=40) | st.lists(st.sampled_from(['..', '.', '', 'a', '/', 'b\0']),
+                                        max_size=6).map('/'.join))
+def test_no_name_read_from_a_file_leads_out_of_its_folder(name):
+    if Rel().accepts(name):
+        assert within(name, '/data/train/cat'), name
+
+
+@pytest.mark.parametrize('name', ['../../val/dog/dog000.jpg', '/etc/passwd', 'a/../../b', '', '.',
+                                  'a//b', 'a/./b', 'x\0y', '..\\x'])
+def test_these_names_are_refused(name):
+    assert not Rel().accepts(name)
+
+
+def test_a_sub_folder_is_a_name_inside():
+    assert Rel().accepts('sub/deeper/x.jpg')
+
+
+@pytest.mark.parametrize('kind', ['fifo', 'folder', 'device'])
+def test_a_special_file_is_refused_without_blocking(tmp_path, kind):
+    path = {'fifo': tmp_path / 'f.json', 'folder': tmp_path, 'device': '/dev/zero'}[kind]
+    if kind == 'fifo':
+        os.mkfifo(path)
+    out = []
+    t = threading.Thread(target=lambda: out.append(pytest.raises(Unreadable, readers.read_json,
+                                                                 str(path))), daemon=True)
+    t.start()
+    t.join(5)
+    if t.is_alive():  # unblock the reader before failing
+        with open(path, 'w'):
+            pass
+        pytest.fail(f'reading a {kind} blocked')
+    assert 'not a file' in str(out[0].value)
+
+
+def test_a_file_over_its_limit_is_refused(tmp_path):
+    (tmp_path / 'big.json').write_bytes(b' ' * 2000)
+    with pytest.raises(Unreadable, match='larger than'):
+        readers.read_json(str(tmp_path / 'big.json'), limit=1000)
+
+
+def test_deep_nesting_is_unreadable_not_a_recursion_error(tmp_path):
+    (tmp_path / 'deep.json').write_text('[' * 100000 + ']' * 100000)
+    with pytest.raises(Unreadable, match='nests deeper'):
+        readers.read_json(str(tmp_path / 'deep.json'))
+
+
+def test_a_missing_file_is_the_callers_to_name(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        readers.read_json(str(tmp_path / 'none.json'))
+
+
+@pytest.mark.parametrize('value, shape, ok', [
+    (True, Num(), False), (float('nan'), Num(), False), (3, Int(0, 2), False), (2.5, Int(), False),
+    (2, Num(0, 2), True), (None, Maybe(Int()), True), ('x', Maybe(Int()), False),
+    ({'a': 1}, Dict({'a': Int(), 'b': Int()}), False), ({'a': 1}, Dict({'a': Int()}), True),
+    ([1, 'x'], List(Int()), False), ({'k': 'v'}, Map(Str()), True), ({'k': 1}, Map(Str()), False)])
+def test_each_shape_accepts_only_its_values(value, shape, ok):
+    try:
+        shape.check(value, 'x')
+    except readers.Wrong:
+        assert not ok
+    else:
+        assert ok
+
+
+def test_a_wrong_value_is_named_by_where_it_is():
+    with pytest.raises(Unreadable) as e:
+        readers.parse_json('i.json', '{"version": 1, "splits": {"train": {"cat": {"mtime_ns": 1, '
+                                     '"files": ["a.jpg", 7]}}}}', SHAPE)
+    assert e.value.why == ('has the number 7 at splits.train.cat.files[1] where a file name '
+                           'inside its folder is expected'), e.value.why
+
+
+def test_jsonl_keeps_the_good_lines_and_counts_the_rest(tmp_path):
+    (tmp_path / 'm.jsonl').write_bytes(b'{"step": 1}\n[1]\n{"step": 2}\n{"st')
+    records, bad = readers.read_jsonl(str(tmp_path / 'm.jsonl'), Dict({'step': Int(0)}))
+    assert records == [{'step': 1}, {'step': 2}] and bad == 2
