@@ -1,6 +1,6 @@
 """Failpoints: the faults the crash tests inject into a real dlojz process, named, read once from
-DLOJZ_FAULT when this module is imported, and no-ops when it is unset (as etcd's gofail and
-FoundationDB's BUGGIFY).
+DLOJZ_FAULT when this module is imported (environment.faults parses it), and no-ops when it is
+unset (as etcd's gofail and FoundationDB's BUGGIFY).
 
 DLOJZ_FAULT=kill-in-checkpoint:2 python dlojz.py ...     # comma-separated <name>[:<argument>]
 entries
@@ -29,37 +29,16 @@ generator_image, startup_phase); with DLOJZ_FAULT unset each is one test of a co
 environment, so the training loop pays nothing for them."""
 import errno
 import os
-import re
 import signal
 import time
 
-# name -> the form of its argument, as a pattern
-KNOWN = {'kill-in-checkpoint': r'\d+', 'no-flock': r'', 'slow-steps': r'\d+(\.\d*)?',
-         'signal-step': r'\d+:SIG[A-Z0-9]+', 'signal-val': r'\d+:SIG[A-Z0-9]+',
-         'slow-loader': r'\d+:\d+(\.\d*)?', 'slow-worker-start': r'\d+(\.\d*)?',
-         'kill-generator': r'\d+', 'slow-phase': r'\d+:[a-z_]+:\d+(\.\d*)?'}
+from dlojzlib.environment import fault_points as parse, faults  # noqa: F401 (parse: the tests')
+from dlojzlib.errors import UsageError
 
-
-def parse(text, restart_count=0):
-    """DLOJZ_FAULT's text -> {name: argument ('' for a bare name)}. An unknown name is refused: a
-    misspelt failpoint would inject nothing and let a crash test pass without its crash."""
-    armed = {}
-    for entry in filter(None, (e.strip() for e in (text or '').split(','))):
-        name, _, arg = entry.partition(':')
-        if name not in KNOWN:
-            raise ValueError(f'DLOJZ_FAULT names an unknown failpoint {name!r}; known: '
-                             f'{", ".join(KNOWN)}.')
-        if not re.fullmatch(KNOWN[name], arg) or (name.startswith('signal-') and
-                                                  not hasattr(signal, arg.split(':')[1])):
-            raise ValueError(f'DLOJZ_FAULT: failpoint {name} takes an argument of the form '
-                             f'{KNOWN[name]!r} (got {arg!r}); see dlojzlib/failpoints.py.')
-        armed[name] = arg
-    if restart_count:  # slow steps are for the attempt that Slurm stops; the requeued one runs at full speed
-        armed.pop('slow-steps', None)
-    return armed
-
-
-ARMED = parse(os.environ.get('DLOJZ_FAULT'), int(os.environ.get('SLURM_RESTART_COUNT') or 0))
+try:
+    ARMED = faults()
+except UsageError:  # not a traceback at import: environment.check_environment says it at start-up
+    ARMED = {}
 _hits = {}  # name -> times reached in this process
 
 

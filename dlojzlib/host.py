@@ -12,6 +12,7 @@ import time
 import torch
 
 from dlojzlib import ROOT, SCRIPT
+from dlojzlib.environment import read
 
 PROCESS_T0 = time.time()  # process_start_time()'s fallback: when this module was imported
 
@@ -78,7 +79,7 @@ def intra_op_threads(num_workers, cpu_device, local_ranks=1, usable=None, node=N
     mostly launches kernels, would compete with its own loader workers. On CPU the model is the work
     (the workers sleep once their prefetch queue is full), so it gets the process's share of the
     cores."""
-    if environ.get('OMP_NUM_THREADS'):
+    if read('OMP_NUM_THREADS', environ, None):
         return None
     usable = usable or usable_cores()
     node = node or os.cpu_count() or usable
@@ -105,7 +106,8 @@ def host_check(num_workers, cpu_device, cores=usable_cores, load=os.getloadavg,
                         f'{total} cores): timings may be slower than on an idle node.')
     return {'usable_cores': usable, 'node_cores': total, 'load_avg_1m_before': load1,
             'torch_threads': t,
-            'torch_threads_from': 'OMP_NUM_THREADS' if os.environ.get('OMP_NUM_THREADS') else 'dlojz',
+            'torch_threads_from': ('OMP_NUM_THREADS' if read('OMP_NUM_THREADS', default=None)
+                                   else 'dlojz'),
             'num_workers': num_workers, 'warnings': warnings}
 
 

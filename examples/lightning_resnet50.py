@@ -35,6 +35,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from dlojzlib.dist import launch
 from dlojzlib.dist.launch import get_dist_info
+from dlojzlib.environment import read
 from dlojzlib.errors import UsageError
 
 
@@ -89,8 +90,8 @@ def get_args_parser():
     p.add_argument('--max-steps', type=int, default=-1, help='stop after this many steps (-1: '
                    'the epochs)')
     p.add_argument('--accelerator', default='auto', help='gpu (the course), cpu or auto')
-    tasks = os.getenv('SLURM_NTASKS_PER_NODE', '')  # Lightning wants devices = --ntasks-per-node
-    p.add_argument('--devices', default=tasks if tasks.isdigit() else 'auto',
+    tasks = read('SLURM_NTASKS_PER_NODE', default=None)  # devices = --ntasks-per-node
+    p.add_argument('--devices', default=str(tasks[0]) if tasks else 'auto',
                    help='processes per node (default: Slurm\'s --ntasks-per-node, else all '
                    'GPUs); a number outside Slurm to have Lightning start them')
     p.add_argument('--strategy', default='auto', help='Lightning\'s: auto (DDP on several '
@@ -109,7 +110,7 @@ def get_args_parser():
 
 def main(args):
     pl.seed_everything(args.seed, workers=True)
-    nnodes = int(os.getenv('SLURM_NNODES', '1'))  # the course's line: Trainer(num_nodes=...)
+    nnodes = read('SLURM_NNODES', default=1)  # the course's line: Trainer(num_nodes=...)
     job = get_dist_info().job_id or 'local'
     out = args.output_dir or os.path.join('runs', f'lightning_{job}_{args.arch}')
     # 1. Organize the data

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
+# the parsers of the launchers' variables (and their old home's names, which the tests import)
+from dlojzlib.environment import expand_nodelist, expand_tasks_per_node, read  # noqa: F401
 from dlojzlib.errors import EARLY_SIGNALS, DlojzError, UsageError, first_line
 
 
@@ -51,41 +53,6 @@ class DistInfo:
         return len(self.nodes) or max(1, self.world_size // max(1, self.local_world_size))
 
 
-def expand_nodelist(nodelist):
-    """Expand a SLURM host list such as 'jz[001-003,010],gpu7' into ('jz001', ..., 'gpu7')."""
-    hosts = []
-    for prefix, ranges, plain in re.findall(r'([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)', nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(','):
-            lo, _, hi = part.partition('-')
-            if not hi:
-                hosts.append(prefix + lo)
-            else:
-                hosts += [f'{prefix}{i:0{len(lo)}d}' for i in range(int(lo), int(hi) + 1)]
-    return tuple(hosts)
-
-
-def expand_tasks_per_node(spec):
-    """'4(x2),3' -> [4, 4, 3] (SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE syntax)."""
-    out = []
-    for part in filter(None, spec.split(',')):
-        m = re.fullmatch(r'(\d+)(?:\(x(\d+)\))?', part.strip())
-        if not m:
-            raise ValueError(part)
-        out += [int(m.group(1))] * int(m.group(2) or 1)
-    return out
-
-
-def _int(environ, name, launcher):
-    try:
-        return int(environ[name])
-    except ValueError:
-        raise UsageError(f'{launcher} set {name}={environ[name]!r}, which is not an integer; launch dlojz with '
-                         f'torchrun or srun without overriding it.') from None
-
-
 def launch_variables(environ=os.environ):
     """The names of the launcher's variables this module reads (SLURM_*, RANK and the like) that are
     set: a process that starts dlojz as a single process of its own (a test, a benchmark) removes
@@ -95,17 +62,16 @@ def launch_variables(environ=os.environ):
 
 
 def get_dist_info(environ=os.environ):
-    job_id = environ.get('SLURM_JOB_ID', environ.get('SLURM_JOBID', ''))
+    job_id = read('SLURM_JOB_ID', environ, read('SLURM_JOBID', environ, ''))
     if 'RANK' in environ and 'WORLD_SIZE' in environ:
-        rank, world = _int(environ, 'RANK', 'torchrun'), _int(environ, 'WORLD_SIZE', 'torchrun')
-        local_rank = _int(environ, 'LOCAL_RANK', 'torchrun') if 'LOCAL_RANK' in environ else 0
-        lws = _int(environ, 'LOCAL_WORLD_SIZE', 'torchrun') if 'LOCAL_WORLD_SIZE' in environ else world
+        rank, world = read('RANK', environ), read('WORLD_SIZE', environ)
+        local_rank, lws = read('LOCAL_RANK', environ, 0), read('LOCAL_WORLD_SIZE', environ, world)
         if not (0 <= rank < world and 0 <= local_rank < lws):
             raise UsageError(f'the environment says RANK={rank} LOCAL_RANK={local_rank} for WORLD_SIZE={world} '
                              f'LOCAL_WORLD_SIZE={lws}, which is inconsistent; start dlojz with torchrun.')
-        port = _int(environ, 'MASTER_PORT', 'torchrun') if 'MASTER_PORT' in environ else 29500
         return DistInfo(rank=rank, local_rank=local_rank, world_size=world, local_world_size=lws,
-                        master_addr=environ.get('MASTER_ADDR', '127.0.0.1'), master_port=port,
+                        master_addr=read('MASTER_ADDR', environ, '127.0.0.1'),
+                        master_port=read('MASTER_PORT', environ, 29500),
                         launcher='torchrun', job_id=job_id)
     # Under srun every task has SLURM_STEP_ID; the batch script itself (python run without srun) is
     # a single process even when the allocation has several tasks.
@@ -114,20 +80,17 @@ def get_dist_info(environ=os.environ):
         if ntasks not in environ:
             raise UsageError('srun did not set SLURM_NTASKS; launch dlojz with srun inside an allocation '
                              '(sbatch/salloc).')
-        rank, world = _int(environ, 'SLURM_PROCID', 'srun'), _int(environ, ntasks, 'srun')
-        local_rank = _int(environ, 'SLURM_LOCALID', 'srun') if 'SLURM_LOCALID' in environ else 0
-        nodes = expand_nodelist(environ.get('SLURM_STEP_NODELIST', environ.get('SLURM_JOB_NODELIST', '')))
+        rank, world = read('SLURM_PROCID', environ), read(ntasks, environ)
+        local_rank = read('SLURM_LOCALID', environ, 0)
+        nodes = read('SLURM_STEP_NODELIST', environ, None)
+        nodes = read('SLURM_JOB_NODELIST', environ, ()) if nodes is None else nodes
         if world > 1 and not nodes:
             raise UsageError('srun started several tasks but SLURM_STEP_NODELIST/SLURM_JOB_NODELIST is empty, so '
                              'the rank-0 host is unknown; run dlojz with srun inside an sbatch/salloc allocation.')
-        spec = next((environ[k] for k in ('SLURM_STEP_TASKS_PER_NODE', 'SLURM_TASKS_PER_NODE', 'SLURM_NTASKS_PER_NODE')
-                     if k in environ), str(world))
-        try:
-            per_node = expand_tasks_per_node(spec)
-        except ValueError:
-            raise UsageError(f'cannot read the tasks-per-node list {spec!r} from SLURM; run dlojz with srun '
-                             f'inside an sbatch/salloc allocation.') from None
-        node_id = _int(environ, 'SLURM_NODEID', 'srun') if 'SLURM_NODEID' in environ else 0
+        spec = next((k for k in ('SLURM_STEP_TASKS_PER_NODE', 'SLURM_TASKS_PER_NODE',
+                                 'SLURM_NTASKS_PER_NODE') if environ.get(k)), None)
+        per_node = read(spec, environ) if spec else [world]
+        node_id = read('SLURM_NODEID', environ, 0)
         lws = per_node[node_id] if node_id < len(per_node) else per_node[-1]
         if not (0 <= rank < world and 0 <= local_rank < lws):
             raise UsageError(f'SLURM says task {rank} (local {local_rank}) of {world} with {lws} tasks on this node, '
@@ -152,14 +115,10 @@ def srun_port(environ, job_id, world):
     at any time: a CI run lost a job to EADDRINUSE on 37142 while another job's gloo mesh connected.
     """
     if 'MASTER_PORT' in environ:
-        value = environ['MASTER_PORT']
-        if not (value.isdigit() and 0 < int(value) < 65536):
-            raise UsageError(f'MASTER_PORT={value!r} is not a port number (1-65535); unset it to '
-                             f'let dlojz derive one from the job id, or export a free port.')
-        return int(value)
+        return read('MASTER_PORT', environ)
     if world == 1:
         return 0
-    return 20000 + int(job_id) % 10000 if job_id.isdigit() else 29500
+    return 20000 + int(job_id) % 10000 if job_id else 29500  # job_id: digits (environment.job_id)
 
 
 # -------------------------------------------------------------------------------------------- process group
@@ -437,8 +396,7 @@ def broadcast_buffers_(module, src=0):
 
 def slurm_cpus_per_task(environ=os.environ):
     """CPUs SLURM gave each task (None outside SLURM): the default --num-workers there."""
-    value = environ.get('SLURM_CPUS_PER_TASK', '')
-    return int(value) if value.isdigit() else None
+    return read('SLURM_CPUS_PER_TASK', environ, None)
 
 
 class StopSignal:

@@ -12,7 +12,6 @@ import argparse
 import glob
 import math
 import os
-import re
 import sys
 import time
 
@@ -21,6 +20,7 @@ import torch
 import dlojz_chrono as chrono
 from dlojzlib import SCRIPT, compat, tables
 from dlojzlib.data.datasets import build_data
+from dlojzlib.environment import read
 from dlojzlib.errors import UsageError
 from dlojzlib.flags import get_args_parser
 from dlojzlib.host import host_memory, provenance, usable_cores
@@ -74,11 +74,8 @@ def memory_budget(environ=os.environ, cgroup=_cgroup_limit, meminfo='/proc/memin
     """Host memory one task may use, bytes: the smallest of the job's cgroup limit, Slurm's --mem
     (SLURM_MEM_PER_NODE, MiB) or --mem-per-cpu x the node's CPUs, and the available memory, divided
     by the tasks on the node (each runs its own loader)."""
-    limits = [cgroup()]
-    if environ.get('SLURM_MEM_PER_NODE', '').isdigit():
-        limits.append(int(environ['SLURM_MEM_PER_NODE']) * 2**20)
-    if environ.get('SLURM_MEM_PER_CPU', '').isdigit() and environ.get('SLURM_CPUS_ON_NODE', '').isdigit():
-        limits.append(int(environ['SLURM_MEM_PER_CPU']) * int(environ['SLURM_CPUS_ON_NODE']) * 2**20)
+    per_cpu = read('SLURM_MEM_PER_CPU', environ, 0) * read('SLURM_CPUS_ON_NODE', environ, 0)
+    limits = [cgroup(), read('SLURM_MEM_PER_NODE', environ, 0) * 2**20, per_cpu * 2**20]
     try:
         with open(meminfo) as f:
             for line in f:
@@ -87,9 +84,8 @@ def memory_budget(environ=os.environ, cgroup=_cgroup_limit, meminfo='/proc/memin
     except OSError:
         pass
     limits = [v for v in limits if v]
-    tasks = re.match(r'\d+', environ.get('SLURM_NTASKS_PER_NODE', ''))  # e.g. '4' or '4(x2)'
-    tasks = int(tasks.group()) if tasks else 1
-    return min(limits) // max(1, tasks) if limits else None
+    tasks = read('SLURM_NTASKS_PER_NODE', environ, [1])[0]  # '4'; of '4(x2),3', the first node's
+    return min(limits) // tasks if limits else None
 
 
 # ------------------------------------------------------------------------------------------ --loader-only
