@@ -201,7 +201,8 @@ def test_cli_error_is_one_sentence(tmp_path):
     assert r.returncode == 0 and len(r.stdout.splitlines()) == 6
     assert r.stdout.splitlines()[1].startswith('compute slowed: none')
     two = tmp_path / 'two.json'
-    two.write_text(json.dumps({'world_size': 2, 'timing': {'steady_images_per_s': 150.0}}))
+    two.write_text(json.dumps({'world_size': 2, 'global_batch': 16,
+                               'timing': {'steady_images_per_s': 150.0}}))
     r = subprocess.run([sys.executable, os.path.join(ROOT, 'dlojz_scaling.py'), '--summary', str(path),
                         '--machine', 'a100', '--gpus', '1,8', '--measured', str(two)], capture_output=True, text=True)
     # the source line, the head, 1, 2 (measured) and 8 GPUs
@@ -247,8 +248,10 @@ def test_cli_takes_the_slowdown_from_a_run_at_two_ranks(tmp_path):
     one['provenance'], one['host'] = {'device': 'cuda'}, {'usable_cores': 16, 'torch_threads': 4}
     ranks = [{'rank': k, 'steady_steps': 10, 'wall_s': 1.3, 'data_s': 0.1, 'busy_s': 1.08 + 0.1,
               'comm_s': 0.1, 'late_s': 0.0} for k in (0, 1)]
-    two = {'world_size': 2, 'timing': {'steady_images_per_s': 123.0, 'ranks': ranks,
-                                       'comm_measured': 'all-reduce hook'}}
+    two = {'status': 'completed', 'world_size': 2, 'global_batch': 16,
+           'config': {'bucket_cap_mb': 25.0},
+           'timing': {'steady_images_per_s': 123.0, 'ranks': ranks,
+                      'comm_measured': 'all-reduce hook'}}
     paths = [tmp_path / 'one.json', tmp_path / 'two.json']
     for path, s in zip(paths, (one, two)):
         path.write_text(json.dumps(s))

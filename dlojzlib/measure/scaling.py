@@ -45,17 +45,23 @@ The model (docs/scaling.md says it in prose):
   communication kernels or threads sharing the device (NCCL uses SMs; gloo uses CPU threads) unless
   --slowed-from measured it, data-loader limits at scale, DDP's own per-bucket copies and buffer
   broadcast, topology effects (a ring through a slow PCIe hop).
+* Refused (measure.forecast_inputs): a file of another shape; a --slowed-from run of other flags,
+  not completed or of no more ranks; a term below 0 or an efficiency above 100 %, which only
+  runs measured on a busy node (or too few steps) give: a measurement problem, not a forecast.
 
 Pure functions (no torch import at module level): the probe imports torch.distributed when it runs.
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass
 
 from dlojzlib.dist import stages
+from dlojzlib.files import write_atomic
 from dlojzlib.flags import COUNT
+from dlojzlib.measure import forecast_inputs
 
 # timing.comm_measured where each rank timed its waits in collectives (measure.comm): DDP's
 # all-reduce, FSDP2's gathers and reduce-scatters
@@ -221,6 +227,8 @@ def inputs_from_summary(summary):
                          'torchrun or srun (world size 1) so that summary.json has its '
                          '"communication" block.')
     batch = summary['global_batch']
+    cap = (summary.get('config') or {}).get('bucket_cap_mb', 25.0)
+    forecast_inputs.check_buckets(comm['gradient_bytes_per_step'] * factor, cap)
     per_step = t.get('per_step') or {}
     steps, images = per_step.get('step') or [], per_step.get('images') or []
     full = max((i for i in images if i), default=None)
@@ -232,7 +240,7 @@ def inputs_from_summary(summary):
             # before
             # --shard wrote no factor
             'grad_bytes': comm['gradient_bytes_per_step'] * factor,
-            'bucket_cap_mb': summary.get('config', {}).get('bucket_cap_mb', 25.0),
+            'bucket_cap_mb': cap,
             'step_samples': samples if len(samples) >= 2 else None, 'work_s': split.get('work')}
 
 
@@ -262,7 +270,7 @@ def collective_waits(timing):
     for, the most any rank waited per step for a late one: the step is shared, so that wait is what the late
     rank added to it), or (None, None) where the ranks did not measure them (measure.comm; docs/chronometer.md)."""
     ranks = [r for r in timing.get('ranks') or [] if r.get('steady_steps')]
-    if not ranks or timing.get('comm_measured') not in HOOKED:
+    if not ranks or not hooked(timing, ranks):
         return None, None
     return (statistics.fmean(r['comm_s'] / r['steady_steps'] for r in ranks),
             max(r['late_s'] / r['steady_steps'] for r in ranks))
@@ -288,13 +296,19 @@ def step_split(timing):
         return {'step': tot['wall_s'] / n, 'work': work / n if work is not None else None,
                 'data': tot['data_s'] / n, 'comm': collective / n, 'late': 0.0}
     mean = lambda f: statistics.fmean(f(r) / r['steady_steps'] for r in ranks)  # noqa: E731
-    hooked = timing.get('comm_measured') in HOOKED
+    timed = hooked(timing, ranks)
     busy = all(r.get('busy_s') is not None for r in ranks)
     return {'step': mean(lambda r: r['wall_s']), 'data': mean(lambda r: r['data_s']),
-            'comm': mean(lambda r: r['comm_s']) if hooked else None,
-            'late': mean(lambda r: r['late_s']) if hooked else None,
+            'comm': mean(lambda r: r['comm_s']) if timed else None,
+            'late': mean(lambda r: r['late_s']) if timed else None,
             'work': (mean(lambda r: r['busy_s'] - r['comm_s'] - r['late_s'])
-                     if hooked and busy else None)}
+                     if timed and busy else None)}
+
+
+def hooked(timing, ranks):
+    """Whether the ranks timed their waits in collectives (measure.comm), each rank's recorded."""
+    return timing.get('comm_measured') in HOOKED and \
+        all(r.get('comm_s') is not None and r.get('late_s') is not None for r in ranks)
 
 
 def measured_from_summary(summary):
@@ -402,9 +416,10 @@ def _probe_main(path):
         points = allreduce_probe()
         if tdist.get_rank() == 0:
             bw, lat = fit_ring(points, n) if n > 1 else (None, None)
-            with open(path, 'w') as f:
-                json.dump({'world_size': n, 'backend': 'gloo', 'points': points, 'bandwidth': bw,
-                           'latency': lat}, f, indent=1)
+            # atomic: a FIFO at `path` is replaced, not opened (an open for writing waits for a
+            # reader), and a failed write leaves the previous probe
+            write_atomic(path, json.dumps({'world_size': n, 'backend': 'gloo', 'points': points,
+                                           'bandwidth': bw, 'latency': lat}, indent=1))
             print(f'{n} ranks: ring bandwidth {bw / 1e9 if bw else float("nan"):.3f} GB/s, latency '
                   f'per step {lat * 1e6 if lat is not None else float("nan"):.1f} us -> {path}')
     finally:
@@ -426,10 +441,9 @@ def gpu_counts(text):
 def pipeline_main(a):
     """--pipeline: the forecast table of stages.forecast_rows."""
     try:
-        with open(a.pipeline) as f:
-            summary = json.load(f)
+        summary = forecast_inputs.read('--pipeline', a.pipeline, forecast_inputs.PIPELINE)
         rows = stages.forecast_rows(summary, a.pipeline_stages, a.microbatches)
-    except (ValueError, OSError) as e:  # a JSONDecodeError is a ValueError
+    except ValueError as e:
         print(f'dlojz_scaling: error: {e}', file=sys.stderr)
         return 2
     p = summary['timing']['pipeline']
@@ -473,6 +487,11 @@ def main(argv=None):
                    'points and fit')
     a = p.parse_args(argv)
     if a.probe:
+        if os.path.isdir(a.probe) or not os.path.isdir(os.path.dirname(a.probe) or '.'):
+            print(f'dlojz_scaling: error: --probe {a.probe} is a folder, or in a folder that does '
+                  f'not exist; give the name of the file to write, such as probe.json.',
+                  file=sys.stderr)
+            return 2
         _probe_main(a.probe)
         return 0
     if a.pipeline:
@@ -480,8 +499,7 @@ def main(argv=None):
     try:
         if not a.summary or bool(a.machine) == bool(a.link):
             raise ValueError('give --summary and one of --machine or --link.')
-        with open(a.summary) as f:
-            reference = json.load(f)
+        reference = forecast_inputs.read('--summary', a.summary, forecast_inputs.SUMMARY)
         x = inputs_from_summary(reference)
         factor = traffic_factor(reference.get('communication') or {})
         mode = (reference.get('config') or {}).get('shard')
@@ -489,35 +507,41 @@ def main(argv=None):
         threads, cores = shared_cores(reference)
         if a.cores is not None:
             threads, cores = threads or 1, a.cores or None
-        measured_slowdown = None
+        measured_slowdown, whose = None, f'the one device\'s work from --summary {a.summary}'
         if a.slowed_from:
-            with open(a.slowed_from) as f:
-                m = measured_from_summary(json.load(f))
-            if m['gpus'] < 2 or m['work_s'] is None or x['work_s'] is None:
+            other = forecast_inputs.read('--slowed-from', a.slowed_from, forecast_inputs.SUMMARY)
+            forecast_inputs.check_slowed_from(reference, a.summary, other, a.slowed_from)
+            m = measured_from_summary(other)
+            if m['work_s'] is None or x['work_s'] is None:
                 raise ValueError(f'--slowed-from needs a run at 2 or more ranks, and both runs '
                                  f'with their work per step measured (phase timing on); '
-                                 f'{a.slowed_from} has {m["gpus"]} rank(s).')
+                                 f'{a.slowed_from} or {a.summary} has none.')
+            forecast_inputs.check_work('--summary', a.summary, x['work_s'])
             measured_slowdown = (m['gpus'], m['work_s'] / x['work_s'] - 1)
+            whose = f'--slowed-from {a.slowed_from} against --summary {a.summary}'
         slowed, slowed_source = slowdown(threads, cores, measured_slowdown)
         if a.machine:
             link = machine_link(a.machine)
         else:
-            with open(a.link) as f:
-                probe = json.load(f)
+            probe = forecast_inputs.read('--link', a.link, forecast_inputs.PROBE)
             link = Link(probe['bandwidth'], probe['latency'], source=a.link)
         measured = {}
         for path in a.measured:
-            with open(path) as f:
-                m = measured_from_summary(json.load(f))
+            m = measured_from_summary(forecast_inputs.read('--measured', path,
+                                                           forecast_inputs.SUMMARY))
             measured[m['gpus']] = m
         gpus = sorted(set(a.gpus) | set(measured))
         rows = forecast(link=link, gpus=gpus, slowed=slowed, **x)
-    except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
+        problem = forecast_inputs.measurement_problem(rows, f'{slowed_source}, {whose}')
+        if problem:
+            raise ValueError(problem)
+    except (ValueError, OSError, KeyError) as e:
         print(f'dlojz_scaling: error: {e}', file=sys.stderr)
         return 2
     steps = sorted(x['step_samples'] or [])
-    p90 = steps[int(0.9 * (len(steps) - 1))] / statistics.median(steps) if steps else None
-    spread = f", {len(steps)} steady steps (p90/median {p90:.3f})" if steps else \
+    median = statistics.median(steps) if steps else 0.0
+    p90 = f'{steps[int(0.9 * (len(steps) - 1))] / median:.3f}' if median > 0 else '-'
+    spread = f", {len(steps)} steady steps (p90/median {p90})" if steps else \
         ', no per-step times: no straggler term'
     print(f"one device: step {x['step_s'] * 1e3:.1f} ms, backward {x['backward_s'] * 1e3:.1f} ms, "
           f"batch {x['batch_per_device']}, gradients {x['grad_bytes'] / factor / 2**20:.1f} "
