@@ -160,8 +160,10 @@ class Num(Shape):
     def accepts(self, value):
         if isinstance(value, bool) or not isinstance(value, int if self.integral else (int, float)):
             return False
-        return math.isfinite(value) and (self.lo is None or value >= self.lo) and \
-            (self.hi is None or value <= self.hi)
+        # an int is compared as it is: math.isfinite would convert it, and one of 400 digits does
+        # not fit a float (OverflowError)
+        return (isinstance(value, int) or math.isfinite(value)) and \
+            (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi)
 
 
 def Int(lo=None, hi=None):
