@@ -57,6 +57,13 @@ from dlojzlib import compat
 from dlojzlib.measure import bubble, comm
 
 PHASES = ('data', 'h2d', 'forward', 'backward', 'optimizer', 'other')
+# summary()'s figures of the steady steps, and those of the whole run: null where not measured
+STEADY_FIGURES = ('train_throughput', 'steady_images_per_s', 'gpu_throughput', 'device_busy',
+                  'data_share', 'shares', 'bound', 'compute_headroom')
+LATER_FIGURES = ('epoch_time_estimate_s', 'val_time_s', 'full_val_time_estimate_s',
+                 'training_wall_s')
+NO_STEP, NO_VAL, NO_LENGTH = 'no training step ran', 'no validation ran', 'the loader has no length'
+NO_WALL = 'the chronometer was not started and stopped'
 # --prof: the course's record_function tags (solutions/dlojz1_4.py), one per phase
 LABELS = {'h2d': 'host to device copy', 'forward': 'inference and loss function', 'backward': 'gradient compute',
           'optimizer': 'optimizer step and weights update'}
@@ -420,6 +427,19 @@ class Chronometer:
         by."""
         return sum(r['images'] or 0 for r in self.steps[self.warmup:])
 
+    def unmeasured(self):
+        """Why the figures of the steady steps (medians, throughputs, the verdict) are missing, in
+        one phrase with the fix; None where there are steady steps."""
+        n, w = len(self.steps), self.warmup
+        if self.steady or not n:
+            return None if self.steady else NO_STEP
+        if n <= w:
+            steps = 'the training step fell' if n == 1 else f'the {n} training steps all fell'
+            return (f'{steps} in the {w} warm-up steps; run more steps (--test-nsteps) than '
+                    f'--warmup-steps')
+        return (f'the {n - w} steps after the warm-up were profiled (--prof), which leaves them '
+                f'out; run more steps than --prof-wait + --prof-warmup + --prof-active')
+
     def stats(self):
         keys = ['step', 'data', 'compute'] + (list(PHASES[1:]) if self.phases_on else [])
         return {k: describe([r.get(k, 0.0) for r in self.steady]) for k in keys}
@@ -473,6 +493,8 @@ class Chronometer:
                'per_step': {k: [r.get(k) for r in self.steps] for k in ['step', 'compute', *PHASES, 'exposed', 'images']
                             if any(k in r for r in self.steps)}}
         total, busy = tot['wall_s'], tot['busy_s']
+        # a figure that cannot be measured is null, with why in 'unmeasured', never an absent key
+        res.update(dict.fromkeys(STEADY_FIGURES + LATER_FIGURES + ('gpu_step_source',)))
         if steady and total > 0:
             # rates are sums: a median step lands on the short steps of a loader that delivers in
             # bursts
@@ -505,15 +527,35 @@ class Chronometer:
                 res['full_val_time_estimate_s'] = self.val_time / self.val_batches * val_batches_total
         if self.start_time and self.stop_time:
             res['training_wall_s'] = (self.stop_time - self.start_time).total_seconds()
+        res['unmeasured'] = self.reasons(res, total)
         return res
+
+    def reasons(self, res, total):
+        """{figure: why it is null} of a summary(): the phrase each '>>>' line prints instead."""
+        why = self.unmeasured() or (None if total > 0 else 'the steady steps took no time')
+        out = dict.fromkeys(('stats',) + STEADY_FIGURES, why) if why else {}
+        for key in ('gpu_throughput', 'compute_headroom'):
+            if not why and res[key] is None:
+                out[key] = 'no step\'s compute was timed'
+        if res['epoch_time_estimate_s'] is None:
+            out['epoch_time_estimate_s'] = why or NO_LENGTH
+        if self.val_time is None:
+            out['val_time_s'] = out['full_val_time_estimate_s'] = NO_VAL
+        elif res['full_val_time_estimate_s'] is None:
+            out['full_val_time_estimate_s'] = 'the validation loader has no length'
+        if res['training_wall_s'] is None:
+            out['training_wall_s'] = NO_WALL
+        return out
 
     def display_lines(self, batches_per_epoch=None):
         """The course's '>>>' summary lines (reference/course.md §2.1), seconds to 0.1 ms; "avg" is
         the median for training and the mean for loading, as the course defined them (its tools read
-        these positions)."""
+        these positions). A figure that cannot be measured keeps its line, which says why."""
         st, lines = self.stats(), []
-        if self.start_time and self.stop_time:
-            lines.append(f'>>> Training complete in: {self.stop_time - self.start_time}')
+        why = self.unmeasured() or 'no steady step'
+        wall = self.stop_time - self.start_time if self.start_time and self.stop_time else \
+            'not measured: ' + NO_WALL
+        lines.append(f'>>> Training complete in: {wall}')
         if st['compute']:
             c = st['compute']
             lines.append(f">>> Training performance time: min {c['min']:.4f} avg {c['median']:.4f} seconds "
@@ -521,17 +563,24 @@ class Chronometer:
             load = describe([r['data'] + r.get('h2d', 0.0) for r in self.steady])
             lines.append(f">>> Loading performance time: min {load['min']:.4f} avg {load['mean']:.4f} seconds "
                          f"(+/- {load['std']:.4f})")
-            for name, key in (('Forward', 'forward'), ('Backward', 'backward'), ('Optimizer', 'optimizer')):
-                if st.get(key):
-                    lines.append(f">>> {name} performance time: {st[key]['mean']:.4f} seconds "
-                                 f"(+/- {st[key]['std']:.4f})")
-        if self.val_time is not None:
-            lines.append(f'>>> Validation time: {datetime.timedelta(seconds=self.val_time)}')
-        if self.steps:
-            first = self.steps[0]
-            lines.append(f">>> First step loading time: {first['data'] + first.get('h2d', 0.0):.4f}")
-        if batches_per_epoch is not None:
-            lines.append(f'>>> Number of batch per epoch: {batches_per_epoch}')
+        else:
+            lines += [f'>>> {name} performance time: not measured: {why}'
+                      for name in ('Training', 'Loading')]
+        for name in ('Forward', 'Backward', 'Optimizer'):
+            key = name.lower()
+            if st.get(key):
+                lines.append(f">>> {name} performance time: {st[key]['mean']:.4f} seconds "
+                             f"(+/- {st[key]['std']:.4f})")
+            else:
+                off = 'phase timing is off (--no-timing)' if not self.phases_on else why
+                lines.append(f'>>> {name} performance time: not measured: {off}')
+        val = 'not measured: ' + NO_VAL if self.val_time is None else \
+            datetime.timedelta(seconds=self.val_time)
+        lines.append(f'>>> Validation time: {val}')
+        first = self.steps and f"{self.steps[0]['data'] + self.steps[0].get('h2d', 0.0):.4f}"
+        lines.append(f'>>> First step loading time: {first or "not measured: " + NO_STEP}')
+        per_epoch = f'not known: {NO_LENGTH}' if batches_per_epoch is None else batches_per_epoch
+        lines.append(f'>>> Number of batch per epoch: {per_epoch}')
         return lines
 
 

@@ -164,7 +164,9 @@ def test_power_meter_unavailable_on_cpu():
     assert p.summary() == {'available': False, 'why_unavailable': 'not a CUDA device',
                            'board': None, 'ranks_on_board': 1, 'peak_w': None,
                            'mean_w': None, 'energy_j': None, 'train_energy_j': None, 'train_images': 0,
-                           'joules_per_image': None}
+                           'joules_per_image': None,
+                           'unmeasured': dict.fromkeys(['peak_w', 'energy_j', 'joules_per_image'],
+                                                       'not a CUDA device')}
 
 
 class CountingClock:

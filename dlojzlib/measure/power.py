@@ -150,8 +150,15 @@ class PowerMeter:
         mean = statistics.fmean(self.samples) if self.samples else None
         images = self.train_images * self.ranks_on_board  # the board's, in the steady windows
         per_image = self.train_energy_j / images if images else None
-        return {'available': self.available,
-                'why_unavailable': None if self.available else self.why,
+        # each null figure's reason, which the '>>> Peak Power' line prints
+        gone = None if self.available else self.why
+        why = {'peak_w': f'no power sample was taken (one every {self.period:g} s)',
+               'energy_j': 'the board gave no energy count and no power sample',
+               'joules_per_image': 'no steady training step was measured'}
+        figures = {'peak_w': peak, 'energy_j': self.energy_j, 'joules_per_image': per_image}
+        unmeasured = {k: gone or why[k] for k, v in figures.items() if v is None}
+        return {'available': self.available, 'unmeasured': unmeasured,
+                'why_unavailable': gone,
                 'board': self.board, 'ranks_on_board': self.ranks_on_board,
                 'peak_w': peak, 'mean_w': mean, 'energy_j': self.energy_j,
                 'train_energy_j': self.train_energy_j if self.train_images else None,

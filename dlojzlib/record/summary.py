@@ -93,9 +93,38 @@ def write_summary(run, progress, status, error=None, extra=None):
             energy.update(energy_over_ranks(ranks))
             starts = [r['startup'] for r in ranks]
     summary['startup'] = startup.summarize(starts)
+    add_reasons(summary)
     if dist.is_main:
         write_json(os.path.join(args.output_dir, 'summary.json'), summary)
     return summary
+
+
+NO_FIRST_STEP = 'no training step ran (the start-up ends at the first one)'
+NOT_HERE = 'this training loop does not measure it'  # Lightning's callback (docs/lightning.md)
+
+
+def add_reasons(summary):
+    """summary.json says why a figure is null, as its '>>>' line does: the reasons that depend on
+    the run as a whole (the Chronometer and the power meter give theirs)."""
+    t, m = summary['timing'], summary['memory']
+    if 'ranks' in t and t.get('rank_skew') is None:  # no rank timed a steady step
+        t['rank_skew'] = None
+        t['unmeasured']['rank_skew'] = t['unmeasured'].get('train_throughput') or NOT_HERE
+    m['unmeasured'] = memory_unmeasured(m, summary['provenance']['device'])
+    summary['unmeasured'] = {'startup': NO_FIRST_STEP} if summary['startup'] is None else {}
+
+
+def memory_unmeasured(m, device):
+    """{entry: why it is null} of summary.json's memory entries."""
+    off_gpu = None if str(device).startswith('cuda') else f'the run is on {device}, not a GPU'
+    why = {'gpu_max_allocated_bytes': off_gpu or 'no step ran on the GPU',
+           'val_gpu_max_allocated_bytes': off_gpu or 'no validation ran',
+           'host_peak_rss_bytes': 'this system has no /proc/<pid>/status (VmHWM is Linux\'s)',
+           'model_state_bytes': 'no optimizer step ran' if 'model_state_measured' in m else
+           NOT_HERE}
+    why['gpu_max_reserved_bytes'] = why['gpu_max_allocated_bytes']
+    why['val_gpu_max_reserved_bytes'] = why['val_gpu_max_allocated_bytes']
+    return {k: v for k, v in why.items() if m.get(k) is None}
 
 
 def rank_report(run):
@@ -295,16 +324,16 @@ def bound_line(t):
 
 
 def final_lines(summary, chrono, steps_per_epoch):
-    """The course's '>>>' lines (Chronometer's) and dlojz's own, from the summary just written."""
+    """The course's '>>>' lines (Chronometer's) and dlojz's own, from the summary just written. A
+    figure that cannot be measured keeps its line, which says why (summary.json's 'unmeasured')."""
     lines = chrono.display_lines(steps_per_epoch)
     t = summary['timing']
-    if t.get('gpu_throughput'):  # summary.json keeps the key gpu_throughput; on a CPU the line says what it is
-        device = 'GPU' if t.get('clock') != 'host' else 'Compute'
-        lines.append(f">>> Train throughput: {t['train_throughput']:.2f} images/second; {device} "
-                     f"throughput: {t['gpu_throughput']:.2f} images/second; epoch time estimate: "
-                     f"{t['epoch_time_estimate_s']:.1f} s")
+    why = t.get('unmeasured') or {}
+    lines.append(throughput_line(t, why))
     if t.get('bound'):
         lines.append(bound_line(t))
+    else:
+        lines.append(f">>> Bound by: not measured: {why.get('bound', NOT_HERE)}")
     if t.get('pipeline'):
         lines.append(stages.line(t['pipeline']))
     if t.get('rank_skew') is not None:
@@ -312,6 +341,9 @@ def final_lines(summary, chrono, steps_per_epoch):
                      f"{t['fastest_step_median_s'] * 1e3:.1f} ms, slowest rank {t['slowest_rank']} "
                      f"{t['slowest_step_median_s'] * 1e3:.1f} ms (skew {t['rank_skew'] * 100:.1f} "
                      f"%)")
+    elif 'ranks' in t:  # a distributed run none of whose ranks timed a steady step
+        lines.append(f">>> Step time per rank (median): not measured: "
+                     f"{why.get('rank_skew') or why.get('train_throughput', NOT_HERE)}")
     c = summary.get('communication')
     if c and c.get('shard', 'none') != 'none':
         mib = c['gradient_bytes_per_step'] / 2**20
@@ -321,30 +353,62 @@ def final_lines(summary, chrono, steps_per_epoch):
         lines.append(f">>> Gradient all-reduce per step: "
                      f"{c['gradient_bytes_per_step'] / 2**20:.1f} MiB in about "
                      f"{c['buckets_estimate']} buckets of <= {c['bucket_cap_mb']:g} MiB")
-    e = summary['energy']
-    if e and e['peak_w'] is not None:
-        per_image = f" ({e['joules_per_image']:.3f} J/image)" if e['joules_per_image'] is not None else ''
-        energy = f"; energy {e['energy_j']:.1f} J" if e['energy_j'] is not None else ''
-        lines.append(f">>> Peak Power during training: {e['peak_w']:.1f} W{energy}{per_image}")
+    lines.append(power_line(summary.get('energy') or {}))
     start = startup.line(summary.get('startup'), summary.get('world_size', 1))
-    if start:
-        lines.append(start)
+    no_start = (summary.get('unmeasured') or {}).get('startup', NOT_HERE)
+    lines.append(start or f'>>> Start-up: not measured: {no_start}')
     m = summary['memory']
+    device = (summary.get('provenance') or {}).get('device') or 'cpu'
+    mwhy = m.get('unmeasured') or memory_unmeasured(m, device)
     config = summary['config']
     states = memory.line(m, config.get('shard', 'none'), summary.get('world_size', 1),
                          config.get('cpu_offload'))
-    if states:
-        lines.append(states)
-    if m['gpu_max_allocated_bytes'] is not None:
+    lines.append(states or f">>> Memory: not measured: {mwhy.get('model_state_bytes', NOT_HERE)}")
+    if m.get('gpu_max_allocated_bytes') is not None:
         # the byte count stays second to last: the course's tools read it there
         lines.append(f">>> Max Memory Allocated {m['gpu_max_allocated_bytes'] / 2**30:.2f} GiB "
                      f"(reserved {m['gpu_max_reserved_bytes'] / 2**30:.2f} GiB) = "
                      f"{m['gpu_max_allocated_bytes']} Bytes")
+    else:
+        lines.append(f">>> Max Memory Allocated: not measured: "
+                     f"{mwhy.get('gpu_max_allocated_bytes', NOT_HERE)}")
     if m.get('val_gpu_max_allocated_bytes') is not None:  # worded apart: the course's tools grep 'Max Memory'
         lines.append(f">>> Validation peak memory: {m['val_gpu_max_allocated_bytes'] / 2**30:.2f} "
                      f"GiB allocated (reserved {m['val_gpu_max_reserved_bytes'] / 2**30:.2f} GiB) "
                      f"= {m['val_gpu_max_allocated_bytes']} Bytes")
-    if m['host_peak_rss_bytes'] is not None:
+    else:
+        lines.append(f">>> Validation peak memory: not measured: "
+                     f"{mwhy.get('val_gpu_max_allocated_bytes', NOT_HERE)}")
+    if m.get('host_peak_rss_bytes') is not None:
         lines.append(f">>> Host peak memory (VmHWM): {m['host_peak_rss_bytes'] / 2**30:.2f} GiB")
+    else:
+        lines.append(f">>> Host peak memory (VmHWM): not measured: "
+                     f"{mwhy.get('host_peak_rss_bytes', NOT_HERE)}")
     lines.append(f"Run written to {summary['config']['output_dir']}")
     return lines
+
+
+def throughput_line(t, why):
+    """'>>> Train throughput: ...; GPU (or Compute) throughput: ...; epoch time estimate: ...' from
+    summary.json['timing'], each figure or why it is missing."""
+    if t.get('train_throughput') is None:
+        return f">>> Train throughput: not measured: {why.get('train_throughput', NOT_HERE)}"
+    device = 'GPU' if t.get('clock') != 'host' else 'Compute'  # the key stays gpu_throughput
+    rate = f"{t['gpu_throughput']:.2f} images/second" if t.get('gpu_throughput') else \
+        f"not measured ({why.get('gpu_throughput', NOT_HERE)})"
+    epoch = f"{t['epoch_time_estimate_s']:.1f} s" if t.get('epoch_time_estimate_s') else \
+        f"not known ({why.get('epoch_time_estimate_s', NOT_HERE)})"
+    return (f">>> Train throughput: {t['train_throughput']:.2f} images/second; {device} "
+            f"throughput: {rate}; epoch time estimate: {epoch}")
+
+
+def power_line(e):
+    """'>>> Peak Power during training: ...' from summary.json['energy'], or why not measured."""
+    why = e.get('unmeasured') or {}
+    if e.get('peak_w') is None:
+        return (f">>> Peak Power during training: not measured: "
+                f"{why.get('peak_w') or e.get('why_unavailable') or NOT_HERE}")
+    per_image = f" ({e['joules_per_image']:.3f} J/image)" if e.get('joules_per_image') is not None \
+        else f" (J/image not measured: {why.get('joules_per_image', NOT_HERE)})"
+    energy = f"; energy {e['energy_j']:.1f} J" if e.get('energy_j') is not None else ''
+    return f">>> Peak Power during training: {e['peak_w']:.1f} W{energy}{per_image}"
