@@ -90,6 +90,15 @@ def load_rgb(src):
                             f'or pass --skip-bad-images to replace bad files and count them.') from None
 
 
+def too_large(width, height):
+    """Whether PIL refuses an image of this size (more than 2 x Image.MAX_IMAGE_PIXELS pixels,
+    179 M by default: a decompression bomb), as validation and --decode pil do: --decode fast and
+    the GPU path read the size from the header and hand such a file to PIL, which says so, so that
+    training and validation accept the same images."""
+    limit = Image.MAX_IMAGE_PIXELS
+    return limit is not None and width * height > 2 * limit
+
+
 def sample_rng(seed, epoch, index):
     """The RNG a training sample's augmentation draws from: (seed, epoch, index) alone, so that a
     batch is the same whatever the workers, the loader (native or DALI) or a resume. str seeds hash
@@ -174,6 +183,8 @@ class FastTrainTransform:
         try:
             height, width, colorspace = simplejpeg.decode_jpeg_header(data)[:3]
         except ValueError:  # not a JPEG libjpeg-turbo reads
+            return self._with_pil(path, rng)
+        if too_large(width, height):  # PIL refuses it, with validation's sentence
             return self._with_pil(path, rng)
         top, left, h, w = random_resized_crop_params(rng, width, height)
         r = dct_reduction(h, w, self.size)
