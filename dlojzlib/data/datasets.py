@@ -75,9 +75,19 @@ def resolve_data_source(args, environ=os.environ):
     if args.fake_data:
         return DataSource('fake', '',
                           '--fake-data: random uint8 batches held in memory, no decoding')
+    # an empty name ("$DATA" where DATA is unset) would fall back to the synthetic data without a
+    # word: refused, as an empty --stage-dir is
+    if args.data_dir is not None and not args.data_dir.strip():
+        raise UsageError('--data-dir is empty (what "$VAR" gives where the variable is unset); '
+                         'give the folder holding train/ and val/, or leave --data-dir out to use '
+                         'the built-in synthetic dataset.')
     if args.data_dir:
         kind = 'shards' if shards.is_shards(args.data_dir) else 'imagefolder'
         return DataSource(kind, args.data_dir, '--data-dir')
+    if 'DLOJZ_DATA_DIR' in environ and not environ['DLOJZ_DATA_DIR'].strip():
+        raise UsageError('$DLOJZ_DATA_DIR is set but empty; set it to the folder holding train/ '
+                         'and val/, or unset it (unset DLOJZ_DATA_DIR) to use the built-in '
+                         'synthetic dataset.')
     if environ.get('DLOJZ_DATA_DIR'):  # named as the variable, never as a flag not given
         root = environ['DLOJZ_DATA_DIR']
         kind = 'shards' if shards.is_shards(root) else 'imagefolder'
