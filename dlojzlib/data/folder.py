@@ -7,7 +7,9 @@ import time
 
 from dlojzlib.errors import DataError
 
-IMG_EXTENSIONS = ('.jpeg', '.jpg', '.png', '.bmp', '.webp')
+# torchvision.datasets.folder.IMG_EXTENSIONS (tests/test_index_reader.py compares them): the files
+# torchvision's ImageFolder trains on, in any case ('.JPEG', '.Tif'), are the files dlojz trains on.
+IMG_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.ppm', '.bmp', '.pgm', '.tif', '.tiff', '.webp')
 
 
 def warn_stderr(msg):
@@ -25,11 +27,15 @@ RACY_NS = 2_000_000_000
 
 
 def list_split(split_dir, known=None):
-    """The class folders of one split -> ({name: {'mtime_ns', 'files', 'odd'}}, folders read). A
-    folder of `known` (an earlier listing) whose modification time has not moved is taken from it
-    unread: one stat instead of a listing. Only regular files (or links to them) are samples:
-    opening a FIFO named x.JPEG blocks forever, a socket or a dangling link fails; those go to
-    'odd', with any sub-folder or link the listing cannot follow, and folders it may not read."""
+    """The class folders of one split -> ({name: {'mtime_ns', 'subdirs', 'files', 'odd'}}, folders
+    read). A class folder is walked as torchvision's ImageFolder walks it (its sub-folders, links
+    to folders followed): 'files' are paths relative to it, in torchvision's order; 'subdirs' maps
+    each sub-folder to its modification time. A folder of `known` (an earlier listing, of that
+    shape) whose modification time has not moved, nor any of its sub-folders', is taken from it
+    unread: one stat per folder instead of a listing. Only regular files (or links to them) are
+    samples: opening a FIFO named x.JPEG blocks forever, a socket or a dangling link fails; those
+    go to 'odd', with any link the listing cannot follow or that leads back up, and folders it may
+    not read."""
     if not os.path.isdir(split_dir):
         root = os.path.dirname(split_dir)
         raise DataError(f'{split_dir} does not exist; expected the ImageFolder layout '
@@ -46,14 +52,27 @@ def list_split(split_dir, known=None):
             mtime = entry.stat().st_mtime_ns
         except OSError:
             mtime = None
-        if mtime is not None and known.get(name, {}).get('mtime_ns') == mtime:
-            folders[name] = known[name]
+        path = os.path.join(split_dir, name)
+        kept = known.get(name)
+        if mtime is not None and kept and kept['mtime_ns'] == mtime and _unmoved(path, kept):
+            folders[name] = kept
             continue
-        files, odd = _list_folder(os.path.join(split_dir, name))
+        files, odd, times = _list_folder(path)
         read += 1
-        trusted = mtime is not None and mtime < started - RACY_NS
-        folders[name] = {'mtime_ns': mtime if trusted else None, 'files': files, 'odd': odd}
+        trusted = mtime is not None and max([mtime, *times.values()]) < started - RACY_NS
+        folders[name] = {'mtime_ns': mtime if trusted else None, 'subdirs': times, 'files': files,
+                         'odd': odd}
     return folders, read
+
+
+def _unmoved(path, kept):
+    """Whether every sub-folder of a kept class folder still has its kept modification time (a
+    file added down there moves that sub-folder's time, not the class folder's)."""
+    try:
+        return all(os.stat(os.path.join(path, sub)).st_mtime_ns == t
+                   for sub, t in kept['subdirs'].items())
+    except OSError:  # a sub-folder gone: its parent's time has moved too, unless set back by hand
+        return False
 
 
 def _is(test):
@@ -64,22 +83,59 @@ def _is(test):
         return False
 
 
-def _list_folder(folder):
-    """-> (image files, sorted; names that look like images but are no regular file, or the folder
-    itself when it cannot be read)."""
-    files, odd = [], []
-    try:
-        with os.scandir(folder) as entries:
-            for entry in entries:
-                if not entry.name.lower().endswith(IMG_EXTENSIONS):
-                    continue
+def _ids(path):
+    """(st_dev, st_ino) of path's real folder and of every folder above it."""
+    ids, path = set(), os.path.realpath(path)
+    while True:
+        st = os.stat(path)
+        ids.add((st.st_dev, st.st_ino))
+        if path == os.path.dirname(path):
+            return ids
+        path = os.path.dirname(path)
+
+
+def _list_folder(top):
+    """A class folder, walked as torchvision's make_dataset walks it (os.walk(followlinks=True),
+    sorted) -> (image files relative to top, in that order; names that look like images but are
+    no regular file, folders that cannot be read, links that lead back to a folder holding them
+    (torchvision walks those until the kernel's 40 links per path stop it); {sub-folder:
+    modification time in ns})."""
+    files, odd, times = [], [], {}
+    stack, above = [('', frozenset())], None  # above: the folders holding top, read at the 1st link
+    while stack:
+        rel, chain = stack.pop()
+        path = os.path.join(top, rel) if rel else top
+        try:
+            if rel:
+                st = os.stat(path)
+                times[rel], chain = st.st_mtime_ns, chain | {(st.st_dev, st.st_ino)}
+            with os.scandir(path) as it:
+                entries = list(it)
+        except OSError as e:  # EACCES, or a folder gone since its parent was read
+            odd.append(os.path.join(rel, f'(the folder: {e.strerror})'))
+            continue
+        for entry in entries:
+            name = f'{rel}/{entry.name}' if rel else entry.name
+            if _is(entry.is_dir):
+                if _is(entry.is_symlink):
+                    try:
+                        above = above if above is not None else _ids(top)
+                        st = entry.stat()
+                    except OSError:
+                        odd.append(name)
+                        continue
+                    if (st.st_dev, st.st_ino) in above | chain:
+                        odd.append(f'{name} (a link to a folder holding it)')
+                        continue
+                stack.append((name, chain))
+            elif entry.name.lower().endswith(IMG_EXTENSIONS):
                 if _is(entry.is_file):  # follows links: a link to a regular file is a sample
-                    files.append(entry.name)
+                    files.append((rel, entry.name))
                 else:
-                    odd.append(entry.name)
-    except OSError as e:  # EACCES, or a folder gone since its parent was read
-        return [], [f'(the folder: {e.strerror})']
-    return sorted(files), sorted(odd)
+                    odd.append(name)
+    # torchvision sorts os.walk's (folder, sub-folders, files) and then each folder's files: the
+    # class folder's own files first, then its sub-folders' by path ('a-b' before 'a/z')
+    return [f'{rel}/{f}' if rel else f for rel, f in sorted(files)], sorted(odd), times
 
 
 def split_classes(split_dir, folders, warn=warn_stderr):
@@ -90,8 +146,8 @@ def split_classes(split_dir, folders, warn=warn_stderr):
     odd = sorted(os.path.join(name, f) for name, folder in folders.items() for f in folder['odd'])
     if odd:
         warn(f'{split_dir}: {len(odd)} image name(s) are not regular files (a FIFO, a socket, a '
-             f'folder, a dangling link or one that loops) or could not be read, and are left out: '
-             f'{_shown(odd)}.')
+             f'dangling link or one that loops), or folders could not be read or lead back up, and '
+             f'are left out: {_shown(odd)}.')
     if not classes:
         flat = [f for f in os.listdir(split_dir) if f.lower().endswith(IMG_EXTENSIONS)]
         hint = (f' It holds {len(flat)} images directly: ImageNet\'s raw val/ is flat; sort it '

@@ -7,7 +7,9 @@ broadcast. The index is kept in the cache folder (--cache-dir/index/, never in t
 which may be read-only), one file per data folder, and the next job reuses each class folder's list
 whose modification time has not moved (one stat per folder instead of its listing: 2 002 stats for
 ImageNet instead of 1.33 M entries read). docs/data.md says what this can miss and how to force a
-new listing (--rescan-data).
+new listing (--rescan-data). The index is read through dlojzlib.readers against its shape (INDEX,
+SPLITS below): an index of any other shape, or a special file at its path, is a new listing and a
+note, never a failure, and no file name read from it leads out of its class folder.
 
 The shards' index.json and its tables are read once per job too, by rank 0."""
 import hashlib
@@ -16,11 +18,52 @@ import os
 import socket
 import tempfile
 
+from dlojzlib import readers
 from dlojzlib.data import folder
 from dlojzlib.dist import launch
 from dlojzlib.files import fsync_replace
 
-VERSION = 1  # of the index file's layout: another one is listed again
+VERSION = 2  # of the index file's layout: another one is listed again (2: sub-folders walked)
+
+
+class _Path(readers.Rel):
+    """readers.Rel less its refusal of a backslash, which a POSIX file name may hold: a file of
+    the data folder named as the file system names it, kept inside its class folder."""
+
+    def accepts(self, value):
+        return readers.Str.accepts(self, value) and '\0' not in value and \
+            all(part not in ('', '.', '..') for part in value.split('/'))
+
+
+class _Files(readers.List):
+    """A list of _Path, checked as one text where it is valid: ImageNet's 1.3 M names take 0.2 s
+    so, 2.5 s one by one (on every job's start). Where it is not, one by one, for the message."""
+
+    def __init__(self, of):
+        super().__init__(of, expected='a list of file names in the folder')
+
+    def check(self, value, where):
+        if isinstance(value, list) and value and set(map(type, value)) == {str} and \
+                max(map(len, value)) <= self.of.max_len:
+            joined = '\0'.join(value)
+            if joined.count('\0') == len(value) - 1:  # no NUL inside a name
+                parts = '\0' + joined.replace('/', '\0') + '\0'  # every component between NULs
+                if not ('\0\0' in parts or '\0.\0' in parts or '\0..\0' in parts):
+                    return value
+        return super().check(value, where)
+
+
+NAME = readers.Str(r'(?!\.\.?\Z)[^/\0]+', 'a folder name')  # one component: a class folder
+PATH = _Path()
+# What write_index writes, field by field (folder.list_split's listing of each split).
+FOLDER = readers.Dict({'mtime_ns': readers.Maybe(readers.Int()),
+                       'subdirs': readers.Map(readers.Int(), key=PATH),
+                       'files': _Files(PATH),
+                       'odd': readers.List(readers.Str())},
+                      expected='a class folder\'s listing')
+SPLITS = readers.Dict({split: readers.Map(FOLDER, key=NAME) for split in ('train', 'val')})
+# version and root first: another layout or another folder is not damage, only not this index
+INDEX = readers.Dict({'version': readers.Any, 'root': readers.Any, 'splits': readers.Any})
 
 
 def index_path(cache_dir, root):
@@ -31,17 +74,22 @@ def index_path(cache_dir, root):
 
 
 def read_index(path, root):
-    """-> the kept listing of `root` ({'train': folders, 'val': folders}), or None when there is
-    none usable (missing, unreadable, half-written by a killed job, another layout or another
-    folder)."""
+    """-> the kept listing of `root` ({'train': folders, 'val': folders} of SPLITS' shape), or None
+    where there is none (no file, another layout's, another folder's). readers.Unreadable where the
+    file is damaged: any other shape, a special file (a FIFO is refused, never waited on), a file
+    that cannot be read. A job killed while writing leaves no half file (write_index)."""
     try:
-        with open(path) as f:
-            kept = json.load(f)
-        if kept.get('version') == VERSION and kept.get('root') == os.path.realpath(root):
-            return kept['splits']
-    except (OSError, ValueError, AttributeError):
-        pass
-    return None
+        kept = readers.read_json(path, INDEX)
+    except (FileNotFoundError, NotADirectoryError):  # no index yet; a cache "folder" that is a file
+        return None
+    except OSError as e:
+        raise readers.Unreadable(path, f'cannot be read ({e.strerror})') from None
+    if kept['version'] != VERSION or kept['root'] != os.path.realpath(root):
+        return None
+    try:
+        return SPLITS.check(kept['splits'], 'splits')
+    except readers.Wrong as e:
+        raise readers.Unreadable(path, str(e)) from None
 
 
 def write_index(path, root, listing):
@@ -67,7 +115,12 @@ def list_imagefolder(root, cache_dir, rescan=False, log=print, warn=folder.warn_
     -> (the compact lists every rank expands, what it cost). given: how the user named root."""
     folder.require_root(root, given)
     path = index_path(cache_dir, root)
-    kept = None if rescan else read_index(path, root)
+    kept = None
+    try:
+        kept = None if rescan else read_index(path, root)
+    except readers.Unreadable as e:
+        log(f'Note: the dataset index {path} {e.why}; {root} is listed again (nothing to do: '
+            f'the new listing replaces it).')
     listing, read = {}, 0
     for split in ('train', 'val'):
         listing[split], n = folder.list_split(os.path.join(root, split), (kept or {}).get(split))
@@ -75,7 +128,7 @@ def list_imagefolder(root, cache_dir, rescan=False, log=print, warn=folder.warn_
     classes = folder.imagefolder_classes(root, listing, warn)  # each rank makes its samples
     total = sum(len(folders) for folders in listing.values())
     cost = {'index': path, 'folders': total, 'folders_listed': read, 'rescan': bool(rescan),
-            'kept_index': kept is not None}
+            'kept_index': kept is not None and read < total}  # a kept listing was used
     if read:
         try:
             write_index(path, root, listing)
