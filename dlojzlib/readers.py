@@ -182,14 +182,26 @@ class Str(Shape):
 
 class Rel(Str):
     """A file name relative to its folder, which may go down into sub-folders but never up or out:
-    plain components, none empty, '.' or '..', no NUL, not absolute."""
+    plain components, none empty, '.' or '..', no NUL, not absolute. (A backslash is a character
+    of a POSIX name like any other.)"""
 
     def __init__(self, max_len=4096):
         super().__init__(None, 'a file name inside its folder', max_len)
 
     def accepts(self, value):
-        return super().accepts(value) and '\0' not in value and '\\' not in value and \
+        return super().accepts(value) and '\0' not in value and \
             all(part not in ('', '.', '..') for part in value.split('/'))
+
+    def all_accept(self, values):
+        """Whether every one of `values` (a list) is accepted, checked as one text: ImageNet's 1.3 M
+        names take 0.2 s so, 2.5 s one by one (the kept index, at every job's start)."""
+        if not values or set(map(type, values)) != {str} or max(map(len, values)) > self.max_len:
+            return not values
+        joined = '\0'.join(values)
+        if joined.count('\0') != len(values) - 1:  # a NUL inside a name
+            return False
+        parts = '\0' + joined.replace('/', '\0') + '\0'  # every component between NULs
+        return not ('\0\0' in parts or '\0.\0' in parts or '\0..\0' in parts)
 
 
 class Maybe(Shape):
@@ -217,11 +229,13 @@ class Either(Shape):
 class List(Shape):
     def __init__(self, of=Any, max_len=None, expected=None):
         self.of, self.max_len = of, max_len
-        self.expected = expected or f'a list of {of.expected}'.replace('of a ', 'of ')
+        self.expected = expected or f'a list, each item {of.expected}'
 
     def check(self, value, where):
         if not isinstance(value, list) or (self.max_len is not None and len(value) > self.max_len):
             raise Wrong(where, found(value), self.expected)
+        if isinstance(self.of, Rel) and self.of.all_accept(value):
+            return value
         return [self.of.check(v, f'{where}[{i}]') for i, v in enumerate(value)]
 
 
