@@ -69,7 +69,8 @@ def read_bytes(path, limit=LIMIT):
     with open_file(path) as f:
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise Unreadable(path, f'is larger than {limit / MiB:.0f} MiB, more than dlojz writes there')
+        raise Unreadable(path, f'is larger than {limit / MiB:.0f} MiB, more than dlojz writes '
+                               f'there')
     return data
 
 
