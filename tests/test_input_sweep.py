@@ -88,6 +88,9 @@ def written(tmp_path_factory, cache_dir):
 T = [*TINY, '--cache-dir', '{cache}', '--output-dir', '{new}']
 FAKE = ['--fake-data', '--output-dir', '{new}']
 FORECAST = '--summary x --machine a100'.split()
+# one srun task of a one-task step: what get_dist_info reads before the variable under test
+SRUN = {'SLURM_PROCID': '0', 'SLURM_STEP_ID': '0', 'SLURM_NTASKS': '1', 'SLURM_LOCALID': '0',
+        'SLURM_JOB_ID': '4242', 'SLURM_JOB_NODELIST': 'localhost'}
 CASES = {
     # dlojz.py: numbers where they enter, and combinations with nothing to do
     'seed negative': ('dlojz.py', ['--seed', '-1'], ['--seed', '-1']),
@@ -131,6 +134,17 @@ CASES = {
                                      {'OMP_NUM_THREADS': 'four'}),
     'the data folder named by its variable': ('dlojz.py', T, ['$DLOJZ_DATA_DIR', 'unset it'],
                                               {'DLOJZ_DATA_DIR': '{new}-missing'}),
+    # round 4 (issue 49): the launcher's variables, each through its parser
+    'a node list whose range holds letters': ('dlojz.py', FAKE, ["SLURM_JOB_NODELIST='jz[a-b]'"],
+                                              {**SRUN, 'SLURM_JOB_NODELIST': 'jz[a-b]'}),
+    'a node list no cluster has': ('dlojz.py', FAKE, ['SLURM_JOB_NODELIST', '100000 nodes'],
+                                   {**SRUN, 'SLURM_JOB_NODELIST': 'n[0-999999999]'}),
+    'tasks on no node': ('dlojz.py', FAKE, ["SLURM_TASKS_PER_NODE='2(x0)'"],
+                         {**SRUN, 'SLURM_TASKS_PER_NODE': '2(x0)'}),
+    'a restart count that is no number': ('dlojz.py', FAKE, ["SLURM_RESTART_COUNT='x'"],
+                                          {'SLURM_RESTART_COUNT': 'x'}),
+    'a rank that is no number': ('dlojz.py', FAKE, ["RANK='x'"],
+                                 {'RANK': 'x', 'WORLD_SIZE': '1', 'MASTER_PORT': '29999'}),
     # dlojz.py: its own files, and staging
     'a sharded checkpoint without its metadata': (
         'dlojz.py', [*T, '--evaluate', '--resume', '{cut}'],
