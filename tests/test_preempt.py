@@ -13,6 +13,7 @@ Run: python -m pytest -q tests/test_preempt.py"""
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -231,12 +232,58 @@ def _signalled_while_starting(worker_id):
     time.sleep(0.2)  # an unblocked SIGTERM is handled by now
 
 
+def torchs_own_loader_in_a_child(timeout=60):
+    """What torch's own DataLoader raises when its workers get SIGTERM while starting, run in a
+    forked child. Not in this process: torch's SIGCHLD handler raises wherever the main thread is,
+    and where that is inside threading.Condition.__enter__ (a queue's put: right after the lock is
+    taken, before the `with` holds it) the lock stays taken and the iterator's shutdown waits for it
+    forever (issue 49: 2 runs in 60 of the test below hung so; of 3 processes making such loaders
+    in a loop, 2 hung within 1500 loaders). The child writes the first error and leaves at once
+    (os._exit: no shutdown); its handler raises once at most, so that a second worker's SIGCHLD
+    cannot replace the first error before it is written. A child that says nothing in `timeout`
+    seconds is killed: the test fails, it does not hang."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()  # its workers with it: a group to kill
+            os.close(r)
+            # torch's handler, as its iterator sets it
+            torch.utils.data._utils.signal_handling._set_SIGCHLD_handler()
+            torchs = signal.getsignal(signal.SIGCHLD)
+
+            def once(signum, frame):
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                torchs(signum, frame)
+            signal.signal(signal.SIGCHLD, once)
+            plain = torch.utils.data.DataLoader(list(range(12)), batch_size=3, num_workers=2,
+                                                worker_init_fn=_signalled_while_starting)
+            try:
+                list(plain)
+                said = 'no error'
+            except RuntimeError as e:
+                said = str(e)
+            os.write(w, said.encode()[:4000])
+        finally:
+            os._exit(0)
+    os.close(w)
+    ready = []
+    try:
+        ready, _, _ = select.select([r], [], [], timeout)
+        return os.read(r, 4096).decode() if ready else f'nothing in {timeout} s'
+    finally:
+        os.close(r)
+        if not ready:
+            os.killpg(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
 @pytest.mark.parametrize('persistent', [False, True])
 def test_a_signal_while_the_workers_start_spares_them(persistent):
     """Workers are forked with the preemption signals blocked: a SIGTERM that reaches a starting
     worker waits for ignore_preemption_signals. (torch's DataLoader kills the worker: the loader
     then raises; this is what crashed 1 trial in 3 of the process-group test above, as a
-    validation's workers started.)"""
+    validation's workers started. Checked in a child, torchs_own_loader_in_a_child.)"""
     got = []
     loader = datasets.DataLoader(list(range(12)), batch_size=3, num_workers=2,
                                  persistent_workers=persistent,
@@ -244,10 +291,8 @@ def test_a_signal_while_the_workers_start_spares_them(persistent):
     for _ in range(2):
         got.append([b.tolist() for b in loader])
     assert got == [[[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]] * 2
-    plain = torch.utils.data.DataLoader(list(range(12)), batch_size=3, num_workers=2,
-                                        worker_init_fn=_signalled_while_starting)
-    with pytest.raises(RuntimeError, match='DataLoader worker'):  # the same with torch's own: the test can fail
-        list(plain)
+    said = torchs_own_loader_in_a_child()  # the same with torch's own: the test can fail
+    assert 'DataLoader worker' in said, said
 
 
 def test_workers_end_on_their_parents_sigterm_whatever_init_they_are_given():
