@@ -227,7 +227,7 @@ def shard_cut(dst):
 
 @pytest.mark.parametrize('edit, file, words', [
     (truncate('index-train.npy'), 'index-train.npy', 'not a table numpy can read'),
-    (no_val, 'index.json', 'no train and val splits'),
+    (no_val, 'index.json', 'nothing at splits.val where a split'),
     (fewer_classes, 'index-train.npy', 'labels from 0 to 3 for the 2 classes'),
     (not_json, 'index.json', 'not JSON'),
     (shard_cut, 'train-00000.tar', 'bytes, where index-train.npy reads up to byte'),

@@ -22,19 +22,55 @@ import io
 import json
 import math
 import os
+import re
+import stat
 import sys
 import tarfile
 
 import numpy as np
 from PIL import Image
 
-from dlojzlib import files
+from dlojzlib import files, readers
 from dlojzlib.data.folder import scan_imagefolder
 from dlojzlib.errors import DataError, DlojzError, disk_full, writable
 from dlojzlib.flags import number
+from dlojzlib.readers import Dict, Int, List, Maybe, Num, Str, Unreadable
 
 FORMAT = 'dlojz-shards-v1'
 INDEX = 'index.json'
+
+
+class Row(readers.Shape):
+    """A list of fixed length with a shape per place: the rows dlojz writes as JSON lists (a
+    sidecar's samples, the staging journal's files), as Dict is for objects."""
+
+    def __init__(self, *shapes):
+        self.shapes = shapes
+        self.expected = f'a list of {len(shapes)}: ' + ', '.join(s.expected for s in shapes)
+
+    def check(self, value, where):
+        if not isinstance(value, list) or len(value) != len(self.shapes):
+            raise readers.Wrong(where, readers.found(value), self.expected)
+        return [s.check(v, f'{where}[{i}]') for i, (s, v) in enumerate(zip(self.shapes, value))]
+
+
+# The shapes of what prepare writes, each read back through dlojzlib/readers.py. A name read from
+# them is a plain name of the folder (no folder part, not hidden, NAME_MAX = 255 bytes): never
+# '../x' or '/etc/passwd', nor staging's own '.dlojz-*' files.
+NAME = Str(r'[A-Za-z0-9][A-Za-z0-9._-]*', 'a file name of the folder', max_len=255)
+_HEAD = {'format': Str(re.escape(FORMAT), f'"{FORMAT}"'),
+         'classes': List(Str(r'(?!\.\.?\Z)[^/\x00]+', 'a class name (a folder name)', 255),
+                         expected='a list of class names'),
+         'max_side': Maybe(Int(1))}
+SPLIT = Dict({'shards': List(Dict({'name': NAME, 'samples': Int(0)})), 'samples': Int(0)},
+             expected='a split (its shards and samples)')
+INDEX_SHAPE = Dict({**_HEAD, 'splits': Dict({'train': SPLIT, 'val': SPLIT})})  # index.json
+SPEC = Dict({**_HEAD, 'shard_size_mb': Num(0),  # prepare.json: the arguments of the prepare
+             'files': Str('[0-9a-f]{64}', 'a SHA-256 in hex')})
+# <shard>.json, the sidecar: per sample its key, the offset of its bytes in the shard (after its
+# 512-byte header), their size, its label and the extension of its member
+SIDECAR = List(Row(Str('[0-9]{8}', 'a key of 8 digits'), Int(512), Int(0), Int(0),
+                   Str(max_len=255)))
 
 
 def _write(path, data):
@@ -112,6 +148,26 @@ def _write_shard(path, samples, first, max_side):
     return rows
 
 
+def _finished(path, side, samples, first):
+    """The sidecar of a shard that a prepare finished before an interruption, or None: the shard is
+    written again. Trusted only if it is these samples' (keys, labels, as many) and its offsets are
+    those of a tar of its sizes (_member's layout) inside the shard's bytes: a cut, damaged or
+    stale sidecar, a shard cut short or anything but a file at either name means a new shard."""
+    try:
+        st = os.stat(path)
+        rows = readers.read_json(side, SIDECAR)
+    except (OSError, Unreadable):
+        return None
+    if not stat.S_ISREG(st.st_mode) or len(rows) != len(samples):
+        return None
+    at = 512  # each member: a 512-byte header, then its data padded to 512-byte blocks
+    for i, ((key, off, size, label, _), (_, y)) in enumerate(zip(rows, samples)):
+        if key != f'{first + i:08d}' or label != y or off != at:
+            return None
+        at += -(-size // 512) * 512 + 512 + 512 + 512  # the data, the .cls header and its block
+    return rows if at - 512 + 1024 <= st.st_size else None  # + the tar's two closing blocks
+
+
 def plan(samples, shard_bytes):
     """Shard boundaries from the source files' sizes (known before any encoding, so a restart draws
     the same boundaries): consecutive samples until their size passes shard_bytes. -> [(first,
@@ -138,15 +194,18 @@ def prepare(src, dst, max_side=None, shard_size_mb=256, log=print, stop_after=No
                                     .encode()).hexdigest()}
     writable(dst, 'the shards folder', 'pass a writable DST')
     spec_path = os.path.join(dst, 'prepare.json')
-    if os.path.exists(spec_path):
-        with open(spec_path) as f:
-            old = json.load(f)
+    try:
+        old = readers.read_json(spec_path, SPEC)
+    except FileNotFoundError:
+        _write(spec_path, json.dumps(spec, indent=1).encode())
+    except Unreadable as e:  # the shards there may be of any source: not ours to reuse or delete
+        raise DataError(f'{spec_path} is damaged (it {e.why}); choose another DST, or delete '
+                        f'{dst} and prepare it again.') from None
+    else:
         if old != spec:
             changed = ', '.join(k for k in spec if old.get(k) != spec[k])
             raise DataError(f'{dst} holds a prepare with other arguments or another source '
                             f'({changed}); choose another DST or delete it.')
-    else:
-        _write(spec_path, json.dumps(spec, indent=1).encode())
     written, index = 0, {'format': FORMAT, 'classes': classes, 'max_side': max_side, 'splits': {}}
     for split, samples in (('train', train), ('val', val)):
         table, shards = [], []
@@ -154,11 +213,7 @@ def prepare(src, dst, max_side=None, shard_size_mb=256, log=print, stop_after=No
         for k, (first, end) in enumerate(bounds):
             name = f'{split}-{k:05d}.tar'
             path, side = os.path.join(dst, name), os.path.join(dst, name + '.json')
-            rows = None
-            if os.path.exists(side) and os.path.exists(path):  # finished before an interruption
-                with open(side) as f:
-                    rows = json.load(f)
-                rows = rows if len(rows) == end - first else None  # else rewritten
+            rows = _finished(path, side, samples[first:end], first)
             if rows is None:
                 if stop_after is not None and written >= stop_after:
                     raise KeyboardInterrupt(f'stopped after {written} shards')
@@ -183,13 +238,14 @@ def is_shards(root):
     """Whether root is a shards folder: its index.json says so, or it cannot be read but the
     prepare's other files are there (load_index then says what is damaged)."""
     try:
-        with open(os.path.join(root, INDEX)) as f:
-            return json.load(f).get('format') == FORMAT
+        index = readers.read_json(os.path.join(root, INDEX))  # its format alone: the rest is later
+    except Unreadable:  # not JSON, a FIFO, a folder...
+        index = None
     except OSError:
         return False
-    except (ValueError, AttributeError):  # unparseable, or not an object
-        others = ('prepare.json', 'index-train.npy')
-        return any(os.path.exists(os.path.join(root, n)) for n in others)
+    if isinstance(index, dict) and index.get('format') == FORMAT:
+        return True
+    return any(os.path.exists(os.path.join(root, n)) for n in ('prepare.json', 'index-train.npy'))
 
 
 def incomplete(root, missing):
@@ -207,53 +263,117 @@ def damaged(root, name, what):
                      f'it again: python dlojz_data.py prepare SRC {root}.')
 
 
-def load_index(root):
-    """-> (classes, {split: (shard names, table)}); the table's rows: shard, offset, size, label.
-    Every part checked before a worker reads by it: index.json's form, each table's shape, type and
-    ranges (shard numbers, labels below the classes, samples inside their shard's size), and that
-    the shards are there."""
+def _unreadable(root, name, e):
+    """The DataError for a file of a shards folder that is there but cannot be opened."""
+    return DataError(f'{os.path.join(root, name)} cannot be read ({e.strerror}); make it readable, '
+                     f'or delete {root} and prepare it again.')
+
+
+def stat_file(root, name):
+    """os.stat of a file of the folder, None if it is missing. Anything but a regular file there is
+    damage (a FIFO would block its reader for ever): the DataError names what it is."""
+    path = os.path.join(root, name)
     try:
-        with open(os.path.join(root, INDEX)) as f:
-            index = json.load(f)
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            readers.open_file(path).close()  # refuses it, naming what it is, before opening it
+    except FileNotFoundError:
+        return None
+    except Unreadable as e:
+        raise damaged(root, name, f'it {e.why}') from None
+    except OSError as e:
+        raise _unreadable(root, name, e) from None
+    return st
+
+
+def read_index(root):
+    """index.json -> its value, of INDEX_SHAPE; or the DataError: missing (an unfinished prepare)
+    or damaged (named, with the fix)."""
+    try:
+        index = readers.read_json(os.path.join(root, INDEX), INDEX_SHAPE)
     except FileNotFoundError:
         raise incomplete(root, INDEX) from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise damaged(root, INDEX, f'not JSON: {e}') from None
-    splits_meta = index.get('splits') if isinstance(index, dict) else None
-    classes = index.get('classes') if isinstance(index, dict) else None
-    if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes):
-        raise damaged(root, INDEX, 'no list of class names')
-    if not isinstance(splits_meta, dict) or not {'train', 'val'} <= set(splits_meta):
-        raise damaged(root, INDEX, 'it lists no train and val splits')
-    splits = {}
-    for split, meta in splits_meta.items():
-        shard_list = meta.get('shards') if isinstance(meta, dict) else None
-        named = lambda s: isinstance(s, dict) and isinstance(s.get('name'), str)  # noqa: E731
-        if not isinstance(shard_list, list) or not all(map(named, shard_list)):
-            raise damaged(root, INDEX, f'the {split} split has no list of shards')
-        names = [s['name'] for s in shard_list]
+    except Unreadable as e:
+        raise damaged(root, INDEX, f'it {e.why}') from None
+    except OSError as e:
+        raise _unreadable(root, INDEX, e) from None
+    if not index['classes']:
+        raise damaged(root, INDEX, 'it lists no class')
+    return index
+
+
+def load_index(root):
+    """-> (classes, {split: (shard names, table)}); the table's rows: shard, offset, size, label.
+    Every part checked before a worker reads by it: index.json's shape (read_index), each table's
+    header, type and ranges against index.json (shard numbers and their counts, labels below the
+    classes, samples inside their shard's size), and that the shards are files."""
+    index = read_index(root)
+    classes, splits = index['classes'], {}
+    for split in ('train', 'val'):
+        meta = index['splits'][split]
+        names = [s['name'] for s in meta['shards']]
         name = f'index-{split}.npy'
-        path = os.path.join(root, name)
-        if not os.path.isfile(path):
+        if stat_file(root, name) is None:
             raise incomplete(root, name)
-        missing = [n for n in names if not os.path.isfile(os.path.join(root, n))]
+        sizes = [stat_file(root, n) for n in names]
+        missing = [n for n, st in zip(names, sizes) if st is None]
         if missing:
             raise incomplete(root, f"{len(missing)} shard(s) of {split}, {missing[0]} first,")
-        try:
-            table = np.load(path, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            raise damaged(root, name, f'not a table numpy can read: {e}') from None
-        splits[split] = (names, check_table(root, name, table, names, len(classes)))
+        table = read_table(root, name)
+        splits[split] = (names, check_table(root, name, table, meta,
+                                            [st.st_size for st in sizes], len(classes)))
     return classes, splits
 
 
-def check_table(root, name, table, names, n_classes):
-    """A split's table as prepare wrote it (int64 rows of shard, offset, size, label), or the
-    sentence saying how it is not. What it cannot see: bytes changed inside a shard (the decoder
-    names that sample, or --skip-bad-images skips it)."""
-    if table.ndim != 2 or table.shape[1] != 4 or table.dtype.kind not in 'iu' or len(table) == 0:
-        raise damaged(root, name, f'a {table.dtype} array of shape {table.shape}, where prepare '
-                                  f'writes rows of 4 integers')
+def read_table(root, name):
+    """index-<split>.npy -> its rows as int64, read by its header: the rows the header declares
+    must fill the file exactly before any is read (a damaged header must not allocate terabytes),
+    and never a pickle or an npz archive."""
+    path = os.path.join(root, name)
+    try:
+        with readers.open_file(path) as f:
+            shape, fortran, dtype = _header(f)
+            if len(shape) != 2 or shape[1] != 4 or dtype.kind not in 'iu' or not shape[0]:
+                raise damaged(root, name, f'a {dtype} array of shape {shape}, where prepare '
+                                          f'writes rows of 4 integers')
+            size = math.prod(shape) * dtype.itemsize
+            held = os.fstat(f.fileno()).st_size - f.tell()
+            if held != size:
+                raise ValueError(f'its header declares {size} bytes of rows, it holds {held}')
+            data = f.read(size)
+            if len(data) != size:
+                raise ValueError('it was cut while it was read')
+    except FileNotFoundError:
+        raise incomplete(root, name) from None
+    except Unreadable as e:
+        raise damaged(root, name, f'it {e.why}') from None
+    except OSError as e:
+        raise _unreadable(root, name, e) from None
+    except ValueError as e:
+        raise damaged(root, name, f'not a table numpy can read: {e}') from None
+    table = np.frombuffer(data, dtype).reshape(shape, order='F' if fortran else 'C')
+    return table.astype(np.int64)  # a uint64 beyond int64 wraps negative: refused as such below
+
+
+def _header(f):
+    """An .npy file's header -> (shape, Fortran order, dtype), or ValueError."""
+    try:
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0)):  # what np.save writes for an int64 table
+            raise ValueError(f'npy version {version[0]}.{version[1]}')
+        return getattr(np.lib.format, f'read_array_header_{version[0]}_0')(f)
+    except ValueError:
+        raise
+    except Exception as e:  # numpy parses the header with Python's tokenizer: TokenError, ...
+        raise ValueError(f'its header: {type(e).__name__}') from None
+
+
+def check_table(root, name, table, meta, sizes, n_classes):
+    """A split's table as prepare wrote it (rows of shard, offset, size, label) against index.json
+    (meta: the split's entry; sizes: its shards' bytes), or the sentence saying how it is not. What
+    it cannot see: bytes changed inside a shard (the decoder names that sample, or
+    --skip-bad-images skips it)."""
+    names = [s['name'] for s in meta['shards']]
     shard, offset, size, label = table.T
     if shard.min() < 0 or shard.max() >= len(names):
         raise damaged(root, name, f'shard numbers from {shard.min()} to {shard.max()} for '
@@ -263,12 +383,20 @@ def check_table(root, name, table, names, n_classes):
                                   f'classes of {INDEX}')
     if offset.min() < 0 or size.min() <= 0:
         raise damaged(root, name, 'a negative offset or an empty sample')
-    ends = np.zeros(len(names), dtype=np.int64)
-    np.maximum.at(ends, shard, offset + size)
-    for k, end in enumerate(ends):
-        if end > os.path.getsize(os.path.join(root, names[k])):
-            size = os.path.getsize(os.path.join(root, names[k]))
-            raise damaged(root, names[k], f'{size} bytes, where {name} reads up to byte {end}')
+    if len(table) != meta['samples']:
+        raise damaged(root, name, f'{len(table)} rows, where {INDEX} counts {meta["samples"]} '
+                                  f'samples')
+    counts = np.bincount(shard, minlength=len(names)).tolist()
+    for k, s in enumerate(meta['shards']):
+        if counts[k] != s['samples']:
+            raise damaged(root, name, f'{counts[k]} rows in {names[k]}, where {INDEX} counts '
+                                      f'{s["samples"]}')
+    ends = np.asarray(sizes, dtype=np.int64)[shard]
+    beyond = size > ends - offset  # offset + size > the shard's bytes, without an int64 overflow
+    if beyond.any():
+        k = int(shard[beyond.argmax()])
+        end = max(int(o) + int(n) for o, n in zip(offset[shard == k], size[shard == k]))
+        raise damaged(root, names[k], f'{sizes[k]} bytes, where {name} reads up to byte {end}')
     return table
 
 
@@ -288,7 +416,11 @@ class ShardReader:
         if f is None:
             if len(self.files) >= self.max_open:  # the oldest one goes (ImageNet-21k has thousands of shards)
                 self.files.pop(next(iter(self.files))).close()
-            f = self.files[shard] = open(os.path.join(self.root, self.names[shard]), 'rb')
+            try:  # a FIFO put there since load_index checked it would block the worker for ever
+                f = readers.open_file(os.path.join(self.root, self.names[shard]))
+            except Unreadable as e:
+                raise damaged(self.root, self.names[shard], f'it {e.why}') from None
+            self.files[shard] = f
             if self.count is not None:
                 with self.count.get_lock():
                     self.count.value += 1

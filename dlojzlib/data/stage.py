@@ -24,32 +24,38 @@ import json
 import os
 import shutil
 import socket
+import stat
 import time
 
+from dlojzlib import readers
 from dlojzlib.data import shards
 from dlojzlib.dist import launch
-from dlojzlib.errors import DiskFull, NO_SPACE, UsageError, writable
+from dlojzlib.errors import DataError, DiskFull, NO_SPACE, UsageError, writable
 from dlojzlib.files import write_atomic
+from dlojzlib.readers import Dict, Int, List, Str, Unreadable
 
 DONE = '.dlojz-staged.json'      # written last: the copy is complete
 JOURNAL = '.dlojz-staging.jsonl'  # one line per file copied whole
+LOCK = '.lock'
+# a file copied whole: [its name, the source's bytes and st_mtime_ns], a line of the journal
+ENTRY = shards.Row(shards.NAME, Int(0), Int())
+MARKER = Dict({'source': Str(), 'files': List(ENTRY)})  # DONE: the source and all its files
 CHUNK = 16 * 2**20               # bytes per read/write: large sequential I/O on both file systems
 PROGRESS_S = 5.0                 # seconds between progress lines
 
 
 def files_to_copy(src):
     """The shards folder's files a run reads -> [(name, bytes, mtime_ns)]: the index, the split
-    tables and every shard (prepare's per-shard sidecars are not read by training)."""
-    with open(os.path.join(src, shards.INDEX)) as f:
-        index = json.load(f)
-    names = [shards.INDEX] + [f'index-{split}.npy' for split in index['splits']] + \
-        [s['name'] for meta in index['splits'].values() for s in meta['shards']]
+    tables and every shard (prepare's per-shard sidecars are not read by training). Names come
+    from the checked index (plain names of the folder: the copy never writes outside its own)."""
+    splits = shards.read_index(src)['splits']
+    names = [shards.INDEX] + [f'index-{split}.npy' for split in ('train', 'val')] + \
+        [s['name'] for split in ('train', 'val') for s in splits[split]['shards']]
     out = []
     for name in names:
-        try:
-            st = os.stat(os.path.join(src, name))
-        except FileNotFoundError:
-            raise shards.incomplete(src, name) from None
+        st = shards.stat_file(src, name)  # not a file: damaged (a FIFO would block the copy)
+        if st is None:
+            raise shards.incomplete(src, name)
         out.append((name, st.st_size, st.st_mtime_ns))
     return out
 
@@ -79,9 +85,10 @@ def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usa
     record = {'dir': dest, 'host': os.environ.get('SLURMD_NODENAME') or socket.gethostname(),
               'bytes': total,
               'copied_bytes': 0, 'seconds': 0.0, 'mb_per_s': None, 'skipped': True}
-    with open(os.path.join(dest, '.lock'), 'w') as lock:
+    _own(dest, LOCK)
+    with open(os.path.join(dest, LOCK), 'a') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another job on this node copying the same data: wait for it
-        done = _read_json(os.path.join(dest, DONE))
+        done = _read_marker(dest)
         changed = _changed(dest, files)
         if done == {'source': os.path.realpath(src), 'files': [list(f) for f in files]}:
             if not changed:
@@ -107,9 +114,12 @@ def stage(src, stage_dir, log=print, clock=time.monotonic, usage=shutil.disk_usa
         try:
             with open(os.path.join(dest, JOURNAL), 'a') as journal:
                 for name, size, mtime in todo:
-                    copied, last = _copy(os.path.join(src, name), os.path.join(dest, name),
-                                         stage_dir, copied,
-                                         need, t0, clock, log, last, usage)
+                    try:
+                        copied, last = _copy(os.path.join(src, name), os.path.join(dest, name),
+                                             stage_dir, copied,
+                                             need, t0, clock, log, last, usage)
+                    except Unreadable as e:  # the source's file replaced since files_to_copy
+                        raise shards.damaged(src, name, f'it {e.why}') from None
                     journal.write(json.dumps([name, size, mtime]) + '\n')
                     journal.flush()
                     os.fsync(journal.fileno())
@@ -133,8 +143,10 @@ def _copy(src, dst, stage_dir, copied, need, t0, clock, log, last, usage):
     """One file, under a temporary name, fsynced then renamed -> (bytes copied so far, last progress
     time)."""
     tmp = dst + '.part'
+    if os.path.lexists(tmp) and not os.path.isdir(tmp):
+        os.remove(tmp)  # a killed copy's leftover (a FIFO there would block the open below)
     try:
-        with open(src, 'rb') as fin, open(tmp, 'wb') as fout:
+        with readers.open_file(src) as fin, open(tmp, 'wb') as fout:
             while True:
                 buf = fin.read(CHUNK)
                 if not buf:
@@ -174,39 +186,55 @@ def _changed(dest, files):
     out = []
     for name, size, _ in files:
         try:
-            if os.path.getsize(os.path.join(dest, name)) != size:
-                out.append(name)
+            st = os.stat(os.path.join(dest, name))
         except OSError:
+            out.append(name)
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            _own(dest, name)  # a folder there could not be replaced by the copy
+        if st.st_size != size:
             out.append(name)
     return out
 
 
 def _journaled(dest, files):
     """The files an earlier copy finished: journaled with the source's size and mtime, and present
-    at that size (a source prepared again, or a file removed since, is copied again)."""
+    at that size (a source prepared again, or a file removed since, is copied again). A line of
+    another shape (cut by a kill, damaged) is left out: its file is copied again."""
     wanted = {tuple(f) for f in files}
-    kept = set()
+    _own(dest, JOURNAL)
     try:
-        with open(os.path.join(dest, JOURNAL)) as f:
-            for line in f:
-                try:
-                    entry = tuple(json.loads(line))
-                except ValueError:
-                    continue  # a line cut by a kill: its file is copied again
-                if entry in wanted and os.path.isfile(os.path.join(dest, entry[0])) and \
-                        os.path.getsize(os.path.join(dest, entry[0])) == entry[1]:
-                    kept.add(entry)
-    except FileNotFoundError:
-        pass
+        entries, _ = readers.read_jsonl(os.path.join(dest, JOURNAL), ENTRY)
+    except (FileNotFoundError, Unreadable):  # Unreadable: larger than any journal dlojz writes
+        return set()
+    kept = set()
+    for entry in map(tuple, entries):
+        path = os.path.join(dest, entry[0])
+        if entry in wanted and os.path.isfile(path) and os.path.getsize(path) == entry[1]:
+            kept.add(entry)
     return kept
 
 
-def _read_json(path):
+def _read_marker(dest):
+    """DONE's value; None if it is missing or damaged (then the journal says what is copied)."""
+    _own(dest, DONE)
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        return readers.read_json(os.path.join(dest, DONE), MARKER)
+    except (FileNotFoundError, Unreadable):
         return None
+
+
+def _own(dest, name):
+    """Refuse, in one sentence, anything but a file at one of the copy's names: a FIFO would block
+    its reader or writer for ever, a folder cannot be replaced by a file."""
+    path = os.path.join(dest, name)
+    try:
+        readers.open_file(path).close()
+    except (FileNotFoundError, PermissionError):
+        return  # what follows opens it and says so
+    except Unreadable as e:
+        raise DataError(f'{e}: dlojz writes a file there, in its copy of the shards; remove it and '
+                        f'start again.') from None
 
 
 def staged_source(source, stage_dir, dist, on_ranks, log=print):
