@@ -80,6 +80,19 @@ def written(tmp_path_factory, cache_dir):
     shutil.copytree(root / 'sharded' / 'checkpoint-00000002.dcp',
                     root / 'cut' / 'checkpoint-00000002.dcp')
     os.remove(root / 'cut' / 'checkpoint-00000002.dcp' / '.metadata')
+    # round 4: a FIFO where a file is read, and runs that cannot be a --slowed-from
+    os.makedirs(root / 'special')
+    os.mkfifo(root / 'special' / 'fifo.json')
+    for name, change in (('one', {'communication': {'gradient_bytes_per_step': 4000,
+                                                    'traffic_factor': 1.0}}),
+                         ('other-flags', {'world_size': 2, 'config': {'batch_size': 64}}),
+                         ('crashed', {'world_size': 2, 'status': 'crashed'})):
+        with open(root / 'run' / 'summary.json') as f:
+            other = json.load(f)
+        other['config'].update(change.pop('config', {}))
+        other.update(change)
+        with open(root / 'special' / f'{name}.json', 'w') as f:
+            json.dump(other, f)
     return root, os.path.join(cache_dir, synth)
 
 
@@ -184,6 +197,20 @@ CASES = {
     'forecast traffic factor not a number': (
         'dlojz_scaling.py', '--summary {odd} --machine a100'.split(),
         ['communication.traffic_factor', "'x'"]),
+    # round 4: what cannot be a forecast, and a FIFO at each kind of input
+    'forecast from a FIFO': ('dlojz_scaling.py', ['--summary', '{special}/one.json', '--machine',
+                                                  'a100', '--measured', '{special}/fifo.json'],
+                             ['--measured', 'is a FIFO, not a file']),
+    'slowed from a run of other flags': (
+        'dlojz_scaling.py', ['--summary', '{special}/one.json', '--machine', 'a100',
+                             '--slowed-from', '{special}/other-flags.json'], ['-b 64', 'same flags']),
+    'slowed from a crashed run': (
+        'dlojz_scaling.py', ['--summary', '{special}/one.json', '--machine', 'a100',
+                             '--slowed-from', '{special}/crashed.json'], ["'crashed'", 'completed']),
+    'pipeline forecast of a FIFO': ('dlojz_scaling.py', ['--pipeline', '{special}/fifo.json'],
+                                    ['--pipeline', 'FIFO']),
+    'the data folder variable empty': ('dlojz.py', T, ['$DLOJZ_DATA_DIR is set but empty'],
+                                       {'DLOJZ_DATA_DIR': ''}),
     # dlojz_bench.py
     'bench corpus of no image': ('dlojz_bench.py', 'corpus {new} --images 0'.split(),
                                  ['--images']),
@@ -214,7 +241,7 @@ def test_a_bad_input_is_one_sentence_and_changes_nothing(case, written, tmp_path
     root, synth = written
     script, argv, words, *env = CASES[case]
     paths = {'run': root / 'run', 'shards': root / 'shards', 'damaged': root / 'damaged',
-             'odd': root / 'odd' / 'summary.json',
+             'odd': root / 'odd' / 'summary.json', 'special': root / 'special',
              'cut': root / 'cut' / 'checkpoint-00000002.dcp',
              'synth': synth, 'new': tmp_path / 'new', 'cache': cache_dir}
     argv = [a.format(**paths) if isinstance(a, str) else a for a in argv]
@@ -224,3 +251,67 @@ def test_a_bad_input_is_one_sentence_and_changes_nothing(case, written, tmp_path
     refused(r, words)
     assert tree(root, synth) == before
     assert not os.path.exists(paths['new']), os.listdir(paths['new'])
+
+
+# Round 4 (issue 49): a damaged file that dlojz answers as its docs promise, not with a refusal. The
+# kept dataset index: a new listing and a note, summary.json saying no kept index was used, and the
+# same images as the first run listed. -> (change to the index, the words of the note)
+INDEX_DAMAGE = {
+    'train as a list': (lambda kept: kept['splits'].update(train=[]), ['splits.train']),
+    'a class without files': (lambda kept: first(kept).pop('files'), ['files']),
+    'a class that is null': (lambda kept: kept['splits']['train'].update(
+        {next(iter(kept['splits']['train'])): None}), ['null']),
+    'numbers as file names': (lambda kept: first(kept).update(files=[1, 2]), ['the number 1']),
+    'a text as the file list': (lambda kept: first(kept).update(files='cat.jpg'), ['the text']),
+    'a name out of its class folder': (
+        lambda kept: first(kept)['files'].append('../../val/n00000001/x.JPEG'), ['../../val']),
+    'no splits': (lambda kept: kept.update(splits=[]), ['splits']),
+    'a FIFO': (None, ['is a FIFO, not a file']),
+    'intact': (lambda kept: None, None),  # the control: kept, no note
+}
+
+
+def first(kept):
+    """The first training class folder's entry of a kept index."""
+    train = kept['splits']['train']
+    return train[next(iter(train))]
+
+
+@pytest.fixture(scope='module')
+def data_folder(written, tmp_path_factory):
+    """A data folder of the user's (a copy of the synthetic one) and the training images its first
+    run listed."""
+    data = tmp_path_factory.mktemp('data') / 'imgs'
+    shutil.copytree(written[1], data)
+    return data
+
+
+@pytest.mark.parametrize('damage', INDEX_DAMAGE)
+def test_a_damaged_index_is_listed_again_with_a_note(damage, data_folder, tmp_path):
+    cache = tmp_path / 'cache'
+    argv = [*TINY, '--test-nsteps', '1', '--data-dir', data_folder, '--cache-dir', cache]
+    r = run('dlojz.py', *argv, '--output-dir', tmp_path / 'first')
+    assert r.returncode == 0, r.stderr[-2000:]
+    path, = (cache / 'index').glob('*.json')
+    change, words = INDEX_DAMAGE[damage]
+    if change is None:
+        os.remove(path)
+        os.mkfifo(path)
+    else:
+        kept = json.loads(path.read_text())
+        change(kept)
+        path.write_text(json.dumps(kept))
+    r = run('dlojz.py', *argv, '--output-dir', tmp_path / 'again')
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'Traceback' not in r.stdout + r.stderr
+    note = [line for line in r.stdout.splitlines() if 'Note: the dataset index' in line]
+    summaries = [json.loads((tmp_path / d / 'summary.json').read_text()) for d in ('first', 'again')]
+    if words is None:
+        assert not note and summaries[1]['data']['index']['kept_index'] is True
+        return
+    assert len(note) == 1 and 'listed again' in note[0], r.stdout[-3000:]
+    for w in words:
+        assert w in note[0], (w, note[0])
+    assert summaries[0]['data']['index']['kept_index'] is False  # the first listing
+    assert summaries[1]['data']['index']['kept_index'] is False
+    assert summaries[0]['data']['train_images'] == summaries[1]['data']['train_images']
