@@ -203,10 +203,12 @@ CASES = {
                              ['--measured', 'is a FIFO, not a file']),
     'slowed from a run of other flags': (
         'dlojz_scaling.py', ['--summary', '{special}/one.json', '--machine', 'a100',
-                             '--slowed-from', '{special}/other-flags.json'], ['-b 64', 'same flags']),
+                             '--slowed-from', '{special}/other-flags.json'],
+        ['-b 64', 'same flags']),
     'slowed from a crashed run': (
         'dlojz_scaling.py', ['--summary', '{special}/one.json', '--machine', 'a100',
-                             '--slowed-from', '{special}/crashed.json'], ["'crashed'", 'completed']),
+                             '--slowed-from', '{special}/crashed.json'],
+        ["'crashed'", 'completed']),
     'pipeline forecast of a FIFO': ('dlojz_scaling.py', ['--pipeline', '{special}/fifo.json'],
                                     ['--pipeline', 'FIFO']),
     'the data folder variable empty': ('dlojz.py', T, ['$DLOJZ_DATA_DIR is set but empty'],
@@ -305,7 +307,8 @@ def test_a_damaged_index_is_listed_again_with_a_note(damage, data_folder, tmp_pa
     assert r.returncode == 0, r.stderr[-2000:]
     assert 'Traceback' not in r.stdout + r.stderr
     note = [line for line in r.stdout.splitlines() if 'Note: the dataset index' in line]
-    summaries = [json.loads((tmp_path / d / 'summary.json').read_text()) for d in ('first', 'again')]
+    summaries = [json.loads((tmp_path / d / 'summary.json').read_text())
+                 for d in ('first', 'again')]
     if words is None:
         assert not note and summaries[1]['data']['index']['kept_index'] is True
         return
