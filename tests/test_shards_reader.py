@@ -239,7 +239,7 @@ def answer(root, index):
         checked(root, value)
 
 
-@settings(max_examples=150, **FAST)
+@settings(max_examples=100, **FAST)
 @given(st.binary(max_size=400))
 def test_any_bytes_at_index_json_give_the_index_or_one_sentence(folder, data):
     root, index = folder
@@ -273,7 +273,7 @@ def replaced(value, at, new):
     return value
 
 
-@settings(max_examples=200, **FAST)
+@settings(max_examples=100, **FAST)
 @given(data=st.data())
 def test_any_json_in_index_json_gives_the_index_or_one_sentence(folder, data):
     """Each place of a good index replaced by any JSON value (a name, a count, a split...)."""
@@ -292,7 +292,7 @@ TABLE = hnp.arrays(st.sampled_from([np.int64, np.int32, np.uint64, np.float64, n
                    hnp.array_shapes(min_dims=1, max_dims=3, max_side=5))
 
 
-@settings(max_examples=150, **FAST)
+@settings(max_examples=100, **FAST)
 @given(st.binary(max_size=300) | TABLE.map(lambda a: npy(a.shape, a.dtype.str, a.tobytes()))
        | st.builds(lambda n, d: npy((n, 4), data=d), st.integers(0, 10 ** 15),
                    st.binary(max_size=200)))
@@ -306,7 +306,7 @@ def test_any_bytes_at_a_table_give_the_index_or_one_sentence(folder, data):
         restore(root, 'index-train.npy', keep)
 
 
-@settings(max_examples=150, **FAST)
+@settings(max_examples=100, **FAST)
 @given(hnp.arrays(np.int64, st.tuples(st.integers(1, 6), st.just(4)),
                   elements=st.integers(-2, 3000) | st.integers(-2 ** 63, 2 ** 63 - 1)))
 def test_any_rows_in_a_table_give_the_index_or_one_sentence(folder, table):
@@ -398,7 +398,7 @@ def test_a_special_file_when_staging_is_refused_without_blocking(staged, where, 
     assert 'not a file' in one_sentence(e, [path])
 
 
-@settings(max_examples=60, **FAST)
+@settings(max_examples=30, **FAST)
 @given(which=st.sampled_from([G.JOURNAL, G.DONE]),
        data=st.binary(max_size=200) | st.lists(JSON, max_size=4).map(
            lambda v: '\n'.join(map(json.dumps, v)).encode()))
@@ -488,7 +488,7 @@ def test_a_damaged_prepare_json_is_named_with_the_fix(source, prepared, damage):
     assert 'choose another DST' in one_sentence(e, [path])
 
 
-@settings(max_examples=60, **FAST)
+@settings(max_examples=30, **FAST)
 @given(which=st.sampled_from(['prepare.json', 'train-00001.tar.json']),
        data=st.binary(max_size=200) | JSON.map(lambda v: json.dumps(v).encode()))
 def test_any_bytes_at_prepares_own_files_give_the_same_shards_or_one_sentence(
