@@ -23,6 +23,12 @@ def write_atomic(path, data, opener=None, full=None):
     full-disk tests' seam, record.log.open_for_write); the built-in open by default."""
     tmp = f'{path}.tmp'
     try:
+        # a leftover of a killed writer; one that is a FIFO would block the open for writing until a
+        # reader came
+        os.remove(tmp)
+    except FileNotFoundError:
+        pass
+    try:
         with (opener or open)(tmp, 'wb' if isinstance(data, bytes) else 'w') as f:
             f.write(data)
         fsync_replace(tmp, path)

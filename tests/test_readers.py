@@ -137,3 +137,19 @@ def test_jsonl_keeps_the_good_lines_and_counts_the_rest(tmp_path):
     (tmp_path / 'm.jsonl').write_bytes(b'{"step": 1}\n[1]\n{"step": 2}\n{"st')
     records, bad = readers.read_jsonl(str(tmp_path / 'm.jsonl'), Dict({'step': Int(0)}))
     assert records == [{'step': 1}, {'step': 2}] and bad == 2
+
+
+def test_a_fifo_left_at_the_writers_temporary_name_does_not_block_it(tmp_path):
+    """files.write_atomic writes <path>.tmp then renames it: a FIFO left at that name blocked its
+    open for writing until a reader came."""
+    from dlojzlib import files
+    os.mkfifo(tmp_path / 'summary.json.tmp')
+    t = threading.Thread(target=files.write_atomic, args=(str(tmp_path / 'summary.json'), '{}'),
+                         daemon=True)
+    t.start()
+    t.join(5)
+    if t.is_alive():
+        with open(tmp_path / 'summary.json.tmp', 'rb'):  # unblock the writer before failing
+            pass
+        pytest.fail('the write blocked on a FIFO')
+    assert (tmp_path / 'summary.json').read_text() == '{}'
