@@ -80,6 +80,16 @@ def written(tmp_path_factory, cache_dir):
     shutil.copytree(root / 'sharded' / 'checkpoint-00000002.dcp',
                     root / 'cut' / 'checkpoint-00000002.dcp')
     os.remove(root / 'cut' / 'checkpoint-00000002.dcp' / '.metadata')
+    # round 4: a shards index naming a file out of its folder, and one that is a FIFO
+    for name in ('escaping', 'fifo-index'):
+        shutil.copytree(root / 'shards', root / name)
+    with open(root / 'escaping' / 'index.json') as f:
+        index = json.load(f)
+    index['splits']['train']['shards'][0]['name'] = '../../x'
+    with open(root / 'escaping' / 'index.json', 'w') as f:
+        json.dump(index, f)
+    os.remove(root / 'fifo-index' / 'index.json')
+    os.mkfifo(root / 'fifo-index' / 'index.json')
     # round 4: a FIFO where a file is read, and runs that cannot be a --slowed-from
     os.makedirs(root / 'special')
     os.mkfifo(root / 'special' / 'fifo.json')
@@ -164,6 +174,11 @@ CASES = {
         ['checkpoint-00000002.dcp cannot be read', 'resume from another checkpoint']),
     'a damaged shard table': ('dlojz.py', [*T, '--data-dir', '{damaged}'],
                               ['index-val.npy is damaged']),
+    'a shards index naming a file out of its folder': (
+        'dlojz.py', [*T, '--data-dir', '{escaping}'],
+        ['index.json is damaged', 'splits.train.shards[0].name']),
+    'a shards index that is a FIFO': ('dlojz.py', [*T, '--data-dir', '{fifo_index}'],
+                                      ['index.json', 'a FIFO']),
     'staging into the data folder': ('dlojz.py', [*T, '--data-dir', '{shards}', '--stage-dir',
                                                   '{shards}'], ['is the shards folder']),
     'staging to an empty name': ('dlojz.py', [*T, '--data-dir', '{shards}', '--stage-dir', ''],
@@ -244,6 +259,7 @@ def test_a_bad_input_is_one_sentence_and_changes_nothing(case, written, tmp_path
     script, argv, words, *env = CASES[case]
     paths = {'run': root / 'run', 'shards': root / 'shards', 'damaged': root / 'damaged',
              'odd': root / 'odd' / 'summary.json', 'special': root / 'special',
+             'escaping': root / 'escaping', 'fifo_index': root / 'fifo-index',
              'cut': root / 'cut' / 'checkpoint-00000002.dcp',
              'synth': synth, 'new': tmp_path / 'new', 'cache': cache_dir}
     argv = [a.format(**paths) if isinstance(a, str) else a for a in argv]
