@@ -12,9 +12,10 @@ import subprocess
 import time
 from contextlib import contextmanager
 
-from dlojzlib import failpoints, files
+from dlojzlib import failpoints, files, readers
 from dlojzlib.dist import launch
 from dlojzlib.errors import Complete, UsageError, disk_full, writable
+from dlojzlib.readers import Bool, Dict, Either, Int, Maybe, Num, Str, Unreadable
 from dlojzlib.record.checkpoint import CHECKPOINT_RE, remove, remove_partial_checkpoints
 from dlojzlib.record.log import write_json
 
@@ -37,14 +38,48 @@ def default_output_dir(args, dist):
 FINISHED = ('nan', 'oom')
 
 
-def run_record(path):
-    """The summary.json in `path` (a dict), or None."""
+# summary.json as dlojz reads it back (record.summary.write_summary, the modes' own records write
+# it): the fields a resumed or named run decides by, and the tuner's 'mode'; any may be absent (a
+# mode's record, an older dlojz).
+SUMMARY = Dict({
+    'status': Str(r'[a-z_]{1,40}', 'a status word'), 'mode': Maybe(Str(max_len=40)),
+    'global_step': Maybe(Int(0)), 'global_batch': Maybe(Int(1)),
+    'config': Dict({'test': Maybe(Bool()), 'epochs': Maybe(Int(0)), 'test_nsteps': Maybe(Int(0))},
+                   optional=('test', 'epochs', 'test_nsteps')),
+    'data': Maybe(Dict({'batches_per_epoch': Maybe(Int(0))}, optional=['batches_per_epoch'])),
+    'val': Maybe(Dict({'top1': Maybe(Num(0, 1))}, optional=['top1'])),
+}, optional=('status', 'mode', 'global_step', 'global_batch', 'config', 'data', 'val'))
+
+
+def not_a_record(e):
+    """A FIFO, a folder or a device where dlojz keeps a run's record (or a file larger than it
+    writes): no run leaves one, and reading it could block."""
+    return UsageError(f'{e}: it is not the record dlojz writes there; remove it (or move it '
+                      f'aside), or pass another --output-dir.')
+
+
+def read_record(path, shape, say=None):
+    """A run folder's JSON record at `path` -> a value of `shape`, or None when there is none (or
+    this user may not read it) or it is damaged (cut by a kill, edited: `say` is told). Anything
+    but a regular file is refused (not_a_record), without blocking."""
     try:
-        with open(os.path.join(path, 'summary.json')) as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
+        data = readers.read_bytes(path)
+    except Unreadable as e:
+        raise not_a_record(e) from None
+    except OSError:
         return None
-    return summary if isinstance(summary, dict) else None
+    try:
+        return readers.parse_json(path, data, shape)
+    except Unreadable as e:
+        if say:
+            say(f'Note: {e}; it is read as the record of a run killed before it wrote it.')
+        return None
+
+
+def run_record(path, say=None):
+    """The summary.json in `path` (of SUMMARY's shape), or None: none there, or a damaged one, which
+    is what a run killed before it wrote its record leaves (docs/errors.md; `say` is told why)."""
+    return read_record(os.path.join(path, 'summary.json'), SUMMARY, say)
 
 
 def run_status(path):
@@ -66,18 +101,23 @@ def job_alive(job_id):
     return r.returncode == 0 and bool(r.stdout.strip())
 
 
+JOB_ID = Str(r'[0-9]{1,20}', 'a Slurm job id')  # what squeue -j is asked about: digits only
+OWNER_SHAPE = Dict({'job_id': Either(Int(0), JOB_ID)})
+
+
 def held_by_another_job(path, job_id, alive=job_alive):
-    try:
-        with open(os.path.join(path, OWNER)) as f:
-            owner = str(json.load(f).get('job_id'))
-    except (OSError, ValueError, AttributeError):
+    """Whether another live Slurm job writes in `path` (its owner.json); a damaged owner.json holds
+    nothing."""
+    owner = read_record(os.path.join(path, OWNER), OWNER_SHAPE)
+    if owner is None:
         return False
+    owner = str(owner['job_id'])
     return owner != str(job_id) and alive(owner)
 
 
-def completed_run(path):
+def completed_run(path, say=None):
     """summary.json of the completed run in `path`, else None."""
-    summary = run_record(path)
+    summary = run_record(path, say)
     return summary if summary is not None and summary.get('status') == 'completed' else None
 
 
@@ -269,12 +309,18 @@ class FolderLock:
             self.token = None
 
 
+# A lock file's owner (FolderLock.acquire writes it): what the busy sentence shows and a stale
+# claim is judged by. A pid of 0 or below would name a process group to os.kill.
+CLAIM = Dict({'pid': Int(1), 'host': Str(max_len=256), 'job_id': Maybe(Either(Int(0), JOB_ID)),
+              'since': Str(max_len=64)}, optional=('pid', 'host', 'job_id', 'since'))
+
+
 def _read_owner(path):
+    """The owner a lock file names, or None: none, empty (its writer died before writing), damaged,
+    or not a file (a FIFO is not opened for reading: it would block)."""
     try:
-        with open(path) as f:
-            owner = json.load(f)
-        return owner if isinstance(owner, dict) else None
-    except (OSError, ValueError):
+        return readers.read_json(path, CLAIM)
+    except (OSError, Unreadable):
         return None
 
 
@@ -298,10 +344,11 @@ def trim_metrics(path, size, global_step):
     records of steps after `global_step` are dropped. Atomic (temp file + rename). -> the number of
     records dropped."""
     try:
-        with open(path, 'rb') as f:
-            data = f.read()
+        data = readers.read_bytes(path, METRICS_LIMIT)
     except FileNotFoundError:
         return 0
+    except Unreadable as e:
+        raise not_a_record(e) from None
     if size is not None and size <= len(data) and (size == 0 or data[size - 1:size] == b'\n'):
         kept = data[:size]
     else:  # an older checkpoint, or a file that is not the one it saw
@@ -315,12 +362,20 @@ def trim_metrics(path, size, global_step):
     return dropped
 
 
+# One metrics.jsonl record as trim_metrics reads it (record.log.Logger writes it); a record
+# without a step (none is written today) is kept.
+METRIC = Dict({'global_step': Int(0)}, optional=['global_step'])
+METRICS_LIMIT = 16 * 2 ** 30  # bytes: a 90-epoch ImageNet run logging every step writes ~0.3 GiB
+
+
 def _after(line, global_step):
+    """Whether a line goes: a record of a step after `global_step`, or a line cut by a kill (or of
+    another shape, which dlojz does not write)."""
     try:
-        step = json.loads(line).get('global_step')
-    except (ValueError, AttributeError):
-        return True  # a line cut by a kill
-    return isinstance(step, int) and step > global_step
+        step = readers.parse_json('metrics.jsonl', line, METRIC).get('global_step')
+    except Unreadable:
+        return True
+    return step is not None and step > global_step
 
 
 RUN_FILES = ('config.json', 'metrics.jsonl', 'summary.json', 'best.pt', 'best.dcp')
@@ -335,6 +390,20 @@ def run_files(path):
     return sorted(n for n in names if n in RUN_FILES or CHECKPOINT_RE.fullmatch(n))
 
 
+RECORDS = ('config.json', 'metrics.jsonl', 'summary.json')  # what a continued run opens by name
+
+
+def _check_a_file(path):
+    """Refuse a FIFO, folder or device where a continued run reads or appends its record: opening
+    a FIFO (to read, or to append) blocks."""
+    try:
+        readers.open_file(path).close()
+    except Unreadable as e:
+        raise not_a_record(e) from None
+    except OSError:
+        pass  # gone since the listing, or not readable: its writer says what it needs
+
+
 def prepare_output_dir(path, continues=False, overwrite=False):
     """Create the run folder and check it is writable. A folder that already holds a run is used
     only when this run continues it (`continues`: --resume, the way a requeued job starts again) or
@@ -342,6 +411,10 @@ def prepare_output_dir(path, continues=False, overwrite=False):
     their metrics, and the newer run's checkpoints would be pruned in favour of the older run's
     higher steps."""
     found = run_files(path)
+    if continues:
+        for name in found:
+            if name in RECORDS:
+                _check_a_file(os.path.join(path, name))
     if found and not continues and not overwrite:
         shown = ', '.join(found[:4]) + (f' and {len(found) - 4} more' if len(found) > 4 else '')
         raise UsageError(f'--output-dir {path} already holds a run ({shown}); pass --resume auto '
@@ -390,7 +463,9 @@ def taken(args, dist, lock=None):
         # the same command on a completed run (a resubmitted job): one line, exit 0, nothing written
         # in the folder
         training = args.resume and not (args.evaluate or args.tune)  # the other modes have their own records
-        done = completed_run(args.output_dir) if dist.is_main and training else None
+        note = lambda line: print(line, flush=True)  # a damaged summary.json: a killed run's
+        done = launch.on_ranks(lambda: completed_run(args.output_dir, note),
+                               when=dist.is_main and training)
         if launch.broadcast_object(done is not None and asks_nothing_more(done, args, dist.world_size)):
             raise Complete(complete_sentence(args.output_dir, done or {}))
         if dist.is_main and args.run_name and os.path.basename(args.output_dir) != args.run_name:
