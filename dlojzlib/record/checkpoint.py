@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from dlojzlib import compat, failpoints, files
+from dlojzlib import compat, failpoints, files, readers
 from dlojzlib.errors import UsageError, disk_full
 from dlojzlib.record import log
 
@@ -186,9 +186,15 @@ def load_checkpoint(path):
         raise UsageError(f'--resume {path} is a folder, not a checkpoint file; pass a '
                          f'checkpoint-*.pt file (or a checkpoint-*.dcp folder), or --resume auto '
                          f'--output-dir {path} to continue the run it holds.')
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise UsageError(f'checkpoint {path} does not exist; pass --resume with the path of a '
                          f'checkpoint-*.pt written by --chkpt, or --resume auto.')
+    try:  # torch.load would block on a FIFO: only a regular file is read
+        readers.open_file(path).close()
+    except (readers.Unreadable, OSError) as e:
+        why = e.why if isinstance(e, readers.Unreadable) else e.strerror
+        raise UsageError(f'checkpoint {path} {why}; pass a checkpoint-*.pt written by --chkpt, or '
+                         f'--resume auto.') from None
     try:
         # weights_only=False: the checkpoint holds our own args namespace and RNG states, written by
         # us.
@@ -340,6 +346,7 @@ def load_sharded_checkpoint(path):
     checkpoint's dict: whole tensors (every slice read), the optimizer's state by parameter index.
     """
     from torch.distributed.checkpoint import CheckpointException  # a BaseException
+    _regular_files_only(path)
     try:
         with _quiet_logging():
             read = compat.load_whole_dcp(path)
@@ -352,6 +359,19 @@ def load_sharded_checkpoint(path):
             raise _interrupt(e) from None
         raise UsageError(f'checkpoint {path} cannot be read ({type(e).__name__}); it may be '
                          f'incomplete, resume from another checkpoint.') from None
+
+
+def _regular_files_only(path):
+    """Refuse a .dcp folder that holds anything but files (DCP's reader would block on a FIFO)
+    or a sub-folder (dcp.save writes none)."""
+    try:
+        names = sorted(os.listdir(path))
+        for name in names:
+            readers.open_file(os.path.join(path, name)).close()
+    except (readers.Unreadable, OSError) as e:
+        why = f'{name} {e.why}' if isinstance(e, readers.Unreadable) else e.strerror
+        raise UsageError(f'checkpoint {path} cannot be read ({why}); it may be incomplete, '
+                         f'resume from another checkpoint.') from None
 
 
 @contextmanager

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dlojzlib import readers
 from dlojzlib.dist import launch, shard
 from dlojzlib.errors import Complete, Interrupted, Preempted, UsageError
+from dlojzlib.readers import Any, Bool, Dict, Int, List, Map, Maybe, Num, Shape, Str
 from dlojzlib.record.checkpoint import (SHARDED, checkpoint_path, list_checkpoints,
                                         load_checkpoint, load_latest_checkpoint, save_checkpoint,
                                         save_sharded_checkpoint, space_warning, strip_prefixes)
@@ -156,8 +158,48 @@ RESUME_KEYS = ('model', 'epoch', 'step_in_epoch', 'global_step', 'global_batch')
 TRAIN_KEYS = ('optimizer', 'scheduler', 'scaler', 'rng')
 
 
+class Split(Shape):
+    """--pipeline-split as a checkpoint keeps it: 'time', 'params' or stages.parse_split's tuple."""
+    expected = 'time, params or increasing block numbers above 0'
+
+    def accepts(self, value):
+        if isinstance(value, str):
+            return value in ('time', 'params')
+        return isinstance(value, tuple) and len(value) > 0 and \
+            all(type(b) is int and b > 0 for b in value) and list(value) == sorted(set(value))
+
+
+_DICT = Map(Any)  # a state dict: names -> tensors or values
+# A checkpoint's entries (checkpoint_state writes them) as the checks, the resume contract and
+# restore read them, each checked before any is used; the tensors inside are torch's to check.
+# Whether each is there is check_form's question (RESUME_KEYS, TRAIN_KEYS; some came later).
+RACE = Dict({'best_top1': Maybe(Num()), 'reached': Maybe(Map(_DICT)), 'images': Int(0),
+             'wall_s': Maybe(Num()), 'process_wall_s': Maybe(Num()), 'val': Maybe(_DICT),
+             'val_ema': Maybe(_DICT), 'train': Maybe(_DICT)},
+            optional=('best_top1', 'reached', 'images', 'wall_s', 'process_wall_s', 'val',
+                      'val_ema', 'train'))
+CHECKPOINT = Dict({
+    'arch': Str(max_len=200), 'num_classes': Int(1), 'classes': Maybe(List(Str())),
+    'train_images': Maybe(Int(0)), 'model': _DICT,
+    # torch's form, or a pipeline's: one such per stage
+    'optimizer': Maybe(Dict({'param_groups': List(Dict({'params': List()}))},
+                            optional=['param_groups'])),
+    'scheduler': _DICT, 'scaler': _DICT, 'ema': Maybe(_DICT),
+    'epoch': Int(0), 'step_in_epoch': Int(0), 'end_due': Bool(), 'global_step': Int(0),
+    'global_batch': Int(1), 'metrics_bytes': Maybe(Int(0)), 'race': Maybe(RACE),
+    # the flags the resume contract puts back (record.resume's 'checkpoint' rows) become this run's
+    'args': Dict({'seed': Int(0, 2 ** 32 - 1), 'pipeline_split': Split()},
+                 optional=['seed', 'pipeline_split']),
+    'rng': Dict({'torch': Any, 'numpy': Any, 'python': Any, 'device': Maybe(List())},
+                optional=['device']),
+}, optional=('arch', 'num_classes', 'classes', 'train_images', 'model', 'optimizer', 'scheduler',
+             'scaler', 'ema', 'epoch', 'step_in_epoch', 'end_due', 'global_step', 'global_batch',
+             'metrics_bytes', 'race', 'args', 'rng'))
+
+
 def check_form(args, ckpt, path):
-    """Refuse a file that is not a checkpoint dlojz can resume (or, with --evaluate, validate)."""
+    """Refuse a file that is not a checkpoint dlojz can resume (or, with --evaluate, validate): one
+    that lacks an entry, or holds one of another shape (CHECKPOINT)."""
     if not isinstance(ckpt, dict):
         raise UsageError(f'{path} is not a dlojz checkpoint (it holds a {type(ckpt).__name__}, not '
                          f'a dict); pass a checkpoint-*.pt written by --chkpt.')
@@ -166,6 +208,14 @@ def check_form(args, ckpt, path):
         raise UsageError(f"checkpoint {path} lacks {', '.join(repr(k) for k in missing)}, which "
                          f"resuming needs; it was not written by this version of dlojz --chkpt (or "
                          f"was edited); pass another checkpoint.")
+    try:
+        CHECKPOINT.check(ckpt, '')
+    except readers.Wrong as e:
+        raise UsageError(f'checkpoint {path} {e}; it was not written by dlojz --chkpt (or was '
+                         f'edited); pass another checkpoint.') from None
+    except RecursionError:
+        raise UsageError(f'checkpoint {path} nests deeper than any dlojz writes; pass another '
+                         f'checkpoint.') from None
 
 
 def check_checkpoint(args, ckpt, path, classes, n_train, global_batch, world_size):
@@ -212,7 +262,9 @@ def check_resume(args, dist, path, ckpt, data, model, optimizer, global_batch, s
         check_fits(ckpt, path, args.arch, model, None if args.evaluate else optimizer)
     if args.evaluate or not args.resume:
         return
-    done = launch.broadcast_object(completed_run(args.output_dir) if dist.is_main else None)
+    # rank 0 reads it; a summary.json it refuses (a FIFO) stops every rank
+    done = launch.broadcast_object(launch.on_ranks(lambda: completed_run(args.output_dir),
+                                                   when=dist.is_main))
     at = ckpt['global_step'] * ckpt['global_batch'] // global_batch if ckpt is not None else \
         (done or {}).get('global_step')
     if at is None:  # nothing to continue: a fresh start
