@@ -28,17 +28,17 @@ not finish in what is left is skipped and listed.
 
 dlojz.py calls tune_mode once it has taken the run folder (its flags are in
 flags.get_args_parser()); this module never imports dlojz.py."""
-import json
 import os
 import sys
 import time
 
-from dlojzlib import SCRIPT, tables
+from dlojzlib import SCRIPT, readers, tables
 from dlojzlib.dist import plan
 from dlojzlib.errors import UsageError
 from dlojzlib.flags import get_args_parser, native_bf16
 from dlojzlib.measure import scaling
 from dlojzlib.modes.trial import run_for_summary
+from dlojzlib.readers import Bool, Dict, Either, Int, List, Map, Maybe, Num, Str, Unreadable
 from dlojzlib.record.log import SUMMARY_VERSION, Console, write_json
 from dlojzlib.record.rundir import run_files, run_record
 
@@ -110,10 +110,22 @@ def run_trial(python, script, base, argv, out, steps, warmup=3):
     return run_for_summary(cmd, out)
 
 
+SECONDS = Maybe(Dict({'mean': Maybe(Num(0))}, optional=['mean']))
+# A completed trial's summary.json as row_from reads it (record.summary.write_summary writes it)
+TRIAL_SUMMARY = Dict({
+    'timing': Dict({'steady_images_per_s': Num(0), 'bound': Maybe(Str(max_len=40)),
+                    'stats': Maybe(Map(SECONDS))}, optional=['bound', 'stats']),
+    'memory': Dict({'gpu_max_allocated_bytes': Maybe(Int(0)), 'host_peak_rss_bytes': Maybe(Int(0))},
+                   optional=['gpu_max_allocated_bytes', 'host_peak_rss_bytes']),
+    'data': Dict({'train_images': Maybe(Int(0)), 'classes': Maybe(Int(1))},
+                 optional=['train_images', 'classes'])})
+
+
 def row_from(summary, code, last_line, batch, amp, channels_last, compile_, cuda):
-    """A table row from a trial's summary.json. Reads: status, timing.steady_images_per_s (images /
-    steady time), timing.stats.step.mean, timing.stats.backward.mean, timing.bound,
-    memory.gpu_max_allocated_bytes (GPU) or memory.host_peak_rss_bytes (CPU), data.train_images."""
+    """A table row from a trial's summary.json (TRIAL_SUMMARY). Reads: status,
+    timing.steady_images_per_s (images / steady time), timing.stats.step.mean,
+    timing.stats.backward.mean, timing.bound, memory.gpu_max_allocated_bytes (GPU) or
+    memory.host_peak_rss_bytes (CPU), data.train_images."""
     row = {'batch': batch, 'amp': amp, 'channels_last': channels_last, 'compile': compile_, 'status': None,
            'images_per_s': None, 'step_ms': None, 'backward_ms': None, 'memory_bytes': None, 'bound': None,
            'train_images': None}
@@ -122,14 +134,19 @@ def row_from(summary, code, last_line, batch, amp, channels_last, compile_, cuda
         row['status'] = status or f'exit {code}'
         row['error'] = (summary or {}).get('error') or last_line
         return row
+    try:
+        summary = TRIAL_SUMMARY.check(summary, '')
+    except readers.Wrong as e:  # a trial's own record, of another shape: not a measurement
+        row.update(status='damaged', error=f'its summary.json {e}')
+        return row
     t, m = summary['timing'], summary['memory']
     stats = t.get('stats') or {}
-    row.update(status='completed', images_per_s=t.get('steady_images_per_s'),
-               step_ms=(stats.get('step') or {}).get('mean', 0) * 1e3,
+    row.update(status='completed', images_per_s=t['steady_images_per_s'],
+               step_ms=((stats.get('step') or {}).get('mean') or 0) * 1e3,
                backward_ms=((stats.get('backward') or {}).get('mean') or 0) * 1e3,
                memory_bytes=m.get('gpu_max_allocated_bytes') if cuda else m.get('host_peak_rss_bytes'),
-               bound=t.get('bound'), train_images=summary['data']['train_images'],
-               classes=summary['data']['classes'])
+               bound=t.get('bound'), train_images=summary['data'].get('train_images'),
+               classes=summary['data'].get('classes'))
     return row
 
 
@@ -156,6 +173,32 @@ def next_batch(tried, start, cap):
     return mid if lo < mid < hi else None
 
 
+WORDS = Str(r'[-\w.]{1,100}', 'a flag or its value')  # flags of the recommended command
+# One row of tune.json's table (row_from and Tuner.trial write it), as a continued sweep, the table,
+# the winner and the recommended command read it.
+TRIAL = Dict({
+    'name': Str(max_len=200), 'batch': Int(1), 'amp': Str(r'off|fp16|bf16', 'off, fp16 or bf16'),
+    'channels_last': Bool(), 'compile': Either(Bool(), Str(r'[a-z-]{1,40}', 'a --compile-mode')),
+    'status': Str(max_len=40), 'images_per_s': Maybe(Num(0)), 'step_ms': Maybe(Num(0)),
+    'backward_ms': Maybe(Num(0)), 'memory_bytes': Maybe(Int(0)), 'bound': Maybe(Str(max_len=40)),
+    'train_images': Maybe(Int(0)), 'classes': Maybe(Int(1)), 'wall_s': Num(0),
+    'loader_flags': List(WORDS), 'error': Maybe(Str())},
+    optional=('backward_ms', 'classes', 'loader_flags', 'error'))
+# tune.json as a continued sweep reads it (Tuner._save writes it)
+TUNE = Dict({'status': Str(max_len=40), 'base_argv': List(Str()), 'trials': List(TRIAL),
+             'skipped': List(Str(max_len=200)), 'elapsed_s': Num(0)},
+            optional=('status', 'base_argv', 'skipped', 'elapsed_s'))
+
+
+def aside_name(path):
+    """<path>.damaged, or .damaged.2, .3, ...: the first free one (one kept earlier stays)."""
+    name, k = f'{path}.damaged', 1
+    while os.path.lexists(name):
+        k += 1
+        name = f'{path}.damaged.{k}'
+    return name
+
+
 class Tuner:
     """The sweep, its record (tune.json, rewritten after every trial) and its budget clock."""
 
@@ -171,25 +214,25 @@ class Tuner:
     def _load(self):
         """A previous tune.json with the same user flags: its trials are kept (a preempted --tune
         continues)."""
+        fresh = {'version': SUMMARY_VERSION, 'status': 'running', 'base_argv': self.base,
+                 'steps_per_trial': self.args.tune_steps, 'trials': [], 'skipped': [],
+                 'elapsed_s': 0.0}
         try:
-            with open(self.path) as f:
-                old = json.load(f)
+            old = readers.read_json(self.path, TUNE)
         except FileNotFoundError:
-            old = None
-        except (OSError, ValueError) as e:
-            old = {'damaged': f'{type(e).__name__}: {e}'}
-        trials = old.get('trials') if isinstance(old, dict) else None
-        readable = isinstance(trials, list) and all(isinstance(t, dict) for t in trials)
-        if old is not None and not readable:
-            # a tune.json this sweep cannot continue from: kept aside, never overwritten
-            os.replace(self.path, self.path + '.damaged')
-            self.say(f'Note: {self.path} is damaged (no list of trials); it is kept as '
-                     f'{self.path}.damaged and the sweep starts afresh.')
-            old = None
-        if old and old.get('base_argv') == self.base and old.get('status') != 'completed':
-            return old
-        return {'version': SUMMARY_VERSION, 'status': 'running', 'base_argv': self.base,
-                'steps_per_trial': self.args.tune_steps, 'trials': [], 'skipped': [], 'elapsed_s': 0.0}
+            return fresh
+        except (OSError, Unreadable) as e:
+            # a tune.json this sweep cannot continue from (a FIFO included: renamed, never opened):
+            # kept aside, never overwritten
+            aside = aside_name(self.path)
+            os.replace(self.path, aside)
+            why = e.why if isinstance(e, Unreadable) else e.strerror
+            self.say(f'Note: {self.path} is damaged ({why}); it is kept as {aside} and the sweep '
+                     f'starts afresh.')
+            return fresh
+        if old.get('base_argv') == self.base and old.get('status') != 'completed':
+            return {**fresh, **old}
+        return fresh
 
     def elapsed(self):
         return self.record['elapsed_s'] + self.clock() - self.t0
@@ -225,7 +268,7 @@ class Tuner:
             if row['status'] == 'completed' else f"{row['status']}: {row.get('error')}"
         self.say(f'trial {name}: {shown}')
         if row['bound'] == 'loader' and not self.loader_flags:
-            self.loader_flags = doctor_flags(self.args.output_dir)
+            self.loader_flags = doctor_flags(self.args.output_dir, self.say)
             self.say(f'trial {name} is loader-bound: ' + (
                 f"the loader doctor's best setting ({' '.join(self.loader_flags)}) is used from here on"
                 if self.loader_flags else 'run --tune-loader first (same flags) to find the loader setting that '
@@ -253,13 +296,24 @@ class Tuner:
         return self.record
 
 
-def doctor_flags(output_dir):
+# tune-loader.json (modes.doctor writes it) as the tuner reads it: the best trial's loader flags
+LOADER_BEST = Dict({'verdict': Dict({'best': Dict({
+    'num_workers': Int(0, 4096), 'decode': Str(r'auto|fast|pil|gpu|dali', 'a --decode or dali'),
+    'pin_memory': Maybe(Bool()), 'prefetch_factor': Maybe(Int(1, 4096))})})})
+
+
+def doctor_flags(output_dir, say=None):
     """The loader doctor's best setting (tune-loader.json of --tune-loader in the same folder), as
-    flags."""
+    flags; none when it has not run, or its record is damaged (`say` is told)."""
+    path = os.path.join(output_dir, 'tune-loader.json')
     try:
-        with open(os.path.join(output_dir, 'tune-loader.json')) as f:
-            best = json.load(f)['verdict']['best']
-    except (OSError, ValueError, KeyError):
+        best = readers.read_json(path, LOADER_BEST)['verdict']['best']
+    except OSError:
+        return []
+    except Unreadable as e:
+        if say:
+            say(f"Note: {e}; the trials go on without the loader doctor's setting (run "
+                f"--tune-loader again to remake it).")
         return []
     from dlojzlib.modes import doctor
     return doctor.trial_argv(best)
@@ -295,8 +349,9 @@ def trials_table(rows):
     headers = ['batch', 'amp', 'channels-last', 'compile', 'img/s', 'step ms', 'memory GiB', 'bound', 'status']
     cells = []
     for r in rows:
+        done = r['status'] == 'completed' and None not in (r['images_per_s'], r['step_ms'])
         measured = [f"{r['images_per_s']:.1f}", f"{r['step_ms']:.1f}", f"{(r['memory_bytes'] or 0) / 2**30:.2f}",
-                    r['bound']] if r['status'] == 'completed' else ['-'] * 4
+                    r['bound']] if done else ['-'] * 4
         cells.append([r['batch'], r['amp'], 'on' if r['channels_last'] else 'off',
                       compile_mode(r['compile']) or 'off', *measured, r['status']])
     return tables.markdown(headers, cells)
