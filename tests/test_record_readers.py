@@ -359,6 +359,29 @@ def test_a_fifo_in_a_sharded_checkpoint_is_refused_without_blocking(tmp_path):
     assert f'checkpoint {folder} cannot be read (.metadata is a FIFO, not a file)' in str(e.value)
 
 
+def test_the_metadata_file_of_a_sharded_checkpoint_names_its_folder(tmp_path):
+    """--resume .../checkpoint-2.dcp/.metadata was 'cannot be read (RuntimeError); it may be
+    truncated'."""
+    folder = tmp_path / 'checkpoint-00000002.dcp'
+    folder.mkdir()
+    (folder / '.metadata').write_bytes(b'x')
+    with pytest.raises(UsageError) as e:
+        load_checkpoint(str(folder / '.metadata'))
+    assert str(e.value) == (f'--resume {folder}/.metadata is the metadata file of the sharded '
+                            f'checkpoint {folder}; pass the folder {folder} itself.')
+
+
+def test_the_exports_sentences_name_its_argument_not_resume(tmp_path):
+    """dlojz_export.py reached load_checkpoint's sentences written for dlojz.py: '--resume
+    RUN is a folder ... or --resume auto --output-dir RUN'."""
+    for path in (tmp_path, tmp_path / 'cut.pt'):
+        if path != tmp_path:
+            path.write_bytes(b'PK not a checkpoint')
+        with pytest.raises(UsageError) as e:
+            load_checkpoint(str(path), given='CHECKPOINT')
+        assert '--resume' not in str(e.value), str(e.value)
+
+
 # ------------------------------------------------------------------------ the command line, slow
 
 @pytest.mark.slow

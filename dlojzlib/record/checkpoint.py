@@ -179,29 +179,38 @@ def space_warning(folder, usage=None):
             f'free some space or lower --keep-checkpoints.')
 
 
-def load_checkpoint(path):
+def load_checkpoint(path, given='--resume'):
+    """The checkpoint at `path`, or one sentence. given: how the user named it (dlojz.py's --resume,
+    dlojz_export.py's CHECKPOINT), so that the sentence names what the user typed."""
+    resume = given == '--resume'
+    instead = ('pass a checkpoint-*.pt written by --chkpt, or --resume auto' if resume else
+               'give a checkpoint-*.pt or checkpoint-*.dcp written by dlojz.py --chkpt')
     if os.path.isdir(path) and is_sharded_checkpoint(path):
         return load_sharded_checkpoint(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.basename(path) == '.metadata' and is_sharded_checkpoint(parent):
+        raise UsageError(f'{given} {path} is the metadata file of the sharded checkpoint {parent}; '
+                         f'pass the folder {parent} itself.')
     if os.path.isdir(path):
-        raise UsageError(f'--resume {path} is a folder, not a checkpoint file; pass a '
-                         f'checkpoint-*.pt file (or a checkpoint-*.dcp folder), or --resume auto '
-                         f'--output-dir {path} to continue the run it holds.')
+        auto = f', or --resume auto --output-dir {path} to continue the run it holds' if resume \
+            else ''
+        raise UsageError(f'{given} {path} is a folder, not a checkpoint file; pass a '
+                         f'checkpoint-*.pt file (or a checkpoint-*.dcp folder){auto}.')
     if not os.path.exists(path):
-        raise UsageError(f'checkpoint {path} does not exist; pass --resume with the path of a '
-                         f'checkpoint-*.pt written by --chkpt, or --resume auto.')
+        raise UsageError(f'checkpoint {path} does not exist; {instead}.')
     try:  # torch.load would block on a FIFO: only a regular file is read
         readers.open_file(path).close()
     except (readers.Unreadable, OSError) as e:
         why = e.why if isinstance(e, readers.Unreadable) else e.strerror
-        raise UsageError(f'checkpoint {path} {why}; pass a checkpoint-*.pt written by --chkpt, or '
-                         f'--resume auto.') from None
+        raise UsageError(f'checkpoint {path} {why}; {instead}.') from None
     try:
         # weights_only=False: the checkpoint holds our own args namespace and RNG states, written by
         # us.
         return torch.load(path, map_location='cpu', weights_only=False)
     except Exception as e:
+        then = 'resume from another checkpoint' if resume else 'give another checkpoint'
         raise UsageError(f'checkpoint {path} cannot be read ({type(e).__name__}); it may be '
-                         f'truncated, resume from another checkpoint.') from None
+                         f'truncated, {then}.') from None
 
 
 def load_latest_checkpoint(run_dir, warn=print):

@@ -71,7 +71,7 @@ def export(path, out, aoti=False, image_size=None, ema=False, say=print):
         raise UsageError(f'--aoti needs torch 2.6 or later (AOTInductor\'s packages); this '
                          f'is torch {torch.__version__}: export without --aoti (an '
                          f'ExportedProgram).')
-    model, size = network(load_checkpoint(path), path, ema)
+    model, size = network(load_checkpoint(path, given='CHECKPOINT'), path, ema)
     size = image_size or size
     example = torch.randn(2, 3, size, size)
     batch = torch.export.Dim('batch', min=1, max=MAX_BATCH)
