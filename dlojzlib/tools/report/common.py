@@ -35,9 +35,10 @@ def verdict(run):
         last = last_record(run, 'train')
         ckpts = list_checkpoints(run.path)
         why = 'no summary.json' if run.summary is None else "summary.json still says 'running'"
-        return (f'incomplete: {why}, the run crashed, was killed or is still running; last logged '
-                f"step {last.get('global_step') if last else 'none'}; newest checkpoint "
-                f"{os.path.basename(ckpts[-1]) if ckpts else 'none'}")
+        head = 'unknown: summary.json is unreadable (its note says why)' if run.unreadable else \
+            f'incomplete: {why}, the run crashed, was killed or is still running'
+        return (f"{head}; last logged step {last.get('global_step') if last else 'none'}; newest "
+                f"checkpoint {os.path.basename(ckpts[-1]) if ckpts else 'none'}")
     status, step, error = run.status, run.get('failed_step'), run.get('error')
     if status == 'completed':
         mode = run.get('mode')

@@ -1,8 +1,12 @@
-"""The NCCL communication view (the course's comm_profiler): the collectives of nccl.rank<r>.log."""
+"""The NCCL communication view (the course's comm_profiler): the collectives of nccl.rank<r>.log,
+read through dlojzlib.readers (a FIFO or a folder in a log's place is a note, never a read that
+blocks); a line NCCL did not write is not a collective."""
+import io
 import os
 import re
 import statistics
 
+from dlojzlib import readers
 from dlojzlib.tools.report.common import md_table, plt, save_fig, slug
 
 
@@ -14,18 +18,20 @@ NCCL_DTYPES = {0: ('int8', 1), 1: ('uint8', 1), 2: ('int32', 4), 3: ('uint32', 4
 
 # "host:pid:tid [0] NCCL INFO AllReduce: opCount 1b sendbuff 0x.. recvbuff 0x.. count 237184 datatype 7 op 0
 #  root 0 comm 0x7f0c741162f0 [nranks=2] stream 0x.."  (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL)
-COLL_RE = re.compile(r'\[(\d+)\] NCCL INFO (\w+): opCount (\w+) .*?\bcount (\d+) datatype (\d+)(?:.*?\bcomm (\S+))?'
-                     r'(?:.*?\[nranks=(\d+)\])?')
+# Numbers as NCCL writes them: the opCount in hexadecimal, none longer than a 64-bit integer.
+COLL_RE = re.compile(r'\[(\d{1,9})\] NCCL INFO (\w+): opCount ([0-9a-fA-F]{1,16}) '
+                     r'.*?\bcount (\d{1,19}) datatype (\d{1,4})(?:.*?\bcomm (\S+))?'
+                     r'(?:.*?\[nranks=(\d{1,9})\])?')
 
 
 # "host:pid:tid [0] NCCL INFO comm 0x55d6 rank 3 nranks 4 cudaDev 0 busId 7000 commId 0x.. - Init
 # COMPLETE"
-INIT_RE = re.compile(r'NCCL INFO comm (\S+) rank (\d+) nranks (\d+).*Init COMPLETE')
+INIT_RE = re.compile(r'NCCL INFO comm (\S+) rank (\d{1,9}) nranks (\d{1,9}).*Init COMPLETE')
 
 
 # dlojz's markers (--nccl-debug): "Train step k - rank r" before step k (0: initialisation),
 # "Validation - rank r".
-MARK_RE = re.compile(r'(?:Train step (\d+)|(Validation)) - rank (\d+)\s*$')
+MARK_RE = re.compile(r'(?:Train step (\d{1,15})|(Validation)) - rank (\d{1,9})\s*$')
 
 
 def parse_nccl(lines, file_rank=None):
@@ -65,12 +71,16 @@ def comm_view(run, max_steps=10):
                   if (m := re.fullmatch(r'nccl\.rank(\d+)\.log', n)))
     if not logs:
         return None
-    ops = []
+    ops, unreadable = [], []
     for rank, path in logs:
-        with open(path, errors='replace') as f:
-            ops.extend(parse_nccl(f, rank))
+        try:
+            with io.TextIOWrapper(readers.open_file(path), errors='replace') as f:
+                ops.extend(parse_nccl(f, rank))
+        except (OSError, readers.Unreadable) as e:
+            why = f'it {e.why}' if isinstance(e, readers.Unreadable) else e.strerror or str(e)
+            unreadable.append(f'{os.path.basename(path)} is unreadable: {why}')
     if not ops:
-        return {'ops': [], 'logs': len(logs)}
+        return {'ops': [], 'logs': len(logs), 'unreadable': unreadable}
     ranks = sorted({o['rank'] for o in ops})
     r0 = [o for o in ops if o['rank'] == ranks[0]]
     steps = sorted({int(o['phase'].split()[1]) for o in r0 if o['phase'].startswith('step')})
@@ -85,7 +95,8 @@ def comm_view(run, max_steps=10):
     for o in r0:
         if o['op'] == 'AllReduce' and o['phase'].startswith('step'):
             allreduce[int(o['phase'].split()[1])] += o['bytes'] or 0
-    return {'ops': ops, 'logs': len(logs), 'ranks': ranks, 'steps': steps, 'table': table, 'per_rank': per_rank,
+    return {'ops': ops, 'logs': len(logs), 'unreadable': unreadable,
+            'ranks': ranks, 'steps': steps, 'table': table, 'per_rank': per_rank,
             'consistent': len(set(per_rank.values())) == 1, 'shown_steps': steps[:max_steps],
             'allreduce_per_step': statistics.median(allreduce.values()) if allreduce else None,
             'estimate': run.get('communication', 'gradient_bytes_per_step'),
@@ -132,7 +143,7 @@ def communication_view(rep):
         c = comm_view(r, comm_steps)
         if c is None:
             continue
-        lines += [f'### {r.name}', '']
+        lines += [f'### {r.name}', ''] + [f'*{u}.*' for u in c['unreadable']]
         if not c['ops']:
             lines += [f"{c['logs']} nccl.rank*.log file(s) but no NCCL collective line: the run used gloo "
                       f"(CPU), or NCCL_DEBUG=INFO with NCCL_DEBUG_SUBSYS=COLL was not in effect.", '']

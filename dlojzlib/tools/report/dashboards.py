@@ -17,7 +17,8 @@ def bound_cell(n, t):
     split = share_text(t)
     if split:
         return f"{n['bound']}{every}: {split} of the steady steps{late}"
-    waits = (f", exposed communication {fmt(scaled(t['comm_share'], 100))} %, waiting for a late "
+    comm = fmt(scaled(t.get('comm_share'), 100))
+    waits = (f", exposed communication {comm} %, waiting for a late "
              f"rank {fmt(scaled(t.get('straggler_share'), 100))} "
              f"%" if t.get('bound_all_ranks') else '')
     return (f"{n['bound']}{every}: device busy {fmt(n['busy_pct'])} % of the steady steps, data "
@@ -72,8 +73,9 @@ def dashboard(run, out):
                     f"SLURM job {pv.get('slurm_job_id') or '—'}, dlojz {str(pv.get('dlojz_sha') or '—')[:10]}"),
     ]
     if t.get('rank_skew') is not None:
-        rows.append(('Stragglers', f"slowest rank {t['slowest_rank']} is {t['rank_skew'] * 100:.1f} % slower than "
-                                   f"rank {t['fastest_rank']} (median step)"))
+        skew = f"{t['rank_skew'] * 100:.1f}"
+        rows.append(('Stragglers', f"slowest rank {t.get('slowest_rank')} is {skew} % slower than "
+                                   f"rank {t.get('fastest_rank')} (median step)"))
     md += ['| | |', '|---|---|'] + [f'| {k} | {v} |' for k, v in rows] + ['']
     st, share = t.get('stats') or {}, t.get('phase_share') or {}
     phase_rows = [{'phase': ph, 'median_ms': st[ph]['median'] * 1e3, 'mean_ms': st[ph]['mean'] * 1e3,
@@ -110,9 +112,11 @@ def plot_timeline(run, out):
     p = plt()
     n, step = len(per['step']), per['step']
     fig, ax = p.subplots(figsize=(max(6, min(16, 0.25 * n + 4)), 3.5))
-    bars, names = {ph: per[ph] for ph in PHASES if per.get(ph)}, {}
+    # each series as long as the steps' (a summary edited by hand may hold fewer or more)
+    bars = {ph: (list(per[ph]) + [None] * n)[:n] for ph in PHASES if per.get(ph)}
+    names = {}
     if set(bars) <= {'data'}:  # --no-timing: only the data wait and the step were timed
-        data = per.get('data') or [0.0] * n
+        data = bars.get('data') or [0.0] * n
         bars = {'data': data, 'other': [s - (d or 0) for s, d in zip(step, data)]}
         names = {'other': 'rest of the step (--no-timing)'}
     bottom = [0.0] * n

@@ -49,7 +49,11 @@ def lr_finder_view(rep):
         fl = r.get('findlr')
         if not fl or not fl.get('lr'):
             continue
-        lrs, losses = fl['lr'], [v if v is not None else float('nan') for v in fl['loss']]
+        # a sweep's lr and loss are logged together: a summary with more of one is cut to the other
+        n = min(len(fl['lr']), len(fl.get('loss') or []))
+        if not n:
+            continue
+        lrs, losses = fl['lr'][:n], [v if v is not None else float('nan') for v in fl['loss'][:n]]
         sm, cut, suggested, why = lr_suggestion(lrs, losses)
         lines += [f'### {r.name}', '', f"{len(lrs)} steps from lr {lrs[0]:.3g} to {lrs[-1]:.3g}; " +
                   (f"**suggested lr {suggested:.3g}** "

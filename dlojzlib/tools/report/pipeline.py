@@ -7,13 +7,15 @@ COLORS = {'F': '#4c72b0', 'B': '#dd8452'}
 
 def text_timeline(p, width=60):
     """One line a stage: F and B where its chunks ran, '.' where it waited, on a shared scale."""
-    span = max(s['timeline_span_s'] or 0.0 for s in p['stages']) or 1.0
+    span = max((s['timeline_span_s'] or 0.0 for s in p['stages']), default=0.0)
+    span = span if span > 0 else 1.0
+    # a column of the line, for a time inside the span (a chunk outside it is drawn at its edge)
+    at = lambda t: int(min(max(t / span, 0.0), 1.0) * width)  # noqa: E731
     lines = []
     for s in p['stages']:
         row = ['.'] * width
         for kind, _, start, end in s['timeline'] or []:
-            for i in range(int(start / span * width), max(int(start / span * width) + 1,
-                                                           int(end / span * width))):
+            for i in range(at(start), max(at(start) + 1, at(end))):
                 row[min(i, width - 1)] = kind
         lines.append(f"stage {s['stage']} |{''.join(row)}|")
     return lines

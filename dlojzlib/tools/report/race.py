@@ -10,7 +10,8 @@ def accuracy_curve(run, kind):
     """[(wall s, images seen, top-1)] of the run's validations ('val' raw, 'val_ema' EMA) that carry
     them."""
     return [(r['wall_s'], r['train_images'], r['top1']) for r in run.records
-            if r.get('type') == kind and r.get('wall_s') is not None and r.get('train_images') is not None]
+            if r.get('type') == kind and None not in (r.get('wall_s'), r.get('train_images'),
+                                                     r.get('top1'))]
 
 
 def plot_race(runs, targets, out):

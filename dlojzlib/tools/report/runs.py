@@ -1,10 +1,13 @@
 """The run folders a report reads: summary.json, config.json, metrics.jsonl (the latest attempt's
-records), their problems, and the folders found under the paths given."""
-import json
+records), their problems, and the folders found under the paths given. Each file is read through
+dlojzlib.readers in the shape shapes.py declares: whatever is at its path, the run gets a value of
+that shape or a note saying what is wrong with the file, never a read that blocks."""
 import os
 from dataclasses import dataclass, field
 
+from dlojzlib import readers
 from dlojzlib.record.log import SUMMARY_VERSION
+from dlojzlib.tools.report.shapes import CONFIG, RECORD, SUMMARY
 
 
 class ReportError(Exception):
@@ -28,10 +31,12 @@ class RunDir:
     config: dict = field(default_factory=dict)
     records: list = field(default_factory=list)
     notes: list = field(default_factory=list)  # what was missing or unreadable, said in the report
+    unreadable: bool = False  # summary.json is there but cannot be used (its note says why)
 
     @property
     def status(self):
-        return (self.summary or {}).get('status') or 'incomplete'
+        return (self.summary or {}).get('status') or \
+            ('unreadable' if self.unreadable else 'incomplete')
 
     def get(self, *keys):
         return dig(self.summary, *keys)
@@ -45,26 +50,30 @@ class RunDir:
         return self.config.get('batch_size')
 
 
-def read_json(path):
-    """-> (object, problem): problem is a short phrase when the file is absent or unreadable."""
-    if not os.path.exists(path):
-        return None, None
+def unreadable(path, e):
+    """The note on a file that is there but cannot be used."""
+    why = f'it {e.why}' if isinstance(e, readers.Unreadable) else e.strerror or str(e)
+    return f'{os.path.basename(path)} is unreadable: {why}'
+
+
+def read_json(path, shape):
+    """-> (value of `shape`, problem): problem is a note when the file is there but cannot be
+    used; (None, None) when it is absent."""
     try:
-        with open(path) as f:
-            return json.load(f), None
-    except (OSError, ValueError) as e:
-        return None, f'{os.path.basename(path)} is unreadable ({type(e).__name__}: {str(e)[:80]})'
+        return readers.read_json(path, shape), None
+    except FileNotFoundError:
+        return None, None
+    except (OSError, readers.Unreadable) as e:
+        return None, unreadable(path, e)
 
 
 def load_run(path):
     run = RunDir(os.path.abspath(path), os.path.basename(os.path.normpath(path)))
-    run.summary, problem = read_json(os.path.join(path, 'summary.json'))
+    run.summary, problem = read_json(os.path.join(path, 'summary.json'), SUMMARY)
     if problem:
         run.notes.append(problem)
-    if run.summary is not None and not isinstance(run.summary, dict):
-        run.summary = None
-        run.notes.append('summary.json does not hold a JSON object')
-    config, problem = read_json(os.path.join(path, 'config.json'))
+        run.unreadable = True
+    config, problem = read_json(os.path.join(path, 'config.json'), CONFIG)
     if problem:
         run.notes.append(problem)
     run.config = dict(dig(run.summary, 'config') or config or {})
@@ -74,20 +83,14 @@ def load_run(path):
                          f'({SUMMARY_VERSION}): fields it does not know are ignored')
     bad, metrics = 0, os.path.join(path, 'metrics.jsonl')
     try:
-        with open(metrics) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:  # a line cut by a crash
-                    bad += 1
-                    continue
-                if isinstance(rec, dict):
-                    run.records.append(rec)
-    except OSError as e:
-        if os.path.exists(metrics):  # absent is normal before the first log line; unreadable is said
-            run.notes.append(f'metrics.jsonl is unreadable ({e.strerror})')
+        run.records, bad = readers.read_jsonl(metrics, RECORD)
+    except FileNotFoundError:  # normal before the first log line
+        pass
+    except (OSError, readers.Unreadable) as e:
+        run.notes.append(unreadable(metrics, e))
     if bad:
-        run.notes.append(f'{bad} unreadable line(s) in metrics.jsonl (cut by a crash?)')
+        run.notes.append(f'{bad} unreadable line(s) in metrics.jsonl (cut by a crash, or not a '
+                         f'record dlojz writes): left out')
     run.records, repeated = latest_records(run.records)
     if repeated:
         run.notes.append(f'{repeated} record(s) of metrics.jsonl were logged again by a resumed '
@@ -110,6 +113,13 @@ def latest_records(records):
     return kept, len(records) - len(kept)
 
 
+def listdir(path):
+    try:
+        return os.listdir(path)
+    except OSError as e:
+        raise ReportError(f'cannot list {path} ({e.strerror or e}); pass a folder you can read.')
+
+
 def is_run_dir(path):
     return any(os.path.isfile(os.path.join(path, f)) for f in ('summary.json', 'config.json', 'metrics.jsonl'))
 
@@ -124,7 +134,7 @@ def collect_runs(paths):
                               f'(--output-dir).')
         if is_run_dir(p):
             found.append(p)
-        elif os.path.isdir(p) and (subs := sorted(os.path.join(p, d) for d in os.listdir(p)
+        elif os.path.isdir(p) and (subs := sorted(os.path.join(p, d) for d in listdir(p)
                                                   if is_run_dir(os.path.join(p, d)))):
             found.extend(subs)
         else:

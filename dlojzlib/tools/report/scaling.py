@@ -33,7 +33,7 @@ def scalings(runs):
         for r in g:
             img_s = numbers(r)['train_img_s']
             if r.status == 'completed' and img_s:
-                split = step_split(r.get('timing') or {})
+                split = split_of(r.get('timing') or {})
                 by_ws.setdefault(r.world_size, []).append((img_s, split))
         if len(by_ws) < 2:
             continue
@@ -45,7 +45,9 @@ def scalings(runs):
         rows = []
         for ws, v in sorted(by_ws.items()):
             img_s = statistics.median(i for i, _ in v)
-            row = {'world_size': ws, 'runs': len(v), 'global_batch': ws * g[0].batch_size,
+            batch = g[0].batch_size
+            row = {'world_size': ws, 'runs': len(v),
+                   'global_batch': ws * batch if batch is not None else None,
                    'train_img_s': img_s,
                    'speedup': img_s / base, 'efficiency': img_s / base / (ws / base_ws),
                    'step_ms': None, **dict.fromkeys(COLUMNS)}
@@ -61,6 +63,15 @@ def scalings(runs):
             rows.append(row)
         out.append({'label': label(g[0]) + f', {g[0].batch_size} images per process', 'rows': rows})
     return out
+
+
+def split_of(timing):
+    """measure.scaling.step_split of a run's timing; None where an entry it needs is missing (a
+    rank timed in collectives without its comm_s: no summary dlojz writes)."""
+    try:
+        return step_split(timing)
+    except KeyError:
+        return None
 
 
 def medians(runs):

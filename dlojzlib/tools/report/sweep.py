@@ -20,6 +20,7 @@ def sweeps(runs):
     world size."""
     out = []
     for g in group_runs(runs, {'batch_size', 'lr'}):
+        g = [r for r in g if r.batch_size is not None]  # a config without it is no point of a sweep
         for ws in sorted({r.world_size for r in g}):
             s = sorted((r for r in g if r.world_size == ws), key=lambda r: r.batch_size)
             if len({r.batch_size for r in s}) >= 2:

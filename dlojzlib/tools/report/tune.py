@@ -9,7 +9,7 @@ def plot_tune(run, trials, out):
     fig, (a1, a2) = p.subplots(1, 2, figsize=(11, 4))
     configs = {}
     for t in trials:
-        if t['status'] == 'completed':
+        if t['status'] == 'completed' and t['images_per_s'] is not None:
             key = f"{t['amp']}, {'NHWC' if t['channels_last'] else 'NCHW'}, {'compiled' if t['compile'] else 'eager'}"
             configs.setdefault(key, []).append(t)
     for i, (key, ts) in enumerate(sorted(configs.items())):
