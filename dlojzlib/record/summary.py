@@ -5,10 +5,11 @@ rank 0 writes the file."""
 import math
 import os
 import socket
+from contextlib import contextmanager
 
 from dlojz_chrono import percents, step_shares, verdict
 from dlojzlib import recipe
-from dlojzlib.dist import launch, plan, stages
+from dlojzlib.dist import launch, plan, stages, starting
 from dlojzlib.flags import get_args_parser
 from dlojzlib.host import provenance
 from dlojzlib.measure import memory, startup
@@ -125,6 +126,23 @@ def memory_unmeasured(m, device):
     why['gpu_max_reserved_bytes'] = why['gpu_max_allocated_bytes']
     why['val_gpu_max_reserved_bytes'] = why['val_gpu_max_allocated_bytes']
     return {k: v for k, v in why.items() if m.get(k) is None}
+
+
+@contextmanager
+def stop_recorded(args, dist, mode):
+    """A mode whose summary.json is written at its end (--loader-only: no step to finish), ended
+    by a stop signal (dist.starting): the stop's record, status 'preempted', then its Preempted.
+    Once the mode has written its own record, a stop only records itself (the command ends)."""
+    try:
+        yield
+        starting.disarm()
+    except starting.Stopped as e:
+        err = starting.preempted(e, args, dist, launch.requeue)
+        if dist.is_main:
+            write_json(os.path.join(args.output_dir, 'summary.json'),
+                       {'version': SUMMARY_VERSION, 'status': err.status, 'error': str(err),
+                        'mode': mode, 'config': vars(args), 'world_size': dist.world_size})
+        raise err from None
 
 
 def rank_report(run):
@@ -394,10 +412,11 @@ def throughput_line(t, why):
     if t.get('train_throughput') is None:
         return f">>> Train throughput: not measured: {why.get('train_throughput', NOT_HERE)}"
     device = 'GPU' if t.get('clock') != 'host' else 'Compute'  # the key stays gpu_throughput
-    rate = f"{t['gpu_throughput']:.2f} images/second" if t.get('gpu_throughput') else \
-        f"not measured ({why.get('gpu_throughput', NOT_HERE)})"
-    epoch = f"{t['epoch_time_estimate_s']:.1f} s" if t.get('epoch_time_estimate_s') else \
-        f"not known ({why.get('epoch_time_estimate_s', NOT_HERE)})"
+    rate, epoch = t.get('gpu_throughput'), t.get('epoch_time_estimate_s')
+    rate = f"not measured ({why.get('gpu_throughput', NOT_HERE)})" if rate is None else \
+        f'{rate:.2f} images/second'
+    epoch = f"not known ({why.get('epoch_time_estimate_s', NOT_HERE)})" if epoch is None else \
+        f'{epoch:.1f} s'
     return (f">>> Train throughput: {t['train_throughput']:.2f} images/second; {device} "
             f"throughput: {rate}; epoch time estimate: {epoch}")
 
