@@ -6,8 +6,10 @@ own, as docs/outputs.md lists them.
 
     python -m pytest -q tests/test_no_line_vanishes.py
 """
+import io
 import json
 import os
+from contextlib import redirect_stdout
 
 import pytest
 
@@ -36,8 +38,6 @@ def said(lines, name):
 def warmup_only(tmp_path_factory, cache_dir):
     """The issue's run: 3 steps, all in a warm-up of 10. -> (printed lines, summary.json)."""
     out = tmp_path_factory.mktemp('warmup-only')
-    import io
-    from contextlib import redirect_stdout
     buf = io.StringIO()
     with redirect_stdout(buf):
         run_main(out, cache_dir, '--test-nsteps', '3', '--warmup-steps', '10')
@@ -113,3 +113,14 @@ def test_no_training_step_and_no_validation():
     assert said(lines, 'Validation time') == '>>> Validation time: not measured: no validation ran'
     assert said(lines, 'Host peak memory').startswith('>>> Host peak memory (VmHWM): not measured')
     assert said(lines, 'Start-up').startswith('>>> Start-up: not measured: ')
+
+
+def test_the_report_says_the_same(warmup_only, tmp_path):
+    from dlojzlib.tools import report
+    _, s = warmup_only
+    with redirect_stdout(io.StringIO()):
+        assert report.cli([s['config']['output_dir'], '--out', str(tmp_path / 'r')]) == 0
+    md = (tmp_path / 'r' / 'report.md').read_text()
+    assert f'| Train throughput | not measured: {WARMUP} |' in md
+    assert f'| Bound by | not measured: {WARMUP} |' in md
+    assert '| Power, energy | not measured: not a CUDA device |' in md

@@ -10,7 +10,8 @@ def bound_cell(n, t):
     """The run's verdict and what each share of its steady steps went to, as its '>>> Bound by' line
     gives them; a summary from before the shares (issue 39): device busy and the waits."""
     if not n['bound']:
-        return '—'
+        why = (t.get('unmeasured') or {}).get('bound')
+        return f'not measured: {why}' if why else '—'
     every = ' (all ranks)' if t.get('bound_all_ranks') else ''
     late = (f" (rank {t['straggler_rank']}, bound by {t['straggler_bound']})"
             if n['bound'] == 'straggler' and t.get('straggler_rank') is not None else '')
@@ -39,8 +40,11 @@ def dashboard(run, out):
     pv = run.get('provenance') or {}
     first = (t.get('first_steps') or [None])[0] or {}
     e, m = run.get('energy') or {}, run.get('memory') or {}
+    why = t.get('unmeasured') or {}  # what the run's '>>>' lines said instead of a figure
     rows = [
-        ('Train throughput', f"{fmt(n['train_img_s'])} img/s (images / total time of the steady steps)"),
+        ('Train throughput', f"not measured: {why['train_throughput']}"
+         if n['train_img_s'] is None and 'train_throughput' in why else
+         f"{fmt(n['train_img_s'])} img/s (images / total time of the steady steps)"),
         ('GPU throughput', f"{fmt(n['gpu_img_s'])} img/s (global batch / device work per step, {t.get('clock')} clock, "
                            f"from {t.get('gpu_step_source') or '?'} spans)"),
         ('Bound by', bound_cell(n, t)),
@@ -55,7 +59,7 @@ def dashboard(run, out):
                    f"{gib(m.get('host_peak_rss_bytes'))}"),
         ('Power, energy', f"peak {fmt(e.get('peak_w'))} W, mean {fmt(e.get('mean_w'))} W, "
                           f"{fmt(n['j_per_img'], 'j_per_img')} J/image" if e.get('available') else
-         'not measured (no NVIDIA GPU or NVML)'),
+         f"not measured: {e.get('why_unavailable') or 'no NVIDIA GPU or NVML'}"),
         ('Processes', f"{run.world_size} on {run.get('num_nodes') or 1} node(s), global batch "
                       f"{run.get('global_batch')} ({c.get('batch_size')} per process)"),
         ('Optimizer', f"{c.get('optimizer')} lr {c.get('lr')} momentum {c.get('mom')} weight decay {c.get('wd')}, "

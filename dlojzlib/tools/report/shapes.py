@@ -93,7 +93,7 @@ TIMING = fields(
     per_step=Maybe(fields(step=List(TIME), **dict.fromkeys(PHASES, PHASE_SERIES))),
     totals=Maybe(fields(steady_steps=Maybe(COUNT), wall_s=TIME, data_s=TIME,
                         busy_s=Maybe(TIME), collective_s=TIME)),
-    ranks=Maybe(List(RANK)), pipeline=Maybe(PIPELINE))
+    ranks=Maybe(List(RANK)), pipeline=Maybe(PIPELINE), unmeasured=Maybe(Map(Str())))
 # the trials of --tune and of the loader doctor: every field is read as a table's cell
 TUNE_TRIAL = Dict({'batch': Int(1, 2 ** 40), 'images_per_s': Maybe(RATE),
                    'memory_bytes': Maybe(BYTES), 'status': Maybe(NAME),
@@ -115,7 +115,7 @@ SUMMARY = fields(
         'gpu_max_allocated_bytes', 'gpu_max_reserved_bytes', 'host_peak_rss_bytes',
         'gpu_max_allocated_bytes_any_rank')})),
     energy=Maybe(fields(peak_w=Maybe(RATE), mean_w=Maybe(RATE), joules_per_image=Maybe(RATE),
-                        joules_per_image_all_ranks=Maybe(RATE))),
+                        joules_per_image_all_ranks=Maybe(RATE), why_unavailable=Maybe(Str()))),
     startup=Maybe(fields(total_s=Maybe(SECONDS), phases=Maybe(Map(Any)))),
     communication=Maybe(fields(gradient_bytes_per_step=Maybe(BYTES))),
     findlr=Maybe(fields(lr=Rising(), loss=List(Maybe(Real())))),
