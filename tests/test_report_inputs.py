@@ -141,6 +141,18 @@ def test_a_bad_nccl_log_is_one_sentence_in_the_report(folders, tmp_path, log):
     assert '## Communication (NCCL)' in md
 
 
+def test_a_folder_that_cannot_be_listed_is_one_sentence(tmp_path, monkeypatch, capsys):
+    from dlojzlib.tools.report import runs
+
+    def denied(path):
+        raise PermissionError(13, 'Permission denied', path)
+    monkeypatch.setattr(runs.os, 'listdir', denied)  # as root, a chmod 000 folder lists anyway
+    assert report.cli([str(tmp_path), '--out', str(tmp_path / 'r')]) == 2
+    err = capsys.readouterr().err
+    assert err == f'dlojz_report: error: cannot list {tmp_path} (Permission denied); pass a ' \
+                  f'folder you can read.\n'
+
+
 # ------------------------------------------------------------------------ any bytes, any JSON
 @settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
 @given(summary=st.binary(max_size=200), metrics=st.binary(max_size=200))
