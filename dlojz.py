@@ -19,7 +19,6 @@ import itertools
 import math
 import os
 import random
-import signal
 import sys
 import time
 from contextlib import ExitStack, nullcontext
@@ -28,19 +27,12 @@ from dataclasses import dataclass
 from dlojzlib import flags
 from dlojzlib.flags import get_args_parser  # noqa: F401 (dlojz.get_args_parser: the tests' and tune_loader's way in)
 
-# Stop signals that arrive before the run's own handler exists: importing torch, scanning the data and building
-# the model take seconds to minutes on a loaded node, and Slurm's warning (--signal=USR2@N) or a scancel may
-# come then; the default action would end the job without a checkpoint (measured: exit 140 on a real Slurm).
+# Stop signals from the first line: before the first step one ends the start-up (a light module)
+from dlojzlib.dist import starting
 from dlojzlib.errors import EARLY_SIGNALS  # noqa: E402 - a light module; dist.launch.stop_received() reads it too
 
-
-def _record_early(signum, frame):
-    EARLY_SIGNALS.append(signal.Signals(signum).name)
-
-
 if __name__ == '__main__':  # flags first: --help and usage errors answer before torch is imported (seconds)
-    for _s in (signal.SIGUSR2, signal.SIGTERM):
-        signal.signal(_s, _record_early)
+    starting.install_early()
     flags.parse_or_exit()
 
 import numpy as np
@@ -73,7 +65,7 @@ from dlojzlib.record.log import Console, Logger, build_wandb, console_lines, wri
 from dlojzlib.record.rundir import trim_metrics
 from dlojzlib.record.state import (Progress, check_form, check_resume, find_resume_checkpoint, interrupted, note_validation,
                          preempt, process_wall_s, restore, run_wall_s, save)
-from dlojzlib.record.summary import final_lines, print_header, write_summary
+from dlojzlib.record.summary import final_lines, print_header, stop_recorded, write_summary
 
 
 # ----------------------------------------------------------------- flags (flags checks them)
@@ -258,6 +250,7 @@ def train_step(run, images, labels):
     """One optimisation step, as every mode runs it: the gradients (accumulate's, or a pipeline's
     schedule: dist.pipeline), then the optimizer. -> (mean loss, output, labels): detached, on the
     device."""
+    starting.disarm()  # a step begins: from here a stop signal waits for its end
     loss, output, target = accumulate(run, images, labels) if run.pipe is None else \
         run.pipe.gradients(run, images, labels, to_device)  # --pipeline-stages, --microbatches
     with run.chrono.phase('optimizer'):
@@ -403,6 +396,7 @@ def train_one_epoch(run, progress, max_steps=None, prof=None):
 def evaluate(run, epoch, progress, max_batches=None, ema=False):
     """Exact validation: each rank evaluates its own unpadded shard of the validation set and the meters of
     all ranks are added up, so every image counts once whatever the world size. ema: the EMA weights."""
+    starting.disarm()  # the run's work begins: from here a stop signal waits for a boundary
     model, chrono = run.ema.module if ema else run.eval_model, run.chrono
     model.eval()
     if run.args.nccl_debug:  # comm_profiler marker: the collectives that follow belong to validation
@@ -458,10 +452,11 @@ def main(args, dist=None, startup=None, hold_interrupt=False):
             tee = launch.StdoutTee(os.path.join(args.output_dir, f'nccl.rank{dist.rank}.log'))
             taken.callback(tee.close)  # before the run folder is released
             print(f'Train step 0 - rank {dist.rank}', flush=True)  # what follows is initialisation
-        if args.loader_only or args.tune_loader or args.tune:  # no StopSignal: the default actions
-            release_early_signals()
-        if args.loader_only or args.tune_loader:
-            return doctor.loader_mode(args, raw, dist, device)
+        if args.tune_loader or args.tune:  # no StopSignal: the default actions
+            starting.release()
+        if args.loader_only or args.tune_loader:  # --loader-only: a stop ends it at once, recorded
+            with stop_recorded(args, dist, 'loader'):
+                return doctor.loader_mode(args, raw, dist, device)
         if args.tune:
             return tune.tune_mode(args, raw, dist, device)
         return _main(args, dist, device, startup, hold_interrupt)
@@ -487,15 +482,6 @@ def _device(args, dist):
     return device, raw, args, share
 
 
-def release_early_signals():
-    """Back to the default actions, and a stop signal that came during start-up delivered again."""
-    if signal.getsignal(signal.SIGUSR2) is _record_early:
-        for s in (signal.SIGUSR2, signal.SIGTERM):
-            signal.signal(s, signal.SIG_DFL)
-        if EARLY_SIGNALS:
-            os.kill(os.getpid(), getattr(signal, EARLY_SIGNALS[-1]))
-
-
 def _main(args, dist, device, startup, hold_interrupt=False):
     """Build the run, run its mode (train, LR sweep or evaluation), and end every way it can end with a
     summary.json that says how (errors), the power meter stopped and the logs closed."""
@@ -507,7 +493,7 @@ def _main(args, dist, device, startup, hold_interrupt=False):
     with startup.phase('header'):
         print_header(run)
     power, extra, code = run.power, {}, 1
-    run.stop.install(EARLY_SIGNALS, hold_interrupt)  # a start-up's stop: at the first step boundary
+    run.stop.install(EARLY_SIGNALS, hold_interrupt)  # until the first step a stop ends it (starting)
     try:
         # This attempt's record from its start: a kill or a full disk leaves 'running' with this attempt's config
         # and step, never an earlier attempt's summary (a 'preempted' one) that would read as the current state.
@@ -543,6 +529,8 @@ def _main(args, dist, device, startup, hold_interrupt=False):
         code = 0
         return summary
     except BaseException as e:
+        if isinstance(e, starting.Stopped):  # before the first step: nothing to checkpoint
+            e = starting.preempted(e, args, dist, launch.requeue, progress.global_step)
         err = translate(e, args, dist.rank, dist.distributed, progress.global_step + 1)
         if isinstance(err, Interrupted):  # Ctrl-C: where the run can continue from, as a preemption says
             err = interrupted(args, progress.global_step + 1)
@@ -569,6 +557,7 @@ def cli(argv=None):
     startup = StartUp(process_start_time(), imports_until=time.time())  # 1st phase: the imports
     try:
         args, dist = get_args_parser().parse_args(argv), get_dist_info()  # in this order: --help first
+        starting.arm()  # from here to the first step, a stop signal ends the start-up
         main(args, dist, startup, hold_interrupt=True)
         ended = True
         return 0
@@ -582,7 +571,12 @@ def cli(argv=None):
         e = Interrupted('interrupted')
         report_error(e, dist)
         return e.exit_code
+    except starting.Stopped as e:  # before the run's record (afterwards _main writes it)
+        e = starting.preempted(e, args, dist, launch.requeue)
+        report_error(e, dist)
+        return e.exit_code
     finally:
+        starting.disarm()
         launch.cleanup(peer_failed, synchronize=ended)
 
 

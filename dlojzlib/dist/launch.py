@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
+from dlojzlib.dist import starting
 # the parsers of the launchers' variables (and their old home's names, which the tests import)
 from dlojzlib.environment import expand_nodelist, expand_tasks_per_node, read  # noqa: F401
 from dlojzlib.errors import EARLY_SIGNALS, DlojzError, UsageError, first_line
@@ -401,8 +402,9 @@ def slurm_cpus_per_task(environ=os.environ):
 
 class StopSignal:
     """Preemption and time limits. SLURM sends SIGUSR2 ahead of the end (#SBATCH --signal=USR2@120)
-    and SIGTERM at the limit; the handler only sets a flag, because checkpointing inside a signal
-    handler can deadlock (Lightning #21406). The training loop asks agreed() at every step boundary.
+    and SIGTERM at the limit; once steps run the handler only sets a flag, because checkpointing
+    inside a signal handler can deadlock (Lightning #21406), and the training loop asks agreed() at
+    every step boundary. Before the first step it ends the command's start-up (dist.starting).
 
     SIGUSR2 rather than SIGUSR1: submitit moved off USR1 after it clashed with NCCL (submitit
     #1697)."""
@@ -437,6 +439,7 @@ class StopSignal:
             self.held.append(signal.Signals(signum).name)
             return
         self.received = _received = signal.Signals(signum).name
+        starting.stop_if_starting(self.received, frame)  # before the first step: raises (starting)
 
     def _interrupt(self, signum, frame):
         """Ctrl-C: the first interrupts the step, as Python's own handler does. One that comes once
@@ -476,6 +479,7 @@ class StopSignal:
         """Wait for the all-reduce in flight (every rank started it at the same step); -> its
         verdict. None in flight in a lone process (no step ran: its loader's start was stopped by
         the signal, data.workers): its own signal. With peers, a rank never stops alone."""
+        starting.disarm()  # the loop takes the stop from here: a checkpoint may follow
         if self._work is None:
             alone = not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1
             return alone and self.received is not None
