@@ -6,7 +6,8 @@ blocked in (issue 49; dist.starting):
   record (none written) and after it ('preempted');
 - --loader-only stopped so records it in summary.json ('preempted', mode 'loader');
 - the handler never raises inside code that may hold a lock (threading, multiprocessing, ...): it
-  tries again 0.1 s later, and raises once the start-up is back in code of its own.
+  tries again 0.1 s later, and raises once the start-up is back in code of its own;
+- the loader doctor's measure ends on a loader that yields nothing (it asked for epoch after epoch).
 
 The subprocess versions (the real process, the whole group signalled) are in the long tier.
 
@@ -20,12 +21,14 @@ import threading
 import time
 
 import pytest
+import torch
 
 import dlojz
 from conftest import DLOJZ, ROOT, TINY
 from dlojzlib import failpoints
-from dlojzlib.dist import starting
-from dlojzlib.errors import EARLY_SIGNALS
+from dlojzlib.dist import launch, starting
+from dlojzlib.errors import EARLY_SIGNALS, DataError
+from dlojzlib.modes import doctor
 
 
 @pytest.fixture
@@ -142,6 +145,33 @@ def test_arming_after_an_early_stop_ends_the_start_up_at_once(early_handlers):
     with pytest.raises(starting.Stopped):
         starting.arm()
     assert not starting.armed()
+
+
+class Epochs:
+    """A loader of `batches` batches in its first epoch and none after."""
+
+    def __init__(self, batches):
+        self.batches, self.epochs = batches, 0
+
+    def __iter__(self):
+        self.epochs += 1
+        assert self.epochs < 5, 'asked for epoch after epoch'  # the defect: ends the test
+        n = self.batches if self.epochs == 1 else 0
+        return iter([(torch.zeros(2, 3), torch.zeros(2))] * n)
+
+
+@pytest.mark.parametrize('batches', [0, 3])
+def test_measure_ends_on_a_loader_that_yields_nothing(batches):
+    with pytest.raises(DataError, match=f'no batch in epoch {1 if batches == 0 else 2}'):
+        doctor.measure(Epochs(batches), 5, 1, torch.device('cpu'))
+
+
+def test_measure_says_a_stop_when_the_loader_was_stopped(monkeypatch):
+    """A stop signal empties the training loader of a lone process (data.workers): the doctor's
+    measure ends as a stop, which --loader-only records."""
+    monkeypatch.setattr(launch, '_received', 'SIGTERM')
+    with pytest.raises(starting.Stopped):
+        doctor.measure(Epochs(0), 5, 1, torch.device('cpu'))
 
 
 def start(out, cache_dir, *flags, env):

@@ -20,8 +20,9 @@ import torch
 import dlojz_chrono as chrono
 from dlojzlib import SCRIPT, compat, tables
 from dlojzlib.data.datasets import build_data
+from dlojzlib.dist import launch, starting
 from dlojzlib.environment import read
-from dlojzlib.errors import UsageError
+from dlojzlib.errors import DataError, UsageError
 from dlojzlib.flags import get_args_parser
 from dlojzlib.host import host_memory, provenance, usable_cores
 from dlojzlib.modes.trial import run_for_summary
@@ -102,7 +103,7 @@ def measure(loader, steps, warmup, device, non_blocking=True, set_epoch=lambda e
     cuda = device.type == 'cuda'
     sync = synchronize or ((lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None))
     waits, images = [], []
-    epoch = 0
+    epoch, before = 0, 0  # before: the batches drawn before this epoch
     set_epoch(epoch)
     it = iter(loader)
     t = t0 = clock()
@@ -111,7 +112,9 @@ def measure(loader, steps, warmup, device, non_blocking=True, set_epoch=lambda e
         try:
             x, y = next(it)
         except StopIteration:
-            epoch += 1
+            if len(waits) == before:  # a whole epoch without a batch: so would the next ones be
+                raise no_batch(epoch)
+            epoch, before = epoch + 1, len(waits)
             set_epoch(epoch)
             it = iter(loader)
             continue
@@ -134,6 +137,17 @@ def measure(loader, steps, warmup, device, non_blocking=True, set_epoch=lambda e
             'steps': len(waits), 'warmup_steps': warmup, 'images': sum(images), 'epochs_started': epoch + 1,
             'first_batch_s': waits[0], 'wait_mean_s': sum(waits[warmup:]) / max(1, len(waits) - warmup),
             'total_s': end - t0, 'host_peak_main_bytes': main_mem, 'host_peak_workers_bytes': workers_mem}
+
+
+def no_batch(epoch):
+    """Why a loader gave no batch in a whole epoch: a stop signal ended its start (the training
+    loader of a lone process, data.workers: the stop is the command's, dist.starting), or it has
+    none to give."""
+    stop = launch.stop_received()
+    if stop:
+        return starting.Stopped(stop)
+    return DataError(f'the loader gave no batch in epoch {epoch + 1}: nothing to time; check that '
+                     f'the training set holds a batch (-b) of images.')
 
 
 def loader_warmup(warmup_steps, num_workers, prefetch_factor):
