@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import torchmetrics
 import torchvision
 from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from dlojzlib.dist import launch
 from dlojzlib.dist.launch import get_dist_info
@@ -75,37 +76,80 @@ class resnet50Model(pl.LightningModule):  # the course's name
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
+def number(cast, lo, what):
+    """An argparse type: a finite `cast` of at least lo, or argparse's one error line."""
+    def parse(text):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or value != value or value in (float('inf'), float('-inf')) or value < lo:
+            raise argparse.ArgumentTypeError(f'must be {what} (got {text})')
+        return value
+    return parse
+
+
+POSITIVE, COUNT = number(int, 1, 'a positive integer'), number(int, 0, 'an integer of 0 or more')
+LIMIT = number(int, -1, 'an integer of -1 or more')  # Lightning's -1: no limit
+RATE = number(float, 0, 'a finite number of 0 or more')
+
+
+def model_name(text):
+    if text not in torchvision.models.list_models(module=torchvision.models):
+        raise argparse.ArgumentTypeError(f'{text!r} is not a torchvision classification model; '
+                                         f'torchvision.models.list_models() lists them')
+    return text
+
+
+def devices(text):
+    """Lightning's devices: auto, a count, or a list of device indices such as 0,1."""
+    if text == 'auto' or text == '-1' or all(p.isascii() and p.isdigit() for p in text.split(',')):
+        return text
+    raise argparse.ArgumentTypeError(f'must be auto, a number of devices or indices such as 0,1 '
+                                     f'(got {text})')
+
+
 def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0].replace('\n', ' '))
     p.add_argument('--data-dir', help='ImageFolder tree or shards folder (default: as dlojz.py)')
-    p.add_argument('--arch', default='resnet50', help='a torchvision model name')
-    p.add_argument('-b', '--batch-size', type=int, default=256, help='images per process')
-    p.add_argument('--num-workers', type=int, help='DataLoader workers per process (default: '
+    p.add_argument('--arch', default='resnet50', type=model_name, help='a torchvision model name')
+    p.add_argument('-b', '--batch-size', type=POSITIVE, default=256, help='images per process')
+    p.add_argument('--num-workers', type=COUNT, help='DataLoader workers per process (default: '
                    'SLURM_CPUS_PER_TASK, as the course)')
-    p.add_argument('--image-size', type=int, default=224, help='training crop, pixels')
-    p.add_argument('--lr', type=float, default=0.02, help='the learning rate (the course\'s)')
+    p.add_argument('--image-size', type=POSITIVE, default=224, help='training crop, pixels')
+    p.add_argument('--lr', type=RATE, default=0.02, help='the learning rate (the course\'s)')
     p.add_argument('--optimizer', choices=['adam', 'sgd'], default='adam',
                    help='adam (the course\'s) or sgd (momentum 0.9, as dlojz.py\'s default)')
-    p.add_argument('--max-epochs', type=int, default=10, help='epochs (the course: 10)')
-    p.add_argument('--max-steps', type=int, default=-1, help='stop after this many steps (-1: '
+    p.add_argument('--max-epochs', type=LIMIT, default=10, help='epochs (the course: 10)')
+    p.add_argument('--max-steps', type=LIMIT, default=-1, help='stop after this many steps (-1: '
                    'the epochs)')
     p.add_argument('--accelerator', default='auto', help='gpu (the course), cpu or auto')
     tasks = read('SLURM_NTASKS_PER_NODE', default=None)  # devices = --ntasks-per-node
-    p.add_argument('--devices', default=str(tasks[0]) if tasks else 'auto',
+    p.add_argument('--devices', type=devices, default=str(tasks[0]) if tasks else 'auto',
                    help='processes per node (default: Slurm\'s --ntasks-per-node, else all '
                    'GPUs); a number outside Slurm to have Lightning start them')
     p.add_argument('--strategy', default='auto', help='Lightning\'s: auto (DDP on several '
                    'processes), ddp, ...')
     p.add_argument('--precision', default=None, help='Lightning\'s: 32, bf16-mixed, 16-mixed')
-    p.add_argument('--seed', type=int, default=0, help='weights and data order')
+    p.add_argument('--seed', type=COUNT, default=0, help='weights and data order')
     p.add_argument('--output-dir', default=None, help='where Lightning\'s logs and dlojz\'s '
                    'record go (default: runs/lightning_<job id or time>_<arch>)')
-    p.add_argument('--log-every-n-steps', type=int, default=50, help='Lightning\'s')
-    p.add_argument('--warmup-steps', type=int, default=1, help='steps left out of the timings')
+    p.add_argument('--log-every-n-steps', type=POSITIVE, default=50, help='Lightning\'s')
+    p.add_argument('--warmup-steps', type=COUNT, default=1, help='steps left out of the timings')
     p.add_argument('--no-chronometer', action='store_true', help='the plain Lightning form')
     p.add_argument('--data-flag', action='append', default=[], metavar='FLAG',
                    help='a dlojz.py data flag for the DataModule, e.g. --data-flag=--decode=pil')
     return p
+
+
+def trainer_of(args, out, nnodes, callbacks, plugins):
+    return pl.Trainer(max_epochs=args.max_epochs, max_steps=args.max_steps,
+                      accelerator=args.accelerator, devices=args.devices, num_nodes=nnodes,
+                      strategy=args.strategy, precision=args.precision, callbacks=callbacks,
+                      plugins=plugins, default_root_dir=out,
+                      logger=pl.loggers.CSVLogger(out, name='lightning_logs'),
+                      log_every_n_steps=args.log_every_n_steps,
+                      enable_progress_bar=sys.stderr.isatty())  # not into a batch job's log
 
 
 def main(args):
@@ -125,13 +169,14 @@ def main(args):
     # Slurm's warning before the time limit (the scripts' --signal=USR2@120): Lightning saves
     # hpc_ckpt_<n>.ckpt in default_root_dir and requeues; the next attempt resumes from it
     plugins = [SLURMEnvironment(requeue_signal=signal.SIGUSR2)] if SLURMEnvironment.detect() else []
-    trainer = pl.Trainer(max_epochs=args.max_epochs, max_steps=args.max_steps,
-                         accelerator=args.accelerator, devices=args.devices, num_nodes=nnodes,
-                         strategy=args.strategy, precision=args.precision, callbacks=callbacks,
-                         plugins=plugins, default_root_dir=out,
-                         logger=pl.loggers.CSVLogger(out, name='lightning_logs'),
-                         log_every_n_steps=args.log_every_n_steps,
-                         enable_progress_bar=sys.stderr.isatty())  # not into a batch job's log
+    try:  # what Lightning refuses (--precision 7, --strategy x) is one sentence, not a traceback
+        trainer = trainer_of(args, out, nnodes, callbacks, plugins)
+        os.makedirs(out, exist_ok=True)  # after the Trainer's checks: a refused run makes no folder
+    except OSError as e:
+        raise UsageError(f'--output-dir {out} cannot be made ({e.strerror}); give a folder you '
+                         f'can write.') from None
+    except (ValueError, TypeError, MisconfigurationException) as e:
+        raise UsageError(f'Lightning refuses the Trainer\'s settings: {e}') from None
     # 4. Train the model
     trainer.fit(model, datamodule=datamodule)
     # 5. Save the model!

@@ -129,6 +129,12 @@ def test_any_datamodule_arguments_give_flags_or_one_sentence(data_dir, batch, wo
     (['--data-flag=--accum-steps=2'], ["accumulate_grad_batches"]),
     (['--data-flag=--decode=gpu'], ['--decode gpu is not offered']),
     (['--data-flag=--bogus'], ['unrecognized arguments: --bogus']),
+    # round 5 (issue 49): each was a traceback
+    (['--arch', 'notanet'], ["'notanet' is not a torchvision classification model"]),
+    (['--devices', 'x'], ['--devices', 'got x']),
+    (['--lr', 'nan'], ['--lr', 'got nan']),
+    (['--warmup-steps', '-3'], ['--warmup-steps', 'got -3']),
+    (['--precision', '7'], ["Lightning refuses the Trainer's settings", "Precision '7'"]),
 ])
 def test_the_examples_bad_flags_are_one_sentence(argv, words, tmp_path):
     p = run_example(*argv, '--output-dir', tmp_path / 'new')
@@ -136,6 +142,13 @@ def test_the_examples_bad_flags_are_one_sentence(argv, words, tmp_path):
     errors = [line for line in p.stderr.splitlines() if 'error:' in line]
     assert len(errors) == 1 and all(w in errors[0] for w in words), p.stderr
     assert not (tmp_path / 'new').exists()
+
+
+@pytest.mark.slow
+def test_an_output_folder_that_cannot_be_made_is_one_sentence():
+    p = run_example('--max-steps', '1', '--output-dir', '/dev/null/x')
+    assert p.returncode == 2 and 'Traceback' not in p.stderr, p.stderr[-2000:]
+    assert '--output-dir /dev/null/x cannot be made (Not a directory)' in p.stderr
 
 
 # ---------------------------------------------------------------------------- verdicts
