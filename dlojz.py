@@ -493,7 +493,8 @@ def _main(args, dist, device, startup, hold_interrupt=False):
     with startup.phase('header'):
         print_header(run)
     power, extra, code = run.power, {}, 1
-    run.stop.install(EARLY_SIGNALS, hold_interrupt)  # until the first step a stop ends it (starting)
+    # until the first step a stop ends the run (dist.starting)
+    run.stop.install(EARLY_SIGNALS, hold_interrupt)
     try:
         # This attempt's record from its start: a kill or a full disk leaves 'running' with this attempt's config
         # and step, never an earlier attempt's summary (a 'preempted' one) that would read as the current state.
