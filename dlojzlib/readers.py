@@ -67,7 +67,10 @@ def open_file(path, mode='rb'):
 
 def read_bytes(path, limit=LIMIT):
     with open_file(path) as f:
-        data = f.read(limit + 1)
+        # read(n) allocates n bytes before it reads: the file's own size, not the limit (16 GiB
+        # for metrics.jsonl), is what a small file asks for; +1 sees a file grown since the fstat
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(min(size, limit) + 1)
     if len(data) > limit:
         raise Unreadable(path, f'is larger than {limit / MiB:.0f} MiB, more than dlojz writes '
                                f'there')

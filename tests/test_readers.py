@@ -154,3 +154,17 @@ def test_a_fifo_left_at_the_writers_temporary_name_does_not_block_it(tmp_path):
             pass
         pytest.fail('the write blocked on a FIFO')
     assert (tmp_path / 'summary.json').read_text() == '{}'
+
+
+def test_a_small_file_asks_for_its_size_not_the_limit(tmp_path):
+    """BufferedReader.read(n) allocates n bytes first: reading metrics.jsonl under its 16 GiB limit
+    asked for 16 GiB on every resume, which fails under a strict overcommit or ulimit -v."""
+    import subprocess
+    import sys
+    (tmp_path / 'small.json').write_text('{"a": 1}')
+    code = ('import resource; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)); '
+            'from dlojzlib import readers; '
+            f'print(readers.read_json({str(tmp_path / "small.json")!r}, limit=16 << 30))')
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=60,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0 and r.stdout.strip() == "{'a': 1}", r.stderr[-1000:]
