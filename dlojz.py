@@ -530,6 +530,7 @@ def _main(args, dist, device, startup, hold_interrupt=False):
         code = 0
         return summary
     except BaseException as e:
+        starting.disarm()  # a stop during the record below is a flag: it must not lose the error
         if isinstance(e, starting.Stopped):  # before the first step: nothing to checkpoint
             e = starting.preempted(e, args, dist, launch.requeue, progress.global_step)
         err = translate(e, args, dist.rank, dist.distributed, progress.global_step + 1)

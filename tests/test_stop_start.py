@@ -103,6 +103,31 @@ def test_a_stop_after_the_record_is_written_records_it(tmp_path, cache_dir, earl
                                 f'auto --output-dir {tmp_path / "run"}.') and 'Traceback' not in err
 
 
+def test_a_stop_while_a_start_up_error_is_recorded_keeps_the_error(tmp_path, cache_dir,
+                                                                   early_handlers, monkeypatch,
+                                                                   capfd):
+    """The start-up fails (still armed) and SIGTERM comes while its record is written: the
+    handler raised Stopped inside the write, and the error and its record were lost."""
+    def broken(*args):
+        raise DataError('the data broke')
+
+    real = dlojz.write_summary
+
+    def write(run, progress, status, *args, **kw):
+        if status != 'running':
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)  # the handler runs here, in this module's frame: it may raise
+        return real(run, progress, status, *args, **kw)
+
+    monkeypatch.setattr(dlojz, 'train', broken)
+    monkeypatch.setattr(dlojz, 'write_summary', write)
+    code = cli(tmp_path / 'run', cache_dir, '--test-nsteps', '2')
+    err = capfd.readouterr().err
+    summary = json.loads((tmp_path / 'run' / 'summary.json').read_text())
+    assert code == 2 and summary['status'] == 'failed', (code, summary['status'], err[-2000:])
+    assert summary['error'] == 'the data broke' and 'Traceback' not in err
+
+
 def test_loader_only_stopped_records_it(tmp_path, cache_dir, early_handlers, monkeypatch):
     """--loader-only has no step to finish: a stop while it draws batches ends it at once, its
     record written ('preempted', mode 'loader'); it ended with no record before (the default

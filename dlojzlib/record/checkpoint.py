@@ -198,15 +198,16 @@ def load_checkpoint(path, given='--resume'):
                          f'checkpoint-*.pt file (or a checkpoint-*.dcp folder){auto}.')
     if not os.path.exists(path):
         raise UsageError(f'checkpoint {path} does not exist; {instead}.')
-    try:  # torch.load would block on a FIFO: only a regular file is read
-        readers.open_file(path).close()
+    try:  # torch.load would block on a FIFO: only a regular file is read, the one checked
+        f = readers.open_file(path)
     except (readers.Unreadable, OSError) as e:
         why = e.why if isinstance(e, readers.Unreadable) else e.strerror
         raise UsageError(f'checkpoint {path} {why}; {instead}.') from None
     try:
-        # weights_only=False: the checkpoint holds our own args namespace and RNG states, written by
-        # us.
-        return torch.load(path, map_location='cpu', weights_only=False)
+        with f:
+            # weights_only=False: the checkpoint holds our own args namespace and RNG states,
+            # written by us.
+            return torch.load(f, map_location='cpu', weights_only=False)
     except Exception as e:
         then = 'resume from another checkpoint' if resume else 'give another checkpoint'
         raise UsageError(f'checkpoint {path} cannot be read ({type(e).__name__}); it may be '
