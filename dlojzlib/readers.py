@@ -153,17 +153,24 @@ class Bool(Shape):
 
 
 class Num(Shape):
-    """A finite number in [lo, hi] (bool is not one); integral=True: an integer."""
+    """A finite number in [lo, hi] (bool is not one); integral=True: an integer. finite=False: a
+    measured number that may have diverged, NaN and infinities kept (a NaN loss is what a failed
+    run recorded), integers within 2^63 (beyond, no float holds them exactly)."""
 
-    def __init__(self, lo=None, hi=None, integral=False):
-        self.lo, self.hi, self.integral = lo, hi, integral
+    def __init__(self, lo=None, hi=None, integral=False, finite=True):
+        if not finite and lo is None and hi is None:
+            lo, hi = -(2 ** 63 - 1), 2 ** 63 - 1
+        self.lo, self.hi, self.integral, self.finite = lo, hi, integral, finite
         span = '' if lo is None and hi is None else f' of at least {lo}' if hi is None else \
             f' of at most {hi}' if lo is None else f' from {lo} to {hi}'
-        self.expected = f'{"an integer" if integral else "a number"}{span}'
+        self.expected = f'{"an integer" if integral else "a number"}{span}' if finite else \
+            'a number'
 
     def accepts(self, value):
         if isinstance(value, bool) or not isinstance(value, int if self.integral else (int, float)):
             return False
+        if not self.finite and isinstance(value, float) and not math.isfinite(value):
+            return True
         # an int is compared as it is: math.isfinite would convert it, and one of 400 digits does
         # not fit a float (OverflowError)
         return (isinstance(value, int) or math.isfinite(value)) and \
@@ -208,6 +215,14 @@ class Rel(Str):
         return not ('\0\0' in parts or '\0.\0' in parts or '\0..\0' in parts)
 
 
+class Name(Str):
+    """One component of a path, a file or folder name of its folder: not empty, '.' or '..', no
+    '/' or NUL, at most 255 characters (NAME_MAX is 255 bytes)."""
+
+    def __init__(self, expected='a file name of its folder', max_len=255):
+        super().__init__(r'(?!\.\.?\Z)[^/\0]+', expected, max_len)
+
+
 class Maybe(Shape):
     def __init__(self, shape):
         self.shape, self.expected = shape, f'{shape.expected} or null'
@@ -243,11 +258,29 @@ class List(Shape):
         return [self.of.check(v, f'{where}[{i}]') for i, v in enumerate(value)]
 
 
+class Row(Shape):
+    """A list of fixed length with a shape per place: the rows dlojz writes as JSON lists (a
+    sidecar's samples, the staging journal's files, a timeline chunk), as Dict is for objects."""
+
+    def __init__(self, *shapes):
+        self.shapes = shapes
+        self.expected = f'a list of {len(shapes)}: ' + ', '.join(s.expected for s in shapes)
+
+    def check(self, value, where):
+        if not isinstance(value, list) or len(value) != len(self.shapes):
+            raise Wrong(where, found(value), self.expected)
+        return [s.check(v, f'{where}[{i}]') for i, (s, v) in enumerate(zip(self.shapes, value))]
+
+
+ALL = 'all'  # Dict(..., optional=ALL): every field may be absent
+
+
 class Dict(Shape):
-    """An object with these fields (each a Shape). optional: the names that may be absent; other
-    fields are kept unchecked (a newer dlojz may add some)."""
+    """An object with these fields (each a Shape). optional: the names that may be absent (ALL:
+    every one); other fields are kept unchecked (a newer dlojz may add some)."""
 
     def __init__(self, fields, optional=(), expected='an object'):
+        optional = fields if optional is ALL else optional
         self.fields, self.optional, self.expected = fields, set(optional), expected
 
     def check(self, value, where):
@@ -279,3 +312,34 @@ class Map(Shape):
             self.key.check(k, at)
             out[k] = self.of.check(v, at)
         return out
+
+
+def fields(**shapes):
+    """An object whose fields are all optional (an older dlojz, or another mode, wrote fewer)."""
+    return Dict(shapes, optional=ALL)
+
+
+def require(shape, *paths):
+    """A copy of `shape` where each dotted path (through objects, lists' items and nulls) must be
+    there and not null, where its parent is: what one reader needs of a file whose shape is declared
+    once for all (dlojzlib/formats.py). 'timing.totals.wall_s': a summary without timing, or
+    whose timing has no totals, still passes; totals without wall_s does not."""
+    for path in paths:
+        shape = _require(shape, path.split('.'))
+    return shape
+
+
+def _require(shape, names):
+    if isinstance(shape, Maybe):
+        return Maybe(_require(shape.shape, names))
+    if isinstance(shape, List):
+        return List(_require(shape.of, names), shape.max_len, shape.expected)
+    if not isinstance(shape, Dict) or names[0] not in shape.fields:
+        raise KeyError(f'{".".join(names)} is not a field of {shape.expected}')
+    name, field = names[0], shape.fields[names[0]]
+    if len(names) == 1:
+        field = field.shape if isinstance(field, Maybe) else field
+        optional = shape.optional - {name}
+    else:
+        field, optional = _require(field, names[1:]), shape.optional
+    return Dict({**shape.fields, name: field}, optional, shape.expected)

@@ -168,3 +168,63 @@ def test_a_small_file_asks_for_its_size_not_the_limit(tmp_path):
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=60,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0 and r.stdout.strip() == "{'a': 1}", r.stderr[-1000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# The shapes every file's declaration shares (Row, Name, Num(finite=False), fields, require)
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+                    lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=5), inner, max_size=4), max_leaves=20)
+
+
+@settings(deadline=1000, max_examples=200)
+@given(JSON)
+def test_the_shared_shapes_give_a_value_or_wrong(value):
+    for shape in (readers.Row(Str(), Int(0)), readers.Name(), Num(finite=False),
+                  readers.fields(a=Int(), b=Maybe(Str())),
+                  readers.require(readers.fields(a=readers.fields(b=Int())), 'a.b')):
+        try:
+            shape.check(value, '')
+        except readers.Wrong as e:
+            assert str(e).startswith('has ')
+
+
+def test_row_is_a_list_of_fixed_length_one_shape_per_place():
+    row = readers.Row(Str(), Int(0))
+    assert row.check(['a', 1], '') == ['a', 1]
+    for bad in (['a'], ['a', 1, 2], [1, 'a'], {'a': 1}):
+        with pytest.raises(readers.Wrong):
+            row.check(bad, '')
+
+
+def test_name_is_one_component_of_a_path():
+    name = readers.Name()
+    for good in ('a', '...', 'a b', 'x' * 255, 'é'):
+        assert name.accepts(good), good
+    for bad in ('', '.', '..', 'a/b', '/a', 'a\0', 'x' * 256, 3):
+        assert not name.accepts(bad), bad
+
+
+def test_num_not_finite_keeps_nan_and_infinities():
+    real = Num(finite=False)
+    assert all(real.accepts(v) for v in (float('nan'), float('inf'), -1.5, 2 ** 62))
+    assert not any(real.accepts(v) for v in (2 ** 63, True, '1'))
+    assert not Num().accepts(float('nan'))
+
+
+def test_fields_makes_every_field_optional_and_require_names_what_a_reader_needs():
+    shape = readers.fields(a=Maybe(readers.fields(b=Maybe(Int()), c=Int())), d=Int())
+    assert shape.check({}, '') == {} and shape.check({'a': None}, '') == {'a': None}
+    needs = readers.require(shape, 'a.b', 'd')
+    assert needs.check({'d': 1}, '') == {'d': 1}  # no 'a': its b is not asked for
+    assert needs.check({'d': 1, 'a': None}, '') == {'d': 1, 'a': None}
+    for bad in ({}, {'d': 1, 'a': {}}, {'d': 1, 'a': {'b': None}}):
+        with pytest.raises(readers.Wrong):
+            needs.check(bad, '')
+    assert shape.check({'a': {}}, '') == {'a': {}}  # the declaration itself is unchanged
+    listed = readers.require(readers.fields(x=List(readers.fields(y=Int()))), 'x', 'x.y')
+    with pytest.raises(readers.Wrong):
+        listed.check({'x': [{}]}, '')
+    with pytest.raises(KeyError):
+        readers.require(shape, 'a.z')
