@@ -334,6 +334,8 @@ def _require(shape, names):
         return Maybe(_require(shape.shape, names))
     if isinstance(shape, List):
         return List(_require(shape.of, names), shape.max_len, shape.expected)
+    if isinstance(shape, Map):  # every value of the map
+        return Map(_require(shape.of, names), shape.key, shape.expected)
     if not isinstance(shape, Dict) or names[0] not in shape.fields:
         raise KeyError(f'{".".join(names)} is not a field of {shape.expected}')
     name, field = names[0], shape.fields[names[0]]
