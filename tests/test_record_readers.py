@@ -404,3 +404,51 @@ def test_resume_auto_into_a_folder_with_a_fifo_ends_in_one_sentence(tmp_path, na
     assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr
     assert f'dlojz: error: {out}/{name} is a FIFO, not a file' in r.stderr, r.stderr
     assert sorted(os.listdir(out)) == [name]  # nothing written, the FIFO left as it was
+
+
+# ------------------------------------------------------------------------------------------------
+# The loader doctor reads its trials' summary.json through the shared shape (dlojzlib.formats)
+
+TRIAL_SUMMARIES = [{'status': 'completed', 'loader': 5, 'data': {'classes': 10}},
+                   {'status': 'completed', 'data': {'classes': 10}},
+                   {'status': 'completed', 'loader': {'images_per_second': 'fast'}},
+                   {'status': 'completed', 'loader': {}, 'data': None}]
+
+
+def _doctor_over(monkeypatch, tmp_path, summary):
+    import torch
+    from dlojzlib.flags import get_args_parser
+    from dlojzlib.modes import doctor
+    parser = get_args_parser()
+    raw = parser.parse_args(['--tune-loader', '--output-dir', str(tmp_path)])
+    monkeypatch.setattr(doctor, 'run_for_summary', lambda cmd, out: (summary, 0, ''))
+    monkeypatch.setattr(doctor, 'sweep', lambda *a, **k: [
+        {'num_workers': 0, 'prefetch_factor': None, 'pin_memory': False, 'decode': 'fast'}])
+    return doctor.tune_loader(raw, vars(raw), parser, None, torch.device('cpu'), lambda line: None,
+                              script='dlojz.py')
+
+
+@pytest.mark.parametrize('summary', TRIAL_SUMMARIES)
+def test_a_loader_trial_summary_of_another_shape_is_one_sentence(monkeypatch, tmp_path, summary):
+    """The doctor read a trial's loader, data.classes and timing with no shape: a trial summary
+    of another shape was a TypeError or KeyError traceback."""
+    with pytest.raises(UsageError) as e:
+        _doctor_over(monkeypatch, tmp_path, summary)
+    assert 'summary.json' in str(e.value) and '\n' not in str(e.value), e.value
+
+
+@settings(deadline=1000, max_examples=60,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.sampled_from(['loader', 'data', 'classes', 'timing',
+                                                       'images_per_second', 'first_batch_s']),
+                                      inner, max_size=4), max_leaves=12))
+def test_any_loader_trial_summary_is_a_value_or_one_sentence(monkeypatch, tmp_path, loader):
+    from dlojzlib.modes import doctor
+    monkeypatch.setattr(doctor, 'run_for_summary', lambda cmd, out: (
+        {'status': 'completed', 'loader': loader, 'data': {'classes': 3}}, 0, ''))
+    try:
+        doctor._run(['python', 'dlojz.py'], str(tmp_path), doctor.LOADER_TRIAL_SUMMARY)
+    except UsageError as e:
+        assert '\n' not in str(e)

@@ -18,7 +18,7 @@ import time
 import torch
 
 import dlojz_chrono as chrono
-from dlojzlib import SCRIPT, compat, tables
+from dlojzlib import SCRIPT, compat, formats, readers, tables
 from dlojzlib.data.datasets import build_data
 from dlojzlib.dist import launch, starting
 from dlojzlib.environment import read
@@ -269,13 +269,27 @@ def trial_argv(trial):
     return argv
 
 
-def _run(cmd, out):
-    """One trial in its own process -> its summary.json, or a UsageError that says what failed."""
+# What the doctor reads of a trial's summary.json (formats.SUMMARY, declared once): a loader
+# trial's measure, and the ceiling run's throughput
+LOADER_TRIAL_SUMMARY = readers.require(formats.SUMMARY, *(f'loader.{k}' for k in (
+    'images_per_second', 'images_per_second_per_worker', 'wait_mean_s', 'first_batch_s')),
+    'loader', 'data', 'data.classes')
+CEILING_SUMMARY = readers.require(formats.SUMMARY, 'timing', 'timing.train_throughput')
+
+
+def _run(cmd, out, shape):
+    """One trial in its own process -> its summary.json (of `shape`), or a UsageError that says
+    what failed."""
     summary, code, tail = run_for_summary(cmd, out)
     if code != 0 or summary is None or summary.get('status') != 'completed':
         raise UsageError(f'a --tune-loader trial failed (exit {code}: {tail}); its command: '
                          f'{" ".join(cmd[1:])}')
-    return summary
+    try:
+        return shape.check(summary, '')
+    except readers.Wrong as e:
+        raise UsageError(f'a --tune-loader trial\'s {os.path.join(out, "summary.json")} {e}, not '
+                         f'what this dlojz writes; run --tune-loader again with this dlojz.py '
+                         f'(its command: {" ".join(cmd[1:])}).') from None
 
 
 def verdict(trials, ceiling_ips, budget):
@@ -351,7 +365,7 @@ def tune_loader(args, raw, parser, dist, device, say, python=sys.executable, scr
         drawn = str(steps + loader_warmup(args.warmup_steps, trial['num_workers'],
                                           trial['prefetch_factor']))
         s = _run([python, script, *base, '--loader-only', '--test-nsteps', drawn, '--epochs', drawn,
-                  *trial_argv(trial), '--output-dir', out], out)
+                  *trial_argv(trial), '--output-dir', out], out, LOADER_TRIAL_SUMMARY)
         m = s['loader']
         row = {**trial, 'images_per_second': m['images_per_second'],
                'images_per_second_per_worker': m['images_per_second_per_worker'], 'wait_mean_s': m['wait_mean_s'],
@@ -362,7 +376,7 @@ def tune_loader(args, raw, parser, dist, device, say, python=sys.executable, scr
         say(f"trial {i}/{len(trials)}: {' '.join(trial_argv(trial))}: {row['images_per_second']:.1f} images/second")
     out = os.path.join(args.output_dir, 'ceiling')
     s = _run([python, script, *base, '--fake-data', '--fake-classes', str(results[0]['classes']), '--test-nsteps',
-              str(steps), '--output-dir', out], out)
+              str(steps), '--output-dir', out], out, CEILING_SUMMARY)
     t = s['timing']
     ceiling = t.get('gpu_throughput') or t['train_throughput']  # the device's clock on a GPU
     v = verdict(results, ceiling, budget)
