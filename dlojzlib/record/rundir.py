@@ -12,10 +12,10 @@ import subprocess
 import time
 from contextlib import contextmanager
 
-from dlojzlib import failpoints, files, readers
+from dlojzlib import failpoints, files, formats, readers
 from dlojzlib.dist import launch
 from dlojzlib.errors import Complete, UsageError, disk_full, writable
-from dlojzlib.readers import Bool, Dict, Either, Int, Maybe, Num, Str, Unreadable
+from dlojzlib.readers import Dict, Either, Int, Maybe, Str, Unreadable
 from dlojzlib.record.checkpoint import CHECKPOINT_RE, remove, remove_partial_checkpoints
 from dlojzlib.record.log import write_json
 
@@ -38,17 +38,9 @@ def default_output_dir(args, dist):
 FINISHED = ('nan', 'oom')
 
 
-# summary.json as dlojz reads it back (record.summary.write_summary, the modes' own records write
-# it): the fields a resumed or named run decides by, and the tuner's 'mode'; any may be absent (a
-# mode's record, an older dlojz).
-SUMMARY = Dict({
-    'status': Str(r'[a-z_]{1,40}', 'a status word'), 'mode': Maybe(Str(max_len=40)),
-    'global_step': Maybe(Int(0)), 'global_batch': Maybe(Int(1)),
-    'config': Dict({'test': Maybe(Bool()), 'epochs': Maybe(Int(0)), 'test_nsteps': Maybe(Int(0))},
-                   optional=('test', 'epochs', 'test_nsteps')),
-    'data': Maybe(Dict({'batches_per_epoch': Maybe(Int(0))}, optional=['batches_per_epoch'])),
-    'val': Maybe(Dict({'top1': Maybe(Num(0, 1))}, optional=['top1'])),
-}, optional=('status', 'mode', 'global_step', 'global_batch', 'config', 'data', 'val'))
+# summary.json as dlojz reads it back: formats.SUMMARY (the fields a resumed or named run decides
+# by, and the tuner's 'mode'; any may be absent: a mode's record, an older dlojz)
+SUMMARY = formats.SUMMARY
 
 
 def not_a_record(e):
@@ -101,7 +93,7 @@ def job_alive(job_id):
     return r.returncode == 0 and bool(r.stdout.strip())
 
 
-JOB_ID = Str(r'[0-9]{1,20}', 'a Slurm job id')  # what squeue -j is asked about: digits only
+JOB_ID = formats.JOB_ID  # what squeue -j is asked about: digits only
 OWNER_SHAPE = Dict({'job_id': Either(Int(0), JOB_ID)})
 
 
@@ -362,10 +354,9 @@ def trim_metrics(path, size, global_step):
     return dropped
 
 
-# One metrics.jsonl record as trim_metrics reads it (record.log.Logger writes it); a record
-# without a step (none is written today) is kept.
-METRIC = Dict({'global_step': Int(0)}, optional=['global_step'])
-METRICS_LIMIT = 16 * 2 ** 30  # bytes: a 90-epoch ImageNet run logging every step writes ~0.3 GiB
+# One metrics.jsonl record as trim_metrics reads it (formats.METRIC); a record without a step
+# (none is written today) is kept.
+METRIC, METRICS_LIMIT = formats.METRIC, formats.METRICS_LIMIT
 
 
 def _after(line, global_step):

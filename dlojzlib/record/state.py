@@ -14,7 +14,7 @@ import torch
 from dlojzlib import readers
 from dlojzlib.dist import launch, shard
 from dlojzlib.errors import Complete, Interrupted, Preempted, UsageError
-from dlojzlib.readers import Any, Bool, Dict, Int, List, Map, Maybe, Num, Shape, Str
+from dlojzlib.readers import ALL, Any, Bool, Dict, Int, List, Map, Maybe, Num, Shape, Str
 from dlojzlib.record.checkpoint import (SHARDED, checkpoint_path, list_checkpoints,
                                         load_checkpoint, load_latest_checkpoint, save_checkpoint,
                                         save_sharded_checkpoint, space_warning, strip_prefixes)
@@ -176,8 +176,7 @@ _DICT = Map(Any)  # a state dict: names -> tensors or values
 RACE = Dict({'best_top1': Maybe(Num()), 'reached': Maybe(Map(_DICT)), 'images': Int(0),
              'wall_s': Maybe(Num()), 'process_wall_s': Maybe(Num()), 'val': Maybe(_DICT),
              'val_ema': Maybe(_DICT), 'train': Maybe(_DICT)},
-            optional=('best_top1', 'reached', 'images', 'wall_s', 'process_wall_s', 'val',
-                      'val_ema', 'train'))
+            optional=ALL)
 CHECKPOINT = Dict({
     'arch': Str(max_len=200), 'num_classes': Int(1), 'classes': Maybe(List(Str())),
     'train_images': Maybe(Int(0)), 'model': _DICT,
@@ -192,9 +191,7 @@ CHECKPOINT = Dict({
                  optional=['seed', 'pipeline_split']),
     'rng': Dict({'torch': Any, 'numpy': Any, 'python': Any, 'device': Maybe(List())},
                 optional=['device']),
-}, optional=('arch', 'num_classes', 'classes', 'train_images', 'model', 'optimizer', 'scheduler',
-             'scaler', 'ema', 'epoch', 'step_in_epoch', 'end_due', 'global_step', 'global_batch',
-             'metrics_bytes', 'race', 'args', 'rng'))
+}, optional=ALL)
 
 
 def check_form(args, ckpt, path):
