@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from dlojzlib import readers
 from dlojzlib.record.log import SUMMARY_VERSION
-from dlojzlib.tools.report.shapes import CONFIG, RECORD, SUMMARY
+from dlojzlib.tools.report.shapes import CONFIG, METRICS_LIMIT, RECORD, SUMMARY
 
 
 class ReportError(Exception):
@@ -83,7 +83,7 @@ def load_run(path):
                          f'({SUMMARY_VERSION}): fields it does not know are ignored')
     bad, metrics = 0, os.path.join(path, 'metrics.jsonl')
     try:
-        run.records, bad = readers.read_jsonl(metrics, RECORD)
+        run.records, bad = readers.read_jsonl(metrics, RECORD, METRICS_LIMIT)
     except FileNotFoundError:  # normal before the first log line
         pass
     except (OSError, readers.Unreadable) as e:

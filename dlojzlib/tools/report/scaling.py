@@ -66,12 +66,8 @@ def scalings(runs):
 
 
 def split_of(timing):
-    """measure.scaling.step_split of a run's timing; None where an entry it needs is missing (a
-    rank timed in collectives without its comm_s: no summary dlojz writes)."""
-    try:
-        return step_split(timing)
-    except KeyError:
-        return None
+    """measure.scaling.step_split of a run's timing (shapes.SUMMARY holds what it needs)."""
+    return step_split(timing)
 
 
 def medians(runs):
