@@ -26,7 +26,7 @@ from dlojzlib.files import fsync_replace
 VERSION = 2  # of the index file's layout: another one is listed again (2: sub-folders walked)
 
 
-NAME = readers.Str(r'(?!\.\.?\Z)[^/\0]+', 'a folder name')  # one component: a class folder
+NAME = readers.Name('a folder name')  # one component: a class folder
 PATH = readers.Rel()
 # What write_index writes, field by field (folder.list_split's listing of each split).
 FOLDER = readers.Dict({'mtime_ns': readers.Maybe(readers.Int()),

@@ -39,27 +39,12 @@ from dlojzlib.readers import Dict, Int, List, Maybe, Num, Str, Unreadable
 FORMAT = 'dlojz-shards-v1'
 INDEX = 'index.json'
 
-
-class Row(readers.Shape):
-    """A list of fixed length with a shape per place: the rows dlojz writes as JSON lists (a
-    sidecar's samples, the staging journal's files), as Dict is for objects."""
-
-    def __init__(self, *shapes):
-        self.shapes = shapes
-        self.expected = f'a list of {len(shapes)}: ' + ', '.join(s.expected for s in shapes)
-
-    def check(self, value, where):
-        if not isinstance(value, list) or len(value) != len(self.shapes):
-            raise readers.Wrong(where, readers.found(value), self.expected)
-        return [s.check(v, f'{where}[{i}]') for i, (s, v) in enumerate(zip(self.shapes, value))]
-
-
 # The shapes of what prepare writes, each read back through dlojzlib/readers.py. A name read from
 # them is a plain name of the folder (no folder part, not hidden, NAME_MAX = 255 bytes): never
 # '../x' or '/etc/passwd', nor staging's own '.dlojz-*' files.
 NAME = Str(r'[A-Za-z0-9][A-Za-z0-9._-]*', 'a file name of the folder', max_len=255)
 _HEAD = {'format': Str(re.escape(FORMAT), f'"{FORMAT}"'),
-         'classes': List(Str(r'(?!\.\.?\Z)[^/\x00]+', 'a class name (a folder name)', 255),
+         'classes': List(readers.Name('a class name (a folder name)'),
                          expected='a list of class names'),
          'max_side': Maybe(Int(1))}
 SPLIT = Dict({'shards': List(Dict({'name': NAME, 'samples': Int(0)})), 'samples': Int(0)},
@@ -69,7 +54,7 @@ SPEC = Dict({**_HEAD, 'shard_size_mb': Num(0),  # prepare.json: the arguments of
              'files': Str('[0-9a-f]{64}', 'a SHA-256 in hex')})
 # <shard>.json, the sidecar: per sample its key, the offset of its bytes in the shard (after its
 # 512-byte header), their size, its label and the extension of its member
-SIDECAR = List(Row(Str('[0-9]{8}', 'a key of 8 digits'), Int(512), Int(0), Int(0),
+SIDECAR = List(readers.Row(Str('[0-9]{8}', 'a key of 8 digits'), Int(512), Int(0), Int(0),
                    Str(max_len=255)))
 
 

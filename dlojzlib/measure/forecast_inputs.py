@@ -81,8 +81,6 @@ def read(flag, path, shape):
         why = 'does not exist'
     except readers.Unreadable as e:
         why = e.why
-    except OverflowError:  # an integer past a float's range, which readers.Num cannot compare
-        why = 'holds a number larger than any dlojz writes'
     except OSError as e:
         why = f'cannot be read ({e.strerror or e})'
     raise ValueError(f'{flag} {path} {why}; give {WHAT[flag]}.') from None
