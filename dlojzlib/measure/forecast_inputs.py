@@ -1,67 +1,35 @@
 """What the scaling forecast (measure.scaling, dlojz_scaling.py) reads, and what makes its inputs a
-forecast. Each file's shape is declared once below, with only the fields the forecast uses, and
-read through dlojzlib.readers: a summary.json (--summary, --slowed-from, --measured), a --probe
-JSON (--link), a pipeline run's summary.json (--pipeline). A file that cannot be used is one
-sentence naming the flag, the file and the fix (ValueError, which dlojz_scaling.py prints as its
-error line, exit 2).
+forecast. summary.json's shape (--summary, --slowed-from, --measured, --pipeline) is
+dlojzlib/formats.py's, with what the forecast needs there required below; a --probe JSON's
+(--link) is declared here. Each is read through dlojzlib.readers. A file that cannot be used is
+one sentence naming the flag, the file and the fix (ValueError, which dlojz_scaling.py prints as
+its error line, exit 2).
 
 A --slowed-from run must be a completed run of the same flags at more ranks than --summary's;
 a forecast with a negative term or an efficiency above 100 % is a measurement problem (a busy
 node, noise in a run), named as such, never printed as a forecast. Light: no torch at import."""
-from dlojzlib import readers
-from dlojzlib.readers import Dict, Int, List, Maybe, Num, Str
+from dlojzlib import formats, readers
+from dlojzlib.readers import Dict, Int, Num
 
 MiB = 2 ** 20
-SECONDS = Num(0, 10 ** 7)  # a step or a run's sum of steps: 10^7 s (116 days) is more than any run
-STEPS = Int(0, 10 ** 12)
-RANKS = Int(1, 10 ** 6)
-RATE = Num(0, 10 ** 9)  # images/s
 MAX_BUCKETS = 10 ** 5  # DDP makes at most one bucket per parameter tensor: a few hundred in dlojz
 
-# A rank's sums over its steady steps (record.summary); comm_s and late_s where its waits in
-# collectives were timed
-RANK = Dict({'steady_steps': STEPS, 'wall_s': Maybe(SECONDS), 'data_s': Maybe(SECONDS),
-             'busy_s': Maybe(SECONDS), 'comm_s': SECONDS, 'late_s': SECONDS},
-            optional=['wall_s', 'data_s', 'busy_s', 'comm_s', 'late_s'])
-SUMMARY = Dict({
-    'status': Str(r'[a-z_]{1,20}', 'a run status'),
-    'world_size': RANKS,
-    'global_batch': Int(1, 10 ** 9),
-    'config': Maybe(Dict({'bucket_cap_mb': Num(0.001, 10 ** 6), 'shard': Maybe(Str())},
-                         optional=['bucket_cap_mb', 'shard'])),
-    'communication': Maybe(Dict({'gradient_bytes_per_step': Maybe(Num(0, 10 ** 15)),
-                                 'traffic_factor': Num(1, 2)},
-                                optional=['gradient_bytes_per_step', 'traffic_factor'])),
-    'host': Maybe(Dict({'usable_cores': Maybe(Int(1, 10 ** 6)),
-                        'torch_threads': Maybe(Int(1, 10 ** 6))},
-                       optional=['usable_cores', 'torch_threads'])),
-    'provenance': Maybe(Dict({'device': Str()}, optional=['device'])),
-    'timing': Maybe(Dict({
-        'steady_images_per_s': Maybe(RATE),
-        'stats': Maybe(Dict({'backward': Maybe(Dict({'mean': Maybe(SECONDS)}, optional=['mean']))},
-                            optional=['backward'])),
-        'warmup_steps': STEPS,
-        'per_step': Maybe(Dict({'step': List(Maybe(SECONDS)), 'images': List(Maybe(STEPS))},
-                               optional=['step', 'images'])),
-        'totals': Maybe(Dict({'steady_steps': STEPS, 'wall_s': SECONDS, 'data_s': SECONDS,
-                              'busy_s': Maybe(SECONDS), 'collective_s': SECONDS},
-                             optional=['busy_s', 'collective_s'])),
-        'ranks': Maybe(List(RANK)),
-        'comm_measured': Maybe(Str())},
-        optional=['steady_images_per_s', 'stats', 'warmup_steps', 'per_step', 'totals', 'ranks',
-                  'comm_measured']))},
-    optional=['status', 'config', 'communication', 'host', 'provenance', 'timing'])
+# summary.json as dlojzlib/formats.py declares it, with what the forecast needs there: the run's
+# world size and batch, and a phase's totals and a rank's sums whole where they are recorded
+SUMMARY = readers.require(formats.SUMMARY, 'world_size', 'global_batch',
+                          'timing.totals.steady_steps', 'timing.totals.wall_s',
+                          'timing.totals.data_s', 'timing.ranks.steady_steps')
 
 # dlojz_scaling.py --probe's output (scaling._probe_main); a link written by hand needs only the fit
 PROBE = Dict({'world_size': Int(2, 10 ** 6), 'bandwidth': Num(1), 'latency': Num(0, 60)},
              optional=['world_size'])
 
 # A --pipeline-stages run's summary.json: what stages.forecast_rows reads
-PIPELINE = Dict({'global_batch': Int(1, 10 ** 9), 'timing': Dict({
-    'steady_images_per_s': RATE,
-    'pipeline': Dict({'n_stages': Int(2, 4096), 'microbatches': Int(1, 10 ** 6),
-                      'schedule': Str(), 'span_s': SECONDS,
-                      'stages': List(Dict({'compute_s': SECONDS}), max_len=4096)})})})
+PIPELINE = readers.require(formats.SUMMARY, 'global_batch', 'timing', 'timing.steady_images_per_s',
+                           'timing.pipeline', 'timing.pipeline.n_stages',
+                           'timing.pipeline.microbatches', 'timing.pipeline.schedule',
+                           'timing.pipeline.span_s', 'timing.pipeline.stages',
+                           'timing.pipeline.stages.compute_s')
 
 WHAT = {'--summary': 'the summary.json of a one-rank dlojz run (under torchrun or srun)',
         '--slowed-from': 'the summary.json of a completed dlojz run of the same flags at 2 or '
