@@ -325,23 +325,31 @@ def require(shape, *paths):
     once for all (dlojzlib/formats.py). 'timing.totals.wall_s': a summary without timing, or
     whose timing has no totals, still passes; totals without wall_s does not."""
     for path in paths:
-        shape = _require(shape, path.split('.'))
+        shape = _require(shape, path.split('.'), null=False)
     return shape
 
 
-def _require(shape, names):
+def present(shape, *paths):
+    """As require, but a field of the paths may be null where its shape allows it: a reader that
+    looks a field up by name and handles None (a failed trial's rate)."""
+    for path in paths:
+        shape = _require(shape, path.split('.'), null=True)
+    return shape
+
+
+def _require(shape, names, null):
     if isinstance(shape, Maybe):
-        return Maybe(_require(shape.shape, names))
+        return Maybe(_require(shape.shape, names, null))
     if isinstance(shape, List):
-        return List(_require(shape.of, names), shape.max_len, shape.expected)
+        return List(_require(shape.of, names, null), shape.max_len, shape.expected)
     if isinstance(shape, Map):  # every value of the map
-        return Map(_require(shape.of, names), shape.key, shape.expected)
+        return Map(_require(shape.of, names, null), shape.key, shape.expected)
     if not isinstance(shape, Dict) or names[0] not in shape.fields:
         raise KeyError(f'{".".join(names)} is not a field of {shape.expected}')
     name, field = names[0], shape.fields[names[0]]
     if len(names) == 1:
-        field = field.shape if isinstance(field, Maybe) else field
+        field = field.shape if isinstance(field, Maybe) and not null else field
         optional = shape.optional - {name}
     else:
-        field, optional = _require(field, names[1:]), shape.optional
+        field, optional = _require(field, names[1:], null), shape.optional
     return Dict({**shape.fields, name: field}, optional, shape.expected)

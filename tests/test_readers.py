@@ -228,3 +228,19 @@ def test_fields_makes_every_field_optional_and_require_names_what_a_reader_needs
         listed.check({'x': [{}]}, '')
     with pytest.raises(KeyError):
         readers.require(shape, 'a.z')
+
+
+def test_present_asks_for_the_field_and_lets_it_be_null():
+    """tune.json's failed trials have images_per_s null: require() refused them, present() does
+    not; a row without the field at all is refused by both (the tuner looks it up by name)."""
+    shape = readers.fields(rate=Maybe(Num(0)), name=Str())
+    for check, null_ok in ((readers.require(shape, 'rate'), False),
+                           (readers.present(shape, 'rate'), True)):
+        with pytest.raises(readers.Wrong):
+            check.check({'name': 'x'}, '')
+        try:
+            check.check({'rate': None}, '')
+        except readers.Wrong:
+            assert not null_ok
+        else:
+            assert null_ok

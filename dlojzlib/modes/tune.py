@@ -32,13 +32,13 @@ import os
 import sys
 import time
 
-from dlojzlib import SCRIPT, readers, tables
+from dlojzlib import SCRIPT, formats, readers, tables
 from dlojzlib.dist import plan
 from dlojzlib.errors import UsageError
 from dlojzlib.flags import get_args_parser, native_bf16
 from dlojzlib.measure import scaling
 from dlojzlib.modes.trial import run_for_summary
-from dlojzlib.readers import Bool, Dict, Either, Int, List, Map, Maybe, Num, Str, Unreadable
+from dlojzlib.readers import Unreadable
 from dlojzlib.record.log import SUMMARY_VERSION, Console, write_json
 from dlojzlib.record.rundir import run_files, run_record
 
@@ -110,15 +110,9 @@ def run_trial(python, script, base, argv, out, steps, warmup=3):
     return run_for_summary(cmd, out)
 
 
-SECONDS = Maybe(Dict({'mean': Maybe(Num(0))}, optional=['mean']))
-# A completed trial's summary.json as row_from reads it (record.summary.write_summary writes it)
-TRIAL_SUMMARY = Dict({
-    'timing': Dict({'steady_images_per_s': Num(0), 'bound': Maybe(Str(max_len=40)),
-                    'stats': Maybe(Map(SECONDS))}, optional=['bound', 'stats']),
-    'memory': Dict({'gpu_max_allocated_bytes': Maybe(Int(0)), 'host_peak_rss_bytes': Maybe(Int(0))},
-                   optional=['gpu_max_allocated_bytes', 'host_peak_rss_bytes']),
-    'data': Dict({'train_images': Maybe(Int(0)), 'classes': Maybe(Int(1))},
-                 optional=['train_images', 'classes'])})
+# A completed trial's summary.json as row_from reads it: formats.SUMMARY, with its rate
+TRIAL_SUMMARY = readers.require(formats.SUMMARY, 'timing', 'timing.steady_images_per_s', 'memory',
+                                'data')
 
 
 def row_from(summary, code, last_line, batch, amp, channels_last, compile_, cuda):
@@ -173,21 +167,13 @@ def next_batch(tried, start, cap):
     return mid if lo < mid < hi else None
 
 
-WORDS = Str(r'[-\w.]{1,100}', 'a flag or its value')  # flags of the recommended command
 # One row of tune.json's table (row_from and Tuner.trial write it), as a continued sweep, the table,
-# the winner and the recommended command read it.
-TRIAL = Dict({
-    'name': Str(max_len=200), 'batch': Int(1), 'amp': Str(r'off|fp16|bf16', 'off, fp16 or bf16'),
-    'channels_last': Bool(), 'compile': Either(Bool(), Str(r'[a-z-]{1,40}', 'a --compile-mode')),
-    'status': Str(max_len=40), 'images_per_s': Maybe(Num(0)), 'step_ms': Maybe(Num(0)),
-    'backward_ms': Maybe(Num(0)), 'memory_bytes': Maybe(Int(0)), 'bound': Maybe(Str(max_len=40)),
-    'train_images': Maybe(Int(0)), 'classes': Maybe(Int(1)), 'wall_s': Num(0),
-    'loader_flags': List(WORDS), 'error': Maybe(Str())},
-    optional=('backward_ms', 'classes', 'loader_flags', 'error'))
-# tune.json as a continued sweep reads it (Tuner._save writes it)
-TUNE = Dict({'status': Str(max_len=40), 'base_argv': List(Str()), 'trials': List(TRIAL),
-             'skipped': List(Str(max_len=200)), 'elapsed_s': Num(0)},
-            optional=('status', 'base_argv', 'skipped', 'elapsed_s'))
+# the winner and the recommended command read it; tune.json as a continued sweep reads it
+ROW = ('name', 'batch', 'amp', 'channels_last', 'compile', 'status', 'wall_s')
+MEASURED = ('images_per_s', 'step_ms', 'memory_bytes', 'bound', 'train_images')  # None: failed
+TRIAL = readers.present(readers.require(formats.TUNE_TRIAL, *ROW), *MEASURED)
+TUNE = readers.present(readers.require(formats.TUNE, 'trials', *(f'trials.{k}' for k in ROW)),
+                       *(f'trials.{k}' for k in MEASURED))
 
 
 def aside_name(path):
@@ -297,9 +283,7 @@ class Tuner:
 
 
 # tune-loader.json (modes.doctor writes it) as the tuner reads it: the best trial's loader flags
-LOADER_BEST = Dict({'verdict': Dict({'best': Dict({
-    'num_workers': Int(0, 4096), 'decode': Str(r'auto|fast|pil|gpu|dali', 'a --decode or dali'),
-    'pin_memory': Maybe(Bool()), 'prefetch_factor': Maybe(Int(1, 4096))})})})
+LOADER_BEST = formats.LOADER_BEST
 
 
 def doctor_flags(output_dir, say=None):
