@@ -535,7 +535,7 @@ def main(argv=None):
         problem = forecast_inputs.measurement_problem(rows, f'{slowed_source}, {whose}')
         if problem:
             raise ValueError(problem)
-    except (ValueError, OSError, KeyError) as e:
+    except ValueError as e:  # each input was read and shape-checked: anything else is a bug
         print(f'dlojz_scaling: error: {e}', file=sys.stderr)
         return 2
     steps = sorted(x['step_samples'] or [])
