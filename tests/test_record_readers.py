@@ -166,6 +166,21 @@ def test_any_owner_json_holds_a_folder_or_not(tmp_path_factory, data):
     assert '\n' not in rundir.busy_sentence(str(out), owner)
 
 
+@pytest.mark.parametrize('job_id', ['', '4242', None])
+def test_the_claim_a_run_writes_is_read_back_whole(tmp_path, job_id):
+    """Outside Slurm the claim's job_id is '': its shape refused it, so a busy folder's sentence
+    said 'its owner is not recorded' and a dead run's stale claim could not be told from a live
+    one (the long tier's test_a_second_run_in_a_busy_folder_is_refused found it)."""
+    from dlojzlib.record.rundir import FolderLock, _read_owner
+    lock = FolderLock(host='h', pid=os.getpid())
+    lock.acquire(str(tmp_path), job_id=job_id)
+    try:
+        owner = _read_owner(lock.token or lock.path)
+        assert owner is not None and owner['pid'] == os.getpid() and owner['job_id'] == job_id
+    finally:
+        lock.release()
+
+
 def test_a_fifo_lock_claim_is_not_read(tmp_path):
     os.mkfifo(tmp_path / rundir.LOCK_EXCL)
     assert within(5, lambda: rundir._read_owner(str(tmp_path / rundir.LOCK_EXCL)),

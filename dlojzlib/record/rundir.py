@@ -303,7 +303,9 @@ class FolderLock:
 
 # A lock file's owner (FolderLock.acquire writes it): what the busy sentence shows and a stale
 # claim is judged by. A pid of 0 or below would name a process group to os.kill.
-CLAIM = Dict({'pid': Int(1), 'host': Str(max_len=256), 'job_id': Maybe(Either(Int(0), JOB_ID)),
+# a lock file's owner, as acquire() writes it: job_id '' outside Slurm (launch.DistInfo's)
+CLAIM = Dict({'pid': Int(1), 'host': Str(max_len=256),
+              'job_id': Maybe(Either(Int(0), JOB_ID, Str('', 'nothing'))),
               'since': Str(max_len=64)}, optional=('pid', 'host', 'job_id', 'since'))
 
 
