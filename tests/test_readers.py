@@ -1,6 +1,7 @@
 """dlojzlib.readers, the one door of every file dlojz reads back (issue 49): any bytes give a value
 of the declared shape or Unreadable, within a second; a special file is refused without blocking;
 a name read from a file never leads out of its folder."""
+import argparse
 import json
 import os
 import posixpath
@@ -244,3 +245,27 @@ def test_present_asks_for_the_field_and_lets_it_be_null():
             assert not null_ok
         else:
             assert null_ok
+
+
+def test_what_dlojz_writes_reads_back_under_every_shape_declared_for_it(tmp_path, cache_dir):
+    """The readers must take what the writers write: a claim's job_id '' outside Slurm was refused
+    by its shape, and the long tier found it. A real run's summary.json, config.json and
+    metrics.jsonl against each shape that reads them (formats', the report's, the forecast's, the
+    tuner's trial summary), and its checkpoint through the resume's check."""
+    from conftest import run_main
+    from dlojzlib import formats
+    from dlojzlib.measure import forecast_inputs
+    from dlojzlib.modes import tune
+    from dlojzlib.record import state
+    from dlojzlib.record.checkpoint import load_checkpoint
+    from dlojzlib.tools.report import shapes
+    out = tmp_path / 'run'
+    run_main(out, cache_dir, '--test-nsteps', '4', '--log-interval', '1', '--chkpt')
+    for shape in (formats.SUMMARY, shapes.SUMMARY, forecast_inputs.SUMMARY, tune.TRIAL_SUMMARY):
+        readers.read_json(str(out / 'summary.json'), shape)
+    readers.read_json(str(out / 'config.json'), formats.CONFIG)
+    for shape in (formats.METRIC, shapes.RECORD):
+        records, bad = readers.read_jsonl(str(out / 'metrics.jsonl'), shape)
+        assert records and bad == 0
+    ckpt, = out.glob('checkpoint-*.pt')
+    state.check_form(argparse.Namespace(evaluate=False), load_checkpoint(str(ckpt)), str(ckpt))
