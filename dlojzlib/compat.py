@@ -92,6 +92,13 @@ def abandon_iterator(it):
     for w in workers:
         w.join(timeout=10)
     it._shutdown = True
+    # torch keys its SIGCHLD watch list by id(iterator) and drops the entry in _shutdown_workers,
+    # which an abandoned iterator skips: a later iterator at the same address then failed to start
+    # ('_set_worker_pids should be called only once', a fast-tier test in one run of two)
+    try:
+        dataloader._utils.signal_handling._remove_worker_pids(id(it))
+    except ValueError:  # its __init__ raised before it registered its workers
+        pass
 
 
 def shutdown_workers(it):

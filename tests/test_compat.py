@@ -76,6 +76,9 @@ def test_a_dataloader_keeps_its_persistent_iterator_where_compat_reads_it():
     assert [b[0].tolist() for b in it] == [[0.0, 1.0], [2.0, 3.0]]
     compat.abandon_iterator(it)
     assert it._shutdown and all(not w.is_alive() for w in it._workers)
+    # nothing left in torch's SIGCHLD watch list under its id, which a later iterator may reuse
+    with pytest.raises(ValueError, match='Cannot find worker information'):
+        torch.utils.data._utils.signal_handling._remove_worker_pids(id(it))
 
 
 def test_a_dataloader_iterator_stops_its_workers_when_asked():
