@@ -259,7 +259,7 @@ def test_every_doctor_trial_leaves_its_steps_to_time(tmp_path, monkeypatch, dali
     monkeypatch.setattr(dali, 'dali', lambda: object() if dali_installed else None)
     commands = []
 
-    def run(cmd, out):
+    def run(cmd, out, shape=None):  # doctor._run; the summary below is of its shape
         commands.append(cmd)
         return {'status': 'completed', 'loader': {'images_per_second': 10.0, 'images_per_second_per_worker': 5.0,
                                                   'wait_mean_s': 0.1, 'first_batch_s': 0.1,
