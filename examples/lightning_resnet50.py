@@ -34,6 +34,7 @@ import torchvision
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+from dlojzlib import flags
 from dlojzlib.dist import launch
 from dlojzlib.dist.launch import get_dist_info
 from dlojzlib.environment import read
@@ -76,22 +77,7 @@ class resnet50Model(pl.LightningModule):  # the course's name
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
-def number(cast, lo, what):
-    """An argparse type: a finite `cast` of at least lo, or argparse's one error line."""
-    def parse(text):
-        try:
-            value = cast(text)
-        except ValueError:
-            value = None
-        if value is None or value != value or value in (float('inf'), float('-inf')) or value < lo:
-            raise argparse.ArgumentTypeError(f'must be {what} (got {text})')
-        return value
-    return parse
-
-
-POSITIVE, COUNT = number(int, 1, 'a positive integer'), number(int, 0, 'an integer of 0 or more')
-LIMIT = number(int, -1, 'an integer of -1 or more')  # Lightning's -1: no limit
-RATE = number(float, 0, 'a finite number of 0 or more')
+LIMIT = flags.number(int, lambda v: v >= -1, '-1 (no limit) or more')  # Lightning's epochs, steps
 
 
 def model_name(text):
@@ -113,11 +99,15 @@ def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0].replace('\n', ' '))
     p.add_argument('--data-dir', help='ImageFolder tree or shards folder (default: as dlojz.py)')
     p.add_argument('--arch', default='resnet50', type=model_name, help='a torchvision model name')
-    p.add_argument('-b', '--batch-size', type=POSITIVE, default=256, help='images per process')
-    p.add_argument('--num-workers', type=COUNT, help='DataLoader workers per process (default: '
+    p.add_argument('-b', '--batch-size', type=flags.POSITIVE_INT, default=256,
+                   help='images per process')
+    p.add_argument('--num-workers', type=flags.COUNT,
+                   help='DataLoader workers per process (default: '
                    'SLURM_CPUS_PER_TASK, as the course)')
-    p.add_argument('--image-size', type=POSITIVE, default=224, help='training crop, pixels')
-    p.add_argument('--lr', type=RATE, default=0.02, help='the learning rate (the course\'s)')
+    p.add_argument('--image-size', type=flags.POSITIVE_INT, default=224,
+                   help='training crop, pixels')
+    p.add_argument('--lr', type=flags.NON_NEGATIVE, default=0.02,
+                   help='the learning rate (the course\'s)')
     p.add_argument('--optimizer', choices=['adam', 'sgd'], default='adam',
                    help='adam (the course\'s) or sgd (momentum 0.9, as dlojz.py\'s default)')
     p.add_argument('--max-epochs', type=LIMIT, default=10, help='epochs (the course: 10)')
@@ -131,11 +121,12 @@ def get_args_parser():
     p.add_argument('--strategy', default='auto', help='Lightning\'s: auto (DDP on several '
                    'processes), ddp, ...')
     p.add_argument('--precision', default=None, help='Lightning\'s: 32, bf16-mixed, 16-mixed')
-    p.add_argument('--seed', type=COUNT, default=0, help='weights and data order')
+    p.add_argument('--seed', type=flags.SEED, default=0, help='weights and data order')
     p.add_argument('--output-dir', default=None, help='where Lightning\'s logs and dlojz\'s '
                    'record go (default: runs/lightning_<job id or time>_<arch>)')
-    p.add_argument('--log-every-n-steps', type=POSITIVE, default=50, help='Lightning\'s')
-    p.add_argument('--warmup-steps', type=COUNT, default=1, help='steps left out of the timings')
+    p.add_argument('--log-every-n-steps', type=flags.POSITIVE_INT, default=50, help='Lightning\'s')
+    p.add_argument('--warmup-steps', type=flags.COUNT, default=1,
+                   help='steps left out of the timings')
     p.add_argument('--no-chronometer', action='store_true', help='the plain Lightning form')
     p.add_argument('--data-flag', action='append', default=[], metavar='FLAG',
                    help='a dlojz.py data flag for the DataModule, e.g. --data-flag=--decode=pil')
