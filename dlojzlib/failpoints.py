@@ -32,7 +32,7 @@ import os
 import signal
 import time
 
-from dlojzlib.environment import fault_points as parse, faults  # noqa: F401 (parse: the tests')
+from dlojzlib.environment import faults
 from dlojzlib.errors import UsageError
 
 try:

@@ -14,7 +14,8 @@ import torch
 
 from conftest import free_port
 from dlojzlib.dist import launch
-from dlojzlib.dist.launch import DistInfo, expand_nodelist, expand_tasks_per_node, get_dist_info
+from dlojzlib.dist.launch import DistInfo, get_dist_info
+from dlojzlib.environment import expand_nodelist, expand_tasks_per_node
 from dlojzlib.errors import UsageError
 
 # What srun exports to task 5 of `srun --nodes 2 --ntasks-per-node 4` (values as Slurm 23 writes

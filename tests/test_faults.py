@@ -213,16 +213,17 @@ def test_failpoints_parse_their_names_and_refuse_what_would_inject_nothing():
     name or a malformed argument is refused (it would inject nothing, and the crash test around it
     would pass without its crash); a requeued Slurm attempt (SLURM_RESTART_COUNT >= 1) runs without
     its slow steps."""
-    from dlojzlib import failpoints as F
-    assert F.parse(None) == {} and F.parse('') == {}
-    assert F.parse('slow-steps:0.5,no-flock') == {'slow-steps': '0.5', 'no-flock': ''}
-    assert F.parse('signal-step:5:SIGUSR2, kill-in-checkpoint:2') == {'signal-step': '5:SIGUSR2',
-                                                                      'kill-in-checkpoint': '2'}
-    assert F.parse('slow-steps:0.2,signal-val:3:SIGTERM', restart_count=1) == {'signal-val': '3:SIGTERM'}
+    from dlojzlib.environment import fault_points
+    assert fault_points(None) == {} and fault_points('') == {}
+    assert fault_points('slow-steps:0.5,no-flock') == {'slow-steps': '0.5', 'no-flock': ''}
+    assert fault_points('signal-step:5:SIGUSR2, kill-in-checkpoint:2') == {
+        'signal-step': '5:SIGUSR2', 'kill-in-checkpoint': '2'}
+    assert fault_points('slow-steps:0.2,signal-val:3:SIGTERM', restart_count=1) == {
+        'signal-val': '3:SIGTERM'}
     for bad in ('kill-in-checkpiont:2', 'slow_steps:1', 'kill-in-checkpoint', 'kill-in-checkpoint:x',
                 'signal-step:5', 'signal-step:5:SIGNOPE', 'no-flock:1', 'slow-steps:'):
         with pytest.raises(ValueError, match='DLOJZ_FAULT'):
-            F.parse(bad)
+            fault_points(bad)
 
 
 def test_failpoints_fire_where_they_are_armed(monkeypatch):
@@ -231,13 +232,14 @@ def test_failpoints_fire_where_they_are_armed(monkeypatch):
     import errno
 
     from dlojzlib import failpoints as F
+    from dlojzlib.environment import fault_points
     killed, sent, slept = [], [], []
     monkeypatch.setattr(F, '_die_half_written', lambda f, state: killed.append(state))
     monkeypatch.setattr(F.os, 'killpg', lambda pgid, sig: sent.append(sig))
     monkeypatch.setattr(F.time, 'sleep', slept.append)
     monkeypatch.setattr(F, '_hits', {})
-    monkeypatch.setattr(F, 'ARMED', F.parse('kill-in-checkpoint:2,signal-step:3:SIGUSR2,signal-val:2:SIGTERM,'
-                                            'no-flock,slow-steps:0.25'))
+    monkeypatch.setattr(F, 'ARMED', fault_points(
+        'kill-in-checkpoint:2,signal-step:3:SIGUSR2,signal-val:2:SIGTERM,no-flock,slow-steps:0.25'))
     for k in range(1, 4):
         F.checkpoint_write(None, k)
     for step in range(1, 6):

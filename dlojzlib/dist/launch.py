@@ -22,8 +22,7 @@ import torch
 import torch.distributed as tdist
 
 from dlojzlib.dist import starting
-# the parsers of the launchers' variables (and their old home's names, which the tests import)
-from dlojzlib.environment import expand_nodelist, expand_tasks_per_node, read  # noqa: F401
+from dlojzlib.environment import read  # the parser of each launcher's variable
 from dlojzlib.errors import EARLY_SIGNALS, DlojzError, UsageError, first_line
 
 
