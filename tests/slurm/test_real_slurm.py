@@ -21,6 +21,7 @@ picked free), `DLOJZ_SLURM_SETUP=1 python -m pytest -q -m slurm tests/slurm` (ab
 cores); skipped otherwise, with that reason. CI (.ci/run) installs the packages and sets the
 variable."""
 import json
+import math
 import os
 import random
 import shutil
@@ -172,9 +173,17 @@ def wait_requeued(slurm, job, before_release=None):
             requeued = time.time() - t0
         if released is None and requeued is not None and info.get('JobState') == 'PENDING':
             # Slurm held the requeued job ~170 s before starting it again here (scheduler policy,
-            # not dlojz's); an explicit start time releases it and keeps the test short.
+            # not dlojz's); an explicit start time releases it and keeps the test short. Not in
+            # the requeue's second: slurmd refuses a batch launch whose credential is not newer,
+            # in whole seconds, than the job's revocation at the requeue (slurm_cred.c,
+            # `cred->ctime <= j->revoked`), and the job ends FAILED ("Job credential revoked":
+            # the long tier, released 0.45 s after the requeue). Slurm's own hold is cred_expire.
+            # One clock here (every daemon on localhost): the release waits until a whole second
+            # lies between it and the second the requeue was seen in (1 to 2 s).
+            # (StartTime=now+2 instead waited for the scheduler's next pass: 19 s.)
             if before_release:
                 before_release()
+            time.sleep(max(0.0, math.floor(time.time()) + 2 - time.time()))
             slurm.run('scontrol', 'update', f'JobId={job}', 'StartTime=now', check=False)
             released = time.time()
         if requeued is not None and info.get('JobState') == 'RUNNING':
@@ -318,17 +327,19 @@ def test_time_limit_signal_with_workers_requeues_and_resumes_exactly(slurm, work
     """The scripts' --signal=USR2@<s> at a real time limit: Slurm signals every process of the step,
     the DataLoader workers included; dlojz checkpoints and requeues, the job continues (given a
     longer limit here) to the uninterrupted losses. Slurm checks the limit every ~30 s and may
-    signal up to a minute early: --time=1 with the signal 50 s before, and steps slowed to 0.2 s in
-    the first attempt, so the signal comes mid-run."""
+    signal up to a minute early (--time=1 with USR2@50 signalled 2.6 s after the start, in the
+    start-up: a stop with no worker and no checkpoint). So --time=2 with the signal 40 s before:
+    from 20 to 80 s after the start, while steps slowed to 0.4 s (240 of them, 96 s) run."""
     flags = [*TINY, '--cache-dir', cache_dir, '-e', '20', '--log-interval', '1', '--num-workers', '2']
     job = submit(slurm, workdir, 'cpu.slurm', *flags, '--output-dir', tmp_path / 'run',
-                 options=['--time=1', '--signal=USR2@50'], DLOJZ_FAULT='slow-steps:0.2')
+                 options=['--time=2', '--signal=USR2@40'], DLOJZ_FAULT='slow-steps:0.4')
     wait_requeued(slurm, job, before_release=lambda: slurm.run('scontrol', 'update', f'JobId={job}',
                                                               'TimeLimit=10', check=False))
     info = slurm.wait(job, timeout=300)
     assert info['JobState'] == 'COMPLETED', job_log(workdir, job, 'err')[-3000:]
     err = job_log(workdir, job, 'err')
     assert 'stopped by SIGUSR2' in err and 'was requeued' in err and 'Traceback' not in err
+    assert 'during start-up' not in err and 'continuing from' in job_log(workdir, job)  # mid-run
     got = train_losses(tmp_path / 'run')
     assert sorted(got) == list(range(1, 241)) and got == reference_losses(cache_dir, tmp_path, '-e', '20',
                                                                           '--log-interval', '1')
