@@ -214,14 +214,15 @@ def fault_points(text, restart_count=0):
                              f'{FAILPOINTS[name]!r} (got {shown(arg)}); see '
                              f'dlojzlib/failpoints.py.')
         armed[name] = arg
-    if restart_count:  # slow steps are for the attempt Slurm stops; the requeued one runs at speed
+    if restart_count:  # the slowness is for the attempt Slurm stops; the requeued one runs at speed
         armed.pop('slow-steps', None)
+        armed.pop('slow-phase', None)
     return armed
 
 
 def faults(environ=os.environ):
     """The failpoints DLOJZ_FAULT arms in this attempt (a requeued one's, SLURM_RESTART_COUNT >= 1,
-    without its slow steps), or one sentence (UsageError)."""
+    without its slow steps and slow phase), or one sentence (UsageError)."""
     restart = read('SLURM_RESTART_COUNT', environ, 0)
     try:
         return fault_points(environ.get('DLOJZ_FAULT'), restart)

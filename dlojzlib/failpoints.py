@@ -21,7 +21,7 @@ entries
                             killer)
   slow-phase:<r>:<name>:<s> rank r sleeps s seconds on entering start-up phase <name>
                             (measure.startup): the cause the start-up line must name, not the
-                            other ranks' wait for it
+                            other ranks' wait for it; a start-up Slurm stops (first attempt only)
 
 docs/development.md lists them beside the tests that use them. The code under test says one word
 (after_step, after_val_batch, train_sample, worker_started, checkpoint_write, before_flock,

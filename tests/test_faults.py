@@ -212,7 +212,7 @@ def test_failpoints_parse_their_names_and_refuse_what_would_inject_nothing():
     """DLOJZ_FAULT is read once: the names of failpoints' table with their arguments; a misspelt
     name or a malformed argument is refused (it would inject nothing, and the crash test around it
     would pass without its crash); a requeued Slurm attempt (SLURM_RESTART_COUNT >= 1) runs without
-    its slow steps."""
+    its slow steps and its slow phase."""
     from dlojzlib.environment import fault_points
     assert fault_points(None) == {} and fault_points('') == {}
     assert fault_points('slow-steps:0.5,no-flock') == {'slow-steps': '0.5', 'no-flock': ''}
@@ -220,6 +220,8 @@ def test_failpoints_parse_their_names_and_refuse_what_would_inject_nothing():
         'signal-step': '5:SIGUSR2', 'kill-in-checkpoint': '2'}
     assert fault_points('slow-steps:0.2,signal-val:3:SIGTERM', restart_count=1) == {
         'signal-val': '3:SIGTERM'}
+    assert fault_points('slow-phase:0:model:600,no-flock', restart_count=2) == {'no-flock': ''}
+    assert fault_points('slow-phase:0:model:600', restart_count=0) == {'slow-phase': '0:model:600'}
     for bad in ('kill-in-checkpiont:2', 'slow_steps:1', 'kill-in-checkpoint', 'kill-in-checkpoint:x',
                 'signal-step:5', 'signal-step:5:SIGNOPE', 'no-flock:1', 'slow-steps:'):
         with pytest.raises(ValueError, match='DLOJZ_FAULT'):

@@ -216,6 +216,29 @@ def test_signal_requeues_and_resumes_exactly(slurm, workdir, cache_dir, tmp_path
     assert summary(tmp_path / 'run')['status'] == 'completed'
 
 
+def test_a_stop_during_start_up_requeues_and_the_job_completes(slurm, workdir, cache_dir, tmp_path):
+    """Slurm's signal may come while dlojz starts (a time limit's USR2 came 2.6 s after the start in
+    the long tier): the start-up ends at once, the job is requeued, and the next attempt trains to
+    the uninterrupted losses. The first attempt's start-up is held in its checkpoint phase
+    (slow-phase, first attempt only); the signal goes once its run folder exists."""
+    flags = [*TINY, '--cache-dir', cache_dir, *LONG, '--num-workers', '2']
+    job = submit(slurm, workdir, 'cpu.slurm', *flags, '--output-dir', tmp_path / 'run',
+                 DLOJZ_FAULT='slow-phase:0:checkpoint:600')
+    deadline = time.time() + 120
+    while not (tmp_path / 'run').exists():
+        assert time.time() < deadline and slurm.job(job).get('JobState') in (
+            'PENDING', 'RUNNING', 'CONFIGURING'), slurm.job(job)
+        time.sleep(0.1)
+    r = slurm.run('scancel', '--batch', '--signal=USR2', job, check=False)
+    assert r.returncode == 0, (r.stderr, slurm.job(job))
+    wait_requeued(slurm, job)
+    info = slurm.wait(job, timeout=300)
+    err = job_log(workdir, job, 'err')
+    assert info['JobState'] == 'COMPLETED', err[-3000:]
+    assert 'stopped by SIGUSR2 during start-up' in err and 'was requeued' in err, err[-3000:]
+    assert 'Traceback' not in err and summary(tmp_path / 'run')['status'] == 'completed'
+    assert train_losses(tmp_path / 'run') == reference_losses(cache_dir, tmp_path, *LONG)
+
 def test_kill_during_checkpoint_then_rerun_resumes(slurm, workdir, cache_dir, tmp_path):
     flags = [*TINY, '--cache-dir', cache_dir, *LONG, '--chkpt-every', '5', '--output-dir', tmp_path / 'run']
     job = submit(slurm, workdir, 'cpu.slurm', *flags, DLOJZ_FAULT='kill-in-checkpoint:2')
