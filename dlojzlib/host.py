@@ -36,8 +36,8 @@ def freeze_imports():
     """dlojz.py's first step after the imports: the objects they made (modules, classes, functions:
     ~346 000 with torch, timm and torchvision) live as long as the process, so the collector stops
     scanning them (gc.freeze). A full collection took 0.16 s (this machine, 2 cores) and came
-    wherever the allocations tipped it: in a start-up phase, between two (issue 49's CI: 0.16 s
-    unaccounted) or in a step. It now scans only what was made since. DataLoader workers forked
+    wherever the allocations tipped it: in a start-up phase or between two (issue 49's CI: 0.16 s
+    unaccounted). It now scans only what was made since. DataLoader workers forked
     later no longer write to those objects' pages when they collect (copy on write). -> the number
     of objects frozen."""
     gc.freeze()
