@@ -21,6 +21,7 @@ from PIL import Image
 from dlojzlib.data import datasets as D
 from dlojzlib.data import decode, folder, gpu_decode, index
 from dlojzlib.errors import UsageError
+from strategies import json_values
 
 OLD = 1_600_000_000  # s: 2020, far older than the racy window
 
@@ -125,9 +126,7 @@ def test_a_fifo_or_a_folder_at_the_index_path_does_not_block(tmp_path):
     assert listed(root, cache, notes)[0] == fresh(root) and 'could not be kept' in notes[-1]
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
-                    lambda kids: st.lists(kids, max_size=4)
-                    | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=24)
+JSON = json_values(text=12, keys=8, size=4, leaves=24)
 NAMES = st.sampled_from(['cat', 'dog', 'cat000.jpg', '..', '../dog', 'a/b.jpg', '', '/x', 0, None])
 ENTRY = st.fixed_dictionaries({}, optional={
     # never the folders' real time (OLD): an index that names it is trusted by design (docs/data.md)

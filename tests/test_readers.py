@@ -12,14 +12,13 @@ from hypothesis import given, settings, strategies as st
 
 from dlojzlib import readers
 from dlojzlib.readers import Dict, Int, List, Map, Maybe, Num, Rel, Str, Unreadable
+from strategies import json_values
 
 SHAPE = Dict({'version': Int(1, 1), 'root': Str(),
               'splits': Map(Map(Dict({'mtime_ns': Maybe(Int(0)), 'files': List(Rel())})))},
              optional=['root'])
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
-                    lambda kids: st.lists(kids, max_size=4)
-                    | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=20)
+JSON = json_values(keys=8, size=4, leaves=20)
 
 
 def within(path, root):
@@ -174,13 +173,11 @@ def test_a_small_file_asks_for_its_size_not_the_limit(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # The shapes every file's declaration shares (Row, Name, Num(finite=False), fields, require)
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
-                    lambda inner: st.lists(inner, max_size=4)
-                    | st.dictionaries(st.text(max_size=5), inner, max_size=4), max_leaves=20)
+SHORT_KEYS = json_values(keys=5, size=4, leaves=20)
 
 
 @settings(deadline=1000, max_examples=200)
-@given(JSON)
+@given(SHORT_KEYS)
 def test_the_shared_shapes_give_a_value_or_wrong(value):
     for shape in (readers.Row(Str(), Int(0)), readers.Name(), Num(finite=False),
                   readers.fields(a=Int(), b=Maybe(Str())),

@@ -23,10 +23,9 @@ from dlojzlib.errors import Complete, UsageError
 from dlojzlib.modes import tune as T
 from dlojzlib.record import resume, rundir, state
 from dlojzlib.record.checkpoint import load_checkpoint, load_latest_checkpoint
+from strategies import json_values
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-                    lambda kids: st.lists(kids, max_size=4)
-                    | st.dictionaries(st.text(max_size=12), kids, max_size=4), max_leaves=20)
+JSON = json_values(text=20, keys=12, size=4, leaves=20)
 FAST = settings(deadline=1000, max_examples=120,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 

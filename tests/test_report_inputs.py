@@ -19,10 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dlojzlib.tools import report
+from strategies import json_values, paths_of, replaced
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                    lambda kids: st.lists(kids, max_size=4)
-                    | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=12)
+JSON = json_values(text=8, keys=8, size=4, leaves=12)
 FILES = ('summary.json', 'config.json', 'metrics.jsonl')
 
 
@@ -216,37 +215,15 @@ def rich(base):
     return summary, records + [SYNC]
 
 
-def paths_of(value, where=()):
-    """Every place in a JSON value (tuples of keys and indices), the first 3 items of a list."""
-    yield where
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from paths_of(v, where + (k,))
-    elif isinstance(value, list):
-        for i, v in enumerate(value[:3]):
-            yield from paths_of(v, where + (i,))
-
-
-def replaced(value, where, new):
-    if not where:
-        return new
-    out = copy.deepcopy(value)
-    at = out
-    for k in where[:-1]:
-        at = at[k]
-    at[where[-1]] = new
-    return out
-
-
 def one_field_changed(folders, tmp_path_factory, rich, data, new):
     """The rich run with one place of its summary, or of one record, holding `new`."""
     summary, records = rich
     if data.draw(st.booleans()):
-        where = data.draw(st.sampled_from(sorted(paths_of(summary), key=str)))
+        where = data.draw(st.sampled_from(sorted(paths_of(summary, items=3), key=str)))
         summary = replaced(summary, where, new)
     else:
         i = data.draw(st.integers(0, len(records) - 1))
-        where = data.draw(st.sampled_from(sorted(paths_of(records[i]), key=str)))
+        where = data.draw(st.sampled_from(sorted(paths_of(records[i], items=3), key=str)))
         records = records[:i] + [replaced(records[i], where, new)] + records[i + 1:]
     path = folders.make(**{'summary.json': json.dumps(summary),
                            'metrics.jsonl': ''.join(json.dumps(r) + '\n' for r in records)})

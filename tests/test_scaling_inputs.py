@@ -8,7 +8,6 @@ sentence, within a second.
 
 python -m pytest -q tests/test_scaling_inputs.py          # a real 1- and 2-rank pair: -m slow"""
 import contextlib
-import copy
 import io
 import json
 import os
@@ -20,6 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ROOT, TINY, torchrun
 from dlojzlib.measure import forecast_inputs as F, scaling as S
+from strategies import DELETE, json_values, paths_of, replaced
 
 SCRIPT = os.path.join(ROOT, 'dlojz_scaling.py')
 CONFIG = {'arch': 'resnet18', 'batch_size': 8, 'image_size': 32, 'amp': 'off',
@@ -251,33 +251,7 @@ def answered(code, out, err, flag):
             assert float(line.split()[8].rstrip('%')) <= 100.0, line
 
 
-def paths(value, at=()):
-    """Every place in a JSON value: the key paths of its fields and items."""
-    yield at
-    items = value.items() if isinstance(value, dict) else enumerate(value) \
-        if isinstance(value, list) else ()
-    for k, v in items:
-        yield from paths(v, at + (k,))
-
-
-def put(value, at, new):
-    value = copy.deepcopy(value)
-    if not at:
-        return new
-    inner = value
-    for k in at[:-1]:
-        inner = inner[k]
-    if new is DELETE:
-        del inner[at[-1]]
-    else:
-        inner[at[-1]] = new
-    return value
-
-
-DELETE = object()
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                    lambda kids: st.lists(kids, max_size=3)
-                    | st.dictionaries(st.text(max_size=8), kids, max_size=3), max_leaves=8)
+JSON = json_values(text=8, keys=8, size=3, leaves=8)
 FLAGS = sorted(VALID)
 SETTINGS = settings(deadline=1000, max_examples=50,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -295,9 +269,9 @@ def test_any_bytes_at_each_flag_give_a_table_or_one_sentence(tmp_path, flag, dat
 @SETTINGS
 @given(data=st.data())
 def test_any_json_anywhere_in_each_file_gives_a_table_or_one_sentence(tmp_path, flag, data):
-    at = data.draw(st.sampled_from(list(paths(VALID[flag]))))
+    at = data.draw(st.sampled_from(list(paths_of(VALID[flag]))))
     new = data.draw(JSON | st.just(DELETE) if at else JSON)
-    path = write(tmp_path, 'file.json', json.dumps(put(VALID[flag], at, new)).encode())
+    path = write(tmp_path, 'file.json', json.dumps(replaced(VALID[flag], at, new)).encode())
     answered(*forecast(*argv_with(flag, path, tmp_path)), flag)
 
 

@@ -28,10 +28,9 @@ from PIL import Image
 from dlojzlib.data import shards as S
 from dlojzlib.data import stage as G
 from dlojzlib.errors import DataError
+from strategies import json_values, paths_of, replaced
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
-                    lambda kids: st.lists(kids, max_size=4)
-                    | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=12)
+JSON = json_values(text=12, keys=8, size=4, leaves=12)
 # the fixture's shards: 2048 bytes each; rows of (shard, offset, size, label), 2 classes
 SHARD_BYTES = 2048
 TABLES = {'train': [[0, 512, 100, 0], [0, 1024, 50, 1], [1, 512, 200, 1]],
@@ -251,26 +250,6 @@ def test_any_bytes_at_index_json_give_the_index_or_one_sentence(folder, data):
         answer(root, index)
     finally:
         restore(root, S.INDEX, keep)
-
-
-def paths_of(value, at=()):
-    """Every place in a JSON value, as a tuple of keys."""
-    yield at
-    items = value.items() if isinstance(value, dict) else \
-        enumerate(value) if isinstance(value, list) else ()
-    for k, v in items:
-        yield from paths_of(v, at + (k,))
-
-
-def replaced(value, at, new):
-    if not at:
-        return new
-    value = json.loads(json.dumps(value))
-    parent = value
-    for k in at[:-1]:
-        parent = parent[k]
-    parent[at[-1]] = new
-    return value
 
 
 @settings(max_examples=100, **FAST)
