@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dlojzlib import failpoints, files, formats, readers
 from dlojzlib.dist import launch
 from dlojzlib.errors import Complete, UsageError, disk_full, writable
-from dlojzlib.readers import Dict, Either, Int, Maybe, Str, Unreadable
+from dlojzlib.readers import Dict, Either, Int, Maybe, Str, Unreadable, fields
 from dlojzlib.record.checkpoint import CHECKPOINT_RE, remove, remove_partial_checkpoints
 from dlojzlib.record.log import write_json
 
@@ -36,11 +36,6 @@ def default_output_dir(args, dist):
 # refused again with its sentence; nor is 'completed': a completed run is resubmitted into its own
 # folder, which says it is complete (Complete) or trains it further (a larger -e).
 FINISHED = ('nan', 'oom')
-
-
-# summary.json as dlojz reads it back: formats.SUMMARY (the fields a resumed or named run decides
-# by, and the tuner's 'mode'; any may be absent: a mode's record, an older dlojz)
-SUMMARY = formats.SUMMARY
 
 
 def not_a_record(e):
@@ -69,9 +64,10 @@ def read_record(path, shape, say=None):
 
 
 def run_record(path, say=None):
-    """The summary.json in `path` (of SUMMARY's shape), or None: none there, or a damaged one, which
-    is what a run killed before it wrote its record leaves (docs/errors.md; `say` is told why)."""
-    return read_record(os.path.join(path, 'summary.json'), SUMMARY, say)
+    """The summary.json in `path` (of formats.SUMMARY's shape), or None: none there, or a damaged
+    one, which is what a run killed before it wrote its record leaves (docs/errors.md; `say` is
+    told why)."""
+    return read_record(os.path.join(path, 'summary.json'), formats.SUMMARY, say)
 
 
 def run_status(path):
@@ -93,8 +89,8 @@ def job_alive(job_id):
     return r.returncode == 0 and bool(r.stdout.strip())
 
 
-JOB_ID = formats.JOB_ID  # what squeue -j is asked about: digits only
-OWNER_SHAPE = Dict({'job_id': Either(Int(0), JOB_ID)})
+# owner.json as taken() writes it: the job squeue -j is asked about, digits only (formats.JOB_ID)
+OWNER_SHAPE = Dict({'job_id': Either(Int(0), formats.JOB_ID)})
 
 
 def held_by_another_job(path, job_id, alive=job_alive):
@@ -302,11 +298,11 @@ class FolderLock:
 
 
 # A lock file's owner (FolderLock.acquire writes it): what the busy sentence shows and a stale
-# claim is judged by. A pid of 0 or below would name a process group to os.kill.
-# a lock file's owner, as acquire() writes it: job_id '' outside Slurm (launch.DistInfo's)
-CLAIM = Dict({'pid': Int(1), 'host': Str(max_len=256),
-              'job_id': Maybe(Either(Int(0), JOB_ID, Str('', 'nothing'))),
-              'since': Str(max_len=64)}, optional=('pid', 'host', 'job_id', 'since'))
+# claim is judged by. A pid of 0 or below would name a process group to os.kill; job_id is ''
+# outside Slurm (launch.DistInfo's).
+CLAIM = fields(pid=Int(1), host=Str(max_len=256),
+               job_id=Maybe(Either(Int(0), formats.JOB_ID, Str('', 'nothing'))),
+               since=Str(max_len=64))
 
 
 def _read_owner(path):
@@ -338,7 +334,7 @@ def trim_metrics(path, size, global_step):
     records of steps after `global_step` are dropped. Atomic (temp file + rename). -> the number of
     records dropped."""
     try:
-        data = readers.read_bytes(path, METRICS_LIMIT)
+        data = readers.read_bytes(path, formats.METRICS_LIMIT)
     except FileNotFoundError:
         return 0
     except Unreadable as e:
@@ -356,16 +352,12 @@ def trim_metrics(path, size, global_step):
     return dropped
 
 
-# One metrics.jsonl record as trim_metrics reads it (formats.METRIC); a record without a step
-# (none is written today) is kept.
-METRIC, METRICS_LIMIT = formats.METRIC, formats.METRICS_LIMIT
-
-
 def _after(line, global_step):
     """Whether a line goes: a record of a step after `global_step`, or a line cut by a kill (or of
-    another shape, which dlojz does not write)."""
+    another shape than formats.METRIC, which dlojz does not write). A record without a step (none
+    is written today) is kept."""
     try:
-        step = readers.parse_json('metrics.jsonl', line, METRIC).get('global_step')
+        step = readers.parse_json('metrics.jsonl', line, formats.METRIC).get('global_step')
     except Unreadable:
         return True
     return step is not None and step > global_step
