@@ -34,7 +34,7 @@ from dlojzlib import files, readers
 from dlojzlib.data.folder import scan_imagefolder
 from dlojzlib.errors import DataError, DlojzError, disk_full, writable
 from dlojzlib.flags import number
-from dlojzlib.readers import Dict, Int, List, Maybe, Num, Str, Unreadable
+from dlojzlib.readers import Dict, Int, List, Maybe, Name, Num, Row, Str, Unreadable
 
 FORMAT = 'dlojz-shards-v1'
 INDEX = 'index.json'
@@ -44,7 +44,7 @@ INDEX = 'index.json'
 # '../x' or '/etc/passwd', nor staging's own '.dlojz-*' files.
 NAME = Str(r'[A-Za-z0-9][A-Za-z0-9._-]*', 'a file name of the folder', max_len=255)
 _HEAD = {'format': Str(re.escape(FORMAT), f'"{FORMAT}"'),
-         'classes': List(readers.Name('a class name (a folder name)'),
+         'classes': List(Name('a class name (a folder name)'),
                          expected='a list of class names'),
          'max_side': Maybe(Int(1))}
 SPLIT = Dict({'shards': List(Dict({'name': NAME, 'samples': Int(0)})), 'samples': Int(0)},
@@ -54,7 +54,7 @@ SPEC = Dict({**_HEAD, 'shard_size_mb': Num(0),  # prepare.json: the arguments of
              'files': Str('[0-9a-f]{64}', 'a SHA-256 in hex')})
 # <shard>.json, the sidecar: per sample its key, the offset of its bytes in the shard (after its
 # 512-byte header), their size, its label and the extension of its member
-SIDECAR = List(readers.Row(Str('[0-9]{8}', 'a key of 8 digits'), Int(512), Int(0), Int(0),
+SIDECAR = List(Row(Str('[0-9]{8}', 'a key of 8 digits'), Int(512), Int(0), Int(0),
                    Str(max_len=255)))
 
 

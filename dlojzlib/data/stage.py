@@ -32,13 +32,13 @@ from dlojzlib.data import shards
 from dlojzlib.dist import launch
 from dlojzlib.errors import DataError, DiskFull, NO_SPACE, UsageError, writable
 from dlojzlib.files import write_atomic
-from dlojzlib.readers import Dict, Int, List, Str, Unreadable
+from dlojzlib.readers import Dict, Int, List, Row, Str, Unreadable
 
 DONE = '.dlojz-staged.json'      # written last: the copy is complete
 JOURNAL = '.dlojz-staging.jsonl'  # one line per file copied whole
 LOCK = '.lock'
 # a file copied whole: [its name, the source's bytes and st_mtime_ns], a line of the journal
-ENTRY = readers.Row(shards.NAME, Int(0), Int())
+ENTRY = Row(shards.NAME, Int(0), Int())
 MARKER = Dict({'source': Str(), 'files': List(ENTRY)})  # DONE: the source and all its files
 CHUNK = 16 * 2**20               # bytes per read/write: large sequential I/O on both file systems
 PROGRESS_S = 5.0                 # seconds between progress lines
