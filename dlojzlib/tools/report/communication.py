@@ -7,6 +7,7 @@ import re
 import statistics
 
 from dlojzlib import readers
+from dlojzlib.tools.report.runs import unreadable as unreadable_note
 from dlojzlib.tools.report.common import md_table, plt, save_fig, slug
 
 
@@ -77,8 +78,7 @@ def comm_view(run, max_steps=10):
             with io.TextIOWrapper(readers.open_file(path), errors='replace') as f:
                 ops.extend(parse_nccl(f, rank))
         except (OSError, readers.Unreadable) as e:
-            why = f'it {e.why}' if isinstance(e, readers.Unreadable) else e.strerror or str(e)
-            unreadable.append(f'{os.path.basename(path)} is unreadable: {why}')
+            unreadable.append(unreadable_note(path, e))
     if not ops:
         return {'ops': [], 'logs': len(logs), 'unreadable': unreadable}
     ranks = sorted({o['rank'] for o in ops})

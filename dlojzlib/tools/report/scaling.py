@@ -33,7 +33,7 @@ def scalings(runs):
         for r in g:
             img_s = numbers(r)['train_img_s']
             if r.status == 'completed' and img_s:
-                split = split_of(r.get('timing') or {})
+                split = step_split(r.get('timing') or {})
                 by_ws.setdefault(r.world_size, []).append((img_s, split))
         if len(by_ws) < 2:
             continue
@@ -63,11 +63,6 @@ def scalings(runs):
             rows.append(row)
         out.append({'label': label(g[0]) + f', {g[0].batch_size} images per process', 'rows': rows})
     return out
-
-
-def split_of(timing):
-    """measure.scaling.step_split of a run's timing (shapes.SUMMARY holds what it needs)."""
-    return step_split(timing)
 
 
 def medians(runs):

@@ -2,11 +2,8 @@
 in the shapes dlojzlib/formats.py declares once for every reader, with the fields the report's
 views need there said here (readers.require). runs.py reads them through
 dlojzlib.readers: a file of another shape is one note on its run, a record of another shape is left
-out and counted, and the views never meet a value they cannot use.
-
-The bounds are far beyond any run's (10^9 s is 31 years, 2^64 bytes 16 EiB) and keep the views'
-arithmetic finite: a float of 1e308 times 1e3 is infinite, an integer of 4000 digits cannot become
-a float at all."""
+out and counted, and the views never meet a value they cannot use (formats.py's bounds keep
+their arithmetic finite)."""
 from dlojzlib import formats
 from dlojzlib.readers import require
 
