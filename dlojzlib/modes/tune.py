@@ -167,11 +167,10 @@ def next_batch(tried, start, cap):
     return mid if lo < mid < hi else None
 
 
-# One row of tune.json's table (row_from and Tuner.trial write it), as a continued sweep, the table,
-# the winner and the recommended command read it; tune.json as a continued sweep reads it
+# tune.json as a continued sweep reads it: each row of its table (row_from and Tuner.trial write
+# them) whole, as the table, the winner and the recommended command read them
 ROW = ('name', 'batch', 'amp', 'channels_last', 'compile', 'status', 'wall_s')
 MEASURED = ('images_per_s', 'step_ms', 'memory_bytes', 'bound', 'train_images')  # None: failed
-TRIAL = readers.present(readers.require(formats.TUNE_TRIAL, *ROW), *MEASURED)
 TUNE = readers.present(readers.require(formats.TUNE, 'trials', *(f'trials.{k}' for k in ROW)),
                        *(f'trials.{k}' for k in MEASURED))
 
@@ -282,16 +281,12 @@ class Tuner:
         return self.record
 
 
-# tune-loader.json (modes.doctor writes it) as the tuner reads it: the best trial's loader flags
-LOADER_BEST = formats.LOADER_BEST
-
-
 def doctor_flags(output_dir, say=None):
     """The loader doctor's best setting (tune-loader.json of --tune-loader in the same folder), as
     flags; none when it has not run, or its record is damaged (`say` is told)."""
     path = os.path.join(output_dir, 'tune-loader.json')
     try:
-        best = readers.read_json(path, LOADER_BEST)['verdict']['best']
+        best = readers.read_json(path, formats.LOADER_BEST)['verdict']['best']
     except OSError:
         return []
     except Unreadable as e:
