@@ -125,6 +125,13 @@ def replace_ddp_buffer_sync(ddp, fn):
     ddp._sync_buffers = fn
 
 
+def use_count(tensor):
+    """How many C++ owners a tensor's TensorImpl has: 1 where only its Python object holds it, more
+    while a collective's work (a gloo worker thread's) still does (dist.launch.hold). No public
+    call tells it. Tensor._use_count: torch 2.4 to 2.14."""
+    return tensor._use_count()
+
+
 def load_whole_dcp(path):
     """A torch.distributed.checkpoint folder read whole in this one process, whatever world size
     wrote it: {key: whole tensors, and the values saved as bytes}. The public dcp.load fills only

@@ -24,7 +24,8 @@ def test_torch_has_the_private_calls_dlojz_makes():
     missing = [name for owner, name in [(torch.cuda, '_sleep'), (torch, '_foreach_lerp_'),
                                         (torch, '_foreach_copy_'), (torch, '_standard_gamma'),
                                         (torch.UntypedStorage, '_new_shared'),
-                                        (torch, '_nested_view_from_buffer')]
+                                        (torch, '_nested_view_from_buffer'),
+                                        (torch.Tensor, '_use_count')]
                if not hasattr(owner, name)]
     assert missing == []
 
@@ -57,6 +58,11 @@ def test_the_wrappers_do_what_their_public_counterparts_do():
     want = torch.nested.nested_tensor([flat[:6].view(2, 3), flat[6:].view(4, 1)])
     assert all(torch.equal(a, b) for a, b in zip(view.unbind(), want.unbind()))
     assert view.values().data_ptr() == flat.data_ptr()  # a view of the buffer
+    # a tensor's C++ owners: its Python object; then a view of it as well (it holds its base)
+    owned = torch.zeros(2)
+    alone = compat.use_count(owned)
+    held = owned.view(-1)
+    assert (alone, compat.use_count(owned)) == (1, 2)
 
 
 def test_fused_optimizers_are_told_apart():

@@ -212,6 +212,59 @@ def test_a_normal_end_joins_the_groups_threads(drop):
     assert [p.exitcode for p in procs] == [0, 0]
 
 
+def _ends_in_a_row(rank, ports, result):
+    """A rank of 2-process gloo runs that end normally one after another in this process, each
+    with the host-side collectives a run makes and DDP's model in a reference cycle, then
+    cleanup()."""
+    torch.set_num_threads(1)
+    for port in ports:
+        os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+        info = DistInfo(rank=rank, world_size=2, local_world_size=2, master_port=port,
+                        launcher='torchrun')
+        launch.setup(info, torch.device('cpu'))
+        cycle = {'model': torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))}
+        cycle['self'] = cycle
+        reduced = launch.all_reduce_(torch.full((1,), rank + 1.0)).item()
+        sent = launch.broadcast_object(f'rank {rank}')
+        seen = (reduced, sent, launch.all_gather_object(list(range(50 * rank))))  # as summary
+        del cycle
+        launch.cleanup(synchronize=True)
+        result.put((rank, seen))
+
+
+ENDS = 24  # ~0.3 s each on 2 cores
+
+
+def test_normal_ends_in_a_row_never_hang():
+    """Before torch 2.8, freeing a gloo group joined its threads with the GIL held, while one of
+    them waited for the GIL to free a tensor torch's all_gather_object had made (dist/objects.py).
+    At the floor (torch 2.4) a rank hung in cleanup(): at the 2nd to 4th end in each of 4 loops
+    like this one, and at 7 of 55 single ends. Here every end finishes on both ranks, with the
+    collectives' results."""
+    import multiprocessing as mp
+    ctx = mp.get_context('spawn')
+    result, ports = ctx.Queue(), [free_port() for _ in range(ENDS)]
+    procs = [ctx.Process(target=_ends_in_a_row, args=(r, ports, result)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    seen = []
+    try:
+        while len(seen) < 2 * ENDS:
+            seen.append(result.get(timeout=20))  # an end takes 0.3 s
+    except Exception:  # queue.Empty: a rank hung; how many ends finished is the message
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    want = (3.0, 'rank 0', [[], list(range(50))])  # pickles of two lengths
+    assert sorted(r for r, _ in seen) == [0] * ENDS + [1] * ENDS, f'{len(seen)} of {2 * ENDS} ends'
+    assert all(s == want for _, s in seen), seen
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
 def test_gpu_sharing_needs_mps_or_the_flag(monkeypatch, tmp_path):
     """The Alliance Canada guide runs several small replicas per GPU under NVIDIA MPS: local rank
     modulo the GPUs then, refused (with the way out) otherwise."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from dlojzlib.dist import starting
+from dlojzlib.dist import objects, starting
 from dlojzlib.environment import read  # the parser of each launcher's variable
 from dlojzlib.errors import EARLY_SIGNALS, DlojzError, UsageError, first_line
 
@@ -328,14 +328,13 @@ def cleanup(peer_failed=False, synchronize=False):
     # (tests/test_dist checks that none is left).
     _CPU_GROUP = None
     gc.collect()
+    objects.keep()  # what no work holds any more (their threads are joined) is let go
 
 
 def all_gather_object(obj):
     if not (tdist.is_available() and tdist.is_initialized()):
         return [obj]
-    out = [None] * tdist.get_world_size()
-    tdist.all_gather_object(out, obj, group=_CPU_GROUP)
-    return out
+    return objects.gather(obj, _CPU_GROUP)
 
 
 def grouped():
@@ -346,9 +345,7 @@ def grouped():
 def broadcast_object(obj, src=0):
     if not (tdist.is_available() and tdist.is_initialized()):
         return obj
-    box = [obj]
-    tdist.broadcast_object_list(box, src=src, group=_CPU_GROUP)
-    return box[0]
+    return objects.broadcast(obj, src, _CPU_GROUP)
 
 
 def on_ranks(fn, when=True):
@@ -379,6 +376,7 @@ def _user_message(e):
 def all_reduce_(tensor, op='sum'):
     """In-place all-reduce of a device tensor over every rank (no-op in a single process)."""
     if tdist.is_available() and tdist.is_initialized():
+        objects.keep(tensor)  # objects.py: its last reference must not be a gloo worker's
         tdist.all_reduce(tensor, op=getattr(tdist.ReduceOp, op.upper()))
     return tensor
 
@@ -471,6 +469,7 @@ class StopSignal:
             return self.received is not None
         stop = self.settle()
         self._flag = torch.tensor([0 if self.received is None else 1])
+        objects.keep(self._flag)
         self._work = tdist.all_reduce(self._flag, op=tdist.ReduceOp.MAX, group=_CPU_GROUP, async_op=True)
         return stop
 
