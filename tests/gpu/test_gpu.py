@@ -359,6 +359,21 @@ def test_the_all_reduce_done_event_waits_for_the_all_reduce(tmp_path):
         tdist.destroy_process_group()
 
 
+def test_objects_travel_on_an_nccl_group_in_gpu_tensors(tmp_path):
+    """Under Lightning dlojz makes no gloo group: launch's gather and broadcast then run on the
+    default group, NCCL's, which takes no CPU tensor (dist/objects.py puts them on the current GPU;
+    the CPU tests only see gloo). World size 1, in this process."""
+    import torch.distributed as tdist
+
+    from dlojzlib.dist import objects
+    tdist.init_process_group('nccl', init_method=f'file://{tmp_path}/store', rank=0, world_size=1)
+    try:
+        box = {'rank': 0, 'times': [0.25] * 100}
+        assert objects.gather(box, None) == [box] and objects.broadcast(box, 0, None) == box
+    finally:
+        tdist.destroy_process_group()
+
+
 def test_the_hooks_events_on_gloo_with_cuda_tensors(tmp_path):
     """gloo on CUDA tensors (ranks sharing GPUs) runs the done callback on gloo's own thread, whose
     current CUDA device is 0: CudaTimeline records both of a bucket's events on this rank's GPU, and
