@@ -127,7 +127,7 @@ def replace_ddp_buffer_sync(ddp, fn):
 
 def use_count(tensor):
     """How many C++ owners a tensor's TensorImpl has: 1 where only its Python object holds it, more
-    while a collective's work (a gloo worker thread's) still does (dist.launch.hold). No public
+    while a collective's work (a gloo worker thread's) still does (dist.objects.keep). No public
     call tells it. Tensor._use_count: torch 2.4 to 2.14."""
     return tensor._use_count()
 

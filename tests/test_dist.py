@@ -251,7 +251,7 @@ ENDS = 24  # ~0.3 s each on 2 cores
 def test_normal_ends_in_a_row_never_hang():
     """Before torch 2.8, freeing a gloo group joined its threads with the GIL held, while one of
     them waited for the GIL to free a tensor torch's all_gather_object had made (dist/objects.py).
-    At the floor (torch 2.4) a rank hung in cleanup(): at the 2nd to 4th end in each of 4 loops
+    At the floor (torch 2.4) a rank hung in cleanup(): at the 3rd to 5th end in each of 4 loops
     like this one, and at 7 of 55 single ends. Here every end finishes on both ranks, with the
     collectives' results."""
     seen, exits = _on_two_ranks(_ends_in_a_row, ([free_port() for _ in range(ENDS)],), 2 * ENDS,

@@ -5,7 +5,7 @@ Why kept: before torch 2.8 (pytorch#154976), freeing a gloo group (launch.cleanu
 worker threads with the GIL held, while a worker that drops the last reference to a tensor made in
 Python waits for the GIL to free its Python object: a deadlock, the rank hangs at the end of a
 run. At the floor (torch 2.4) a 2-rank gloo run that ended normally hung in cleanup() in 7 of 55
-tries, and in a loop of ends in one process, at the 2nd to 4th end (tests/test_dist). Kept here,
+tries, and in a loop of ends in one process, at the 3rd to 5th end (tests/test_dist). Kept here,
 a tensor's last reference is always Python's, dropped by the main thread. torch's own
 all_gather_object and broadcast_object_list make their tensors inside, where nothing can keep
 them: hence gather and broadcast below, which do what those do."""
