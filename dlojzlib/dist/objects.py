@@ -73,8 +73,9 @@ def broadcast(obj, src, group):
     size = torch.tensor([len(data)], device=device)
     keep(size)
     tdist.broadcast(size, src=src, group=group)
+    size = int(size)
     box = _tensor_of(data, device) if sending else \
-        torch.empty(int(size), dtype=torch.uint8, device=device)
+        torch.empty(size, dtype=torch.uint8, device=device)
     keep(box)
     tdist.broadcast(box, src=src, group=group)
-    return obj if sending else _object_of(box, int(size))
+    return obj if sending else _object_of(box, size)
