@@ -120,6 +120,31 @@ def end_group(p, grace_s=10):
             continue
 
 
+def on_ranks(n, target, args, results, wait):
+    """target(rank, *args, queue) in n spawned processes; -> (what they put in the queue, up to
+    `results` items or until `wait` s pass without one (a rank hung), their exit codes)."""
+    import multiprocessing as mp
+    import queue
+    ctx = mp.get_context('spawn')
+    result = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, result)) for r in range(n)]
+    for p in procs:
+        p.start()
+    seen = []
+    try:
+        while len(seen) < results:
+            seen.append(result.get(timeout=wait))
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return seen, [p.exitcode for p in procs]
+
+
 def srun_like(n, *flags, log_dir, job_id=None):
     """Start n dlojz tasks with the variables srun gives one task per process on one node; the job id is
     chosen so that dlojz's port (20000 + id % 10000) is free. -> list of Popen, outputs in

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import free_port, on_ranks
 from dlojzlib.dist import launch
 from dlojzlib.dist.launch import DistInfo, get_dist_info
 from dlojzlib.environment import expand_nodelist, expand_tasks_per_node
@@ -185,31 +185,6 @@ def _ending_rank(rank, port, drop, result):
     result.put((rank, during, {k: v for k, v in _threads().items() if k not in start}))
 
 
-def _on_two_ranks(target, args, results, wait):
-    """target(rank, *args, queue) in 2 spawned processes; -> (what they put in the queue, up to
-    `results` items or until `wait` s pass without one (a rank hung), their exit codes)."""
-    import multiprocessing as mp
-    import queue
-    ctx = mp.get_context('spawn')
-    result = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, *args, result)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    seen = []
-    try:
-        while len(seen) < results:
-            seen.append(result.get(timeout=wait))
-    except queue.Empty:
-        pass
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return seen, [p.exitcode for p in procs]
-
-
 @pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='threads are listed from /proc')
 @pytest.mark.parametrize('drop', [True, pytest.param(False, marks=pytest.mark.slow)])  # 4 s each
 def test_a_normal_end_joins_the_groups_threads(drop):
@@ -217,7 +192,7 @@ def test_a_normal_end_joins_the_groups_threads(drop):
     normal end (`terminate called without an active exception`): cleanup() leaves none of the
     threads the process group started. The same run without the fix (drop=False) must keep them, or
     this test would not see the difference."""
-    seen, exits = _on_two_ranks(_ending_rank, (free_port(), drop), 2, wait=120)
+    seen, exits = on_ranks(2, _ending_rank, (free_port(), drop), 2, wait=120)
     assert len(seen) == 2, f'{len(seen)} of 2 ranks ended'
     for rank, during, after in seen:
         assert len(during) >= 3, during  # two groups' threads at least (torch 2.14: 7 for 2 ranks)
@@ -254,7 +229,7 @@ def test_normal_ends_in_a_row_never_hang():
     At the floor (torch 2.4) a rank hung in cleanup(): at the 3rd to 5th end in each of 4 loops
     like this one, and at 7 of 55 single ends. Here every end finishes on both ranks, with the
     collectives' results."""
-    seen, exits = _on_two_ranks(_ends_in_a_row, ([free_port() for _ in range(ENDS)],), 2 * ENDS,
+    seen, exits = on_ranks(2, _ends_in_a_row, ([free_port() for _ in range(ENDS)],), 2 * ENDS,
                                 wait=20)  # an end takes 0.3 s
     want = (3.0, 'rank 0', [[], list(range(50))])  # pickles of two lengths
     assert sorted(r for r, _ in seen) == [0] * ENDS + [1] * ENDS, f'{len(seen)} of {2 * ENDS} ends'
