@@ -532,7 +532,7 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
     ]
     version = tuple(int(v) for v in re.findall(r'\d+', torch.__version__)[:2])
     refusals += plan.refusals(args, device.type, world_size, version, backend)
-    refusals += stages.refusals(args, world_size, version, backend)
+    refusals += stages.refusals(args, world_size, version, backend, device.type)
     if args.arch.startswith(TIMM):
         refusals.append(timm_refusal(args.arch[len(TIMM):]))
     cpu = device.type == 'cpu'

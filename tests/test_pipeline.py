@@ -288,6 +288,25 @@ def test_what_a_pipeline_cannot_take_is_refused_in_one_sentence(argv, says):
     assert '\n' not in said[0] and said[0].endswith('.')
 
 
+def test_a_pipeline_of_tasks_sharing_a_gpu_is_refused_in_one_sentence():
+    """gloo's send and recv hand a tensor's address to TCP, and a CUDA tensor's is on the GPU:
+    ranks that share a GPU (gloo, --share-gpu or MPS) cannot run a pipeline's stages there. On
+    103aea5 check_args let it through (the fifth GPU review, F2)."""
+    argv = ['--test-nsteps', '2', '--wandb', 'off', '--pipeline-stages', '2', '--microbatches', '2',
+            '--arch', 'coatnet7']
+    gpu = torch.device('cuda', 0)  # a device object only: nothing runs on it
+    check = lambda backend: flags.check_args(flags.get_args_parser().parse_args(argv), gpu, 2,
+                                             capability=(9, 0), backend=backend)
+    with pytest.raises(UsageError) as e:
+        check('gloo')
+    said = str(e.value)
+    assert 'gloo group of tasks sharing a GPU' in said and 'a GPU of its own' in said, said
+    assert '\n' not in said and said.endswith('.')
+    assert check('nccl').pipeline_stages == 2
+    assert flags.check_args(flags.get_args_parser().parse_args(argv), torch.device('cpu'), 2,
+                            backend='gloo').pipeline_stages == 2  # CPU tensors: gloo's own
+
+
 def test_1f1b_on_gloo_is_refused_below_torch_2_8():
     argv = ['--pipeline-stages', '2', '--microbatches', '2', '--arch', 'coatnet7']
     assert checked(*argv, version=(2, 7)) == [

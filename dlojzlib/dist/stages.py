@@ -119,8 +119,9 @@ def bubble(schedule, stages, microbatches):
     return (stages - 1) / (v * microbatches + stages - 1)
 
 
-def refusals(args, world_size, torch_version, backend=None):
-    """-> [(refused, sentence)] for the pipeline flags (flags.check_args raises the first)."""
+def refusals(args, world_size, torch_version, backend=None, device_type=None):
+    """-> [(refused, sentence)] for the pipeline flags (flags.check_args raises the first).
+    backend: the process group's; device_type: the run's device's ('cuda', 'cpu')."""
     s, m = args.pipeline_stages, args.microbatches
     piped = s > 1 or m > 1
     name = f'--pipeline-stages {s}'
@@ -160,6 +161,13 @@ def refusals(args, world_size, torch_version, backend=None):
         (piped and args.findlr,
          f'--findlr with {name} is not supported by dlojz yet; find the rate without the '
          f'pipeline.'),
+        # gloo's send and recv hand the tensor's address to its TCP transport, and a CUDA tensor's
+        # is on the GPU (only gloo's collectives copy CUDA tensors through the host); dist.plan
+        # refuses FSDP2 there for the same reason
+        (s > 1 and device_type == 'cuda' and backend == 'gloo',
+         f'{name} sends activations and gradients between the stages\' ranks on the GPU, which '
+         f'the gloo group of tasks sharing a GPU cannot do (its sends take host memory only); '
+         f'give each task a GPU of its own, or drop --pipeline-stages.'),
         (s > 1 and args.pipeline_schedule == 'interleaved' and m % s != 0,
          f'--pipeline-schedule interleaved runs the microbatches in rounds of {s} (one per stage); '
          f'give --microbatches a multiple of {s}.'),
