@@ -41,6 +41,7 @@ import torch.nn as nn
 
 import custom_models
 from dlojz_chrono import Chronometer, CudaTimeline, profiler
+from dlojzlib import choices
 from dlojzlib import failpoints
 from dlojzlib import recipe
 from dlojzlib.data import augment
@@ -148,11 +149,15 @@ class Run:
     states: shard.StateMeter = None  # this rank's, measured after the first optimizer step
     pipe: pipeline.Pipeline = None  # --pipeline-stages or --microbatches: the steps go through it
     replicas: int = 1             # of the data: the ranks, or the copies of a pipeline
+    choices: object = None        # choices.Choices: what it picked from its device
 
 
-def build_run(args, dist, device, say, startup=None):
+def build_run(args, dist, device, say, startup=None, choice=None):
     """-> (run, where it starts). The checkpoint's flags are settled first (record.resume: the seed, for one, shapes
-    the data order), and the checkpoint is checked against the run before any log is opened."""
+    the data order), and the checkpoint is checked against the run before any log is opened. choice:
+    the device's choices.Choices (check_args resolved the flags with it; default: choices.of the
+    device)."""
+    choice = choice or choices.of(device)
     startup = startup or StartUp(time.time())
     phase = startup.phase
     with phase('checkpoint'):
@@ -192,8 +197,7 @@ def build_run(args, dist, device, say, startup=None):
             f'accuracy say nothing; check --data-dir.')
     with phase('optimizer'):
         criterion, optimizer, scheduler, scaler = recipe.build_optimization(
-            args, plain, steps_per_epoch, total_steps,
-            torch.device('cpu') if args.cpu_offload else device)  # where the optimizer steps
+            args, plain, steps_per_epoch, total_steps, choice)
     global_batch = args.batch_size * replicas * args.accum_steps
     check_resume(args, dist, ckpt_path, ckpt, data, plain, optimizer, global_batch, steps_per_epoch, total_steps)
     resumed = ckpt is not None and not args.evaluate
@@ -220,8 +224,7 @@ def build_run(args, dist, device, say, startup=None):
               # a non-finite loss is looked for every step on CPU (free); on a GPU at each log line, in the
               # same read as the line's loss (one sync per --log-interval steps); the LR sweep reads its loss
               # every step anyway and stops on its own
-              guard=NonFiniteGuard(device, 1 if device.type == 'cpu' and not args.findlr else 0,
-                                   dist.distributed),
+              guard=NonFiniteGuard(device, choice.nan_check_every(args.findlr), dist.distributed),
               stop=launch.StopSignal(),
               log=log, global_batch=global_batch, host=host,
               steps_per_epoch=steps_per_epoch, total_steps=total_steps,
@@ -229,7 +232,8 @@ def build_run(args, dist, device, say, startup=None):
               ema=recipe.EMA(plain, args.ema_decay, args.ema_warmup) if args.ema_decay else None,
               started=time.time(), process_started=process_start_time(), startup=startup,
               plans=plans, states=shard.StateMeter(plain, optimizer), replicas=replicas,
-              pipe=eval_model if isinstance(eval_model, pipeline.Pipeline) else None)
+              pipe=eval_model if isinstance(eval_model, pipeline.Pipeline) else None,
+              choices=choice)
     sync = recipe.scaler_sync_warning(optimizer, args.amp)
     run.host['warnings'] += [sync] if sync else []  # printed in the header, kept in summary.json
     if resumed:  # where this attempt starts, and what it replaced of the one before
@@ -441,7 +445,7 @@ def main(args, dist=None, startup=None, hold_interrupt=False):
     dist = dist or get_dist_info()
     startup = startup or StartUp(time.time())
     with startup.phase('device'):
-        device, raw, args, share = _device(args, dist)
+        device, raw, args, share, choice = _device(args, dist)
     with startup.phase('process_group'):
         launch.setup(dist, device, args.dist_timeout, share, alone=args.shard != 'none')
     with ExitStack() as taken:
@@ -458,12 +462,13 @@ def main(args, dist=None, startup=None, hold_interrupt=False):
             with stop_recorded(args, dist, 'loader'):
                 return doctor.loader_mode(args, raw, dist, device)
         if args.tune:
-            return tune.tune_mode(args, raw, dist, device)
-        return _main(args, dist, device, startup, hold_interrupt)
+            return tune.tune_mode(args, raw, dist, device, choice)
+        return _main(args, dist, device, startup, hold_interrupt, choice)
 
 
 def _device(args, dist):
-    """-> (device, the flags as given, the flags checked, whether tasks share GPUs)"""
+    """-> (device, the flags as given, the flags checked, whether tasks share GPUs, the device's
+    choices.Choices)"""
     if args.deterministic:  # cuBLAS reads it when its first handle is made: before any GPU matmul
         os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
     share = args.share_gpu or launch.mps_active()
@@ -471,7 +476,9 @@ def _device(args, dist):
     raw = dict(vars(args))  # the flags as given: --tune-loader passes them on to its trials
     gpus = torch.cuda.device_count()
     backend = launch.process_group_backend(device.type, gpus, dist.local_world_size, share)
-    args = flags.check_args(args, device, dist.world_size, job_id=dist.job_id, backend=backend)
+    choice = choices.of(device)  # DLOJZ_AS_IF_CUDA=1: a CPU run makes a CUDA run's choices
+    args = flags.check_args(args, device, dist.world_size, job_id=dist.job_id, backend=backend,
+                            choice=choice)
     threads = intra_op_threads(args.num_workers, device.type == 'cpu', dist.local_world_size)
     if threads:  # before the first parallel op: OpenMP sizes its pool then
         torch.set_num_threads(threads)
@@ -479,17 +486,17 @@ def _device(args, dist):
         os.environ['TORCH_DISTRIBUTED_DEBUG'] = 'DETAIL'
     if args.nccl_debug:
         launch.nccl_debug_env()
-    return device, raw, args, share
+    return device, raw, args, share, choice
 
 
-def _main(args, dist, device, startup, hold_interrupt=False):
+def _main(args, dist, device, startup, hold_interrupt=False, choice=None):
     """Build the run, run its mode (train, LR sweep or evaluation), and end every way it can end with a
     summary.json that says how (errors), the power meter stopped and the logs closed."""
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     torch.use_deterministic_algorithms(args.deterministic)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
     seed_everything(args.seed)  # same seed on every rank: same initial weights, same augmentation streams
-    run, progress = build_run(args, dist, device, Console(dist.is_main), startup)
+    run, progress = build_run(args, dist, device, Console(dist.is_main), startup, choice)
     with startup.phase('header'):
         print_header(run)
     power, extra, code = run.power, {}, 1

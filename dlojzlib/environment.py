@@ -22,6 +22,9 @@ ENVIRONMENT = {
     # appended to the first node's name (srun): the name of its high-speed interface
     'DLOJZ_MASTER_SUFFIX': (r'[A-Za-z0-9._-]*', 'a host-name suffix such as -ib0'),
     'DLOJZ_FAULT': None,  # the crash tests' failpoints (faults() checks it)
+    # 1: a CPU run makes the choices of a CUDA run wherever torch runs them on a CPU (the tests'
+    # seam: dlojzlib.choices)
+    'DLOJZ_AS_IF_CUDA': (r'[01]', '0 or 1'),
     'DLOJZ_RUN': None, 'DLOJZ_VENV': None,  # the slurm/ scripts' (the run name, the environment)
     'DLOJZ_REQUIRE_GPU': None, 'DLOJZ_SLURM_SETUP': None, 'DLOJZ_STUB_LOG': None,  # the tests'
     'DLOJZ_GPU_PROGRESS': None,  # tests/gpu/run.sh's progress file (tests/gpu/progress.py)
@@ -43,6 +46,12 @@ def check_environment(environ=os.environ):
             raise UsageError(f'{name}={value!r} is not a value dlojz understands (it takes '
                              f'{form[1]}); correct it, or unset it.')
     faults(environ)  # here rather than at failpoints' import: one sentence, not a traceback
+
+
+def as_if_cuda(environ=os.environ):
+    """Whether DLOJZ_AS_IF_CUDA=1 asks a CPU run to make a CUDA run's choices (dlojzlib.choices);
+    a value other than 0 or 1 is refused by check_environment at start-up, and reads as 0 here."""
+    return environ.get('DLOJZ_AS_IF_CUDA', '') == '1'
 
 
 # ------------------------------------------------------------------------ the launchers' variables

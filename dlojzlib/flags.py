@@ -11,6 +11,8 @@ import re
 import shutil
 import sys
 
+from dlojzlib import choices
+from dlojzlib.choices import native_bf16  # noqa: F401 (flags.native_bf16: the GPU tests')
 from dlojzlib.environment import ENVIRONMENT, check_environment  # noqa: F401 (flags.ENVIRONMENT)
 from dlojzlib.dist import plan, stages
 from dlojzlib.errors import UsageError
@@ -474,20 +476,15 @@ def timm_refusal(name):
             f'python -c "import timm; print(timm.list_models(\'*vit*\'))" lists its names.')
 
 
-def native_bf16(capability):
-    """Whether a GPU of this (major, minor) compute capability computes bf16 natively: cuDNN does
-    from sm80 (Ampere) on. torch.cuda.is_bf16_supported() also counts emulation, which on a V100
-    (sm70) sends every convolution down a slow path."""
-    return tuple(capability) >= (8, 0)
-
-
-def check_args(args, device, world_size=1, capability=None, job_id=None, backend=None):
+def check_args(args, device, world_size=1, capability=None, job_id=None, backend=None,
+               choice=None):
     """Refuse flag combinations that mean nothing and resolve the defaults that depend on other
     flags, on the device or on the world size. The parser has already checked each value's type and
     range. capability: the GPU's (major, minor) compute capability (default: asked from CUDA).
     job_id: SLURM's, which names the default run folder (a requeued job keeps it). backend: the
-    process group's (dist.launch.process_group_backend). Imports torch and the data modules when
-    called, not when this module is imported."""
+    process group's (dist.launch.process_group_backend). choice: the device's choices.Choices
+    (default: choices.of the device, DLOJZ_AS_IF_CUDA read), which resolve the device's defaults.
+    Imports torch and the data modules when called, not when this module is imported."""
     import torch
 
     from dlojzlib.data import decode
@@ -535,7 +532,8 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
     refusals += stages.refusals(args, world_size, version, backend, device.type)
     if args.arch.startswith(TIMM):
         refusals.append(timm_refusal(args.arch[len(TIMM):]))
-    cpu = device.type == 'cpu'
+    choice = choice or choices.of(device, capability)
+    cpu = device.type == 'cpu'  # what the device itself must run: the seam changes none of it
     if cpu:
         refusals += [
             (args.sync_bn, '--sync-bn needs CUDA GPUs (PyTorch\'s SyncBatchNorm does not run on CPU); drop it for '
@@ -548,24 +546,25 @@ def check_args(args, device, world_size=1, capability=None, job_id=None, backend
             (args.compile and not (shutil.which('cc') or shutil.which('gcc')),
              '--compile on CPU needs a C compiler (cc/gcc) on PATH; install one or drop --compile.')]
     else:
-        major, minor = capability or torch.cuda.get_device_capability(device)
-        bf16 = native_bf16((major, minor))
-        refusals.append((args.amp == 'bf16' and not bf16, f'--amp bf16 needs a GPU of compute capability 8.0 or '
-                         f'more (A100, H100); this one is {major}.{minor} (V100: 7.0) and would emulate it slowly; '
-                         f'use --amp fp16.'))
+        major, minor = choice.capability
+        refusals.append((args.amp == 'bf16' and not native_bf16((major, minor)),
+                         f'--amp bf16 needs a GPU of compute capability 8.0 or more (A100, '
+                         f'H100); this one is {major}.{minor} (V100: 7.0) and would emulate it '
+                         f'slowly; use --amp fp16.'))
         # gloo (ranks sharing a GPU) all-reduces and broadcasts CUDA tensors, but SyncBatchNorm
         # all-gathers them
         refusals.append((args.sync_bn and backend == 'gloo' and world_size > 1, '--sync-bn all-gathers BatchNorm '
                          'statistics on the GPU, which the gloo group of ranks sharing a GPU cannot do; drop '
                          '--sync-bn, or give each task a GPU of its own.'))
-        args.amp = ('bf16' if bf16 else 'fp16') if args.amp == 'auto' else args.amp
     for refused, sentence in refusals:
         if refused:
             raise UsageError(sentence)
-    args.amp = 'off' if args.amp == 'auto' else args.amp
-    args.pin_memory = not cpu if args.pin_memory is None else args.pin_memory
+    if args.amp == 'auto':  # FSDP2's slices and a pipeline's stages refuse fp16's loss scale
+        piped = args.pipeline_stages > 1 or args.microbatches > 1
+        args.amp = choice.amp(half_refused=args.shard in plan.FSDP_MODES or piped)
+    args.pin_memory = not cpu if args.pin_memory is None else args.pin_memory  # pinned: CUDA's
     if args.channels_last is None:  # FSDP2 slices contiguous parameters only (dist.plan refuses it)
-        args.channels_last = not cpu and args.shard not in plan.FSDP_MODES
+        args.channels_last = choice.channels_last(sharded=args.shard in plan.FSDP_MODES)
     if args.num_workers > 0:
         args.prefetch_factor = args.prefetch_factor or 2
         args.persistent_workers = True if args.persistent_workers is None else args.persistent_workers

@@ -1,7 +1,8 @@
 """The training recipe: the optimizer and its parameter groups, the learning-rate schedule, and the
 exponential moving average (EMA) of the weights.
 
-- Optimizers: torch's SGD and AdamW (fused on a GPU); LARS, LAMB and Lion from timm, imported only when
+- Optimizers: torch's SGD and AdamW (fused on a GPU, SGD with foreach over FSDP2's sharded
+  parameters: choices.optimizer_kernels); LARS, LAMB and Lion from timm, imported only when
   chosen (timm's import takes seconds).
 - Weight decay goes to every parameter unless --no-wd-norm-bias, which gives the BatchNorm weights and all
   biases (the 1-D parameters) their own group without decay. LARS and LAMB leave that group out of their
@@ -38,29 +39,39 @@ def param_groups(model, wd, wd_norm_bias=True, adaptive=False):
             + ([group(flat, 0.0, False)] if flat else []))
 
 
-def build_optimizer(args, model, lr, device):
+def build_optimizer(args, model, lr, choice):
     """-> the optimizer of --optimizer over `model`'s parameter groups; with --shard optimizer,
-    ZeRO-1's around it (each rank keeps and steps a part of the state)."""
+    ZeRO-1's around it (each rank keeps and steps a part of the state). choice: the device's
+    choices.Choices, which pick its kernels (fused, foreach; implementation() says which)."""
     groups = param_groups(model, args.wd, args.wd_norm_bias, args.optimizer in ADAPTIVE)
     # ZeRO-1 over every rank, or a pipeline stage's replicas (dist.pipeline)
     replicas = getattr(model, 'replica_group', None)
     make = (lambda cls, groups, **kw: shard.zero_optimizer(cls, groups, replicas, **kw)) \
         if getattr(args, 'shard', 'none') == 'optimizer' else \
         lambda cls, groups, **kw: cls(groups, **kw)
-    # On a GPU the fused kernels update every parameter in a few launches, and take fp16's loss
-    # scale and inf flag as device tensors: GradScaler.step then skips its per-step found_inf.item()
-    # synchronisation.
-    fused = {'fused': True} if device.type == 'cuda' else {}
-    if args.optimizer == 'sgd':
-        return zero_momentum(make(torch.optim.SGD, groups, lr=lr, momentum=args.mom, **fused))
-    if args.optimizer == 'adamw':
-        return make(torch.optim.AdamW, groups, lr=lr, betas=(args.mom, 0.999), **fused)
+    dtensors = any(isinstance(p, shard.DTensor) for p in model.parameters())  # FSDP2's
+    on_host = getattr(args, 'cpu_offload', False)
+    if args.optimizer in ('sgd', 'adamw'):
+        kernels = choice.optimizer_kernels(args.optimizer, dtensors, on_host)
+        if args.optimizer == 'sgd':
+            return zero_momentum(make(torch.optim.SGD, groups, lr=lr, momentum=args.mom, **kernels))
+        return make(torch.optim.AdamW, groups, lr=lr, betas=(args.mom, 0.999), **kernels)
     from timm import optim as timm_optim  # seconds to import: only when asked for
     cls = {'lars': timm_optim.Lars, 'lamb': timm_optim.Lamb,
            'lion': timm_optim.Lion}[args.optimizer]
     kw = {'momentum': args.mom} if args.optimizer == 'lars' else \
         {'betas': (args.mom, 0.999 if args.optimizer == 'lamb' else 0.99)}
-    return make(cls, groups, lr=lr, **kw, **timm_foreach(cls, device))
+    kernels = choice.optimizer_kernels(args.optimizer, dtensors, on_host, has_foreach(cls))
+    return make(cls, groups, lr=lr, **kw, **kernels)
+
+
+def implementation(optimizer):
+    """How the optimizer updates the parameters, for the run's header: 'fused' (one kernel for
+    all), 'foreach' (multi-tensor ops), or torch's default for the device (per-parameter on a CPU,
+    foreach for CUDA tensors)."""
+    defaults = shard.local_optimizer(optimizer).defaults
+    return 'fused' if defaults.get('fused') else 'foreach' if defaults.get('foreach') else \
+        "torch's default"
 
 
 def zero_momentum(optimizer):
@@ -81,14 +92,13 @@ def zero_momentum(optimizer):
     return optimizer
 
 
-def timm_foreach(cls, device):
-    """{'foreach': True} on a GPU where this timm optimizer has a multi-tensor path: a few launches
-    per parameter group per step instead of several per parameter (~2 000 for ResNet-50 with LARS's
-    Python loop). Lion has one from timm 0.9 (off unless asked for until timm made it the CUDA
-    default); LARS and LAMB from timm 1.0.31 (1.0.29 and 1.0.30 have none). Asked for explicitly,
-    since older timm defaults it off."""
-    has = 'foreach' in inspect.signature(cls.__init__).parameters
-    return {'foreach': True} if has and device.type == 'cuda' else {}
+def has_foreach(cls):
+    """Whether this timm optimizer has a multi-tensor path, which a GPU run asks for
+    (choices.optimizer_kernels): a few launches per parameter group per step instead of several
+    per parameter (~2 000 for ResNet-50 with LARS's Python loop). Lion has one from timm 0.9 (off
+    unless asked for until timm made it the CUDA default); LARS and LAMB from timm 1.0.31 (1.0.29
+    and 1.0.30 have none). Asked for explicitly, since older timm defaults it off."""
+    return 'foreach' in inspect.signature(cls.__init__).parameters
 
 
 def scaler_sync_warning(optimizer, amp):
@@ -117,11 +127,12 @@ def lr_factor(schedule, step, warmup, total, power=2.0):
     return 1.0
 
 
-def build_optimization(args, model, steps_per_epoch, total_steps, device):
+def build_optimization(args, model, steps_per_epoch, total_steps, choice):
     """-> (criterion, optimizer, scheduler, scaler); model: the plain module (its parameters are the
-    DDP/compiled model's). steps_per_epoch: optimizer steps."""
+    DDP/compiled model's). steps_per_epoch: optimizer steps. choice: the device's
+    choices.Choices."""
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    optimizer = build_optimizer(args, model, 1e-8 if args.findlr else args.lr, device)
+    optimizer = build_optimizer(args, model, 1e-8 if args.findlr else args.lr, choice)
     if args.findlr:  # geometric sweep from 1e-8 to --lr over every step of the run
         mult = (args.lr / 1e-8) ** (1 / max(1, total_steps - 1))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: mult ** s)

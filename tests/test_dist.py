@@ -301,3 +301,24 @@ def test_srun_port_from_the_user_or_the_system():
     for bad in ('abc', '0', '70000'):
         with pytest.raises(UsageError, match=f"MASTER_PORT='{bad}' is not a port number"):
             get_dist_info({**SRUN, 'MASTER_PORT': bad})
+
+
+def test_two_ranks_on_one_gpu_are_refused_unless_shared(monkeypatch):
+    """The UUIDs of the ranks' GPUs, gathered (fakes of torch.cuda's properties and of the
+    gather): a repeated UUID on a host is refused in one sentence, unless the GPU is shared."""
+    import socket
+    from types import SimpleNamespace
+    host = socket.gethostname()
+    monkeypatch.setattr(torch.cuda, 'get_device_properties',
+                        lambda d: SimpleNamespace(uuid='GPU-a'))
+    dist = DistInfo(rank=0, local_rank=0, world_size=3, local_world_size=3)
+    for uuids, refused in ((['GPU-a', 'GPU-b', 'GPU-c'], False),
+                           (['GPU-a', 'GPU-b', 'GPU-a'], True)):
+        monkeypatch.setattr(launch, 'all_gather_object', lambda me: [(host, u) for u in uuids])
+        if refused:
+            with pytest.raises(UsageError, match=r'^ranks 0 and 2 share GPU GPU-a on '
+                                                 r'.*--share-gpu\) to share it\.$'):
+                launch._check_distinct_gpus(dist, torch.device('cuda', 0))
+        else:
+            launch._check_distinct_gpus(dist, torch.device('cuda', 0))
+        launch._check_distinct_gpus(dist, torch.device('cuda', 0), share=True)

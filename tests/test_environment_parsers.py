@@ -179,7 +179,8 @@ def test_any_fault_and_restart_count_give_failpoints_or_one_sentence(fault, rest
 
 @settings(deadline=1000, max_examples=60)
 @given(name=st.sampled_from(['OMP_NUM_THREADS', 'DLOJZ_REGION_DECODE', 'DLOJZ_HANDOVER',
-                             'DLOJZ_MASTER_SUFFIX', 'DLOJZ_FAULT', 'SLURM_RESTART_COUNT']),
+                             'DLOJZ_MASTER_SUFFIX', 'DLOJZ_FAULT', 'SLURM_RESTART_COUNT',
+                             'DLOJZ_AS_IF_CUDA']),
        text=ANY)
 def test_the_start_up_check_gives_nothing_or_one_sentence(name, text):
     try:

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import custom_models
 import dlojz
+from dlojzlib import choices
 from dlojzlib import flags
 from dlojzlib import recipe
 from dlojzlib.dist import launch
@@ -27,6 +28,7 @@ from dlojzlib.metrics import PeakMemory
 from test_chrono import FakeNVML
 
 GPU = torch.device('cuda', 0)  # a device object only: nothing runs on it
+AS_GPU = choices.choose('cuda', (9, 0))  # an H100's choices, made on CPU tensors
 
 
 def resolved_on(capability, *argv):
@@ -88,9 +90,9 @@ def test_gpu_runs_build_fused_optimizers():
     args = resolved_on((8, 0), '--amp', 'fp16')
     for name in ('sgd', 'adamw'):
         args.optimizer = name
-        opt = recipe.build_optimization(args, torch.nn.Linear(2, 2), 10, 10, GPU)[1]
+        opt = recipe.build_optimization(args, torch.nn.Linear(2, 2), 10, 10, AS_GPU)[1]
         assert opt.defaults['fused'] is True, name
-    cpu = recipe.build_optimization(args, torch.nn.Linear(2, 2), 10, 10, torch.device('cpu'))[1]
+    cpu = recipe.build_optimization(args, torch.nn.Linear(2, 2), 10, 10, choices.choose('cpu'))[1]
     assert not cpu.defaults.get('fused')
 
 
@@ -100,7 +102,7 @@ def fp16_step_syncs(name):
     args = resolved_on((7, 0), '--optimizer', name)  # a V100: --amp auto picks fp16
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-    opt = recipe.build_optimizer(args, model, 0.01, GPU)
+    opt = recipe.build_optimizer(args, model, 0.01, AS_GPU)
     scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
     scaler.scale(model(torch.randn(16, 8)).square().mean()).backward()
     with HostSyncs() as mode:
@@ -163,20 +165,20 @@ def test_timm_optimizers_take_their_foreach_path_on_a_gpu(name):
     skipping."""
     from timm import optim as timm_optim
     cls = {'lars': timm_optim.Lars, 'lamb': timm_optim.Lamb, 'lion': timm_optim.Lion}[name]
-    if not recipe.timm_foreach(cls, GPU):
+    if not recipe.has_foreach(cls):
         pytest.skip(f'this timm has no foreach path for {cls.__name__}')
     args = resolved_on((8, 0), '--optimizer', name)
     counts = {}
-    for device in (torch.device('cpu'), GPU):  # CPU: the loop (no foreach asked for); GPU: foreach
+    for device in ('cpu', 'cuda'):  # CPU: the loop (no foreach asked for); GPU: foreach
         torch.manual_seed(0)
         model = custom_models.build_model('resnet18', 4)
-        opt = recipe.build_optimizer(args, model, 0.01, device)
+        opt = recipe.build_optimizer(args, model, 0.01, choices.choose(device, (8, 0)))
         for p in model.parameters():
             p.grad = torch.randn_like(p)
         opt.step()  # state made at the first step
         with Launches() as mode:
             opt.step()
-        counts[device.type] = mode.n
+        counts[device] = mode.n
     n_params = len(list(model.parameters()))
     assert counts['cuda'] * 3 < counts['cpu'] and counts['cpu'] > 5 * n_params, counts
 

@@ -153,6 +153,9 @@ CASES = {
                                    {'DLOJZ_DATADIR': '{shards}'}),
     'a DLOJZ_ value misspelt': ('dlojz.py', FAKE, ["DLOJZ_HANDOVER='defualt'"],
                                 {'DLOJZ_HANDOVER': 'defualt'}),
+    # the seam that makes a CPU run take a GPU run's choices (dlojzlib.choices)
+    'the CUDA seam not 0 or 1': ('dlojz.py', FAKE, ["DLOJZ_AS_IF_CUDA='yes'", 'takes 0 or 1'],
+                                 {'DLOJZ_AS_IF_CUDA': 'yes'}),
     'OMP_NUM_THREADS not a number': ('dlojz.py', FAKE, ['OMP_NUM_THREADS'],
                                      {'OMP_NUM_THREADS': 'four'}),
     'the data folder named by its variable': ('dlojz.py', T, ['$DLOJZ_DATA_DIR', 'unset it'],

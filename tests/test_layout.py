@@ -17,7 +17,7 @@ from conftest import ROOT
 # below; flags reads the data path and the launch to resolve machine-dependent defaults
 # (check_args), and the data path reads the flags it is given (RandAugment's N,M).
 BASE = {'dlojzlib', 'dlojzlib.errors', 'dlojzlib.failpoints', 'dlojzlib.host', 'dlojzlib.compat',
-        'dlojzlib.files', 'dlojzlib.tables', 'dlojzlib.environment',
+        'dlojzlib.files', 'dlojzlib.tables', 'dlojzlib.environment', 'dlojzlib.choices',
         'dlojzlib.readers', 'dlojzlib.formats'}
 CORE = {'dlojzlib.recipe', 'dlojzlib.metrics'}
 LAUNCHERS = {'dlojz_report', 'dlojz_data', 'dlojz_slurm', 'dlojz_scaling', 'dlojz_bench',

@@ -13,6 +13,7 @@ import torchvision
 
 from conftest import TINY, run_main
 import dlojz
+from dlojzlib import choices
 from dlojzlib import flags
 from dlojzlib import recipe as R
 
@@ -35,7 +36,7 @@ def lars_step(wd_norm_bias, lr=0.5, wd=1e-4):
     nn.CrossEntropyLoss()(model(torch.randn(5, 3, 8, 8)), torch.tensor([0, 1, 2, 0, 1])).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     args = Namespace(optimizer='lars', wd=wd, wd_norm_bias=wd_norm_bias, mom=0.9)
-    R.build_optimizer(args, model, lr, torch.device('cpu')).step()
+    R.build_optimizer(args, model, lr, choices.choose('cpu')).step()
     return before, grads, dict(model.named_parameters())
 
 
@@ -61,9 +62,9 @@ def test_sgd_survives_a_first_step_that_fp16s_scaler_skips():
     """fp16's GradScaler hands the fused SGD its inf flag; an inf in the first step (usual at the
     initial scale) makes the kernel skip. torch's fused SGD had allocated its momentum buffers
     uninitialised for that step and reads them from then on: NaN on an H100 (torch 2.11). Here the
-    CPU's fused kernel stands in (build_optimizer fuses on a GPU only, so the flag is set as it sets
-    it there), and deterministic mode fills uninitialised memory with NaN, so the defect shows on
-    every run. Expected: torch's plain SGD after one step with the same gradients, bit for bit."""
+    CPU's fused kernel stands in (the optimizer built with a GPU's choices), and deterministic mode
+    fills uninitialised memory with NaN, so the defect shows on every run. Expected: torch's plain
+    SGD after one step with the same gradients, bit for bit."""
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     reference = nn.Linear(3, 2)
@@ -72,9 +73,8 @@ def test_sgd_survives_a_first_step_that_fp16s_scaler_skips():
     for m in (model, reference):
         m(x).square().sum().backward()
     args = Namespace(optimizer='sgd', wd=1e-4, wd_norm_bias=True, mom=0.9)
-    optimizer = R.build_optimizer(args, model, 0.1, torch.device('cpu'))
-    for group in optimizer.param_groups:
-        group['fused'] = True
+    optimizer = R.build_optimizer(args, model, 0.1, choices.choose('cuda', (9, 0)))
+    assert all(group['fused'] for group in optimizer.param_groups)
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)  # torch.empty* filled with NaN
     try:
@@ -93,7 +93,7 @@ def scheduled(run_flags, key, steps=20):
     `run_flags` builds (10 steps per epoch, 20 in all)."""
     args = flags.check_args(dlojz.get_args_parser().parse_args(TINY + run_flags),
                             torch.device('cpu'))
-    _, opt, sched, _ = R.build_optimization(args, nn.Linear(2, 2), 10, 20, torch.device('cpu'))
+    _, opt, sched, _ = R.build_optimization(args, nn.Linear(2, 2), 10, 20, choices.choose('cpu'))
     seen = []
     for _ in range(steps):
         seen.append(opt.param_groups[0][key])

@@ -248,7 +248,7 @@ def test_a_resume_takes_this_devices_kernels_not_the_checkpoints(tmp_path, cache
     from dlojzlib.record.log import Console
     out = tmp_path / 'run'
     assert dlojz.cli([*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--test-nsteps', '2', '--chkpt']) == 0
-    monkeypatch.setattr(recipe, 'build_optimizer', lambda args, model, lr, device: torch.optim.SGD(
+    monkeypatch.setattr(recipe, 'build_optimizer', lambda args, model, lr, choice: torch.optim.SGD(
         recipe.param_groups(model, args.wd, args.wd_norm_bias), lr=lr, momentum=args.mom,
         fused=True))
     argv = [*TINY, '--cache-dir', cache_dir, '--output-dir', str(out), '--test-nsteps', '4', '--resume', 'auto']

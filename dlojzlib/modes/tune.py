@@ -32,10 +32,10 @@ import os
 import sys
 import time
 
-from dlojzlib import SCRIPT, formats, readers, tables
+from dlojzlib import SCRIPT, choices, formats, readers, tables
 from dlojzlib.dist import plan
 from dlojzlib.errors import UsageError
-from dlojzlib.flags import get_args_parser, native_bf16
+from dlojzlib.flags import get_args_parser
 from dlojzlib.measure import scaling
 from dlojzlib.modes.trial import run_for_summary
 from dlojzlib.readers import Unreadable
@@ -65,16 +65,17 @@ def check_tune_args(args, world_size):
 
 # ------------------------------------------------------------------------------------------ the trials
 
-def configurations(cuda, bf16=True, shard='none'):
+def configurations(cuda, bf16=True, shard='none', fp16=True):
     """(amp, channels_last, compile) combinations valid on the device, the default first; compile
     is False (eager) or a --compile-mode: 'default', and with channels-last 'reduce-overhead'
     (inductor's kernels replayed as CUDA graphs: the host's launch time off the step). Under --shard
     gradients and full, those the mode takes: neither channels-last, nor fp16, nor compile
-    (dist.plan's refusals)."""
+    (dist.plan's refusals). fp16: whether the device takes it (a CPU under DLOJZ_AS_IF_CUDA sweeps
+    the GPU's configurations without it)."""
     if not cuda:  # autocast on CPU is bf16 only; compile left out (minutes per trial on a small CPU)
         every = [(a, cl, False) for a in ('off', 'bf16') for cl in (False, True)]
     else:
-        amps = ['off', 'fp16'] + (['bf16'] if bf16 else [])
+        amps = ['off'] + (['fp16'] if fp16 else []) + (['bf16'] if bf16 else [])
         every = [(a, cl, c) for a in amps for cl in (True, False)
                  for c in (False, 'default', *(('reduce-overhead',) if cl else ()))]
     if shard in plan.FSDP_MODES:
@@ -187,9 +188,12 @@ def aside_name(path):
 class Tuner:
     """The sweep, its record (tune.json, rewritten after every trial) and its budget clock."""
 
-    def __init__(self, args, base, cuda, say, runner, clock=time.monotonic, bf16=True):
+    def __init__(self, args, base, cuda, say, runner, clock=time.monotonic, bf16=True, fp16=True,
+                 gpu_memory=None):
         self.args, self.base, self.cuda, self.say, self.runner, self.clock = args, base, cuda, say, runner, clock
-        self.bf16 = bf16
+        self.bf16, self.fp16 = bf16, fp16
+        # the trials' peak: the GPU's, or the host's (a CPU, under the seam too)
+        self.gpu_memory = cuda if gpu_memory is None else gpu_memory
         self.path = os.path.join(args.output_dir, 'tune.json')
         self.memory_budget = args.tune_memory_gib * 2 ** 30 if args.tune_memory_gib else None
         self.record = self._load()
@@ -245,7 +249,7 @@ class Tuner:
         t = self.clock()
         summary, code, last = self.runner(self.base + self.loader_flags + trial_argv(batch, amp, channels_last,
                                                                                      compile_), out)
-        row = row_from(summary, code, last, batch, amp, channels_last, compile_, self.cuda)
+        row = row_from(summary, code, last, batch, amp, channels_last, compile_, self.gpu_memory)
         row.update(name=name, wall_s=self.clock() - t, dir=out, loader_flags=list(self.loader_flags))
         self.record['trials'].append(row)
         self._save()
@@ -262,7 +266,8 @@ class Tuner:
 
     def sweep(self):
         a = self.args
-        amp0, cl0 = configurations(self.cuda, self.bf16, getattr(a, 'shard', 'none'))[0][:2]
+        every = configurations(self.cuda, self.bf16, getattr(a, 'shard', 'none'), self.fp16)
+        amp0, cl0 = every[0][:2]
         tried = {}
         while True:
             b = next_batch(tried, a.batch_size, a.tune_max_batch)
@@ -274,7 +279,7 @@ class Tuner:
             tried[b] = bool(fits(row, self.memory_budget))
         best_batch = max((b for b, f in tried.items() if f), default=None)
         if best_batch is not None:
-            for amp, cl, comp in configurations(self.cuda, self.bf16, getattr(a, 'shard', 'none')):
+            for amp, cl, comp in every:
                 self.trial(best_batch, amp, cl, comp)
         self.record['status'] = 'completed'
         self._save()
@@ -366,21 +371,25 @@ def write_csv(path, rows):
 
 
 def run_tune(args, raw, parser, device, say, python=sys.executable, script=None, runner=None, bf16=None,
-             world_size=1):
+             world_size=1, choice=None):
     """--tune on one device -> the tune record (also in tune.json). raw: the flags as parsed, before
     defaults were resolved (what the user typed is what the trials and the recommendation repeat).
+    choice: the device's choices.Choices (default: choices.of the device), whose sweep it runs; a
+    trial runs in a process of its own, which makes its own (DLOJZ_AS_IF_CUDA is inherited).
     """
     check_tune_args(args, world_size)
     script = script or SCRIPT
-    cuda = device.type == 'cuda'
-    if bf16 is None:  # dlojz refuses --amp bf16 below sm80: its trials would only be refused
-        import torch
-        bf16 = not cuda or native_bf16(torch.cuda.get_device_capability(device))
+    # dlojz refuses --amp bf16 below sm80 (and fp16 on a CPU): those trials would only be refused
+    cuda, native, fp16 = (choice or choices.of(device)).tune_sweep()
+    bf16 = native if bf16 is None else bf16
     base = _to_argv(parser, raw, TRIAL_FLAGS)
     runner = runner or (lambda argv, out: run_trial(python, script, [], argv, out, args.tune_steps))
-    tuner = Tuner(args, base, cuda, say, runner, bf16=bf16)
+    gpu = device.type == 'cuda'  # a trial's peak memory: the GPU's, else the host's
+    tuner = Tuner(args, base, cuda, say, runner, bf16=bf16, fp16=fp16, gpu_memory=gpu)
     resumed = len(tuner.record['trials'])
-    say(f'Tuning on {device}: {args.tune_steps} steady steps per trial, budget {args.tune_budget:g} min'
+    seam = ' (a GPU\'s sweep: DLOJZ_AS_IF_CUDA=1)' if cuda and not gpu else ''
+    say(f'Tuning on {device}{seam}: {args.tune_steps} steady steps per trial, budget '
+        f'{args.tune_budget:g} min'
         + (f'; {resumed} trials already measured (resumed)' if resumed else ''))
     record = tuner.sweep()
     best = winner(record, tuner.memory_budget)
@@ -395,7 +404,7 @@ def run_tune(args, raw, parser, device, say, python=sys.executable, script=None,
     say(f">>> Recommended: {cmd}")
     say(f">>> Expected: {best['images_per_s']:.1f} images/second"
         + (f', epoch {epoch_s:.1f} s on one device' if epoch_s else '') + f'; {rule}')
-    lines, rows = forecast_lines(args, best, cuda)
+    lines, rows = forecast_lines(args, best, gpu)  # from a measured rate: the real device's
     for line in lines:
         say(line)
     record.update(recommended={'command': cmd, 'trial': best['name'], 'images_per_s': best['images_per_s'],
@@ -419,15 +428,16 @@ def holds_another_record(folder):
         (summary is not None and summary.get('mode') not in ('tune', 'tune-loader'))
 
 
-def tune_mode(args, raw, dist, device):
+def tune_mode(args, raw, dist, device, choice=None):
     """--tune as dlojz.py runs it, in the run folder it has taken: config.json, the sweep, where it
-    went."""
+    went. choice: the device's choices.Choices."""
     if holds_another_record(args.output_dir):  # --resume auto (the slurm/ scripts') into a training run's folder
         raise UsageError(f'--output-dir {args.output_dir} holds a training run; --tune writes its trials and record '
                          f'into a folder of their own: pass another --output-dir or --run-name.')
     say = Console(dist.is_main)
     write_json(os.path.join(args.output_dir, 'config.json'), vars(args))
-    record = run_tune(args, raw, get_args_parser(), device, say, world_size=dist.world_size)
+    record = run_tune(args, raw, get_args_parser(), device, say, world_size=dist.world_size,
+                      choice=choice)
     say(f'Run written to {args.output_dir}')
     return record
 

@@ -24,8 +24,12 @@ def print_header(run):
     nodes, procs = dist.num_nodes, dist.world_size
     # ends with the process count, which the course's tools read as split()[-2]
     say(f">>> Training on {nodes} node{'s' * (nodes > 1)} and {procs} process{'es' * (procs > 1)}")
+    kernels = recipe.implementation(run.optimizer)  # fused, foreach: choices.optimizer_kernels
     say(f'{dist.launcher} launch on {run.device}: {args.arch}, amp {args.amp}, channels-last '
-        f'{args.channels_last}')
+        f'{args.channels_last}, optimizer {args.optimizer} ({kernels})')
+    if run.choices is not None and run.choices.as_if_cuda:
+        say(f"As if on CUDA (DLOJZ_AS_IF_CUDA=1), a GPU's choices: {', '.join(run.choices.made)}; "
+            f"CUDA events, streams, pinned memory, NCCL, NVML and the GPU decoders stay the CPU's")
     say(f'global batch size: {run.global_batch} - mini batch size: {args.batch_size}' +
         (f' ({args.accum_steps} micro-batches per step)' if args.accum_steps > 1 else ''))
     if args.findlr:
@@ -71,6 +75,8 @@ def write_summary(run, progress, status, error=None, extra=None):
         'energy': energy,
         'global_step': progress.global_step, 'train': progress.train, 'val': progress.val,
         'val_ema': progress.val_ema,
+        # DLOJZ_AS_IF_CUDA=1: the CUDA choices this CPU run made (dlojzlib.choices); null without it
+        'as_if_cuda': list(run.choices.made) if run.choices and run.choices.as_if_cuda else None,
         'time_to_accuracy': {'target_top1': args.target_top1, 'best_top1': progress.best_top1,
                              'raw': progress.reached.get('raw'),
                              'ema': progress.reached.get('ema')},
