@@ -631,6 +631,10 @@ def test_a_run_through_the_gpu_path_trains_like_the_pil_path(tmp_path, cache_dir
     assert len(epochs) == 1  # decoded one batch ahead, on the decode thread
     counts = got['data']['gpu_decode']
     assert counts['cpu_after_nvjpeg'] == 0 and 0 <= counts['cpu_in_workers'] <= 48
+    assert 'libnvjpeg' in counts
+    if counts['decoder'].startswith('nvimgcodec'):  # its CPU backend decoded, and is counted
+        backends = counts['nvimgcodec_backends']
+        assert set(backends) == {'cpu'} and backends['cpu'] > 0, backends
 
 
 def test_fake_data_with_gpu_decode_trains_without_a_decoder(tmp_path, cache_dir, monkeypatch):

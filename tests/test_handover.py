@@ -45,7 +45,8 @@ def jpeg(img, **kw):
     return buf.getvalue()
 
 
-needs_region = pytest.mark.skipif(DD.REGION.lib is None, reason=f'no region decoder: {DD.REGION.why_not}')
+needs_region = pytest.mark.skipif(DD.REGION.why_not is not None,
+                                  reason=f'no region decoder: {DD.REGION.why_not}')
 
 
 @needs_region
@@ -72,7 +73,7 @@ def test_fast_transform_is_the_same_with_and_without_regions(tmp_path, monkeypat
     DD.REGION.reset()
     with_region = [fast(str(path), random.Random(f'0-0-{i}')) for i in range(40)]
     used = DD.REGION.counts[0]
-    monkeypatch.setattr(DD.REGION, 'lib', None)
+    monkeypatch.setattr(DD.REGION, 'why_not', 'turned off by the test')
     without = [fast(str(path), random.Random(f'0-0-{i}')) for i in range(40)]
     assert used == 40  # every 224 px crop of a 500 x 375 file: region, no DCT scaling applies
     for i, (a, b) in enumerate(zip(with_region, without)):
@@ -102,10 +103,9 @@ def test_summary_says_which_decoder_and_how_the_batches_came(tmp_path, cache_dir
     fast, hand = data['fast_decode'], data['handover']
     taken = fast['images_region'] + fast['images_whole_file'] + fast['images_pil']
     assert taken >= 6 * 8  # the batches drawn (and what the workers prefetched), 8 images each
-    if DD.REGION.lib is not None:
+    if DD.REGION.why_not is None:
         assert fast['region_decoder'].startswith('nvimgcodec') and fast['images_region'] > 0
     assert hand['batches_in_slots'] >= 4 and hand['batches_stacked_default'] == 0
-    monkeypatch.setattr(DD.REGION, 'lib', None)
     monkeypatch.setattr(DD.REGION, 'why_not', 'turned off by DLOJZ_REGION_DECODE=0')
     monkeypatch.setenv('DLOJZ_HANDOVER', 'default')
     data = loader_only(tmp_path / 'b', cache_dir)
@@ -252,7 +252,7 @@ def test_the_region_path_meets_torchvisions_resized_crop_as_the_whole_file_path_
     DD.REGION.reset()
     region = worst_error()
     assert DD.REGION.counts[0] == 30
-    monkeypatch.setattr(DD.REGION, 'lib', None)
+    monkeypatch.setattr(DD.REGION, 'why_not', 'turned off by the test')
     whole = worst_error()
     print(f'mean abs error vs torchvision, worst sample: region {region:.3f}, whole file {whole:.3f} levels')
     assert region <= whole + 0.01 and region < 1.5

@@ -8,7 +8,11 @@
   another CUDA, decoding nothing of the first batch, or refusing one image (then decoded by
   torchvision's, counted);
 - on CUDA (torch.cuda faked) nvImageCodec decodes on the decode stream it is handed, and its outputs
-  are copied into torch's memory there before the geometry stream reads them.
+  are copied into torch's memory there before the geometry stream reads them;
+- which backend decoded how many images (gpu review 5, F6): each backend is a decoder of its own,
+  asked in turn for what those before it refused, one call each per batch; the counts reach
+  summary.json's record and the line the run prints after its first batch, which says so when the
+  hardware engine took none; the libnvjpeg the process bound is read from /proc/self/maps.
 
 Run: python -m pytest -q tests/test_nvdecode.py"""
 import io
@@ -25,8 +29,9 @@ from dlojzlib.data import gpu_decode as GD
 from dlojzlib.data import nvdecode, region
 
 S = 64
-NV = region._import_nvimgcodec()
-needs_nvimgcodec = pytest.mark.skipif(NV[0] is None, reason=f'nvImageCodec: {NV[1]}')
+WHY_NOT = region.why_not_nvimgcodec()
+NV = region.import_nvimgcodec() if WHY_NOT is None else None  # the module, for the CPU seam
+needs_nvimgcodec = pytest.mark.skipif(NV is None, reason=f'nvImageCodec: {WHY_NOT}')
 
 
 @pytest.fixture(scope='module')
@@ -56,7 +61,7 @@ def test_the_crops_nvimgcodec_decodes_are_the_region_decoders(photos):
     pixels --decode fast's region decoder gives one at a time."""
     batch = encoded(photos, [f'1-0-{i}' for i in range(12)])
     chunks = list(torch.split(batch.data, batch.sizes))
-    crops = nvdecode.NvDecoder(NV[0], torch.device('cpu'))(chunks, batch.boxes)
+    crops = nvdecode.NvDecoder(NV, torch.device('cpu'))(chunks, batch.boxes)
     for chunk, (t, l, h, w, _), crop in zip(chunks, batch.boxes, crops):
         want = DD.REGION(chunk.numpy().tobytes(), t, l, h, w)
         assert crop.shape == (3, h, w) and torch.equal(crop, torch.from_numpy(want).permute(2, 0, 1))
@@ -71,8 +76,10 @@ def test_the_device_path_gives_fast_decodes_samples(photos, monkeypatch, capsys)
     seeds = [f'2-0-{i}' for i in range(24)]
     decoder = GD.DeviceDecode()
     out = decoder(encoded(photos, seeds), torch.device('cpu'))
-    assert decoder.decoder == f'nvimgcodec {NV[0].__version__}' and decoder.nv_refused == 0
-    assert 'dlojz: --decode gpu: nvImageCodec' in capsys.readouterr().err
+    assert decoder.decoder == f'nvimgcodec {region.nvimgcodec_version()}'
+    assert decoder.nv_refused == 0
+    assert decoder.record()['nvimgcodec_backends'] == {'cpu': 24}
+    assert capsys.readouterr().err.count('dlojz: --decode gpu: nvImageCodec') == 1
     fast = DD.FastTrainTransform(S)
     for i, seed in enumerate(seeds):
         want = fast(str(photos[i % 3]), random.Random(seed))
@@ -83,19 +90,20 @@ def test_the_device_path_gives_fast_decodes_samples(photos, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize('facts, ok, words', [
-    ((None, 'nvidia-nvimgcodec-cu12 is not installed', 'cuda', '13.0', []), False, 'is not installed'),
-    (('lib', None, 'cpu', None, [12]), True, None),
-    (('lib', None, 'cuda', '13.0', [12]), False,
+    (('nvidia-nvimgcodec-cu12 is not installed', 'cuda', '13.0', []), False, 'is not installed'),
+    (('turned off by DLOJZ_REGION_DECODE=0', 'cuda', '13.0', [13]), False, 'DLOJZ_REGION_DECODE=0'),
+    ((None, 'cpu', None, [12]), True, None),
+    ((None, 'cuda', '13.0', [12]), False,
      'torch is built for CUDA 13.0 and nvidia-nvimgcodec-cu12 is installed; pip install nvidia-nvimgcodec-cu13 '
      'nvidia-nvjpeg for its GPU decoders'),
-    (('lib', None, 'cuda', '12.6', [12]), True, None),
-    (('lib', None, 'cuda', '12.8', []), False, 'no wheel is installed; pip install nvidia-nvimgcodec-cu12 '
-                                               'nvidia-nvjpeg-cu12'),
-    (('lib', None, 'cuda', '13.0', [12, 13]), True, None),
+    ((None, 'cuda', '12.6', [12]), True, None),
+    ((None, 'cuda', '12.8', []), False, 'no wheel is installed; pip install nvidia-nvimgcodec-cu12 '
+                                        'nvidia-nvjpeg-cu12'),
+    ((None, 'cuda', '13.0', [12, 13]), True, None),
 ])
 def test_which_decoder_from_the_facts(facts, ok, words):
-    lib, why, device, cuda, wheels = facts
-    got_ok, got_why = nvdecode.usable(lib, why, torch.device(device), cuda, wheels)
+    why, device, cuda, wheels = facts
+    got_ok, got_why = nvdecode.usable(why, torch.device(device), cuda, wheels)
     assert got_ok == ok and (got_why == words if words is None else words in got_why)
 
 
@@ -105,16 +113,29 @@ def test_the_wheels_cuda_major_comes_from_their_names():
     assert nvdecode.wheel_cuda_major(['nvidia-nvimgcodec', 'nvidia-nvimgcodec-cu1x']) == []
 
 
+def cpu_decoder():
+    """A real nvImageCodec Decoder of its CPU backend (libjpeg-turbo), as NvDecoder makes one."""
+    return NV.Decoder(device_id=NV.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
+                      backends=[NV.Backend(NV.BackendKind.CPU_ONLY)])
+
+
 class Refusing:
-    """An NvDecoder that gives what `real` gives, but None at the positions in `refuse` (or everywhere)."""
+    """An nvImageCodec Decoder that gives what `real` gives, but None at the positions in `refuse`
+    of each call's list (or everywhere), as a backend that does not take an image returns it;
+    `calls` holds how many images each call was handed."""
 
     def __init__(self, real, refuse):
         self.real, self.refuse, self.calls = real, refuse, []
 
-    def __call__(self, chunks, boxes, stream=None):
-        self.calls.append(stream)
-        got = self.real(chunks, boxes, stream)
+    def decode(self, sources, **kw):
+        self.calls.append(len(sources))
+        got = self.real.decode(sources, **kw)
         return [None if self.refuse == 'all' or k in self.refuse else x for k, x in enumerate(got)]
+
+
+def refusing(backend):
+    """A CPU NvDecoder whose one backend is `backend` (a Refusing)."""
+    return nvdecode.NvDecoder(NV, torch.device('cpu'), chain=[('cpu', backend)])
 
 
 @needs_nvimgcodec
@@ -125,11 +146,14 @@ def test_what_nvimgcodec_refuses_torchvision_decodes(photos, monkeypatch, capsys
     want = GD.DeviceDecode()(encoded(photos, seeds), torch.device('cpu'))
     decoder = GD.DeviceDecode()
     cpu = torch.device('cpu')
-    decoder._nv[cpu] = Refusing(nvdecode.NvDecoder(NV[0], cpu), {1, 4})
+    decoder._nv[cpu] = refusing(Refusing(cpu_decoder(), {1, 4}))
     decoder.decoder = 'nvimgcodec (refusing)'
     got = decoder(encoded(photos, seeds), cpu)
     assert decoder.nv_refused == 2 and decoder.refused == 0
+    assert decoder.record()['nvimgcodec_backends'] == {'cpu': 4}
     assert (got.int() - want.int()).abs().max() <= 1
+    assert ("its CPU backend (libjpeg-turbo) 4, torchvision's decoder 2 (nvImageCodec refused them)"
+            in capsys.readouterr().err)
 
 
 @needs_nvimgcodec
@@ -139,14 +163,16 @@ def test_a_decoder_that_decodes_nothing_of_the_first_batch_gives_way_to_torchvis
     decoder says so."""
     cpu = torch.device('cpu')
     decoder = GD.DeviceDecode()
-    decoder._nv[cpu] = Refusing(nvdecode.NvDecoder(NV[0], cpu), 'all')
+    decoder._nv[cpu] = refusing(Refusing(cpu_decoder(), 'all'))
     for k in range(2):
         out = decoder(encoded(photos, [f'4-{k}-{i}' for i in range(4)]), cpu)
         assert out.shape == (4, 3, S, S)
     assert decoder._nv[cpu] is None and decoder.decoder.startswith('torchvision ')
     assert 'decoded none of the first batch' in decoder.why_not
+    assert decoder.record()['nvimgcodec_backends'] == {'cpu': 0}
     err = capsys.readouterr().err
     assert err.count("dlojz: --decode gpu: torchvision's decode_jpeg decodes whole images") == 1
+    assert 'dlojz: --decode gpu: nvImageCodec' not in err
 
 
 def test_without_nvimgcodec_torchvision_decodes_and_says_why(photos, capsys):
@@ -178,7 +204,9 @@ def test_on_cuda_nvimgcodec_decodes_on_the_decode_stream_and_torch_owns_the_copy
 
     def nv(chunks, boxes, stream=None):
         seen['nv'] = (stream, cuda.current)
+        nv.counts['cuda'] += len(boxes)
         return [torch.zeros(3, b[2], b[3], dtype=torch.uint8) for b in boxes]
+    nv.counts = {'hardware': 0, 'cuda': 0, 'hybrid': 0}  # as NvDecoder's, the engine refusing all
 
     def resized_crops(images, boxes, size):
         seen['geometry_on'] = cuda.current
@@ -196,13 +224,14 @@ def test_on_cuda_nvimgcodec_decodes_on_the_decode_stream_and_torch_owns_the_copy
     assert seen['nv'] == (decode, decode) and seen['cat_on'][0] is decode
     assert (geometry, decode) in cuda.waits and recorded[:2] == [geometry, geometry]
     assert seen['geometry_on'] is geometry
+    assert decoder.record()['nvimgcodec_backends'] == {'hardware': 0, 'cuda': 2, 'hybrid': 0}
 
 
 @needs_nvimgcodec
 def test_an_image_of_another_layout_or_size_is_taken_as_it_is_or_left_to_the_fallback(photos):
     """A backend that gives the crop interleaved (H, W, 3) where planar was asked is read as planar; one
     whose size is not the box's is left to the fallback (None), never resized as if it were the crop."""
-    nv = nvdecode.NvDecoder(NV[0], torch.device('cpu'))
+    nv = nvdecode.NvDecoder(NV, torch.device('cpu'))
     planar = torch.arange(3 * 4 * 5, dtype=torch.uint8).view(3, 4, 5)
 
     class Host:
@@ -224,9 +253,9 @@ class RefusingFrom(Refusing):
         super().__init__(real, set())
         self.first = first
 
-    def __call__(self, chunks, boxes, stream=None):
+    def decode(self, sources, **kw):
         self.refuse = 'all' if len(self.calls) >= self.first else set()
-        return super().__call__(chunks, boxes, stream)
+        return super().decode(sources, **kw)
 
 
 @needs_nvimgcodec
@@ -237,9 +266,118 @@ def test_a_later_batch_nvimgcodec_refuses_whole_does_not_turn_it_off(photos, cap
     batch turned it off for the rest of the run, saying 'none of the first batch')."""
     cpu = torch.device('cpu')
     decoder = GD.DeviceDecode()
-    decoder._nv[cpu] = RefusingFrom(nvdecode.NvDecoder(NV[0], cpu), 1)
+    backend = RefusingFrom(cpu_decoder(), 1)
+    decoder._nv[cpu] = refusing(backend)
     decoder.decoder = 'nvimgcodec (refusing from the second batch)'
     for k in range(3):
         decoder(encoded(photos, [f'6-{k}-0']), cpu)
-    assert decoder._nv[cpu] is not None and len(decoder._nv[cpu].calls) == 3
+    assert decoder._nv[cpu] is not None and backend.calls == [1, 1, 1]
     assert decoder.nv_refused == 2 and 'decoded none' not in capsys.readouterr().err
+    assert decoder.record()['nvimgcodec_backends'] == {'cpu': 1}
+
+
+# -------------------------------------------------------------------------- which backend decoded
+
+def test_on_a_gpu_each_backend_is_a_decoder_of_its_own_the_engine_first():
+    """A fake nvImageCodec records the Decoders made for cuda:1: one per backend, hardware engine,
+    then CUDA, then hybrid, each holding that backend alone, on that device (one Decoder holding the
+    three would hand what the engine refuses to the next without a word)."""
+    made = []
+
+    def decoder(**kw):
+        made.append(kw)
+        return SimpleNamespace(decode=None)
+    kinds = SimpleNamespace(HW_GPU_ONLY='hw', GPU_ONLY='gpu', HYBRID_CPU_GPU='hybrid',
+                            CPU_ONLY='cpu')
+    fake = SimpleNamespace(Decoder=decoder, Backend=lambda kind: f'backend:{kind}',
+                           BackendKind=kinds, DecodeParams=lambda **kw: kw, SRGB='srgb',
+                           P_RGB='planar', NVIMGCODEC_DEVICE_CPU_ONLY=-99)
+    nv = nvdecode.NvDecoder(fake, torch.device('cuda', 1))
+    assert [name for name, _ in nv.chain] == ['hardware', 'cuda', 'hybrid']
+    assert [(kw['device_id'], kw['backends']) for kw in made] == [
+        (1, ['backend:hw']), (1, ['backend:gpu']), (1, ['backend:hybrid'])]
+    assert nv.counts == {'hardware': 0, 'cuda': 0, 'hybrid': 0}
+
+
+@needs_nvimgcodec
+def test_the_backends_kinds_exist_in_the_installed_nvimgcodec():
+    for _, kind in nvdecode.GPU_BACKENDS + nvdecode.CPU_BACKENDS:
+        assert isinstance(getattr(NV.BackendKind, kind), NV.BackendKind), kind
+
+
+@needs_nvimgcodec
+def test_each_backend_decodes_what_those_before_it_refused_and_is_counted(photos):
+    """Three backends in a chain (real CPU decoders, the first two refusing some images): each is
+    called once, with only the images those before it refused; the counts add up to the batch; the
+    crops are the region decoder's, each in its place."""
+    batch = encoded(photos, [f'7-0-{i}' for i in range(8)])
+    chunks = list(torch.split(batch.data, batch.sizes))
+    hardware, cuda = Refusing(cpu_decoder(), {0, 2, 5}), Refusing(cpu_decoder(), {0})
+    hybrid = Refusing(cpu_decoder(), set())
+    nv = nvdecode.NvDecoder(NV, torch.device('cpu'),
+                            chain=[('hardware', hardware), ('cuda', cuda), ('hybrid', hybrid)])
+    crops = nv(chunks, batch.boxes)
+    assert (hardware.calls, cuda.calls, hybrid.calls) == ([8], [3], [1])
+    assert nv.counts == {'hardware': 5, 'cuda': 2, 'hybrid': 1}
+    for chunk, (t, l, h, w, _), crop in zip(chunks, batch.boxes, crops):
+        want = DD.REGION(chunk.numpy().tobytes(), t, l, h, w)
+        assert torch.equal(crop, torch.from_numpy(want).permute(2, 0, 1))
+    nv(chunks, batch.boxes)  # the same refusals again: counted again, one call each
+    assert nv.counts == {'hardware': 10, 'cuda': 4, 'hybrid': 2} and hybrid.calls == [1, 1]
+
+
+@needs_nvimgcodec
+def test_a_batch_the_first_backend_takes_whole_is_one_call(photos):
+    batch = encoded(photos, [f'8-0-{i}' for i in range(6)])
+    first, second = Refusing(cpu_decoder(), set()), Refusing(cpu_decoder(), set())
+    nv = nvdecode.NvDecoder(NV, torch.device('cpu'), chain=[('hardware', first), ('cuda', second)])
+    nv(list(torch.split(batch.data, batch.sizes)), batch.boxes)
+    assert first.calls == [6] and second.calls == [] and nv.counts == {'hardware': 6, 'cuda': 0}
+
+
+def test_the_first_batch_line_says_which_backend_decoded():
+    said = nvdecode.first_batch_sentence('0.9.0.20', {'hardware': 250, 'cuda': 4, 'hybrid': 0}, 2)
+    assert said == ("nvImageCodec 0.9.0.20 decodes the crops of each batch; of the first batch's "
+                    "256 images: the GPU's hardware JPEG decoder 250, nvJPEG's CUDA decoder 4, its "
+                    "hybrid CPU/GPU decoder 0, torchvision's decoder 2 (nvImageCodec refused them)")
+    none = nvdecode.first_batch_sentence('0.9.0.20', {'hardware': 0, 'cuda': 256, 'hybrid': 0}, 0)
+    assert none.endswith("its hybrid CPU/GPU decoder 0; the hardware JPEG decoder took none (this "
+                         "GPU has none, or it does not decode regions)")
+    assert 'took none' not in nvdecode.first_batch_sentence('0.9.0.20', {'cpu': 3}, 0)
+
+
+MAPS = """\
+55d0c1a00000-55d0c1a01000 r--p 00000000 08:01 1311 /usr/bin/python3.11
+7f3a10000000-7f3a10021000 rw-p 00000000 00:00 0
+7f3a20000000-7f3a20100000 r-xp 00000000 08:01 2201 /v/nvimgcodec/extensions/libnvjpeg_ext.so.0.9.0
+7f3a30000000-7f3a30400000 r-xp 00000000 08:01 2202 /v/nvidia/nvjpeg2k/lib/libnvjpeg2k.so.0
+7f3a40000000-7f3a40800000 r-xp 00000000 08:01 2203 /my data/torchvision.libs/libnvjpeg.36e11081.so.13
+7f3a50000000-7f3a50800000 r-xp 00000000 08:01 2204 /v/nvidia/nvjpeg/lib/libnvjpeg.so.13
+7ffc2d000000-7ffc2d021000 rw-p 00000000 00:00 0 [stack]
+"""
+
+
+def test_the_libnvjpeg_bound_is_the_first_mapped(tmp_path):
+    """From a process's maps: the first libnvjpeg mapped (a path with a space kept whole), not
+    nvImageCodec's extension libnvjpeg_ext nor nvJPEG2000's libnvjpeg2k; None where none is mapped,
+    or where there is no /proc (not Linux)."""
+    assert nvdecode.mapped_nvjpeg(MAPS) == '/my data/torchvision.libs/libnvjpeg.36e11081.so.13'
+    assert nvdecode.mapped_nvjpeg(MAPS.replace('libnvjpeg.', 'libjpeg.')) is None
+    assert nvdecode.mapped_nvjpeg('') is None
+    assert nvdecode.bound_nvjpeg(str(tmp_path / 'no-proc' / 'maps')) is None
+
+
+@needs_nvimgcodec
+def test_summary_record_holds_the_backends_counts_and_the_libnvjpeg_bound(photos, monkeypatch):
+    """What data.gpu_decode gets from the decoder: the libnvjpeg read once nvImageCodec's decoder is
+    made, the images each backend decoded, and the fallbacks' counts."""
+    read = []
+    monkeypatch.setattr(GD.nvdecode, 'bound_nvjpeg',
+                        lambda: read.append('read') or '/x/torchvision.libs/libnvjpeg.1.so.13')
+    decoder = GD.DeviceDecode()
+    assert decoder.record()['nvimgcodec_backends'] is None and decoder.record()['libnvjpeg'] is None
+    decoder(encoded(photos, ['9-0-0', '9-0-1', '9-0-2']), torch.device('cpu'))
+    assert read == ['read'] and decoder.record() == {
+        'decoder': f'nvimgcodec {region.nvimgcodec_version()}', 'why_not_nvimgcodec': None,
+        'nvimgcodec_backends': {'cpu': 3}, 'libnvjpeg': '/x/torchvision.libs/libnvjpeg.1.so.13',
+        'torchvision_after_nvimgcodec': 0, 'cpu_after_nvjpeg': 0}

@@ -349,18 +349,15 @@ class Data:
 
     @property
     def gpu_decode(self):
-        """--decode gpu: which decoder decoded on the device (nvImageCodec, else torchvision's) and
-        why not nvImageCodec; the images decoded elsewhere: on the host in the workers (files nvJPEG
-        does not read: CMYK, PNG named .JPEG), by torchvision's decoder after nvImageCodec refused
-        them, on the host after nvJPEG refused them; None for the other paths."""
+        """--decode gpu: which decoder decoded on the device (nvImageCodec, else torchvision's), why
+        not nvImageCodec, the images each of its backends decoded and the libnvjpeg it bound
+        (DeviceDecode.record); the images decoded elsewhere: on the host in the workers (files
+        nvJPEG does not read: CMYK, PNG named .JPEG), by torchvision's decoder after nvImageCodec
+        refused them, on the host after nvJPEG refused them; None for the other paths."""
         transform = getattr(self.train_dataset, 'transform', None)
         if not isinstance(transform, gpu_decode.GpuTrainTransform):
             return None
-        decoder = gpu_decode.DEVICE_DECODE
-        return {'decoder': decoder.decoder, 'why_not_nvimgcodec': decoder.why_not,
-                'cpu_in_workers': transform.in_workers.value,
-                'torchvision_after_nvimgcodec': decoder.nv_refused,
-                'cpu_after_nvjpeg': decoder.refused}
+        return {**gpu_decode.DEVICE_DECODE.record(), 'cpu_in_workers': transform.in_workers.value}
 
     @property
     def fast_decode(self):
@@ -374,7 +371,7 @@ class Data:
         if not isinstance(transform, decode.FastTrainTransform):
             return None
         r = decode.REGION
-        return {'region_decoder': f'nvimgcodec {r.version}' if r.lib else None,
+        return {'region_decoder': f'nvimgcodec {r.version}' if r.why_not is None else None,
                 'why_not': r.why_not,
                 'images_region': r.counts[0], 'images_whole_file': r.counts[1],
                 'images_pil': r.counts[2]}
@@ -494,7 +491,7 @@ def build_loaders(args, dist, log=print, on_ranks=None, device=None,
             log(f'Note: {why_not}; the workers hand each batch over in a new shared block '
                 f'(PyTorch\'s way).')
     decode.REGION.reset()
-    if args.decode == 'fast' and args.loader == 'native' and decode.REGION.lib is None:
+    if args.decode == 'fast' and args.loader == 'native' and decode.REGION.why_not is not None:
         log(f'Note: {decode.REGION.why_not}: --decode fast decodes whole files, not the crop\'s '
             f'region alone.')
     val_transform = decode.ValTransform(args.val_resize, args.val_image_size)

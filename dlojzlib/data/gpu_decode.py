@@ -165,14 +165,14 @@ def indexed(device):
 class DeviceDecode:
     """EncodedBatch.to(device): the batch decoded on the device, then cropped, resized and flipped
     there as batched work (data.resize). The decoder is nvImageCodec where it can (data.nvdecode:
-    the batch in one call, each crop only, the GPU's hardware JPEG engine first), else torchvision's
-    decode_jpeg (nvJPEG's CUDA backend, whole images: the batch in one call from torchvision 0.20,
-    image by image on 0.19); which one, and why not nvImageCodec, is said once and kept in
-    summary.json. What nvImageCodec refuses goes to torchvision's; what nvJPEG refuses is decoded by
-    PIL on the host, same box, and counted; an image PIL cannot read either stops the run with its
-    name, or with --skip-bad-images is replaced by the batch's previous sample and counted. The
-    first refusal is printed with the decoder's own message, once: a decoder that refuses everything
-    must not pass for a slow run.
+    the batch in one call per backend, each crop only, the GPU's hardware JPEG engine first, the
+    images each backend decoded counted), else torchvision's decode_jpeg (nvJPEG's CUDA backend,
+    whole images: the batch in one call from torchvision 0.20, image by image on 0.19); which one,
+    and why not nvImageCodec, is said once and kept in summary.json (record). What nvImageCodec
+    refuses goes to torchvision's; what nvJPEG refuses is decoded by PIL on the host, same box, and
+    counted; an image PIL cannot read either stops the run with its name, or with --skip-bad-images
+    is replaced by the batch's previous sample and counted. The first refusal is printed with the
+    decoder's own message, once: a decoder that refuses everything must not pass for a slow run.
 
     Streams, on CUDA: two of our own per device, for the whole run. torchvision's CUDA decode_jpeg
     allocates its outputs on the current stream but writes them from a private stream that does not
@@ -197,10 +197,14 @@ class DeviceDecode:
         self.skip_bad_images = False
         self.warned = False             # the first refusal has been printed
         self._streams, self.warnings_checked = {}, False
-        self.nvimgcodec = nvimgcodec    # (module or None, why not); None: region.REGION's
+        # (module or None, why not): (None, why) makes torchvision's decode; None: nvImageCodec,
+        # imported where its decoder is made, unless region.REGION.why_not says why not
+        self.nvimgcodec = nvimgcodec
         self._nv = {}                   # device -> its NvDecoder, or None where torchvision decodes
         self._nv_works = set()          # the devices where nvImageCodec has decoded an image
-        self.decoder = self.why_not = None  # what decodes ('nvimgcodec 0.9.0'), why not nvimgcodec
+        self._counts = {}               # device -> images per nvImageCodec backend (NvDecoder's)
+        self.decoder = self.why_not = None  # what decodes ('nvimgcodec 0.9.0.20'), why not it
+        self.libnvjpeg = None           # the libnvjpeg nvImageCodec bound (/proc/self/maps)
 
     def __call__(self, batch, device, non_blocking=False):
         return self.decoded(batch, device, non_blocking).to(device)
@@ -233,31 +237,58 @@ class DeviceDecode:
 
     def _nv_of(self, device):
         """nvImageCodec's decoder for `device`, made once, or None where torchvision decodes (the
-        reason said once)."""
+        reason said once). nvImageCodec is imported here, in the thread that decodes once it is on
+        the run's GPU (DecodeAhead), never at `import dlojz`."""
         if device not in self._nv:
-            # the module --decode fast's region decoder imported (quietly) when this one was
-            lib, why = self.nvimgcodec or (region.REGION.lib, region.REGION.why_not)
+            lib, why = self.nvimgcodec or (None, region.REGION.why_not)
             # the installed wheels' CUDA majors matter only for a GPU (a scan of every distribution)
-            gpu = lib is not None and device.type == 'cuda'
+            gpu = why is None and device.type == 'cuda'
             wheels = nvdecode.wheel_cuda_major(nvdecode.installed_names()) if gpu else []
-            ok, why = nvdecode.usable(lib, why, device, torch.version.cuda, wheels)
+            ok, why = nvdecode.usable(why, device, torch.version.cuda, wheels)
+            self._nv[device] = None
             try:
-                self._nv[device] = nvdecode.NvDecoder(lib, device) if ok else None
+                if ok:
+                    lib = lib or region.import_nvimgcodec()
+                    self._nv[device] = nvdecode.NvDecoder(lib, device)
+            except ImportError as e:  # found but broken (a library it links is missing)
+                ok, why = False, f'nvImageCodec could not be imported ({str(e).strip()[:120]})'
             except RuntimeError as e:  # its CUDA runtime refuses this driver or device
                 ok, why = False, (f'nvImageCodec could not start on {device} '
                                   f'({str(e).strip()[:120]})')
-                self._nv[device] = None
-            self._use(f'nvimgcodec {lib.__version__}' if ok else None, why)
+            if not ok:
+                self._use(None, why)
+            else:  # nvImageCodec's nvJPEG extension has bound its libnvjpeg by now
+                self.libnvjpeg = nvdecode.bound_nvjpeg()
+                self._use(f'nvimgcodec {region.nvimgcodec_version() or lib.__version__}', None)
         return self._nv[device]
 
     def _use(self, decoder, why_not):
+        """Which decoder decodes ('nvimgcodec 0.9.0.20'; None: torchvision's) and why not
+        nvImageCodec. torchvision's is said at once; nvImageCodec after its first batch, with the
+        backends that decoded it (decode)."""
         self.decoder = decoder or f'torchvision {self.torchvision_version}'
         self.why_not = why_not
-        said = (f'nvImageCodec {decoder.split()[1]} decodes the crops of each batch (the GPU\'s '
-                f'hardware JPEG decoder first)' if decoder else
-                f'torchvision\'s decode_jpeg decodes whole images (nvJPEG\'s CUDA decoder): '
-                f'{why_not}')
-        print(f'dlojz: --decode gpu: {said}', file=sys.stderr, flush=True)
+        if decoder is None:
+            print(f'dlojz: --decode gpu: torchvision\'s decode_jpeg decodes whole images '
+                  f'(nvJPEG\'s CUDA decoder): {why_not}', file=sys.stderr, flush=True)
+
+    def backend_counts(self):
+        """The images each nvImageCodec backend decoded ({'hardware': n, 'cuda': n, 'hybrid': n}
+        on a GPU, {'cpu': n} on the CPU), over the devices; None where torchvision's decoded from
+        the start."""
+        total = {}
+        for counts in self._counts.values():
+            for name, n in counts.items():
+                total[name] = total.get(name, 0) + n
+        return total or None
+
+    def record(self):
+        """summary.json's data.gpu_decode, this decoder's part: which decoder decoded, why not
+        nvImageCodec, its backends' counts and the libnvjpeg it bound, and the images the
+        fallbacks decoded."""
+        return {'decoder': self.decoder, 'why_not_nvimgcodec': self.why_not,
+                'nvimgcodec_backends': self.backend_counts(), 'libnvjpeg': self.libnvjpeg,
+                'torchvision_after_nvimgcodec': self.nv_refused, 'cpu_after_nvjpeg': self.refused}
 
     def _assemble(self, batch, device, non_blocking, streams):
         """-> uint8 (N, 3, size, size) in the batch's order: the samples decoded on the device and
@@ -296,8 +327,12 @@ class DeviceDecode:
         if nv is not None:
             stream = streams['decode'] if streams else None
             crops = self._on_device(lambda: owned(nv(chunks, boxes, stream)), device, streams)
-            if any(c is not None for c in crops):
+            self._counts[device] = nv.counts  # the decoder's own, updated at each call
+            refused = sum(c is None for c in crops)
+            if device not in self._nv_works and refused < len(crops):  # the first batch: said once
                 self._nv_works.add(device)
+                said = nvdecode.first_batch_sentence(self.decoder.split()[1], nv.counts, refused)
+                print(f'dlojz: --decode gpu: {said}', file=sys.stderr, flush=True)
             elif device not in self._nv_works:  # nothing decoded yet, not one image of a batch
                 self._nv[device] = None
                 self._use(None, f'nvImageCodec decoded none of the first batch\'s {len(crops)} '
@@ -305,7 +340,7 @@ class DeviceDecode:
             for k, crop in enumerate(crops):
                 if crop is not None:
                     out[k] = crop, (0, 0, *crop.shape[1:])
-            self.nv_refused += sum(c is None for c in crops)
+            self.nv_refused += refused
         rest = [k for k, d in enumerate(out) if d is None]
         if rest:
             images = self._torchvision([chunks[k] for k in rest], [names[k] for k in rest], device,
