@@ -2,6 +2,8 @@
 GPU exits non-zero with one sentence and starts no test (pytest is never invoked), and DLOJZ_REQUIRE_GPU=1
 turns "skipped for want of CUDA" into a failed session. The check's verdict is a pure function of the facts
 (torch's CUDA, the driver, the GPUs, the wheel's architectures), tested here for each way a node fails.
+The lists run.sh runs (quick.txt, later.txt) name tests that exist, and each list's planned seconds fit
+the test budget of the call that runs it.
 
 Run: python -m pytest -q tests/test_gpu_runner.py
 """
@@ -49,13 +51,13 @@ def test_run_sh_without_cuda_stops_before_any_test(tmp_path, options):
     assert not results.exists()  # nothing written
 
 
-@pytest.mark.slow  # 4 s: pytest collects tests/gpu in a process of its own
-def test_the_quick_list_names_tests_that_exist():
-    """run.sh --quick passes tests/gpu/quick.txt's node ids to pytest, which stops the whole session
-    on one that does not exist (a renamed test): collected here, where they are skipped, each must
-    be found."""
-    ids = [line.strip() for line in (ROOT / 'tests' / 'gpu' / 'quick.txt').read_text().splitlines()
-           if line.strip() and not line.startswith('#')]
+@pytest.mark.slow  # 4 s each: pytest collects tests/gpu in a process of its own
+@pytest.mark.parametrize('name', ['quick.txt', 'later.txt'])
+def test_the_lists_name_tests_that_exist(name):
+    """run.sh passes a list's node ids (quick.txt for --quick) to pytest, which stops the whole
+    session on one that does not exist (a renamed test): collected here, where they are skipped,
+    each must be found."""
+    ids = results.asked(ROOT / 'tests' / 'gpu' / name)
     env = {k: v for k, v in os.environ.items() if k != 'DLOJZ_REQUIRE_GPU'}
     p = subprocess.run([sys.executable, '-m', 'pytest', '--collect-only', '-q', '-m', 'not slurm',
                         *ids], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
@@ -63,7 +65,49 @@ def test_the_quick_list_names_tests_that_exist():
     collected = [line for line in p.stdout.splitlines() if line.startswith('tests/gpu/')]
     found = [i for i in ids if any(c == i or c.startswith(i + '[') for c in collected)]
     assert found == ids, (ids, collected)
-    assert len(ids) == len(set(ids)) >= 20
+    assert len(ids) == len(set(ids)) >= 15
+
+
+# The calls that run each list, as tests/gpu/README.md gives them
+CALLS = {'quick.txt': ['--quick'],  # the first call: 540 s, tests and the benchmark
+         'later.txt': ['--list', 'tests/gpu/later.txt', '--tests-only', '--seconds', '400']}
+
+
+def plan(*options):
+    """run.sh's plan for these options (--plan: JSON, nothing run) -> dict."""
+    run_sh = str(ROOT / 'tests' / 'gpu' / 'run.sh')
+    p = subprocess.run(['bash', run_sh, *map(str, options), '--plan'], capture_output=True,
+                       text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def assert_fits(list_path, options):
+    """Every line of the list planned (seconds and where they come from), and their sum within
+    the test budget run.sh gives its call."""
+    lines = results.entries(list_path)
+    unplanned = [line for line in lines if not line[1] or line[2] not in results.BASES]
+    assert lines and not unplanned, unplanned
+    budget = plan('--list', list_path, *options)['test_budget_s']
+    assert results.planned(list_path) <= budget, (list_path, results.planned(list_path), budget)
+
+
+@pytest.mark.parametrize('name', sorted(CALLS))
+def test_each_list_fits_its_calls_test_budget_on_paper(tmp_path, name):
+    """Each call fits its budget on paper: a list's planned seconds (measured on the first GPU run,
+    else estimated) add up to no more than the test budget run.sh derives from its call's seconds
+    (quick.txt's: 295 s of a 540 s call; later.txt's: 305 of 400). The check fails on a list
+    that plans more than its call holds."""
+    assert_fits(ROOT / 'tests' / 'gpu' / name, CALLS[name])
+    heavier = tmp_path / name
+    heavier.write_text((ROOT / 'tests' / 'gpu' / name).read_text() +
+                       'tests/gpu/test_gpu.py::test_one_more 60 estimated\n')
+    with pytest.raises(AssertionError):
+        assert_fits(heavier, CALLS[name])
+    unplanned = tmp_path / 'ids.txt'  # a rerun list of ids alone is no plan
+    unplanned.write_text('tests/gpu/test_gpu.py::test_one\n')
+    with pytest.raises(AssertionError):
+        assert_fits(unplanned, CALLS[name])
 
 
 @no_gpu
@@ -109,6 +153,7 @@ def quick_bench(monkeypatch, tmp_path, broken=None, failure=None, summary=bench_
     """bench.py --quick on a fake GPU, its runs a fake run_one: the run whose folder is `broken`
     returns failure() instead of summary(folder name). -> the exit code."""
     monkeypatch.setattr(bench.torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(bench, 'jpeg_set', lambda opts: str(tmp_path / 'jpegs'))
 
     def run_one(flags, out_dir, env=None):
         name = os.path.basename(out_dir)
@@ -182,6 +227,7 @@ def test_an_interrupted_bench_prints_the_runs_that_finished(tmp_path, monkeypatc
 def test_bench_budget_starts_no_row_after_it(tmp_path, monkeypatch, capsys):
     """--budget 0: no run starts, the table says which rows were left out."""
     monkeypatch.setattr(bench.torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(bench, 'jpeg_set', lambda opts: str(tmp_path / 'jpegs'))
     monkeypatch.setattr(bench, 'run_one', lambda flags, out_dir, env=None: pytest.fail('a run started'))
     assert bench.main(['--quick', '--budget', '0', '--out', str(tmp_path)]) == 0
     assert ('Not run (--budget 0 s spent): fake_eager, fake_reduce-overhead, gpu_nvimgcodec, '

@@ -5,16 +5,23 @@ summary.json. The Markdown goes to stdout, progress to stderr:
     python tests/gpu/bench.py --quick --budget 250     # the lent node's table (issue 45)
     python tests/gpu/bench.py                          # every row
     python tests/gpu/bench.py --data-dir /path/imagenet --steps 100
+    python tests/gpu/bench.py --quick --make-data      # the JPEG set alone (run.sh: first)
 
 Rows, in the order they run (what a budget cuts comes last):
 - fake data (the compute ceiling): eager, then torch.compile's reduce-overhead (CUDA graphs);
-- JPEGs (the built-in synthetic set, or --data-dir), each decode path with the loader alone
+- JPEGs (synthetic ones, or --data-dir), each decode path with the loader alone
   (--loader-only, the same batches) and training, at the faster of those two modes (the one that
   completed): the GPU decoder through nvImageCodec and through torchvision's nvJPEG
   (DLOJZ_REGION_DECODE=0), then --decode fast on every usable core; the full run adds --decode pil
   and --no-decode-ahead;
 - fake data in the other compile modes: default, and in the full run max-autotune-no-cudagraphs and
   max-autotune (minutes of autotuning); the full run's fp32 and NCHW eager rows close it.
+
+The synthetic JPEGs are made before the clock starts: --unique distinct images per class (dlojz's
+generator, on every usable core: 2,720 JPEGs, seconds on the node's 16 cores), each hard-linked as
+often as one epoch of --steps batches needs (side_by_side.py's method and folder: the second
+node command reuses the distinct images). Generating all 10,400 inside the first JPEG row took
+~46 ms per image per core (a review of issue 56: F5), time the row's limit then lacked.
 
 Columns: train img/s (images / host time over the steady steps), GPU img/s (global batch / mean GPU
 time per step), device busy, bound, peak GPU memory, J/image. A loader-alone rate below what
@@ -36,7 +43,6 @@ from dataclasses import dataclass, field
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SYNTHETIC_CLASSES = 10  # dlojz's --synthetic-classes default
 TIMEOUT_S = 1800        # one run: compiling ResNet-50 can take minutes, 50 steps take seconds
 MODES = ('reduce-overhead', 'default', 'max-autotune-no-cudagraphs', 'max-autotune')
 
@@ -64,6 +70,14 @@ def get_args(argv=None):
                    '(default: no limit)')
     p.add_argument('--no-compile', dest='compile', action='store_false', help='leave the --compile '
                    'rows out (a node without a C compiler or Python\'s headers)')
+    p.add_argument('--unique', type=int, default=256, help='distinct synthetic JPEGs per class '
+                   '(each hard-linked as often as --steps batches need)')
+    p.add_argument('--jpeg-dir', default=os.path.join(os.environ.get('TMPDIR', '/tmp'),
+                                                      'dlojz-side-by-side'),
+                   help='where the synthetic JPEGs are made, reused when complete '
+                   "(side_by_side.py's --data: the two share the distinct images)")
+    p.add_argument('--make-data', action='store_true', help='make the synthetic JPEG set of these '
+                   '--steps and --batch, print its folder and stop (run.sh: before the clock)')
     return p.parse_args(argv)
 
 
@@ -133,14 +147,27 @@ def common_flags(opts):
             '--warmup-steps', max(3, opts.steps // 5), '--wandb', 'off']
 
 
-def data_flags(opts):
-    if opts.data_dir:
-        return ['--data-dir', opts.data_dir]
-    # One epoch holds every step: an epoch boundary would restart the loader's prefetching inside
-    # the timing.
-    # The first JPEG row generates these images (~110 KB each) into dlojz's --cache-dir, once.
-    per_class = max(64, math.ceil(opts.steps * opts.batch / SYNTHETIC_CLASSES))
-    return ['--synthetic-train-per-class', per_class]
+def side_by_side():
+    """side_by_side.py, which makes the synthetic JPEG sets (imported when needed: it imports
+    parts of dlojz)."""
+    if __package__:  # imported as tests/gpu's module (the CPU tests)
+        from . import side_by_side as module
+    else:  # run as a script: tests/gpu is sys.path[0]
+        import side_by_side as module
+    return module
+
+
+def per_class(opts):
+    """Training images per class of the synthetic set: one epoch holds every step (an epoch
+    boundary would restart the loader's prefetching inside the timing)."""
+    return max(64, math.ceil(opts.steps * opts.batch / side_by_side().CLASSES))
+
+
+def jpeg_set(opts):
+    """-> the folder of the synthetic JPEGs for --steps batches, made unless complete (seconds of
+    generation on every usable core, then hard links)."""
+    return side_by_side().linked_dataset(opts.jpeg_dir, opts.unique, per_class(opts),
+                                         log=lambda s: print(s, file=sys.stderr, flush=True))
 
 
 def run_one(flags, out_dir, env=None):
@@ -236,7 +263,7 @@ def shown(path):
     return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
 
 
-def header(prov, opts, argv, out, jpeg_mode):
+def header(prov, opts, argv, out, jpeg_mode, jpegs):
     gpu = 'unknown GPU'
     if prov:
         total = prov.get('gpu_total_memory_bytes')
@@ -252,7 +279,9 @@ def header(prov, opts, argv, out, jpeg_mode):
     dlojz = shlex.join(['python', 'dlojz.py', *map(str, common_flags(opts))])
     host, sha = (prov['host'], prov['dlojz_sha']) if prov else ('?', '?')
     mode = ' '.join(compile_flags(jpeg_mode)) or 'eager'
-    data = f'`--data-dir {opts.data_dir}`' if opts.data_dir else 'the built-in synthetic JPEGs'
+    data = f'`--data-dir {opts.data_dir}`' if opts.data_dir else \
+        (f'the synthetic JPEGs ({opts.unique} distinct per class, hard-linked to '
+         f'{per_class(opts)} per class, made before the clock: {jpegs})')
     return [f"## {datetime.date.today().isoformat()} — {gpu}, {versions}, host {host}", '',
             f"`{command}` (dlojz {sha}): each row is `{dlojz} ROW FLAGS` (`--amp auto`: bf16 "
             f"from sm80); the JPEG rows train with `{mode}` (the faster of eager and "
@@ -289,12 +318,16 @@ def main(argv=None):
     names the row that was running."""
     argv = sys.argv[1:] if argv is None else argv
     opts = get_args(argv)
+    if opts.make_data:
+        print(opts.data_dir or jpeg_set(opts))
+        return 0
     if not torch.cuda.is_available():
         sys.exit('bench.py: PyTorch sees no CUDA GPU (torch.cuda.is_available() is False); run it '
                  'on a GPU node.')
     stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
     out = opts.out or os.path.join(ROOT, 'runs', f'bench-{stamp}')
     os.makedirs(out, exist_ok=True)
+    jpegs = opts.data_dir or jpeg_set(opts)  # before the clock: the rows time training, not this
     budget, base = Budget(opts.budget), [*common_flags(opts)]
     fake, jpeg, stopped, n = fake_rows(opts), [], None, 0
     # the ceiling and the CUDA graphs first, then the JPEG rows (issue 45's goals), then the rest
@@ -309,7 +342,7 @@ def main(argv=None):
                 run_row(n, row, opts, out, [*base, *row.flags])
         jpeg_mode = fastest_mode(fake)
         for name, label, flags, env in decode_rows(opts):
-            row_flags = [*data_flags(opts), *flags, *compile_flags(jpeg_mode)]
+            row_flags = ['--data-dir', jpegs, *flags, *compile_flags(jpeg_mode)]
             row = Row(name, label, row_flags, env, loader=True)
             jpeg.append(row)
             if budget.allows(row.name):
@@ -325,7 +358,7 @@ def main(argv=None):
         print(f'bench.py: interrupted during {stopped}; the tables hold the rows that finished.',
               file=sys.stderr)
     prov = next((r.provenance for r in fake + jpeg if getattr(r, 'provenance', None)), None)
-    lines = header(prov, opts, argv, shown(out), jpeg_mode) + tables(fake, jpeg)
+    lines = header(prov, opts, argv, shown(out), jpeg_mode, shown(jpegs)) + tables(fake, jpeg)
     if stopped:
         lines += ['', f'Stopped by its time limit while it ran: {stopped}.']
     if budget.left_out:

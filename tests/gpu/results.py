@@ -4,13 +4,15 @@ were asked for and never ran (a stage's time budget ran out). bash tests/gpu/run
 and keeps it as summary.md in the results folder, ready for BENCHMARKS.md; its exit code is the
 stage's verdict: 0 when every test that ran passed or was skipped, 1 otherwise (a failure, an error,
 a test stopped while it ran, or no record at all). Tests left out by the budget are listed, not
-counted as failures.
+counted as failures. entries() reads the lists (quick.txt): each test's planned seconds, which
+tests/test_gpu_runner.py sums against its call's budget and tests/gpu/conftest.py turns into limits.
 
     python tests/gpu/results.py RESULTS/junit.xml [--progress RESULTS/progress.txt]
                                 [--list tests/gpu/quick.txt]
 """
 import argparse
 import collections
+import math
 import sys
 import xml.etree.ElementTree as ET
 
@@ -95,10 +97,48 @@ def merge(rows, started, ended):
     return merged + nameless  # nameless cases the progress file could not name stay, unnamed
 
 
+BASES = ('measured', 'estimated')  # where a list line's seconds come from
+
+
+def entries(list_path):
+    """A list like quick.txt -> [(node id, seconds or None, basis or None)] in its order. A line is
+    `NODE_ID [SECONDS BASIS]`: the test's pytest node id (one without [...] runs every case), then
+    the seconds all its cases are planned to take and where that figure comes from, 'measured' (a
+    GPU run, BENCHMARKS.md) or 'estimated'. Lines starting with # and blank lines are left out; a
+    rerun list of ids alone (failed.txt) has no budgets."""
+    rows = []
+    with open(list_path, encoding='utf-8') as f:
+        for line in f:
+            fields = line.split()
+            if not fields or fields[0].startswith('#'):
+                continue
+            seconds = basis = None
+            if len(fields) > 1:
+                try:
+                    seconds = float(fields[1])
+                except ValueError:
+                    pass
+                basis = fields[2] if len(fields) > 2 else None
+            rows.append((fields[0], seconds, basis))
+    return rows
+
+
 def asked(list_path):
     """The node ids of a list like quick.txt, parametrised ones included as given."""
-    with open(list_path) as f:
-        return [line.strip() for line in f if line.strip() and not line.strip().startswith('#')]
+    return [node for node, _, _ in entries(list_path)]
+
+
+def planned(list_path):
+    """The seconds a list's tests are planned to take, all lines together (lines without a budget
+    count 0: the budget test requires one on every line of the committed lists)."""
+    return sum(seconds or 0.0 for _, seconds, _ in entries(list_path))
+
+
+def timeout_for(seconds, default=120):
+    """A test's own time limit (pytest-timeout) from its planned seconds: run.sh's default, or
+    twice the plan for a test planned above half of it (a cold torch.compile), so that the limit
+    stops a hung test, not a slow compile the stage's budget has room for."""
+    return max(default, math.ceil(2 * seconds)) if seconds else default
 
 
 def not_run(rows, wanted):

@@ -81,19 +81,26 @@ def get_args(argv=None):
 
 
 def make_dataset(args):
-    """-> the ImageFolder root (train/, val/): --unique JPEGs per class, hard-linked into as many
-    files as an epoch needs, so that the reference's epoch (it has no step limit) holds every
-    measured step."""
-    from dlojzlib.data import datasets
+    """-> the ImageFolder root (train/, val/), its epoch holding every measured step: the
+    reference's epoch has no step limit."""
     per_class = math.ceil((args.warmup + args.steps + 1) * args.batch / CLASSES) + 1
-    root = os.path.join(args.data, f'c{CLASSES}-u{args.unique}-n{per_class}')
+    return linked_dataset(args.data, args.unique, per_class)
+
+
+def linked_dataset(data, unique, per_class, val_per_class=VAL_PER_CLASS, log=None):
+    """-> the ImageFolder root (train/, val/) of CLASSES classes under `data`: `unique` synthetic
+    JPEGs per class, generated once on every usable core, each hard-linked as often as per_class
+    files need (val_per_class distinct ones for validation). The distinct JPEGs are kept apart
+    (unique-...), so that another count of links (bench.py's, this script's) reuses them."""
+    from dlojzlib.data.synthetic import ensure_synthetic_dataset
+    root = os.path.join(data, f'c{CLASSES}-u{unique}-n{per_class}-v{val_per_class}')
     marker = os.path.join(root, 'COMPLETE')
     if os.path.exists(marker):
         return root
-    source = os.path.join(args.data, f'unique-c{CLASSES}-u{args.unique}')
-    datasets.ensure_synthetic_dataset(source, CLASSES, args.unique, VAL_PER_CLASS, seed=0,
-                                        workers=len(os.sched_getaffinity(0)), log=lambda s: say(s))
-    for split, n in (('train', per_class), ('val', VAL_PER_CLASS)):
+    source = os.path.join(data, f'unique-c{CLASSES}-u{unique}-v{val_per_class}')
+    ensure_synthetic_dataset(source, CLASSES, unique, val_per_class, seed=0,
+                             workers=len(os.sched_getaffinity(0)), log=log or say)
+    for split, n in (('train', per_class), ('val', val_per_class)):
         for name in sorted(os.listdir(os.path.join(source, split))):
             files = sorted(os.listdir(os.path.join(source, split, name)))
             folder = os.path.join(root, split, name)
@@ -109,8 +116,6 @@ def make_dataset(args):
 
 def say(text):
     print(text, file=sys.stderr, flush=True)
-
-
 
 
 def reference_rate(log_text, batch, warmup, steps):
