@@ -6,7 +6,9 @@
 - the stage timer's CUDA events: a stage's chunks are timed on the device clock without a host
   wait, their sum within the schedule's span;
 - one process runs its microbatches on CUDA under bf16, with a loss near the unsplit batch's;
-- two ranks sharing the GPU (gloo) run a 2-stage GPipe end to end, the bubble measured by events.
+- two ranks sharing the GPU (gloo, whose send and recv take host memory only) are refused a
+  pipeline in one sentence, exit 2; two GPUs (NCCL) run a 2-stage GPipe end to end, the bubble
+  measured by events (skipped on a node with one GPU).
 
 Run: python -m pytest -q tests/gpu/test_gpu_pipeline.py
 """
@@ -101,11 +103,32 @@ def test_microbatches_train_on_the_gpu(tmp_path, cache_dir):
     assert losses[4][0] == pytest.approx(losses[1][0], rel=0.02)  # the same images, bf16 apart
 
 
-def test_two_ranks_sharing_the_gpu_run_a_pipeline(tmp_path, cache_dir):
+def test_two_ranks_sharing_the_gpu_are_refused_a_pipeline_in_one_sentence(tmp_path, cache_dir):
+    """Tasks sharing a GPU all-reduce on gloo, whose send and recv take host memory only: a
+    pipeline's activations, on the GPU, cannot travel there. The launch as a node makes it (two
+    ranks, one visible GPU, --share-gpu: launch chooses gloo) is refused by each rank in one
+    sentence, exit 2, before any send."""
+    bf16()
+    first_gpu = os.environ.get('CUDA_VISIBLE_DEVICES', '0').split(',')[0]
+    p = torchrun(2, *VIT, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'pp',
+                 '--share-gpu', '--pipeline-stages', '2', '--microbatches', '4',
+                 '--pipeline-schedule', 'gpipe', env={'CUDA_VISIBLE_DEVICES': first_gpu})
+    # each worker exits 2 (torchrun says 1) with the sentence; torchrun prints its own traceback,
+    # none comes from dlojz's workers
+    assert p.returncode != 0 and 'exitcode  : 2' in p.stderr, p.stderr[-3000:]
+    assert 'the gloo group of tasks sharing a GPU cannot do' in p.stderr, p.stderr[-3000:]
+    assert 'dlojz.py", line' not in p.stderr and 'dlojzlib' not in p.stderr, p.stderr[-3000:]
+
+
+def test_two_gpus_run_a_pipeline(tmp_path, cache_dir):
+    """A 2-stage GPipe on two GPUs, a rank each (NCCL: the stages' sends go GPU to GPU) end to
+    end, its bubble measured by CUDA events. The lent node has one GPU: skipped there."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip('needs 2 GPUs on this node')
     bf16()
     out = tmp_path / 'pp'
-    p = torchrun(2, *VIT, '--cache-dir', cache_dir, '--output-dir', out, '--share-gpu',
-                 '--pipeline-stages', '2', '--microbatches', '4', '--pipeline-schedule', 'gpipe')
+    p = torchrun(2, *VIT, '--cache-dir', cache_dir, '--output-dir', out, '--pipeline-stages', '2',
+                 '--microbatches', '4', '--pipeline-schedule', 'gpipe')
     assert p.returncode == 0, p.stderr[-3000:]
     with open(os.path.join(out, 'summary.json')) as f:
         t = json.load(f)['timing']
