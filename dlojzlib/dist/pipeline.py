@@ -138,7 +138,7 @@ def measure(model, fam, x, device, autocast, reps):
     """Each piece of the model (its head, every block, its tail) run forward and backward on
     `device` in turn, its parameters moved there and back (the whole model need not fit) ->
     (seconds per piece: the median of `reps` runs after a first one, 0 without reps; the output
-    shape and dtype of each piece). The RNG is left as it was."""
+    shape, dtype and strides of each piece). The RNG is left as it was."""
     blocks = [b for _, b in fam.blocks(model)]
     pieces = [lambda h: fam.head(model, h), *blocks, lambda h: fam.tail(model, h)]
     owned = [_owned(model, fam.first), *[[*b.parameters(), *b.buffers()] for b in blocks],
@@ -164,7 +164,9 @@ def measure(model, fam, x, device, autocast, reps):
             for t, d in zip(tensors, saved):
                 t.data, t.grad = d, None
             costs.append(statistics.median(times[1:]) if reps else 0.0)
-            shapes.append((tuple(out.shape), out.dtype))
+            # the strides too: torch 2.4's stages hold the tensors they are given to their
+            # examples' strides, and a channels-last run's activations lie channels-last
+            shapes.append((tuple(out.shape), out.dtype, tuple(out.stride())))
             h = out.detach()
     return costs, shapes
 
@@ -238,7 +240,8 @@ class Pipeline(nn.Module):
         self.model = model
         self.__dict__.update(parts=parts, ids=ids, criterion=None)
         self.n_total, self.microbatches, self.device = n_total, microbatches, device
-        self.shapes = shapes  # each local stage's (input, output) (shape, dtype) of a microbatch
+        # each local stage's (input, output) (shape, dtype, strides) of a microbatch
+        self.shapes = shapes
         self.ranks, self.replicas, self.rank_in_pipe, self.replica = layout
         self.first, self.last = ids[0] == 0, ids[-1] == n_total - 1
         self.pp, self.dp = groups
@@ -252,7 +255,7 @@ class Pipeline(nn.Module):
             examples = 'output_grads' not in inspect.signature(PipelineStage).parameters
             made = []
             for part, k, (shape_in, shape_out) in zip(parts, ids, shapes):
-                empty = lambda s: torch.empty(s[0], dtype=s[1], device=device)
+                empty = lambda s: torch.empty_strided(s[0], s[2], dtype=s[1], device=device)
                 kw = dict(input_args=empty(shape_in), output_args=empty(shape_out)) if examples \
                     else {}
                 stage = PipelineStage(part, k, n_total, device, group=self.pp, **kw)
@@ -347,7 +350,7 @@ class Pipeline(nn.Module):
                 continue
             i = self.ids.index(k)
             if k > 0 and (k - 1) % self.ranks != owner:
-                shape, dtype = self.shapes[i][0]
+                shape, dtype, _ = self.shapes[i][0]  # sent contiguous
                 h = torch.empty((n, *shape[1:]), dtype=dtype, device=self.device)
                 tdist.recv(h, src=self._global((k - 1) % self.ranks), group=self.pp)
             h = self.parts[i](h)
@@ -394,6 +397,8 @@ def build(args, model, device, dist, autocast, say=print, cut=None):
         def probe():
             x = torch.randn(mb, 3, args.image_size, args.image_size,
                             generator=torch.Generator().manual_seed(0))
+            if args.channels_last:  # as the run's batches reach the stages (datasets.to_device)
+                x = x.contiguous(memory_format=torch.channels_last)
             costs, shapes = measure(model, fam, x, device, autocast, reps)
             return piece_params(model, fam) if split == 'params' else costs, shapes
         costs, shapes = launch.broadcast_object(launch.on_ranks(probe, when=dist.is_main))
@@ -416,7 +421,9 @@ def build(args, model, device, dist, autocast, say=print, cut=None):
     model.to(device)
     stage_shapes = None
     if shapes is not None:
-        image = ((mb, 3, args.image_size, args.image_size), torch.float32)
+        x = torch.empty(mb, 3, args.image_size, args.image_size, device='meta', memory_format=(
+            torch.channels_last if args.channels_last else torch.contiguous_format))
+        image = (tuple(x.shape), torch.float32, x.stride())  # as to_device hands the batches
         stage_shapes = [(image if k == 0 else shapes[bounds[k]],
                          shapes[-1] if k == n_total - 1 else shapes[bounds[k + 1]]) for k in ids]
     pp = dp = dp_mesh = None
