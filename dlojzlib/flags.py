@@ -12,7 +12,7 @@ import shutil
 import sys
 
 from dlojzlib import choices
-from dlojzlib.choices import native_bf16  # noqa: F401 (flags.native_bf16: the GPU tests')
+from dlojzlib.choices import native_bf16
 from dlojzlib.environment import ENVIRONMENT, check_environment  # noqa: F401 (flags.ENVIRONMENT)
 from dlojzlib.dist import plan, stages
 from dlojzlib.errors import UsageError

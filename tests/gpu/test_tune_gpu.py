@@ -24,6 +24,7 @@ import torch
 
 from conftest import run_cli
 import dlojz
+from dlojzlib import choices
 from dlojzlib import flags
 from dlojzlib.modes import tune as T
 
@@ -60,7 +61,7 @@ def gpu_sweep(tmp_path_factory, cache_dir):
 def test_tune_on_a_gpu(gpu_sweep, cache_dir):
     record, lines, out = gpu_sweep
     names = [r['name'] for r in record['trials']]
-    bf16 = flags.native_bf16(torch.cuda.get_device_capability())
+    bf16 = choices.native_bf16(torch.cuda.get_device_capability())
     assert names == ['b8-off-cl-eager', 'b16-off-cl-eager', 'b16-fp16-cl-eager'] + \
         (['b16-bf16-cl-eager'] if bf16 else []), names
     assert all(r['status'] == 'completed' for r in record['trials']), record['trials']
