@@ -32,11 +32,6 @@ def python(code, env=None):
     return p.stdout.split(), p.stderr
 
 
-def test_import_dlojz_leaves_nvimgcodec_unimported():
-    out, _ = python('import sys, dlojz; print("nvidia.nvimgcodec" in sys.modules)')
-    assert out == ['False']
-
-
 # A 500 x 375 JPEG decoded by --decode fast at 224 px: no crop of it is twice 224 px, so the DCT
 # scaling never applies and each image goes through the region decoder (tests/test_handover.py).
 PHOTO = '''
@@ -64,9 +59,10 @@ print('imported_after_decode', 'nvidia.nvimgcodec' in sys.modules)
 
 @needs_wheel
 def test_a_fast_decode_imports_nvimgcodec_itself_and_decodes_the_region():
-    """A forked worker imports nvImageCodec at its first decode (the parent still has not), the
-    parent at its own; every image is a region decode, and the import's absent-extension lines
-    (nvJPEG, nvJPEG2000, nvTIFF missing here) are not printed."""
+    """`import dlojz` leaves nvImageCodec unimported (imported_at_start: it was True on 103aea5);
+    a forked worker imports it at its first decode (the parent still has not), the parent at its
+    own; every image is a region decode, and the import's absent-extension lines (nvJPEG,
+    nvJPEG2000, nvTIFF missing here) are not printed."""
     out, err = python(FAST_DECODE)
     said = dict(zip(out[::2], out[1::2]))
     assert said == {'imported_at_start': 'False', 'worker_exit': '0',
