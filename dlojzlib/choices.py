@@ -58,7 +58,7 @@ class Choices:
         """The keyword arguments that pick the optimizer's kernels on a GPU: torch's fused SGD and
         AdamW update every parameter in a few launches and take fp16's loss scale and inf flag as
         device tensors (GradScaler.step then reads nothing on the host); DTensor has no sharding
-        rule for aten._fused_sgd_ (torch 2.6 to 2.14 list only the fused Adam and AdamW), so SGD
+        rule for aten._fused_sgd_ (torch 2.14 lists only the fused Adam and AdamW), so SGD
         over FSDP2's parameters (dtensors) takes the multi-tensor foreach path, which DTensor
         runs; timm's LARS, LAMB and Lion take foreach where they have it (has_foreach). on_host:
         the optimizer steps on the CPU (--cpu-offload), as on a CPU run."""
