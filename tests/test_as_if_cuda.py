@@ -273,7 +273,10 @@ def lars_foreach():
 def check(runs, configs, rel=0.0):
     """Each run's choices, and each mode's losses against DDP's in the same layout: ZeRO-1's,
     bit for bit; FSDP2's to float32's rounding at 2 ranks (SGD: foreach against DDP's fused
-    kernel), within rel at 3."""
+    kernel). rel (3 ranks, where FSDP2 sums the gradients in another order than DDP): the first
+    loss within rel, and the first step's change of the loss within 5 % of DDP's. AdamW's first
+    step moves each weight by +-lr, the sign of a gradient rounded otherwise, and bf16 amplifies
+    it: measured 3.5 % of the step under --shard gradients, 0.24 % of the loss."""
     for name, optimizer, argv in configs:
         summary, losses = runs[name]
         assert set(summary['as_if_cuda']) == expected_choices(optimizer, argv), name
@@ -281,10 +284,16 @@ def check(runs, configs, rel=0.0):
         assert len(losses) == 2 and all(map(torch.isfinite, torch.tensor(losses))), (name, losses)
     for name, optimizer, _ in configs:
         mode = name.split('-')[0]
-        if mode in ('optimizer', 'gradients', 'full'):
-            ddp = runs[f"{'none' if mode == 'optimizer' else 'nchw'}-{name.split('-', 1)[1]}"][1]
-            exact = 0.0 if mode == 'optimizer' else max(rel, 1e-6)
-            assert runs[name][1] == pytest.approx(ddp, rel=exact, abs=0), (name, runs[name][1], ddp)
+        if mode not in ('optimizer', 'gradients', 'full'):
+            continue
+        ddp = runs[f"{'none' if mode == 'optimizer' else 'nchw'}-{name.split('-', 1)[1]}"][1]
+        mine = runs[name][1]
+        if mode == 'optimizer' or not rel:
+            exact = 0.0 if mode == 'optimizer' else 1e-6
+            assert mine == pytest.approx(ddp, rel=exact, abs=0), (name, mine, ddp)
+        else:
+            assert mine[0] == pytest.approx(ddp[0], rel=rel, abs=0), (name, mine, ddp)
+            assert mine[1] - mine[0] == pytest.approx(ddp[1] - ddp[0], rel=0.05), (name, mine, ddp)
 
 
 def test_two_ranks_under_the_seam_complete_every_mode_and_a_pipeline(tmp_path, cache_dir):
