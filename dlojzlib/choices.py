@@ -8,7 +8,10 @@ the seam: CUDA events and streams, pinned memory, NCCL, NVML, the GPU decoders, 
 docs/development.md lists every place dlojz branches on the device, and which form the seam takes.
 
 Light: no torch at import."""
+import os
 from dataclasses import dataclass, field
+
+from dlojzlib import environment
 
 # The GPU a CPU run under the seam answers for: an H100 (compute capability 9.0), where --amp auto
 # is bf16, which CPU autocast runs (fp16 needs CUDA's GradScaler and kernels: refused on a CPU)
@@ -106,11 +109,10 @@ def choose(device_type, capability=None, as_if_cuda=False):
     return Choices(cuda=False)
 
 
-def of(device, capability=None, environ=None):
+def of(device, capability=None, environ=os.environ):
     """choose() for a torch.device: a GPU's capability asked from CUDA unless given, the seam read
     from the environment (environment.as_if_cuda)."""
-    from dlojzlib import environment
     if device.type == 'cuda' and capability is None:
         import torch
         capability = torch.cuda.get_device_capability(device)
-    return choose(device.type, capability, environment.as_if_cuda(*([environ] if environ else [])))
+    return choose(device.type, capability, environment.as_if_cuda(environ))

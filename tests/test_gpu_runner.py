@@ -2,8 +2,8 @@
 GPU exits non-zero with one sentence and starts no test (pytest is never invoked), and DLOJZ_REQUIRE_GPU=1
 turns "skipped for want of CUDA" into a failed session. The check's verdict is a pure function of the facts
 (torch's CUDA, the driver, the GPUs, the wheel's architectures), tested here for each way a node fails.
-The lists run.sh runs (quick.txt, later.txt) name tests that exist, and each list's planned seconds fit
-the test budget of the call that runs it.
+The lists run.sh runs (quick.txt, later.txt) name tests that exist, and each list's planned
+seconds fit the test budget of the call that runs it.
 
 Run: python -m pytest -q tests/test_gpu_runner.py
 """

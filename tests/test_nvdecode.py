@@ -351,7 +351,7 @@ MAPS = """\
 7f3a10000000-7f3a10021000 rw-p 00000000 00:00 0
 7f3a20000000-7f3a20100000 r-xp 00000000 08:01 2201 /v/nvimgcodec/extensions/libnvjpeg_ext.so.0.9.0
 7f3a30000000-7f3a30400000 r-xp 00000000 08:01 2202 /v/nvidia/nvjpeg2k/lib/libnvjpeg2k.so.0
-7f3a40000000-7f3a40800000 r-xp 00000000 08:01 2203 /my data/torchvision.libs/libnvjpeg.36e11081.so.13
+7f3a40000000-7f3a40800000 r-xp 00000000 08:01 2203 /a b/torchvision.libs/libnvjpeg.36e11081.so.13
 7f3a50000000-7f3a50800000 r-xp 00000000 08:01 2204 /v/nvidia/nvjpeg/lib/libnvjpeg.so.13
 7ffc2d000000-7ffc2d021000 rw-p 00000000 00:00 0 [stack]
 """
@@ -361,7 +361,7 @@ def test_the_libnvjpeg_bound_is_the_first_mapped(tmp_path):
     """From a process's maps: the first libnvjpeg mapped (a path with a space kept whole), not
     nvImageCodec's extension libnvjpeg_ext nor nvJPEG2000's libnvjpeg2k; None where none is mapped,
     or where there is no /proc (not Linux)."""
-    assert nvdecode.mapped_nvjpeg(MAPS) == '/my data/torchvision.libs/libnvjpeg.36e11081.so.13'
+    assert nvdecode.mapped_nvjpeg(MAPS) == '/a b/torchvision.libs/libnvjpeg.36e11081.so.13'
     assert nvdecode.mapped_nvjpeg(MAPS.replace('libnvjpeg.', 'libjpeg.')) is None
     assert nvdecode.mapped_nvjpeg('') is None
     assert nvdecode.bound_nvjpeg(str(tmp_path / 'no-proc' / 'maps')) is None

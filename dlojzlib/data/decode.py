@@ -191,8 +191,8 @@ class FastTrainTransform:
         # A file that does not end with its EOI marker (FF D9) is decoded whole: a truncated file
         # must fail whatever its crop (a region above the cut would decode), as the other paths make
         # it fail.
-        if REGION.why_not is None and colorspace in ('YCbCr', 'Gray') and h * w * r * r <= height * width \
-                and data.endswith(b'\xff\xd9'):
+        if REGION.why_not is None and colorspace in ('YCbCr', 'Gray') \
+                and h * w * r * r <= height * width and data.endswith(b'\xff\xd9'):
             crop = REGION(data, top, left, h, w)  # the region's pixels, fewer than the scaled whole file's
             if crop is not None:
                 REGION.count(0)

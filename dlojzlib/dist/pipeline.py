@@ -391,14 +391,15 @@ def build(args, model, device, dist, autocast, say=print, cut=None):
                          f'{",".join(map(str, cut[1:-1]))}) and this run makes {n_total}; resume '
                          f'with the --pipeline-stages and --pipeline-schedule it was written with.')
     costs, shapes = [0.0] * (n_blocks + 2), None
+    # the layout the run's batches reach the stages in (datasets.to_device)
+    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
     if n_total > 1:  # the shapes between stages always; the time only where it chooses the cut
         reps = 3 if split == 'time' and cut is None else 0
 
         def probe():
             x = torch.randn(mb, 3, args.image_size, args.image_size,
                             generator=torch.Generator().manual_seed(0))
-            if args.channels_last:  # as the run's batches reach the stages (datasets.to_device)
-                x = x.contiguous(memory_format=torch.channels_last)
+            x = x.contiguous(memory_format=fmt)
             costs, shapes = measure(model, fam, x, device, autocast, reps)
             return piece_params(model, fam) if split == 'params' else costs, shapes
         costs, shapes = launch.broadcast_object(launch.on_ranks(probe, when=dist.is_main))
@@ -421,9 +422,8 @@ def build(args, model, device, dist, autocast, say=print, cut=None):
     model.to(device)
     stage_shapes = None
     if shapes is not None:
-        x = torch.empty(mb, 3, args.image_size, args.image_size, device='meta', memory_format=(
-            torch.channels_last if args.channels_last else torch.contiguous_format))
-        image = (tuple(x.shape), torch.float32, x.stride())  # as to_device hands the batches
+        x = torch.empty(mb, 3, args.image_size, args.image_size, device='meta', memory_format=fmt)
+        image = (tuple(x.shape), torch.float32, x.stride())
         stage_shapes = [(image if k == 0 else shapes[bounds[k]],
                          shapes[-1] if k == n_total - 1 else shapes[bounds[k + 1]]) for k in ids]
     pp = dp = dp_mesh = None

@@ -22,9 +22,9 @@
 - --decode gpu: nvJPEG's crops equal the CPU seam's (libjpeg-turbo) within 2 levels; nvImageCodec
   decodes a batch in one call per backend with no torch-side host wait, and records which backend
   decoded how many images, and whether the hardware engine decodes a region (hw_roi); a --decode
-  fast worker forked after CUDA imports nvImageCodec itself and decodes regions quietly; decoding one
-  batch ahead on a thread gives the same batches and the training stream never reads one before its
-  decode ends; decoding never writes into memory that queued training kernels still read
+  fast worker forked after CUDA imports nvImageCodec itself and decodes regions quietly; decoding
+  one batch ahead on a thread gives the same batches and the training stream never reads one before
+  its decode ends; decoding never writes into memory that queued training kernels still read
   (pytorch/vision#9606; the same check catches a decode on the training stream, its positive
   control), and a run trains with it;
 - batches handed over in shared slots and pinned by the pin-memory thread equal the default
