@@ -71,7 +71,8 @@ class Meters:
         n = labels.shape[0]
         if self.criterion:
             self.sums[4] += criterion_loss.detach().double() * n
-        hits = output.detach().topk(self.k, dim=1).indices == labels[:, None]  # (n, k): at most one True a row
+        # (n, k): at most one True a row
+        hits = output.detach().topk(self.k, dim=1).indices == labels[:, None]
         self.sums[0] += loss.detach().double() * n
         self.sums[1] += hits[:, 0].sum()
         self.sums[2] += hits.sum()
@@ -97,16 +98,19 @@ class PeakMemory:
     validation() around an evaluation. `cuda` replaces torch.cuda in tests."""
 
     def __init__(self, device, cuda=torch.cuda, clear_refs='/proc/self/clear_refs'):
-        self.device, self.gpu, self.cuda, self.clear_refs = device, device.type == 'cuda', cuda, clear_refs
+        self.device, self.gpu, self.cuda = device, device.type == 'cuda', cuda
+        self.clear_refs = clear_refs
         self.reset_done = False
-        self.train = self.val = None  # (max allocated, max reserved) bytes over every epoch / validation
+        # (max allocated, max reserved) bytes over every epoch / validation
+        self.train = self.val = None
         self._validating = False
 
     def reset(self):
         if self.gpu:
             self.cuda.reset_peak_memory_stats(self.device)
         else:
-            try:  # Linux: '5' resets the peak resident set size of the process (proc(5), clear_refs)
+            # Linux: '5' resets the peak resident set size of the process (proc(5), clear_refs)
+            try:
                 with open(self.clear_refs, 'w') as f:
                     f.write('5')
             except OSError:  # not Linux, or not allowed: the peak then includes the warm-up
@@ -114,7 +118,8 @@ class PeakMemory:
         self.reset_done = True
 
     def _live(self):
-        return self.cuda.max_memory_allocated(self.device), self.cuda.max_memory_reserved(self.device)
+        return (self.cuda.max_memory_allocated(self.device),
+                self.cuda.max_memory_reserved(self.device))
 
     @staticmethod
     def _max(kept, live):
@@ -167,11 +172,20 @@ class PeakMemory:
 
 def log_train(run, progress, lr, window, t_last):
     """The periodic training record; -> the time it was taken (wall time per step is measured
-    between records, so it includes everything the loop does)."""
-    # one read: the NaN guard's first bad step and the summed loss
-    now = train_record(run.log, run.chrono, run.memory, run.global_batch, lr, t_last,
-                       lambda: run.guard.check(window)[0], epoch=progress.epoch + 1,
-                       step=progress.step, global_step=progress.global_step)
+    between records, so it includes everything the loop does). `window`: this rank's loss summed
+    since the record before. The record's loss is the mean over the data's replicas: every rank,
+    or under a pipeline each replica's last stage, whose loss its stages' ranks all hold
+    (Pipeline.share_loss): the sum over one stage's replicas (the mesh's 'dp' group) counts each
+    once."""
+    group = run.pipe.dp if run.pipe is not None else None
+
+    def loss_sum():  # the loss's one all-reduce a record, then one read with the NaN guard's
+        launch.all_reduce_(window, group=group)
+        return run.guard.check(window)[0] / run.replicas
+
+    now = train_record(run.log, run.chrono, run.memory, run.global_batch, lr, t_last, loss_sum,
+                       epoch=progress.epoch + 1, step=progress.step,
+                       global_step=progress.global_step)
     window.zero_()
     return now
 
@@ -192,8 +206,8 @@ def train_record(log, chrono, memory, global_batch, lr, t_last, loss_sum, **wher
 
 
 def log_train_metrics(run, progress, meters):
-    """Every rank: compute() adds up the meters of all ranks. With --metric-sync-log, each rank's own values
-    before the sync are printed and recorded too (the course's metric_compute_log)."""
+    """Every rank: compute() adds up the meters of all ranks. With --metric-sync-log, each rank's
+    own values before the sync are printed and recorded too (the course's metric_compute_log)."""
     before = meters.compute(sync=False) if run.args.metric_sync_log else None
     after = meters.compute()
     run.log.log(type='train_metrics', epoch=progress.epoch + 1, step=progress.step,
@@ -202,7 +216,10 @@ def log_train_metrics(run, progress, meters):
         return
     name = f"{'GPU' if run.device.type == 'cuda' else 'CPU'}{run.dist.rank}"
     for when, v in (('Before', before), ('After', after)):
-        print(f"Step {progress.step} - {when} metric compute {name}: loss: {v['loss']:.4f}, accuracy: "
-              f"{v['top1']:.4f}", flush=True)
+        if not v:  # a pipeline's earlier stage: it counts no image
+            continue
+        print(f"Step {progress.step} - {when} metric compute {name}: loss: {v['loss']:.4f}, "
+              f"accuracy: {v['top1']:.4f}", flush=True)
     ranks = launch.all_gather_object({'rank': run.dist.rank, 'before': before, 'after': after})
-    run.log.log(type='metric_sync', global_step=progress.global_step, step=progress.step, ranks=ranks)
+    run.log.log(type='metric_sync', global_step=progress.global_step, step=progress.step,
+                ranks=ranks)

@@ -1,12 +1,13 @@
 """dlojz_export.py: a trained checkpoint exported with torch.export, loaded back, gives the logits
 of torchvision's network holding the checkpoint's weights (the reference, built here); with
---aoti, a C++ program built against the wheel's LibTorch loads the package and gives the same
-logits (slow: it compiles). A file that is not a checkpoint, and --ema without EMA weights, are
-refused in one sentence.
+--aoti, a C++ program built against the wheel's LibTorch by docs/seeds.md's own command loads the
+package and gives the same logits (slow: it compiles). A file that is not a checkpoint, and --ema
+without EMA weights, are refused in one sentence.
 
 Run: python -m pytest -q tests/test_export.py (the C++ one: -m slow)"""
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -112,23 +113,39 @@ int main(int argc, char** argv) {
 '''
 
 
-@pytest.mark.slow
+def documented_build():
+    """docs/seeds.md's build of a LibTorch program: the lines of its bash block that set TORCH and
+    call g++ (continuation lines joined), as a user copies them."""
+    with open(os.path.join(ROOT, 'docs', 'seeds.md')) as f:
+        text = f.read()
+    block, = [b for b in re.findall(r'```bash\n(.*?)```', text, re.S) if 'g++' in b]
+    lines = block.replace('\\\n', ' ').splitlines()
+    return [line for line in lines if line.startswith(('TORCH=', 'g++ '))]
+
+
+def test_the_documented_build_sets_torch_and_calls_gxx():
+    torch_line, gxx = documented_build()
+    assert torch_line.startswith('TORCH=$(python -c') and ' load.cpp -o load ' in gxx
+    assert '-Wl,--no-as-needed -ltorch ' in gxx and '-Wl,-rpath,"$TORCH/lib"' in gxx
+
+
+@pytest.mark.slow  # 70 s: the export compiles the package, g++ the program
 @pytest.mark.skipif(not AOTI or shutil.which('g++') is None,
                     reason='AOTInductor packages need torch 2.6 and a C++ compiler')
 def test_a_cpp_program_loads_the_package_and_gives_the_same_logits(checkpoint, tmp_path):
+    """Built with docs/seeds.md's command as written (its `python` this interpreter), run with no
+    LD_LIBRARY_PATH: the rpath and the kept libtorch.so are all it needs."""
     out = tmp_path / 'rn18-aoti.pt2'
     p = export(checkpoint, '--out', out, '--aoti')
     assert p.returncode == 0, p.stderr
-    lib = os.path.dirname(torch.__file__)
     (tmp_path / 'load.cpp').write_text(LOADER)
-    build = subprocess.run(['g++', '-std=c++20', '-O1', 'load.cpp', '-o', 'load',
-                            f'-I{lib}/include', f'-I{lib}/include/torch/csrc/api/include',
-                            f'-L{lib}/lib', '-ltorch', '-ltorch_cpu', '-lc10',
-                            f'-Wl,-rpath,{lib}/lib'], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=600)
+    env = {k: v for k, v in os.environ.items() if k != 'LD_LIBRARY_PATH'}
+    env['PATH'] = os.path.dirname(sys.executable) + os.pathsep + env.get('PATH', '')
+    build = subprocess.run(['bash', '-ec', '\n'.join(documented_build())], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600, env=env)
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([str(tmp_path / 'load'), str(out)], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, 'LD_LIBRARY_PATH': f'{lib}/lib'})
+                         timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     got = torch.tensor([float(v) for v in run.stdout.split()]).view(3, -1)
     images = torch.arange(3 * 3 * 32 * 32, dtype=torch.float32).view(3, 3, 32, 32) / 9216.0

@@ -373,11 +373,12 @@ def _user_message(e):
         f'{type(e).__name__}: {first_line(e)}'
 
 
-def all_reduce_(tensor, op='sum'):
-    """In-place all-reduce of a device tensor over every rank (no-op in a single process)."""
+def all_reduce_(tensor, op='sum', group=None):
+    """In-place all-reduce of a device tensor over every rank, or over `group`'s (no-op in a
+    single process)."""
     if tdist.is_available() and tdist.is_initialized():
         objects.keep(tensor)  # objects.py: its last reference must not be a gloo worker's
-        tdist.all_reduce(tensor, op=getattr(tdist.ReduceOp, op.upper()))
+        tdist.all_reduce(tensor, op=getattr(tdist.ReduceOp, op.upper()), group=group)
     return tensor
 
 

@@ -77,7 +77,7 @@ class Chronometer(pl.Callback):
         self.unseen = []     # what the hooks cannot see, named in the record
         self._open = []      # the phases entered and not yet left: [(name, context)]
         self._t_last = None  # host time the next step starts from
-        self._window = None  # the loss summed on the device since the last train record
+        self._window = None  # this rank's loss summed on the device since the last record
         self._val = None
         self._ended = False
         self._batches = 0    # training batches seen: a train record every log_every_n_steps
@@ -228,11 +228,19 @@ class Chronometer(pl.Callback):
         self._t_last = time.perf_counter()
 
     def log_train(self, trainer):
-        """dlojz.py's periodic record (metrics.train_record): one read of the summed loss."""
+        """dlojz.py's periodic record (metrics.train_record). Its loss, as dlojz.py's: the mean
+        over the ranks of each one's loss since the record before (what Lightning's
+        self.log(..., sync_dist=True) would give each step; without sync_dist its loggers write
+        rank 0's), in one all-reduce and one read a record. Every rank comes here at the same
+        step (every log_every_n_steps batches)."""
         lr = trainer.optimizers[0].param_groups[0]['lr'] if trainer.optimizers else None
+
+        def loss_sum():
+            return launch.all_reduce_(self._window).item() / trainer.world_size
+
         self._t_log = train_record(self.log, self.chrono, self.memory,
                                    (self.chrono.full_batch or 0) * trainer.world_size, lr,
-                                   self._t_log, self._window.item,
+                                   self._t_log, loss_sum,
                                    epoch=trainer.current_epoch + 1, step=trainer.global_step,
                                    global_step=trainer.global_step)
         self._window.zero_()
