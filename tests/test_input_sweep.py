@@ -127,6 +127,11 @@ CASES = {
     'batch of one at 32 px': ('dlojz.py', [*T, '-b', '1'], ['-b 1', '32 px']),
     'global batch over the training set': ('dlojz.py', [*T, '-b', '2', '--accum-steps', '400'],
                                            ['global batch of 800', 'training set (96 images)']),
+    # 2 steps of 8 images are 2 steps of 6 and 4 images of the 3rd: a run of 2 ends before them
+    'a resume ending inside its checkpoint\'s last step': (
+        'dlojz.py', [*T, '--resume', '{sharded}', '-b', '6', '--allow-batch-change',
+                     '--test-nsteps', '2'],
+        ['is at step 2 and partway through step 3 of 6 images', '--test-nsteps 3 or more']),
     # the workers' first batches, left out of the rate, would be all there is
     'a loader alone with nothing to time': ('dlojz.py', [*T, '--loader-only', '--test-nsteps', '4',
                                                          '--num-workers', '2'],
@@ -264,6 +269,7 @@ def test_a_bad_input_is_one_sentence_and_changes_nothing(case, written, tmp_path
              'odd': root / 'odd' / 'summary.json', 'special': root / 'special',
              'escaping': root / 'escaping', 'fifo_index': root / 'fifo-index',
              'cut': root / 'cut' / 'checkpoint-00000002.dcp',
+             'sharded': root / 'sharded' / 'checkpoint-00000002.dcp',
              'synth': synth, 'new': tmp_path / 'new', 'cache': cache_dir}
     argv = [a.format(**paths) if isinstance(a, str) else a for a in argv]
     env = {k: v.format(**paths) for k, v in (env[0] if env else {}).items()}

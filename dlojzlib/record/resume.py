@@ -4,18 +4,22 @@ two equal and fails on a flag without a row). Torch-free: it compares two sets o
 
     honoured    the new value is used from the resume on, and recorded
     extends     the run's length: above the checkpoint's position it continues, below it is refused
-    refused     one sentence, nothing written: the checkpoint's state cannot continue under the new value
-    checked     honoured while the checkpoint still fits (the same classes, training set, weights and
-                optimizer groups), refused with one sentence where it does not
+    refused     one sentence, nothing written: the checkpoint's state cannot continue under the new
+                value
+    checked     honoured while the checkpoint still fits (the same classes, training set, weights
+                and optimizer groups), refused with one sentence where it does not
     checkpoint  the checkpoint's value is kept (and recorded), with one warning line
-    mode        another mode, which trains nothing from the checkpoint: in a folder that holds a training
-                run it is refused with one sentence
+    mode        another mode, which trains nothing from the checkpoint: in a folder that holds a
+                training run it is refused with one sentence
 
-Values are compared as check_args resolved them (a default that follows the node, such as --num-workers,
-is compared as resolved). resolve() makes the refusals that need nothing but the flags; the 'checked' rows,
---arch and the global batch are record.state's (check_checkpoint knows the data and the world size, check_fits
-the model and the optimizer), the modes' their own.
+Values are compared as check_args resolved them (a default that follows the node, such as
+--num-workers, is compared as resolved). resolve() makes the refusals that need nothing but the
+flags; the 'checked' rows, --arch and the global batch are record.state's (check_checkpoint knows
+the data and the world size, check_fits the model and the optimizer), the modes' their own.
+position() puts the checkpoint's position in the resumed run's steps.
 """
+from typing import NamedTuple
+
 from dlojzlib.errors import UsageError
 
 HONOURED, EXTENDS, REFUSED, CHECKED = 'honoured', 'extends', 'refused', 'checked'
@@ -49,8 +53,8 @@ CONTRACT = {
                          'workers'),
     'skip_bad_images': (HONOURED, ''),
     # loader
-    'batch_size': (REFUSED, 'unless --allow-batch-change: the position and the schedule are then '
-                            'converted in images'),
+    'batch_size': (REFUSED, 'unless --allow-batch-change: the position is then put in the new '
+                            'steps, counted in images, and the schedule rebuilt for them'),
     'val_batch_size': (HONOURED, ''),
     'num_workers': (HONOURED, ''),
     'persistent_workers': (HONOURED, ''),
@@ -170,11 +174,67 @@ CONTRACT = {
 # the flags whose change rebuilds the LR schedule at the current step (with the global batch,
 # record.state's)
 SCHEDULE = ('lr', 'scheduler', 'warmup_epochs', 'poly_power', 'epochs')
-NOT_SHOWN = ('resume', 'base_lr')  # differ on every resume, or already shown through the value they set
+# differ on every resume, or already shown through the value they set
+NOT_SHOWN = ('resume', 'base_lr')
 # Refused elsewhere: --arch and the global batch (world size, --allow-batch-change) by
 # check_checkpoint, which knows the data and the world size; --overwrite and --findlr beside
 # --resume by check_flags, whatever the checkpoint's flags.
 ELSEWHERE = ('batch_size', 'accum_steps', 'arch', 'overwrite', 'findlr')
+
+
+class Position(NamedTuple):
+    """Where a resumed run stands, in its own steps. moved: the checkpoint counted other steps
+    (another global batch, or another number of steps an epoch), so its LR schedule is not this
+    run's. partial: the checkpoint had trained some of the images of step global_step + 1 (they are
+    trained again)."""
+    epoch: int        # epochs trained to their end
+    step: int         # optimizer steps done in the epoch under way
+    global_step: int
+    end_due: bool     # trained to the epoch's (or --test-nsteps') end; its validation is to come
+    moved: bool = False
+    partial: bool = False
+
+
+def as_written(ckpt):
+    """The checkpoint's own position."""
+    return Position(ckpt['epoch'], ckpt['step_in_epoch'], ckpt['global_step'],
+                    ckpt.get('end_due', False))
+
+
+def position(ckpt, global_batch, steps_per_epoch):
+    """The checkpoint's position in the steps of this run (`global_batch` images each,
+    `steps_per_epoch` an epoch: as many as its loader yields, after its rounding) -> Position.
+
+    With the checkpoint's global batch and steps an epoch, its own position. Otherwise the epochs
+    trained stay trained, an epoch trained to its last step (owing its validation) included; the
+    epoch under way restarts at the batch holding its first image not yet seen, or is trained where
+    the images left do not fill one of this loader's steps. The global step is then the epochs'
+    steps and the epoch's, so that a schedule of -e x steps_per_epoch ends at the run's last step.
+    """
+    old_batch, epoch, done = ckpt['global_batch'], ckpt['epoch'], ckpt['step_in_epoch']
+    end_due, old_steps = ckpt.get('end_due', False), checkpoint_steps(ckpt)
+    if old_batch == global_batch and old_steps == steps_per_epoch:
+        return as_written(ckpt)
+    # unknown (a checkpoint of an older dlojz, in its first epoch): one owing its validation
+    # outside --test had trained the epoch to its end
+    finished = done == old_steps if old_steps else \
+        end_due and not (ckpt.get('args') or {}).get('test')
+    seen = 0 if finished else done * old_batch  # images of the epoch under way
+    step = steps_per_epoch if finished else min(seen // global_batch, steps_per_epoch)
+    return Position(epoch, step, epoch * steps_per_epoch + step,
+                    end_due=end_due or step == steps_per_epoch, moved=True,
+                    partial=step < steps_per_epoch and seen > step * global_batch)
+
+
+def checkpoint_steps(ckpt):
+    """The steps an epoch of the checkpoint's run: recorded, or (by an older dlojz) read from its
+    position, global step = epochs x steps an epoch + step; None in its first epoch, or where the
+    position does not divide (edited)."""
+    if ckpt.get('steps_per_epoch'):
+        return ckpt['steps_per_epoch']
+    epoch, step = ckpt['epoch'], ckpt['step_in_epoch']
+    steps, rest = divmod(ckpt['global_step'] - step, epoch) if epoch else (0, 1)
+    return steps if rest == 0 and steps >= max(step, 1) else None
 
 
 def flag(dest):
@@ -193,7 +253,8 @@ def schedule_changes(args, old):
     --mom under onecycle, whose momentum is the cycle's (rebuilt, it is where the cycle says;
     copied, it would be --mom's)."""
     rebuilt = [d for d in SCHEDULE if d in old and old[d] != getattr(args, d)]
-    return rebuilt + ['mom'] if args.scheduler == 'onecycle' and old.get('mom', args.mom) != args.mom else rebuilt
+    cycled = args.scheduler == 'onecycle' and old.get('mom', args.mom) != args.mom
+    return rebuilt + ['mom'] if cycled else rebuilt
 
 
 def resolve(args, old, say):

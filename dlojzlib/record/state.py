@@ -1,6 +1,6 @@
-"""A run's state and its checkpoints: where the loop is (Progress), what a checkpoint holds, which one
---resume picks, whether this run can continue it, and putting it back. The files themselves (atomic
-writes, listing, pruning) are record.checkpoint's."""
+"""A run's state and its checkpoints: where the loop is (Progress), what a checkpoint holds, which
+one --resume picks, whether this run can continue it, and putting it back. The files themselves
+(atomic writes, listing, pruning) are record.checkpoint's."""
 import os
 import random
 import sys
@@ -19,7 +19,8 @@ from dlojzlib.record.checkpoint import (SHARDED, checkpoint_path, list_checkpoin
                                         load_checkpoint, load_latest_checkpoint, save_checkpoint,
                                         save_sharded_checkpoint, space_warning, strip_prefixes)
 from dlojzlib.record.log import SUMMARY_VERSION
-from dlojzlib.record.resume import flag, schedule_changes
+from dlojzlib.record.resume import (as_written, checkpoint_steps, flag, position,
+                                    schedule_changes)
 from dlojzlib.record.rundir import complete_sentence, completed_run
 
 
@@ -34,8 +35,10 @@ class Progress:
     val: dict = None       # the last validation
     val_ema: dict = None   # the last validation of the EMA weights
     best_top1: float = None
-    reached: dict = field(default_factory=dict)  # 'raw'/'ema' -> when validation first reached --target-top1
-    end_due: bool = False  # the epoch (or --test-nsteps) is trained; its validation and checkpoint are to come
+    # 'raw'/'ema' -> when validation first reached --target-top1
+    reached: dict = field(default_factory=dict)
+    # the epoch (or --test-nsteps) is trained; its validation and checkpoint are to come
+    end_due: bool = False
 
     def advance(self, images=0):
         self.step += 1
@@ -69,6 +72,7 @@ def checkpoint_state(run, progress, device_rng, model, optimizer):
             'epoch': epoch,
             'step_in_epoch': step, 'end_due': progress.end_due, 'metrics_bytes': run.log.size(),
             'global_step': progress.global_step, 'global_batch': run.global_batch,
+            'steps_per_epoch': run.steps_per_epoch,  # the loader's, for a resume that has others
             'pipeline': run.pipe.cut if run.pipe is not None else None,  # where a resume cuts
             'args': vars(run.args), 'ema': run.ema.state_dict() if run.ema is not None else None,
             'race': {'best_top1': progress.best_top1, 'reached': progress.reached,
@@ -185,7 +189,8 @@ CHECKPOINT = Dict({
                             optional=['param_groups'])),
     'scheduler': _DICT, 'scaler': _DICT, 'ema': Maybe(_DICT),
     'epoch': Int(0), 'step_in_epoch': Int(0), 'end_due': Bool(), 'global_step': Int(0),
-    'global_batch': Int(1), 'metrics_bytes': Maybe(Int(0)), 'race': Maybe(RACE),
+    'global_batch': Int(1), 'steps_per_epoch': Int(1), 'metrics_bytes': Maybe(Int(0)),
+    'race': Maybe(RACE),
     # the flags the resume contract puts back (record.resume's 'checkpoint' rows) become this run's
     'args': Dict({'seed': Int(0, 2 ** 32 - 1), 'pipeline_split': Split()},
                  optional=['seed', 'pipeline_split']),
@@ -262,19 +267,25 @@ def check_resume(args, dist, path, ckpt, data, model, optimizer, global_batch, s
     # rank 0 reads it; a summary.json it refuses (a FIFO) stops every rank
     done = launch.broadcast_object(launch.on_ranks(lambda: completed_run(args.output_dir),
                                                    when=dist.is_main))
-    at = ckpt['global_step'] * ckpt['global_batch'] // global_batch if ckpt is not None else \
-        (done or {}).get('global_step')
-    if at is None:  # nothing to continue: a fresh start
+    # the checkpoint's position in this run's steps, as restore() puts it
+    at = position(ckpt, global_batch, steps_per_epoch) if ckpt is not None else None
+    step = at.global_step if at is not None else (done or {}).get('global_step')
+    if step is None:  # nothing to continue: a fresh start
         return
-    if at > total_steps:
-        want = f'--test-nsteps {at}' if args.test and args.test_nsteps < at else f'-e {-(-at // steps_per_epoch)}'
-        where = f'checkpoint {path}' if ckpt is not None else f'the completed run in {args.output_dir}'
-        raise UsageError(f'{where} is at step {at} but this run ends at step {total_steps}: a '
-                         f'resumed run cannot end before its checkpoint; pass {want} or more to '
-                         f'continue it'
+    started = step + 1 if at is not None and at.partial else step  # the last step it trained in
+    if started > total_steps:
+        want = f'--test-nsteps {started}' if args.test and args.test_nsteps < started else \
+            f'-e {-(-started // steps_per_epoch)}'
+        where = f'checkpoint {path}' if ckpt is not None else \
+            f'the completed run in {args.output_dir}'
+        part = f' and partway through step {step + 1} of {global_batch} images' \
+            if started > step else ''
+        raise UsageError(f'{where} is at step {step}{part} but this run ends at step '
+                         f'{total_steps}: a resumed run cannot end before its checkpoint; pass '
+                         f'{want} or more to continue it'
                          + (f', or --evaluate --resume {path} to validate it.' if ckpt is not None
                             else '.'))
-    if done is not None and at == total_steps:
+    if done is not None and step == total_steps:
         raise Complete(complete_sentence(args.output_dir, done))
     if done is not None and ckpt is None:
         raise UsageError(f'the run in {args.output_dir} completed without writing a checkpoint '
@@ -295,10 +306,11 @@ def check_fits(ckpt, path, arch, model, optimizer=None):
     if optimizer is None:
         return
     groups, saved = optimizer.param_groups, (ckpt.get('optimizer') or {}).get('param_groups')
-    if saved is not None and [len(g['params']) for g in groups] != [len(g['params']) for g in saved]:
+    sizes = lambda gs: [len(g['params']) for g in gs]
+    if saved is not None and sizes(groups) != sizes(saved):
         raise UsageError(f"checkpoint {path}'s optimizer has {len(saved)} parameter groups of "
-                         f"{[len(g['params']) for g in saved]} tensors but this run's has "
-                         f"{len(groups)} of {[len(g['params']) for g in groups]}; pass the "
+                         f"{sizes(saved)} tensors but this run's has "
+                         f"{len(groups)} of {sizes(groups)}; pass the "
                          f"optimizer flags it was written with (--optimizer "
                          f"{(ckpt.get('args') or {}).get('optimizer', '?')}, its weight-decay "
                          f"options), or another checkpoint.")
@@ -312,7 +324,8 @@ def restore(run, ckpt, path='the checkpoint'):
         return _restore(run, ckpt)
     except (RuntimeError, ValueError, KeyError, TypeError) as e:
         what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if isinstance(e, RuntimeError) and 'state_dict' in what:  # load_state_dict: the keys and shapes
+        # load_state_dict: the keys and shapes
+        if isinstance(e, RuntimeError) and 'state_dict' in what:
             what = (f"its weights do not fit --arch {run.args.arch} ({what.rstrip(':. ')}; e.g. "
                     f"{_first_difference(run.model_without_ddp.state_dict(), ckpt['model'])})")
         elif isinstance(e, KeyError):
@@ -387,12 +400,14 @@ def _restride(value, p):
 def _restore(run, ckpt):
     shard.load_model_state(run.model_without_ddp, ckpt['model'])
     race = ckpt.get('race') or {}
-    progress = Progress(epoch=ckpt['epoch'], step=ckpt['step_in_epoch'],
-                        global_step=ckpt['global_step'],
+    # --evaluate validates the checkpoint as written, at its own step
+    at = as_written(ckpt) if run.args.evaluate else \
+        position(ckpt, run.global_batch, run.steps_per_epoch)
+    progress = Progress(epoch=at.epoch, step=at.step, global_step=at.global_step,
                         best_top1=race.get('best_top1'), reached=race.get('reached') or {},
                         images=race.get('images', ckpt['global_step'] * ckpt['global_batch']),
                         val=race.get('val'), val_ema=race.get('val_ema'), train=race.get('train'),
-                        end_due=ckpt.get('end_due', False))
+                        end_due=at.end_due)
     if progress.end_due and not run.args.evaluate:
         run.log.print(f'The checkpoint was written as epoch {progress.epoch + 1} (or '
                       f'--test-nsteps) ended, before its validation and closing checkpoint: they '
@@ -407,34 +422,36 @@ def _restore(run, ckpt):
     saved = ckpt['optimizer'] if run.pipe is None else run.pipe.optimizer_part(ckpt['optimizer'])
     take = load_optimizer(run.optimizer, saved)
     was = ckpt.get('args') or {}
-    for dest, keys in HYPERPARAMETERS.items():  # the resume contract: a changed flag is used from here on
+    # the resume contract: a changed flag is used from here on
+    for dest, keys in HYPERPARAMETERS.items():
         if dest in was and was[dest] != getattr(run.args, dest):
             take(keys)
-    if ckpt['scaler']:  # empty when the checkpoint's run did not use fp16: then this run's scaler starts afresh
+    # empty when the checkpoint's run did not use fp16: then this run's scaler starts afresh
+    if ckpt['scaler']:
         run.scaler.load_state_dict(ckpt['scaler'])
     torch.set_rng_state(ckpt['rng']['torch'])
     np.random.set_state(ckpt['rng']['numpy'])
     random.setstate(ckpt['rng']['python'])
     device_rng = ckpt['rng'].get('device') or []
-    rank = run.dist.rank  # at another world size, ranks beyond the old ones keep their seeded generator
+    rank = run.dist.rank  # at another world size, ranks beyond the old ones keep their own seed's
     if rank < len(device_rng) and device_rng[rank] is not None:
         set_device_rng_state(device_rng[rank], run.device)
-    old, gb = ckpt['global_batch'], run.global_batch
     rebuilt = schedule_changes(run.args, was)
-    if old == gb and not rebuilt:
+    if not at.moved and not rebuilt:
         run.scheduler.load_state_dict(ckpt['scheduler'])
         return progress
-    if old != gb:
-        # Another global batch: keep the position in images. The step restarts at the batch holding
-        # the first image not yet seen; the LR schedule (built for the new batch) is advanced to the
-        # same fraction of the run.
-        progress.global_step = ckpt['global_step'] * old // gb
-        progress.step = min(ckpt['step_in_epoch'] * old // gb, run.steps_per_epoch)
-        run.log.print(f'Resuming with global batch {gb} instead of {old}: step '
-                      f'{progress.global_step}, epoch position {progress.step}')
-    before = run.optimizer.param_groups[0]['lr']  # what the checkpoint's schedule gives its next step
-    take(SCHEDULE_KEYS)  # the new schedule's peak, bounds and momenta (a one-cycle's cycled momentum is not kept)
-    run.scheduler.last_epoch = progress.global_step - 1  # the schedules are closed forms of the step: one step()
+    steps, end = run.steps_per_epoch, run.args.epochs * run.steps_per_epoch
+    if at.moved:  # the position in this run's steps (resume.position), where its schedule continues
+        old, gb = ckpt['global_batch'], run.global_batch
+        change = f'global batch {gb} instead of {old}' if gb != old else \
+            f'{steps} steps an epoch instead of {checkpoint_steps(ckpt) or "an unrecorded number"}'
+        run.log.print(f'Resuming with {change}: at step {at.global_step} of {end} ({at.epoch} '
+                      f'epoch(s) and {at.step} of the next {steps} steps done)')
+    before = run.optimizer.param_groups[0]['lr']  # the checkpoint's schedule's, for its next step
+    take(SCHEDULE_KEYS)  # the new schedule's peak, bounds, momenta (not one-cycle's cycled one)
+    # the schedules are closed forms of the step: one step() puts this run's at the position, and
+    # the steps left (end - position) take it to its end
+    run.scheduler.last_epoch = progress.global_step - 1
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
         warnings.simplefilter('ignore')
         run.scheduler.step()
@@ -443,8 +460,7 @@ def _restore(run, ckpt):
         run.log.print(f'The LR schedule is rebuilt for {changes}: it continues at step '
                       f'{progress.global_step} with LR {run.optimizer.param_groups[0]["lr"]:.4g} '
                       f'where the checkpoint\'s schedule gave {before:.4g}, then follows '
-                      f'{run.args.scheduler} to its end at step '
-                      f'{run.args.epochs * run.steps_per_epoch}.')
+                      f'{run.args.scheduler} to its end at step {end}.')
     return progress
 
 
@@ -495,7 +511,8 @@ def note_validation(run, progress):
     (wall time, epoch, optimizer steps, images seen)."""
     target = run.args.target_top1
     for kind, val in (('raw', progress.val), ('ema', progress.val_ema)):
-        if target is not None and val is not None and kind not in progress.reached and val['top1'] >= target:
+        if target is not None and val is not None and kind not in progress.reached and \
+                val['top1'] >= target:
             progress.reached[kind] = {'top1': val['top1'], 'wall_s': val['wall_s'],
                                       'process_wall_s': val.get('process_wall_s'),
                                       'epoch': val['epoch'],
@@ -512,9 +529,11 @@ def note_validation(run, progress):
 
 
 def interrupted(args, step):
-    """Ctrl-C: the step under way is lost (the interrupt can land anywhere in it, so nothing is saved now);
-    -> Interrupted saying, like a preemption, which checkpoint the run can continue from and how."""
-    found = list_checkpoints(args.output_dir) if args.output_dir and os.path.isdir(args.output_dir) else []
+    """Ctrl-C: the step under way is lost (the interrupt can land anywhere in it, so nothing is
+    saved now); -> Interrupted saying, like a preemption, which checkpoint the run can continue
+    from and how."""
+    kept = args.output_dir and os.path.isdir(args.output_dir)
+    found = list_checkpoints(args.output_dir) if kept else []
     folder = f'--run-name {args.run_name}' if args.run_name else f'--output-dir {args.output_dir}'
     if not found:
         return Interrupted(f'interrupted at step {step}; no checkpoint was written (--chkpt, '
