@@ -224,7 +224,8 @@ def build_run(args, dist, device, say, startup=None, choice=None):
               # a non-finite loss is looked for every step on CPU (free); on a GPU at each log line, in the
               # same read as the line's loss (one sync per --log-interval steps); the LR sweep reads its loss
               # every step anyway and stops on its own
-              guard=NonFiniteGuard(device, choice.nan_check_every(args.findlr), dist.distributed),
+              guard=NonFiniteGuard(device, choice.nan_check_every(args.findlr), dist.distributed,
+                                   comm),
               stop=launch.StopSignal(),
               log=log, global_batch=global_batch, host=host,
               steps_per_epoch=steps_per_epoch, total_steps=total_steps,

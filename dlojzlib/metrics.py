@@ -18,8 +18,11 @@ class NonFiniteGuard:
     stopping alone would leave the others waiting in the gradient all-reduce)."""
     GOOD = 2 ** 62  # "no bad step yet"
 
-    def __init__(self, device, every, distributed=False):
+    def __init__(self, device, every, distributed=False, comm=None):
         self.device, self.every, self.distributed = device, every, distributed
+        # its all-reduce is timed as the step's other collectives (measure.comm: a wait for a late
+        # rank, on the CPU the first meeting after DDP's all-reduce)
+        self.collective = comm.wait if comm is not None else lambda fn: fn()
         self.reset(0)
 
     def reset(self, global_step):
@@ -39,8 +42,8 @@ class NonFiniteGuard:
         """Read the first bad step (a MIN all-reduce first when distributed) and raise if there is
         one, together with `also` (0-d tensors on the device) in the same read: the log line's loss
         comes with it, so the guard and the log line share one sync. -> the values of `also`."""
-        bad = (launch.all_reduce_(self.first_bad.clone(), 'min') if self.distributed
-               else self.first_bad)
+        bad = (self.collective(lambda: launch.all_reduce_(self.first_bad.clone(), 'min'))
+               if self.distributed else self.first_bad)
         # float64 holds every step count exactly, and GOOD = 2**62 too
         values = torch.stack([bad.double(), *(t.detach().double() for t in also)]).tolist()
         if values[0] < self.GOOD:
@@ -180,7 +183,7 @@ def log_train(run, progress, lr, window, t_last):
     group = run.pipe.dp if run.pipe is not None else None
 
     def loss_sum():  # the loss's one all-reduce a record, then one read with the NaN guard's
-        launch.all_reduce_(window, group=group)
+        run.guard.collective(lambda: launch.all_reduce_(window, group=group))
         return run.guard.check(window)[0] / run.replicas
 
     now = train_record(run.log, run.chrono, run.memory, run.global_batch, lr, t_last, loss_sum,

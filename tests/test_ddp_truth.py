@@ -3,21 +3,25 @@
   token bucket filter) on both ends, so both ranks are slowed alike in the transport (root only);
 - a slow loader: rank 1's loader sleeps per image (the slow-loader failpoint, in the dataset);
 - the control: two alike ranks with fast in-memory batches;
-- under --shard full (FSDP2's hooks): the slow loader, and rank 1 sharing its core with two busy
-  loops.
+- under --shard full (FSDP2's hooks): the slow loader;
+- rank 1 sharing its core with busy loops (DDP and --shard full, 2 and 3 ranks), its control
+  without them, and ranks slowed by turns.
 Each test fails on the code before issue 27: the slow link read "compute", the slow loader "communication",
-and neither reported an exposed or a late share. The arithmetic of the verdicts is in tests/test_comm.py."""
+and neither reported an exposed or a late share. The shared core read "compute" before issue 57. The
+arithmetic of the verdicts is in tests/test_comm.py."""
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 
 import pytest
 
-from conftest import ROOT, TINY, free_port, torchrun
+from conftest import ROOT, TINY, end_group, free_port, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -129,7 +133,8 @@ def test_a_slow_loader_on_one_rank_reads_straggler_and_names_it(tmp_path, cache_
     ranks = {r['rank']: r for r in t['ranks']}
     # rank 0 waits more than 400 ms per step
     assert ranks[0]['late_s'] > 0.4 * ranks[0]['steady_steps'] > ranks[1]['late_s']
-    assert 'rank 1 is late, bound by loader' in p.stdout
+    assert f"straggler (rank 1 on {socket.gethostname()}: its steps " in p.stdout
+    assert "the others', bound by loader;" in p.stdout
 
 
 def test_alike_fast_ranks_read_compute(tmp_path):
@@ -153,10 +158,11 @@ def test_two_ranks_that_mostly_compute_read_compute_with_their_waits_in_order(tm
                  '--cache-dir', cache_dir, '--output-dir', tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     t = summary(tmp_path)['timing']
-    shares = t['shares_all_ranks']
+    shares = t['shares_job']
     assert t['bound'] == 'compute' and shares['communication'] > 0.01, t
     line = next(x for x in p.stdout.splitlines() if x.startswith('>>> Bound by'))
-    split = re.match(r'>>> Bound by: compute \((.*) of the steady steps, all ranks', line).group(1)
+    split = re.match(r'>>> Bound by: compute \((.*) of the steady steps, as rank \d saw the job',
+                     line).group(1)
     figures = [(name, int(pct)) for name, pct in re.findall(r'([a-z ]+?) (\d+)%', split)]
     names = [n.strip() for n, _ in figures]
     assert names[0] == 'compute' and sum(v for _, v in figures) == 100, line
@@ -180,7 +186,7 @@ def test_a_slow_loader_under_full_sharding_is_named_from_fsdp2s_waits(tmp_path, 
     assert (t['bound'], t['straggler_rank'], t['straggler_bound']) == ('straggler', 1, 'loader'), t
     ranks = {r['rank']: r for r in t['ranks']}
     assert ranks[0]['late_s'] > 0.4 * ranks[0]['steady_steps'] > ranks[1]['late_s']
-    assert 'rank 1 is late, bound by loader' in p.stdout
+    assert "the others', bound by loader;" in p.stdout
 
 
 def _rank_pid(launcher, rank, timeout=60):
@@ -199,47 +205,144 @@ def _rank_pid(launcher, rank, timeout=60):
     raise AssertionError(f'no rank {rank} under {launcher}')
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason='needs two cores: one per rank')
-def test_a_rank_sharing_its_core_under_full_sharding_is_named(tmp_path, cache_dir):
-    """Issue 46's regime: each rank on its own core, rank 1's shared with two busy loops (about a
-    third of it left), under --shard full, at 128 px so that computing outweighs the collectives'
-    own CPU work (at 64 px rank 1 spent most of its time in them, starved as well, and read
-    communication). Rank 0 computes as fast as ever and waits for rank 1 in every gather and
-    reduce-scatter. Both ranks' forward and backward last about as long, so the reading before
-    the hooks (the forward and backward above the fastest rank's) named no one; the hooks' waits
-    name rank 1, bound by its compute."""
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', '2',
+TURNS = """
+import os, sys, time
+cores, spin, rest = [int(c) for c in sys.argv[1].split(',')], float(sys.argv[2]), float(sys.argv[3])
+while True:  # a few ms of work on each core in turn: every rank slowed alike, by turns
+    for core in cores:
+        os.sched_setaffinity(0, {core})
+        end = time.perf_counter() + spin
+        while time.perf_counter() < end:
+            pass
+        time.sleep(rest)
+"""
+
+
+# the niceness of the ranks' and the causes' sessions where this may raise it (root). Linux
+# shares the cores between sessions first (autogroups), whatever the niceness of their threads:
+# weighted 9.3 times a normal session, the ranks and the causes share their cores as set here
+# whatever else runs on the machine (another test, a build), so that the cause dominates any load
+NICE = -10 if os.geteuid() == 0 and os.path.exists('/proc/self/autogroup') else None
+
+
+def session(cmd, **kw):
+    """cmd started in a session of its own, at NICE."""
+    p = subprocess.Popen(cmd, start_new_session=True, **kw)
+    if NICE is not None:
+        with open(f'/proc/{p.pid}/autogroup', 'w') as f:
+            f.write(str(NICE))
+    return p
+
+
+STEPS = 6  # 5 steady ones after the warm-up step
+
+
+def wait_for(done, p, timeout=300):
+    """Poll done() until it holds or the run p has ended."""
+    import time
+    end = time.time() + timeout
+    while not done() and p.poll() is None:
+        assert time.time() < end, 'the run did not get there'
+        time.sleep(0.2)
+
+
+def trained(out):
+    """Whether the run has logged its last training step (--log-interval 1)."""
+    try:
+        with open(os.path.join(out, 'metrics.jsonl')) as f:
+            return any(json.loads(line).get('global_step') == STEPS for line in f if line.strip())
+    except (OSError, ValueError):
+        return False
+
+
+def pinned(tmp_path, cache_dir, n, loops, *flags, turns=None):
+    """n ranks under torchrun, rank r pinned to core r % 2 (every thread it has yet; later ones
+    inherit it), with `loops` busy loops pinned beside rank 1 (a cause outside the code: the
+    scheduler shares the core), or a process taking a few ms on each core by turns (turns: its
+    spin and rest seconds) -> (summary.json's timing, stdout). Each in a session at NICE."""
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', str(n),
            '--master-port', str(free_port()), os.path.join(ROOT, 'dlojz.py'), *FLAGS,
            '--image-size', '128', '--val-resize', '144', '--val-image-size', '128',
-           '--shard', 'full', '--cache-dir', str(cache_dir), '--output-dir', str(tmp_path)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env={**os.environ, 'OMP_NUM_THREADS': '1'})
+           '--test-nsteps', str(STEPS), '--log-interval', '1', *flags, '--cache-dir',
+           str(cache_dir), '--output-dir', str(tmp_path)]
+    p = session(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                env={**os.environ, 'OMP_NUM_THREADS': '1'})
     cores = sorted(os.sched_getaffinity(0))[:2]
-    loops = []
+    others, ends = [], {}
+    reader = threading.Thread(target=lambda: ends.update(zip(('out', 'err'), p.communicate())))
+    reader.start()
     try:
-        for rank in (0, 1):  # every thread the rank has yet (later ones inherit it)
+        for rank in range(n):
             pid = _rank_pid(p.pid, rank)
             for task in os.listdir(f'/proc/{pid}/task'):
-                os.sched_setaffinity(int(task), {cores[rank]})
-        for _ in range(2):
-            loop = subprocess.Popen([sys.executable, '-c', 'while True: pass'])
+                os.sched_setaffinity(int(task), {cores[rank % 2]})
+        # the causes from the 'running' summary.json on, just before the first step: starved of
+        # its core, rank 1's start-up took a minute; and until the last step is logged
+        wait_for(lambda: os.path.exists(tmp_path / 'summary.json'), p)
+        for _ in range(loops):
+            loop = session([sys.executable, '-c', 'while True: pass'])
             os.sched_setaffinity(loop.pid, {cores[1]})
-            loops.append(loop)
-        _, err = p.communicate(timeout=600)
+            others.append(loop)
+        if turns:
+            others.append(session([sys.executable, '-c', TURNS, ','.join(map(str, cores)),
+                                   *map(str, turns)]))
+        wait_for(lambda: trained(tmp_path), p, timeout=600)
     finally:
-        for loop in loops:
-            loop.kill()
-            loop.wait()
-        p.kill()
-    assert p.returncode == 0, err[-3000:]
-    t = summary(tmp_path)['timing']
-    assert t['comm_measured'] == 'FSDP2 hooks' and t['straggler_rank'] == 1, t
-    assert t['straggler_bound'] == 'compute', t
+        for other in others:
+            other.kill()
+            other.wait()
+        reader.join(timeout=300)
+        if p.poll() is None:
+            end_group(p)
+    assert p.returncode == 0, ends.get('err', '')[-3000:]
+    return summary(tmp_path)['timing'], ends['out']
+
+
+def bound_line(out):
+    return next(x for x in out.splitlines() if x.startswith('>>> Bound by'))
+
+
+two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason='needs two cores')
+
+
+@two_cores
+@pytest.mark.parametrize('n, loops', [(2, 2), (3, 3)])
+@pytest.mark.parametrize('shard', ['none', 'full'])
+def test_a_rank_sharing_its_core_reads_straggler_naming_it(tmp_path, cache_dir, n, loops, shard):
+    """Issue 46's and 57's regime: rank 1 shares its core with busy loops (2 at 2 ranks; at 3
+    ranks, 3, and ranks 0 and 2 share the other core), each loop a session at NICE like the
+    ranks': the others wait for rank 1 in every all-reduce (DDP) or gather and reduce-scatter
+    (--shard full; at 128 px, so that computing outweighs the collectives' own CPU work), and in
+    the NaN guard's all-reduce after the step. On this 2-core machine rank 1's steps were 18.8x
+    the others' under DDP at 2 ranks (91 % of rank 0's time waiting for it), 16.5x at 3, and
+    9.9x and 8.9x under --shard full (61-63 %, the transfer 30-32 %: gloo's share of it on rank
+    1's core is slowed too). The job reads straggler, rank 1 on this host, its steps more than
+    1.5x the others'; rank 1's own verdict is compute. Before issue 57 the verdict was every
+    rank's sums, in which rank 1's own slowed compute outweighed the wait for it at 2 ranks:
+    'compute', for the third turn running."""
+    t, out = pinned(tmp_path, cache_dir, n, loops, '--shard', shard)
     ranks = {r['rank']: r for r in t['ranks']}
-    # rank 0: a quarter of its time or more waiting for rank 1 (32 %, and 2.25 s more in the
-    # transfer, which rank 1's starved core slows too), rank 1 for no one
-    assert ranks[0]['late_s'] > ranks[0]['wall_s'] / 4 > ranks[1]['late_s'], ranks
-    # what the reading before the hooks had to go by: the forward and backward, as long on both
-    # ranks (1.05 and 1.04 s per step), named no one
-    fb = [ranks[r]['forward_s'] + ranks[r]['backward_s'] for r in (0, 1)]
-    assert abs(fb[0] - fb[1]) < 0.1 * fb[0], fb
+    assert (t['bound'], t['straggler_rank']) == ('straggler', 1), (t, bound_line(out))
+    assert ranks[1]['bound'] == 'compute' and t['straggler_bound'] == 'compute', ranks
+    assert t['straggler_pace'] > 1.5 and 1 not in t['typical_ranks'], t
+    assert bound_line(out).startswith(f">>> Bound by: straggler (rank 1 on {socket.gethostname()}:"
+                                      f" its steps "), bound_line(out)
+    # a typical rank waited for rank 1 more than a quarter of its time; rank 1 for no one
+    typical = ranks[t['typical_ranks'][0]]
+    assert typical['late_s'] > typical['wall_s'] / 4 > ranks[1]['late_s'], ranks
+
+
+@two_cores
+def test_the_same_ranks_pinned_without_the_loops_read_no_straggler(tmp_path, cache_dir):
+    """The control: the same pinning, nothing beside rank 1."""
+    t, out = pinned(tmp_path, cache_dir, 2, 0)
+    assert t['bound'] != 'straggler' and t['straggler_share'] < 0.15, (t, bound_line(out))
+
+
+@two_cores
+def test_ranks_slowed_by_turns_read_no_straggler(tmp_path, cache_dir):
+    """A process spinning 5 ms in every 100 on each core in turn: each rank is slowed about 5 %,
+    one step one rank, the next the other. Over the run both waited alike for each other: the
+    waits read as communication, nobody is the straggler."""
+    t, out = pinned(tmp_path, cache_dir, 2, 0, turns=(0.005, 0.045))
+    assert t['bound'] != 'straggler' and t['straggler_share'] < 0.15, (t, bound_line(out))

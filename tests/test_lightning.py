@@ -313,7 +313,7 @@ def test_two_processes_give_one_record_with_every_rank(tmp_path, cache_dir):
     t = summary['timing']
     assert summary['world_size'] == 2 and summary['global_batch'] == 16
     assert sorted(r['rank'] for r in t['ranks']) == [0, 1]
-    assert t['bound_all_ranks'] and t['comm_measured'] == 'all-reduce hook'
+    assert t['bound_job'] and t['comm_measured'] == 'all-reduce hook'
     assert all(r['comm_steps'] == r['steady_steps'] > 0 for r in t['ranks'])
     # ResNet-18 with 4 classes: 11,178,564 parameters of 4 bytes
     assert summary['communication']['gradient_bytes_per_step'] == 4 * 11_178_564

@@ -35,6 +35,7 @@ import custom_models
 from dlojzlib import flags
 from dlojzlib.dist import pipeline, stages
 from dlojzlib.errors import UsageError
+from dlojzlib.record import summary
 
 TORCH = tuple(int(v) for v in re.findall(r'\d+', torch.__version__)[:2])
 VIT = ['--arch', 'timm:vit_tiny_patch16_224', '--optimizer', 'adamw', '--lr', '0.002',
@@ -53,7 +54,7 @@ def losses(out):
 def launched(tmp_path, cache, name, ranks, *flags_, env=None):
     out = tmp_path / name
     common = [*TINY, *VIT, '--cache-dir', cache, '--output-dir', out, *flags_]
-    p = torchrun(ranks, *common) if ranks else \
+    p = torchrun(ranks, *common, env=env) if ranks else \
         run_cli(*common, env={'OMP_NUM_THREADS': '1', **(env or {})})
     assert p.returncode == 0, p.stderr[-3000:]
     return out, p.stdout
@@ -86,6 +87,31 @@ def test_four_stages_and_a_two_by_two_mesh_train_as_their_references(tmp_path, c
                        '4', '--pipeline-schedule', 'gpipe', '--test-nsteps', '3')
     assert losses(mesh) == losses(two)
     assert losses(mesh)[1][0][2] == 24  # every validation image once
+
+
+@pytest.mark.slow  # 60 s: a 4-rank launch, then a 2-rank one
+def test_a_slow_replica_of_a_stage_is_the_straggler_and_a_slow_stage_is_not(tmp_path, cache_dir):
+    """2 stages x 2 replicas (rank = stage x 2 + replica), rank 1's loader sleeping 200 ms per image
+    (the slow-loader failpoint: a cause outside the code that measures it; 1.6 s per step, three
+    times the others' compute, 4 ranks sharing 2 cores; at 50 ms the others computed as long as
+    it slept, and no one waited): its pipeline runs late, and the other pipeline's ranks wait for
+    it in their stage's all-reduce, which each rank now times (measure.comm: CommTimer.wait). The job reads straggler, rank 1, bound by its
+    loader. The same loader on a pipeline without replicas is the stage's own time: its other
+    stage waits in the bubble, and no rank is a straggler."""
+    out, stdout = launched(tmp_path, cache_dir, 'mesh', 4, '--pipeline-stages', '2',
+                           '--microbatches', '4', '--pipeline-schedule', 'gpipe',
+                           '--test-nsteps', '5', env={'DLOJZ_FAULT': 'slow-loader:1:0.2'})
+    t = json.loads((out / 'summary.json').read_text())['timing']
+    assert t['comm_measured'] == summary.PIPED[1], t
+    assert (t['bound'], t['straggler_rank'], t['straggler_bound']) == ('straggler', 1, 'loader'), t
+    assert t['typical_ranks'] == [0, 2], t
+    assert "its steps" in stdout and "the others', bound by loader;" in stdout, stdout
+    out, stdout = launched(tmp_path, cache_dir, 'stages', 2, '--pipeline-stages', '2',
+                           '--microbatches', '4', '--pipeline-schedule', 'gpipe',
+                           '--test-nsteps', '5', env={'DLOJZ_FAULT': 'slow-loader:0:0.2'})
+    t = json.loads((out / 'summary.json').read_text())['timing']
+    assert t['comm_measured'] == summary.PIPED[0] and t['bound'] != 'straggler', t
+    assert 'straggler_rank' not in t, t
 
 
 @pytest.mark.slow  # 90 s: 4-rank launches

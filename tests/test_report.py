@@ -282,24 +282,34 @@ def test_scaling_from_world_sizes_1_and_2(runs, tmp_path):
 
 @pytest.mark.slow
 def test_a_verdict_over_all_ranks_shows_the_shares_over_all_ranks(runs, tmp_path):
-    """Rank 0 busy 99 % while the ranks together waited for data 60 % of the time: the dashboard's
-    'Bound by' row gives the all-ranks shares beside the all-ranks verdict, largest first, as the
-    run's own line does, and the comparison its all-ranks busy and data shares (hand-set numbers in
-    a real 2-rank run folder). A summary from before the shares keeps its busy and data figures."""
+    """Rank 0 busy 99 % while the job (its typical rank) waited for data 60 % of the time: the
+    dashboard's 'Bound by' row gives the job's shares beside the job's verdict, largest first, as
+    the run's own line does, and the comparison the job's busy and data shares (hand-set numbers
+    in a real 2-rank run folder). A summary from before issue 57 (every rank's sums) keeps its
+    all-ranks figures; one from before the shares keeps its busy and data figures."""
     two = tmp_path / 'two'
     shutil.copytree(runs['ws2'], two)
     s = summary(two)
-    assert s['timing'].get('bound_all_ranks')  # a 2-rank run measures every rank
+    assert s['timing'].get('bound_job')  # a 2-rank run measures every rank
     shares = {'loader': 0.6, 'compute': 0.4, 'communication': 0.0, 'straggler': 0.0, 'host': 0.0}
-    s['timing'].update(device_busy=0.99, data_share=0.01, device_busy_all_ranks=0.4,
-                       data_share_all_ranks=0.6, bound='loader', comm_share=0.0,
-                       straggler_share=0.0, shares_all_ranks=shares)
+    s['timing'].update(device_busy=0.99, data_share=0.01, device_busy_job=0.4,
+                       data_share_job=0.6, bound='loader', comm_share=0.0,
+                       straggler_share=0.0, shares_job=shares, typical_ranks=[1])
     (two / 'summary.json').write_text(json.dumps(s))
     code, out = make_report(tmp_path / 'rep', two)
     text = (out / 'report.md').read_text()
-    assert code == 0 and ('loader (all ranks): data wait 60%, compute 40%, exposed communication '
-                          '0%, waiting for a late rank 0%, host 0% of the steady '
+    assert code == 0 and ('loader (as rank 1 saw the job): data wait 60%, compute 40%, exposed '
+                          'communication 0%, waiting for a late rank 0%, host 0% of the steady '
                           'steps') in text, text
+    [row] = read_csv(out / 'comparison.csv')
+    assert (float(row['busy_pct']), float(row['data_pct'])) == pytest.approx((40.0, 60.0))
+    t = s['timing']
+    for key in ('bound', 'shares', 'device_busy', 'data_share'):  # as issue 39 to 56 wrote them
+        t[f'{key}_all_ranks'] = t.pop(f'{key}_job')
+    (two / 'summary.json').write_text(json.dumps(s))
+    code, out = make_report(tmp_path / 'rep-57', two)
+    assert code == 0 and ('loader (all ranks): data wait 60%, compute 40%, exposed communication '
+                          '0%') in (out / 'report.md').read_text()
     [row] = read_csv(out / 'comparison.csv')
     assert (float(row['busy_pct']), float(row['data_pct'])) == pytest.approx((40.0, 60.0))
     del s['timing']['shares_all_ranks']

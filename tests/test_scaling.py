@@ -188,6 +188,25 @@ def test_measured_from_summary():
     assert m['exposed_s'] is None and m['late_s'] is None
 
 
+def test_the_step_split_is_the_typical_ranks_as_the_verdict_is():
+    """Issue 57: one slow rank among three (the others wait 0.2 s a step for it, its own work is
+    0.3 s, theirs 0.1 s). The job's split is a typical rank's, as its verdict: work 0.1, late 0.2
+    per step. A summary written before issue 57 (no typical_ranks) keeps the mean over the ranks:
+    work (0.3 + 2 x 0.1) / 3, late 2 x 0.2 / 3."""
+    def rank(r, late):
+        return {'rank': r, 'steady_steps': 10, 'wall_s': 3.1, 'data_s': 0.0, 'comm_s': 0.1,
+                'late_s': late * 10, 'busy_s': 3.1}
+    ranks = [rank(0, 0.2), rank(1, 0.0), rank(2, 0.2)]  # busy 0.31 a step, all of it
+    t = {'ranks': ranks, 'comm_measured': 'all-reduce hook', 'bound_job': True,
+         'typical_ranks': [2]}
+    split = S.step_split(t)
+    assert split['late'] == pytest.approx(0.2) and split['work'] == pytest.approx(0.1)
+    assert S.collective_waits(t) == (pytest.approx(0.01), pytest.approx(0.2))
+    old = {'ranks': ranks, 'comm_measured': 'all-reduce hook', 'bound_all_ranks': True}
+    assert S.step_split(old)['late'] == pytest.approx(0.4 / 3)
+    assert S.step_split(old)['work'] == pytest.approx(0.5 / 3)
+
+
 def test_cli_error_is_one_sentence(tmp_path):
     path = tmp_path / 'summary.json'
     path.write_text(json.dumps(summary(world_size=2)))

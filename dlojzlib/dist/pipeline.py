@@ -314,10 +314,16 @@ class Pipeline(nn.Module):
                 last = {'target': y, 'losses': losses} if self.last else {}
                 output = self.schedule.step(*((x,) if self.first else ()), **last)
         loss = self.share_loss(losses)
-        run.guard.observe(loss)  # before the optimizer: on CPU a non-finite loss is never applied
-        # the replicas' all-reduce, timed with the step after it
+        # the replicas' all-reduce, timed with the step after it; a wait for the transfer and for
+        # the last replica in (measure.comm: a slow replica is a straggler). The replicas' first
+        # meeting in a step: the guard's all-reduce after it finds them together
         with run.chrono.phase('optimizer'):
-            self._average_gradients()
+            comm = run.chrono.comm
+            if comm is not None and self.replicas > 1 and not shard.is_sharded(self.model):
+                comm.wait(self._average_gradients)
+            else:
+                self._average_gradients()
+        run.guard.observe(loss)  # before the optimizer: on CPU a non-finite loss is never applied
         return loss, (output.detach() if self.last else None), y
 
     def share_loss(self, losses):

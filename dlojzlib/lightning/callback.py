@@ -235,8 +235,10 @@ class Chronometer(pl.Callback):
         step (every log_every_n_steps batches)."""
         lr = trainer.optimizers[0].param_groups[0]['lr'] if trainer.optimizers else None
 
-        def loss_sum():
-            return launch.all_reduce_(self._window).item() / trainer.world_size
+        def loss_sum():  # timed as the step's other collectives: a wait for a late rank
+            comm = self.chrono.comm
+            reduce = lambda: launch.all_reduce_(self._window)  # noqa: E731
+            return (comm.wait(reduce) if comm is not None else reduce()).item() / trainer.world_size
 
         self._t_log = train_record(self.log, self.chrono, self.memory,
                                    (self.chrono.full_batch or 0) * trainer.world_size, lr,

@@ -30,6 +30,10 @@ same rule over the ranks then tells the transfer from the wait for a late rank, 
 rank is named under FSDP2 as under DDP. Not seen: on a GPU, the last reduce-scatters the backward
 waits for in FSDP2's final callback (nothing runs after it), and gathers a prefetch hid.
 
+A pipeline's stages meet their replicas in one all-reduce of the gradients a step
+(dist.pipeline), stamped whole on either side (wait): the same rule over each stage's replicas
+names a slow replica.
+
 On the host clock the stamps are time.perf_counter() (gloo's callback runs in gloo's thread when the
 all-reduce is done). On a GPU they are CUDA events: the ready event is recorded on the stream that
 ran the backward pass, the done event in the callback, whose current stream waits for the all-reduce
@@ -71,6 +75,16 @@ class CommTimer:
             self.buffer_marks.append(mark)
         compat.replace_ddp_buffer_sync(ddp, timed)
         self.buffers_timed = True
+
+    def wait(self, fn):
+        """fn() -> its result, a collective the step waits for whole (a pipeline's replicas'
+        all-reduce, the NaN guard's and the log line's), stamped as FSDP2's waits are: its time is
+        a wait for the transfer and for the last rank in. Every blocking collective of a step is
+        one, or a rank's wait for a late peer hides there, in its compute."""
+        start = self._stamp()
+        out = fn()
+        self.waits.append([start, self._stamp()])
+        return out
 
     def _stamp(self):
         if self.timeline is None:
@@ -213,18 +227,19 @@ def _span(start, end):
 
 def resolve(marks, buffers=(), waits=()):
     """A step's stamps -> {'exposed': s, 'link': s, 'bytes': n, 'buffers': s}, or None for a step
-    with no all-reduce (a no_sync() micro-batch) or one whose callback never ran. FSDP2's waits:
-    their sum is exposed (link and bytes 0: no bucket is seen whole)."""
-    if waits and completed((), waits=waits):
-        return {'exposed': sum(_span(start, end) for start, end, *_ in waits), 'link': 0.0,
-                'bytes': 0, 'buffers': 0.0}
+    with no all-reduce (a no_sync() micro-batch) or one whose callback never ran. The waits (FSDP2's,
+    a pipeline's replicas' all-reduce, the guard's and the log line's all-reduce): their sum is
+    exposed, beside DDP's buckets' (no link or bytes of theirs: no bucket is seen whole)."""
+    waited = sum(_span(start, end) for start, end, *_ in waits) \
+        if waits and completed((), waits=waits) else None
     if not marks or not completed(marks, buffers):
-        return None
+        return None if waited is None else {'exposed': waited, 'link': 0.0, 'bytes': 0,
+                                            'buffers': 0.0}
     times = _seconds(marks)
     link, free = 0.0, float('-inf')
     for ready, done in sorted(times):
         link += max(0.0, done - max(ready, free))
         free = max(free, done)
-    exposed = max(0.0, max(d for _, d in times) - max(r for r, _ in times))
+    exposed = max(0.0, max(d for _, d in times) - max(r for r, _ in times)) + (waited or 0.0)
     return {'exposed': exposed, 'link': link, 'bytes': sum(b for _, _, b in marks),
             'buffers': sum(end - start for start, end in _seconds(buffers)) if buffers else 0.0}

@@ -265,25 +265,38 @@ def shared_cores(summary):
     return host.get('torch_threads') or 1, host['usable_cores']
 
 
+def job_ranks(timing):
+    """The ranks whose sums give the job's terms: the typical rank (a pipeline's typical replica:
+    its stages) that summary.json['timing'] names (record.summary.job_view, issue 57: its wait for
+    a late rank is the time the job lost to it, whatever the late rank spent it on), else every
+    rank with steady steps (a summary written before, whose figures are means over the ranks)."""
+    ranks = [r for r in timing.get('ranks') or [] if r.get('steady_steps')]
+    mine = [r for r in ranks if r.get('rank') in (timing.get('typical_ranks') or ())]
+    return mine if timing.get('bound_job') and mine else ranks
+
+
 def collective_waits(timing):
-    """From a distributed run's summary.json['timing'] -> (seconds per step of the transfer every rank waited
-    for, the most any rank waited per step for a late one: the step is shared, so that wait is what the late
-    rank added to it), or (None, None) where the ranks did not measure them (measure.comm; docs/chronometer.md)."""
+    """From a distributed run's summary.json['timing'] -> (seconds per step of the transfer every
+    rank waited for, the time per step the job waited for a late rank: the typical rank's wait,
+    the step being shared), or (None, None) where the ranks did not measure them (measure.comm;
+    docs/chronometer.md). A summary written before issue 57: the mean transfer and the most any
+    rank waited."""
     ranks = [r for r in timing.get('ranks') or [] if r.get('steady_steps')]
     if not ranks or not hooked(timing, ranks):
         return None, None
-    return (statistics.fmean(r['comm_s'] / r['steady_steps'] for r in ranks),
-            max(r['late_s'] / r['steady_steps'] for r in ranks))
+    job = job_ranks(timing)
+    return (statistics.fmean(r['comm_s'] / r['steady_steps'] for r in job),
+            max(r['late_s'] / r['steady_steps'] for r in job))
 
 
 def step_split(timing):
-    """A run's mean steady step split by what it went to (seconds per step, mean over its ranks,
-    from their sums): {'step', 'work' (the device's own work: busy time less the waits in
+    """A run's mean steady step split by what it went to (seconds per step, from the job's ranks'
+    sums: job_ranks): {'step', 'work' (the device's own work: busy time less the waits in
     collectives), 'data' (the data wait), 'comm' (the transfer every rank waited for), 'late' (the
-    wait for a late rank)}. Means over the ranks, so that for each rank step = work + data + comm +
-    late + the host's rest holds for the mean too. work None where the run did not measure the
-    device's busy time, comm and late None where the ranks did not time their collectives; None
-    without steady steps."""
+    wait for a late rank)}. step = work + data + comm + late + the host's rest holds for the typical
+    rank, and for the mean of a summary written before issue 57. work None where the run did not
+    measure the device's busy time, comm and late None where the ranks did not time their
+    collectives; None without steady steps."""
     ranks = [r for r in timing.get('ranks') or [] if r.get('steady_steps')]
     if any(r.get('wall_s') is None or r.get('data_s') is None for r in ranks):
         return None
@@ -295,8 +308,9 @@ def step_split(timing):
         work = tot['busy_s'] - collective if tot.get('busy_s') is not None else None
         return {'step': tot['wall_s'] / n, 'work': work / n if work is not None else None,
                 'data': tot['data_s'] / n, 'comm': collective / n, 'late': 0.0}
-    mean = lambda f: statistics.fmean(f(r) / r['steady_steps'] for r in ranks)  # noqa: E731
     timed = hooked(timing, ranks)
+    ranks = job_ranks(timing)
+    mean = lambda f: statistics.fmean(f(r) / r['steady_steps'] for r in ranks)  # noqa: E731
     busy = all(r.get('busy_s') is not None for r in ranks)
     return {'step': mean(lambda r: r['wall_s']), 'data': mean(lambda r: r['data_s']),
             'comm': mean(lambda r: r['comm_s']) if timed else None,
@@ -313,7 +327,7 @@ def hooked(timing, ranks):
 
 def measured_from_summary(summary):
     """What a multi-rank dlojz run measured -> dict(gpus, images_per_s, exposed_s, late_s:
-    collective_waits, work_s: each rank's own work per step, mean over the ranks: step_split)."""
+    collective_waits, work_s: the job's own work per step: step_split)."""
     t = summary.get('timing') or {}
     exposed, late = collective_waits(t)
     return {'gpus': summary.get('world_size', 1), 'images_per_s': t.get('steady_images_per_s'),

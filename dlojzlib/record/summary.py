@@ -16,6 +16,12 @@ from dlojzlib.measure import memory, startup
 from dlojzlib.measure.scaling import HOOKED
 from dlojzlib.record.log import SUMMARY_VERSION, write_json
 
+# comm_measured of a pipeline: its stages' waits inside the schedule (measure.bubble), then also
+# the replicas' all-reduce of each stage (dist.pipeline.Pipeline._average_gradients), in which a
+# rank is compared with its stage's other replicas
+PIPED = ("pipeline stages' waits (bubble); no replicas to compare",
+         "pipeline stages' waits (bubble) and the replicas' all-reduce")
+
 
 def print_header(run):
     """The run's opening lines on rank 0: launch, batch, learning rate, the flags that differ from
@@ -223,7 +229,8 @@ def ranks_summary(ranks, gathers=False):
     (gathers: FSDP2's) the waits are those of FSDP2's gathers and reduce-scatters
     (measure.comm.CommTimer.time_fsdp). Without those measurements (phase timing off), a rank's
     backward time (and forward, where FSDP2 gathers) above the fastest rank's is taken as waiting
-    for peers, and a network every rank waits for alike reads as compute."""
+    for a late peer, and a network every rank waits for alike reads as compute. The job's verdict
+    is then a typical rank's (job_view)."""
     timed = [r for r in ranks if r['step_median_s']]
     if not timed:
         return {'ranks': ranks}
@@ -237,55 +244,107 @@ def ranks_summary(ranks, gathers=False):
     if len(measured) != len(ranks):
         return res
     piped = all('bubble_s' in r for r in measured)  # pipeline stages: their waits are measured
-    if piped:  # as the bubble (measure.bubble); the replicas' all-reduce is not timed yet
-        for r in ranks:
-            r['comm_s'] = r['late_s'] = 0.0
-        res['comm_measured'] = 'pipeline stages\' waits (bubble)'
-    elif all(r.get('comm_steps') for r in measured):
+    # as the bubble (measure.bubble). A pipeline's ranks meet their stage's replicas only, in the
+    # replicas' all-reduce: they are compared with them alone
+    groups = {}
+    for r in measured:
+        groups.setdefault(r.get('pipe_rank') if piped else None, []).append(r)
+    if all(r.get('comm_steps') for r in measured):
         # the rank that waited least is the one the others waited for: its wait is the transfer
         # alone. Sums over the run, not step by step: ranks that are late by turns (noise) wait
         # alike and read as communication; a rank late every step is a straggler
-        last_in = min(measured, key=lambda r: (r['collective_s'], r['rank']))
-        for r in ranks:
-            r['comm_s'] = last_in['collective_s']
-            r['late_s'] = r['collective_s'] - r['comm_s']
-        volume = last_in['comm_bytes'] / last_in['comm_steps']
-        link = last_in['link_s'] / last_in['comm_steps']
-        res['comm_measured'] = HOOKED[1] if gathers else HOOKED[0]
-        if not gathers:  # FSDP2's hooks see waits, not buckets: no volume, no bandwidth
+        for group in groups.values():
+            last_in = min(group, key=lambda r: (r['collective_s'], r['rank']))
+            for r in group:
+                r['comm_s'] = last_in['collective_s']
+                r['late_s'] = r['collective_s'] - r['comm_s']
+        replicas = max(len(g) for g in groups.values()) > 1
+        res['comm_measured'] = PIPED[replicas] if piped else HOOKED[1] if gathers else HOOKED[0]
+        if not gathers and not piped:  # FSDP2's hooks see waits, not buckets: no bandwidth
+            volume = last_in['comm_bytes'] / last_in['comm_steps']
+            link = last_in['link_s'] / last_in['comm_steps']
             res.update(gradient_bytes_per_step=volume, link_s_per_step=link,
                        achieved_bytes_per_s=volume / link if link > 0 else None)
+    elif piped:  # one replica per stage: nothing but the bubble to wait for
+        for r in ranks:
+            r['comm_s'] = r['late_s'] = 0.0
+        res['comm_measured'] = PIPED[0]
     else:
         waits = lambda r: None if r.get('backward_s') is None else \
             r['backward_s'] + ((r.get('forward_s') or 0.0) if gathers else 0.0)
         times = [waits(r) for r in measured]
         fastest = min(times) if None not in times else None
         for r, t in zip(measured, times):  # seconds waiting for peers, over the rank's steady steps
-            r['comm_s'] = (t - fastest) * r['steady_steps'] if fastest is not None else 0.0
-            r['late_s'] = 0.0
+            r['late_s'] = (t - fastest) * r['steady_steps'] if fastest is not None else 0.0
+            r['comm_s'] = 0.0  # the transfer itself is not told from the work
         where = 'forward and backward' if gathers else 'backward'
         res['comm_measured'] = f'{where} above the fastest rank'
-    least_data = min(r['data_s'] for r in measured)
+    for group in groups.values():
+        least_data = min(r['data_s'] for r in group)
+        for r in group:  # the others waited for this rank's loader
+            r['data_excess_s'] = r['data_s'] - least_data
     for r in measured:
-        r['data_excess_s'] = r['data_s'] - least_data  # the others waited for this rank's loader
         r['bound'] = verdict(r['wall_s'], r['busy_s'], r['data_s'], r['comm_s'], r['late_s'],
                              idle=r.get('bubble_s'))
-    wall, busy, data, comm, late, excess = (sum(r[k] for r in measured) for k in
-                                             ('wall_s', 'busy_s', 'data_s', 'comm_s', 'late_s',
-                                              'data_excess_s'))
-    idle = sum(r['bubble_s'] for r in measured) if piped else None
+        # its own pace: the time it did not spend waiting for its peers or the network
+        r['own_s'] = r['wall_s'] - r['comm_s'] - r['late_s'] - (r.get('bubble_s') or 0.0)
+    res.update(job_view(measured, piped))
+    return res
+
+
+KEYS = ('wall_s', 'busy_s', 'data_s', 'comm_s', 'late_s', 'data_excess_s', 'own_s')
+
+
+def typical(units):
+    """The unit whose view is the job's, of lists of rank reports (a rank, or a pipeline's replica:
+    its stages): the upper median by the time waited for a late peer (the faster of two; with one
+    late among many, one of the others), then by its own pace."""
+    key = lambda u: (sum(r['late_s'] for r in u), -sum(r['own_s'] for r in u),  # noqa: E731
+                     min(r['rank'] for r in u))
+    return sorted(units, key=key)[len(units) // 2]
+
+
+def job_view(measured, piped):
+    """The job's verdict (docs/chronometer.md): the shares of a typical rank's steady steps (a
+    pipeline's: a typical replica's, its stages' sums), whose wait for a late peer is the straggler
+    share, the time the job's steps would save if the late rank kept the others' pace. Every
+    rank's steps last as long (each waits for the last in), so a typical rank's wait is the
+    slowest rank's own time above its own, whatever the slow rank spent it on. Ranks are compared
+    with the replicas of their own stage: a pipeline's slowest stage is the others' bubble, a slow
+    replica of a stage is a straggler."""
+    if piped:  # rank = stage x replicas + replica (dist.pipeline)
+        n = sum(r.get('pipe_rank') == 0 for r in measured) or 1
+        units = {}
+        for r in measured:
+            units.setdefault(r['rank'] % n, []).append(r)
+        units = list(units.values())
+    else:
+        units = [[r] for r in measured]
+    unit = typical(units)
+    wall, busy, data, comm, late, excess, _ = (sum(r[k] for r in unit) for k in KEYS)
+    idle = sum(r['bubble_s'] for r in unit) if piped else None
     shares = step_shares(wall, busy, data, comm, late, excess, idle)
-    res.update(bound=next(iter(shares)), bound_all_ranks=True,
-               shares_all_ranks={k: v / wall for k, v in shares.items()},
-               device_busy_all_ranks=busy / wall, data_share_all_ranks=data / wall,
-               comm_share=comm / wall,
-               late_share=late / wall, straggler_share=(late + excess) / wall,
-               # waiting for peers or the network is waiting: the headroom leaves it out
-               compute_headroom_all_ranks=wall / (busy - comm - late - (idle or 0.0))
-               if busy > comm + late + (idle or 0.0) else None)
-    if late + excess > 0:
-        late_rank = min(measured, key=lambda r: (r['late_s'] - r['data_excess_s'], r['rank']))
-        res.update(straggler_rank=late_rank['rank'], straggler_bound=late_rank['bound'])
+    work = busy - comm - late - (idle or 0.0)
+    res = {'bound': next(iter(shares)), 'bound_job': True,
+           'typical_ranks': sorted(r['rank'] for r in unit),
+           'shares_job': {k: v / wall for k, v in shares.items()},
+           'device_busy_job': busy / wall, 'data_share_job': data / wall,
+           'comm_share': comm / wall, 'late_share': late / wall,
+           'straggler_share': shares['straggler'] / wall,
+           # waiting for peers or the network is waiting: the headroom leaves it out
+           'compute_headroom_job': wall / work if work > 0 else None}
+    if shares['straggler'] <= 0:
+        return res
+    peers = {}  # a stage's replicas (every rank outside a pipeline) -> their typical one's pace
+    for r in measured:
+        peers.setdefault(r.get('pipe_rank') if piped else None, []).append(r)
+    pace = {k: typical([[r] for r in v])[0]['own_s'] for k, v in peers.items()}
+    ahead = lambda r: r['own_s'] - pace[r.get('pipe_rank') if piped else None]  # noqa: E731
+    slow = max(measured, key=lambda r: (ahead(r), -r['rank']))
+    mine = pace[slow.get('pipe_rank') if piped else None]
+    res.update(straggler_rank=slow['rank'], straggler_bound=slow['bound'],
+               straggler_host=slow.get('host'),
+               straggler_pace=slow['own_s'] / mine if mine > 0 else None)
     return res
 
 
@@ -316,12 +375,22 @@ SHARE_NAMES = {'communication': 'exposed communication', 'bubble': 'pipeline bub
                'loader': 'data wait', 'host': 'host'}
 
 
+def job_key(t, name):
+    """The key of a job-wide figure in summary.json['timing']: `<name>_job` (a typical rank's view,
+    issue 57), `<name>_all_ranks` (every rank's sums, summaries written before it), or None for a
+    run of one process."""
+    for tail in ('job', 'all_ranks'):
+        if t.get(f'bound_{tail}'):
+            return f'{name}_{tail}'
+    return None
+
+
 def share_text(t):
     """'compute 89%, exposed communication 8%, ...': every share of the steady steps, largest first,
     in whole percents adding up to 100 (summary.json['timing']); None for a summary written before
     the shares were (issue 39)."""
-    every = t.get('bound_all_ranks')
-    shares = t.get('shares_all_ranks' if every else 'shares')
+    every = job_key(t, 'shares')
+    shares = t.get(every or 'shares')
     if not shares:
         return None
     if not every and 'exposed_share' not in t:  # one process: nothing to wait for but its loader
@@ -330,21 +399,39 @@ def share_text(t):
     return ', '.join(f'{names[k]} {v}%' for k, v in percents(shares).items())
 
 
+def straggler_text(t):
+    """'rank 1 on <host>: its steps 2.10x the others', bound by compute' from
+    summary.json['timing'] (pace and host: since issue 57)."""
+    host = f" on {t['straggler_host']}" if t.get('straggler_host') else ''
+    pace = f": its steps {t['straggler_pace']:.2f}x the others'" if t.get('straggler_pace') else ''
+    return f"rank {t['straggler_rank']}{host}{pace}, bound by {t['straggler_bound']}"
+
+
+def seen_by(t):
+    """'rank 0', or a pipeline's replica: 'ranks 0 and 2' (summary.json['timing']'s
+    typical_ranks)."""
+    ranks = t.get('typical_ranks') or []
+    if len(ranks) < 2:
+        return f"rank {ranks[0] if ranks else '?'}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+
+
 def bound_line(t):
     """'>>> Bound by: <the largest share> (<share_text>; why; headroom)' from
     summary.json['timing']."""
-    every = t.get('bound_all_ranks')
-    split = share_text(t)
-    why = ''
+    split, late, why = share_text(t), '', ''
     if t['bound'] == 'communication' and t.get('achieved_bytes_per_s'):
         why = (f"; {t['gradient_bytes_per_step'] / 2**20:.1f} MiB per step, "
                f"{t['achieved_bytes_per_s'] / 1e9:.3g} GB/s achieved")
     elif t['bound'] == 'straggler' and t.get('straggler_rank') is not None:
-        why = f"; rank {t['straggler_rank']} is late, bound by {t['straggler_bound']}"
-    headroom = t.get('compute_headroom_all_ranks' if every else 'compute_headroom')
+        late = f'{straggler_text(t)}; ' if t.get('bound_job') else ''
+        why = '' if late else \
+            f"; rank {t['straggler_rank']} is late, bound by {t['straggler_bound']}"
+    headroom = t.get(job_key(t, 'compute_headroom') or 'compute_headroom')
     headroom = f"; with no waiting the steps would be {headroom:.2f}x faster" if headroom else ''
-    ranks = ', all ranks' if every else ''
-    return f">>> Bound by: {t['bound']} ({split} of the steady steps{ranks}{why}{headroom})"
+    whose = {'compute_headroom_job': f', as {seen_by(t)} saw the job',
+             'compute_headroom_all_ranks': ', all ranks'}.get(job_key(t, 'compute_headroom'), '')
+    return f">>> Bound by: {t['bound']} ({late}{split} of the steady steps{whose}{why}{headroom})"
 
 
 def final_lines(summary, chrono, steps_per_epoch):

@@ -7,6 +7,7 @@ import re
 
 from dlojzlib import tables
 from dlojzlib.record.checkpoint import list_checkpoints
+from dlojzlib.record.summary import job_key
 from dlojzlib.tools.report.runs import ReportError, dig
 
 
@@ -68,11 +69,10 @@ def numbers(run):
         'load_ms': scaled(load, 1e3), 'compute_ms': scaled(compute, 1e3),
         'step_ms': scaled(dig(st, 'step', 'median'), 1e3),
         'train_img_s': t.get('train_throughput'), 'gpu_img_s': t.get('gpu_throughput'),
-        # a verdict over all ranks comes with its shares over all ranks (rank 0's alone could read
-        # 'compute, busy 100 %' beside 'loader (all ranks)'), as the run's '>>> Bound by' line gives
-        # them
-        'busy_pct': scaled(t.get('device_busy_all_ranks' if t.get('bound_all_ranks') else 'device_busy'), 100),
-        'data_pct': scaled(t.get('data_share_all_ranks' if t.get('bound_all_ranks') else 'data_share'), 100),
+        # the job's verdict comes with the job's shares (rank 0's alone could read 'compute, busy
+        # 100 %' beside 'loader'), as the run's '>>> Bound by' line gives them
+        'busy_pct': scaled(t.get(job_key(t, 'device_busy') or 'device_busy'), 100),
+        'data_pct': scaled(t.get(job_key(t, 'data_share') or 'data_share'), 100),
         'bound': t.get('bound'),
         'host_mem_gib': scaled(m.get('host_peak_rss_bytes'), 1 / GiB),
         'gpu_mem_gib': scaled(m.get('gpu_max_allocated_bytes_any_rank') or m.get('gpu_max_allocated_bytes'), 1 / GiB),

@@ -1,6 +1,6 @@
 """The run dashboards (the course's controle_technique) and step timelines (turbo_profiler)."""
 from dlojz_chrono import PHASES
-from dlojzlib.record.summary import share_text
+from dlojzlib.record.summary import job_key, seen_by, share_text, straggler_text
 from dlojzlib.tools.report.common import (COLORS, GiB, fmt, gib, guarded, hms, last_record,
                                           md_table, numbers, plt, save_fig, scaled, slug, verdict)
 from dlojzlib.tools.report.runs import dig
@@ -12,8 +12,9 @@ def bound_cell(n, t):
     if not n['bound']:
         why = (t.get('unmeasured') or {}).get('bound')
         return f'not measured: {why}' if why else '—'
-    every = ' (all ranks)' if t.get('bound_all_ranks') else ''
-    late = (f" (rank {t['straggler_rank']}, bound by {t['straggler_bound']})"
+    every = {'bound_job': f' (as {seen_by(t)} saw the job)',
+             'bound_all_ranks': ' (all ranks)'}.get(job_key(t, 'bound'), '')
+    late = (f" ({straggler_text(t)})"
             if n['bound'] == 'straggler' and t.get('straggler_rank') is not None else '')
     split = share_text(t)
     if split:
@@ -21,7 +22,7 @@ def bound_cell(n, t):
     comm = fmt(scaled(t.get('comm_share'), 100))
     waits = (f", exposed communication {comm} %, waiting for a late "
              f"rank {fmt(scaled(t.get('straggler_share'), 100))} "
-             f"%" if t.get('bound_all_ranks') else '')
+             f"%" if job_key(t, 'bound') else '')
     return (f"{n['bound']}{every}: device busy {fmt(n['busy_pct'])} % of the steady steps, data "
             f"wait {fmt(n['data_pct'])} %{waits}{late}")
 

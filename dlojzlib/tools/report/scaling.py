@@ -19,8 +19,8 @@ def scalings(runs):
     The LR may differ: by default dlojz scales it with the global batch (linear scaling rule).
 
     Each world size's lost efficiency (1 - efficiency, in points) is split, from the runs' measured
-    sums (measure.scaling.step_split: seconds per step, mean over the ranks), into: exposed
-    communication (comm_pts), waiting for a late rank (straggler_pts), the device's own work per
+    sums (measure.scaling.step_split: seconds per step, as the job's typical rank saw it), into:
+    exposed communication (comm_pts), waiting for a late rank (straggler_pts), the device's own work per
     step grown (compute_slowed_pts: communication kernels or threads sharing the device or the
     cores) and the data wait grown (loader_slowed_pts), each = its seconds per step above the
     smallest world size's / the step at that world size (medians over the runs). What they leave of
