@@ -39,8 +39,13 @@ from conftest import TINY, run_cli, torchrun
 import dlojz
 from dlojzlib import choices, flags, recipe
 from dlojzlib.data.datasets import Accumulate, FakeLoader, StepBatchSampler
+from dlojzlib.dist import plan
 from dlojzlib.errors import UsageError
 from dlojzlib.record import state
+
+TORCH = tuple(int(v) for v in torch.__version__.split('+')[0].split('.')[:2])
+FSDP = pytest.mark.skipif(TORCH < plan.FSDP_TORCH,
+                          reason='FSDP2 runs on CPU from torch 2.6 (refused below)')
 
 CPU = torch.device('cpu')
 NOWHERE = os.path.join(tempfile.gettempdir(), 'dlojz-test-extend-no-such-run')  # no summary.json
@@ -262,6 +267,7 @@ def extends(tmp_path, cache_dir, before, after, steps, *flags_, first=()):
     return p
 
 
+@FSDP
 def test_a_run_extended_at_one_rank_from_two_sliced_ones_completes(tmp_path, cache_dir):
     """Issue 57's: written by 2 ranks under --shard full, continued by one process (DDP's mode,
     the .dcp folder read whole)."""
@@ -272,7 +278,8 @@ def test_a_run_extended_at_one_rank_from_two_sliced_ones_completes(tmp_path, cac
 @pytest.mark.parametrize('scheduler', ['onecycle', 'cosine', 'poly'])
 @pytest.mark.parametrize('before, after, steps, more', [
     ((2, 8, 16), (1, 8, 8), 13, []), ((1, 8, 8), (3, 8, 24), 5, []),
-    ((2, 8, 16), (1, 8, 8), 13, ['--shard', 'full'])], ids=['2-to-1', '1-to-3', '2-to-1-full'])
+    pytest.param((2, 8, 16), (1, 8, 8), 13, ['--shard', 'full'], marks=FSDP)],
+    ids=['2-to-1', '1-to-3', '2-to-1-full'])
 def test_runs_extended_at_another_world_size_complete(tmp_path, cache_dir, scheduler, before,
                                                        after, steps, more):
     extends(tmp_path, cache_dir, before, after, steps, '--scheduler', scheduler,
