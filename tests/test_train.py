@@ -215,9 +215,15 @@ def test_truncated_checkpoint_is_one_sentence(capsys, tmp_path, cache_dir, train
 
 @pytest.fixture
 def bad_data(tmp_path, cache_dir):
-    """A copy of the tiny dataset with one undecodable training image."""
+    """A copy of the tiny dataset (TINY's, generated on first use; another test's set in the same
+    cache, listed first, held no such image) with one undecodable training image."""
     import shutil
-    src = [os.path.join(cache_dir, d) for d in os.listdir(cache_dir) if d.startswith('synthetic')][0]
+    from dlojzlib.data.datasets import synthetic_root
+    args = dlojz.get_args_parser().parse_args([*TINY, '--cache-dir', cache_dir])
+    src = synthetic_root(args)
+    if not os.path.isdir(src):
+        assert run_cli(*TINY, '--cache-dir', cache_dir, '--output-dir', tmp_path / 'make',
+                       '--test-nsteps', 1).returncode == 0
     root = tmp_path / 'data'
     shutil.copytree(src, root)
     (root / 'train' / 'n00000002' / 'train_0002_00001.JPEG').write_bytes(b'\xff\xd8\xff\xe0 not really a jpeg')
