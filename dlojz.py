@@ -182,7 +182,7 @@ def build_run(args, dist, device, say, startup=None, choice=None):
             args.arch, len(data.classes), args.sd_prob, args.n_heads, args.image_size),
             custom_models.blocks, dist.world_size, capacity(device), say)
         cut = (ckpt or {}).get('pipeline')  # a resumed pipeline keeps its cut
-        pipe = (lambda m: pipeline.build(args, m, device, dist, autocast(), say, cut)) \
+        pipe = (lambda m: pipeline.build(args, m, device, dist, autocast(), say, cut, comm)) \
             if pipeline.wanted(args) else None
         model, eval_model, plain = build_model(args, len(data.classes), device, dist, comm, phase,
                                                pipe)

@@ -286,6 +286,8 @@ class Chronometer:
         waiting. iterate() calls it; a loop it does not drive (dlojzlib.lightning) calls it and
         end_step() itself, and steady_check() before the step's batch is asked for."""
         self._current = {'t0': t0, 'data': data, 'events': [], 'images': _images(batch)}
+        if self.comm is not None:  # a wait stamped between steps (an epoch's closing NaN check)
+            self.comm.take()       # is in no step's time
         if self._begun in self.exclude_steps:
             self._current['excluded'] = True
         if self.events:  # the step's work starts now, on the device's clock

@@ -359,6 +359,21 @@ def test_a_rank_late_every_step_is_the_straggler_once_its_lost_share_is_the_larg
     assert s['straggler_share'] == pytest.approx((factor - 1) * 0.1 / (factor * 0.1 + 0.01))
 
 
+def test_the_typical_ranks_own_loader_is_its_loader_share():
+    """Three ranks whose loaders take 100, 150 and 200 ms a step, each computing 100 ms with a
+    10 ms transfer: every step lasts 310 ms. By hand, the typical rank (rank 1, the upper median
+    by its wait) waits 150 ms for its loader and 50 for rank 2, computes 100: the job is loader
+    bound, rank 2 the straggler at (310 - 10) / (310 - 10 - 50) = 1.2x. Its loader's 50 ms above
+    rank 0's are its own: counted as a straggler share too, they read straggler by a tie."""
+    s = ranks_summary([report(r, 10, d, 0.31 - d, 0.31 - d - 0.1) for r, d in
+                       enumerate((0.10, 0.15, 0.20))])
+    assert s['typical_ranks'] == [1] and s['bound'] == 'loader', s
+    assert s['shares_job'] == pytest.approx({'loader': 0.15 / 0.31, 'compute': 0.1 / 0.31,
+                                             'straggler': 0.05 / 0.31,
+                                             'communication': 0.01 / 0.31, 'host': 0.0})
+    assert s['straggler_rank'] == 2 and s['straggler_pace'] == pytest.approx(0.30 / 0.25)
+
+
 def test_ranks_late_by_turns_are_communication_not_a_straggler():
     """Three ranks, each late in its turn by 5 % of a step: over the run each waited as long for
     the others, so the sums give every rank the same time in collectives. No rank is late, nobody is

@@ -365,12 +365,13 @@ class Pipeline(nn.Module):
         return h if self.last else None
 
 
-def build(args, model, device, dist, autocast, say=print, cut=None):
+def build(args, model, device, dist, autocast, say=print, cut=None, comm=None):
     """--pipeline-stages S --microbatches M over this run's ranks -> the Pipeline of this rank,
     its model moved to `device` (the parts it does not run never go there). The cut: a resumed
     checkpoint's (`cut`, its stages hold their blocks' optimizer state), else the one
     --pipeline-split gives, or balanced by the time each piece takes forward and backward on rank
-    0's device (or by parameters); it is printed, and kept in the checkpoints."""
+    0's device (or by parameters); it is printed, and kept in the checkpoints. comm: the
+    measure.comm.CommTimer that times FSDP2's waits on each stage's replicas (--shard)."""
     from dlojzlib.errors import UsageError
     n_ranks, schedule = args.pipeline_stages, args.pipeline_schedule
     virtual = stages.VIRTUAL[schedule] if n_ranks > 1 else 1
@@ -436,7 +437,7 @@ def build(args, model, device, dist, autocast, say=print, cut=None):
     if dist.distributed:
         pp, dp, dp_mesh = mesh(device, n_ranks, replicas)
     if args.shard in shard.FSDP_MODES:  # each stage's blocks sliced over its replicas
-        shard.apply_fsdp(model, kept, device, args.shard == 'full', False, mesh=dp_mesh)
+        shard.apply_fsdp(model, kept, device, args.shard == 'full', False, comm, dp_mesh)
     model.replica_group = dp  # --shard optimizer: ZeRO-1 over them (recipe.build_optimizer)
     pipe = Pipeline(model, parts, ids, n_total, (n_ranks, replicas, rank_in_pipe, replica),
                     args.microbatches, device, stage_shapes,

@@ -216,14 +216,14 @@ class Chronometer(pl.Callback):
         self._leave()
         if not self.chrono.in_step:
             return
-        self.chrono.end_step()
         loss = outputs.get('loss') if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self._window += loss.detach().float()
         self._batches += 1
         every = trainer.log_every_n_steps  # 0: no periodic record
-        if every and self._batches % every == 0:
-            self.log_train(trainer)
+        if every and self._batches % every == 0:  # inside the step, as dlojz.py's: its all-reduce
+            self.log_train(trainer)  # is a wait of this step's (measure.comm)
+        self.chrono.end_step()
         self.chrono.steady_check()
         self._t_last = time.perf_counter()
 

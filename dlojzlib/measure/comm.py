@@ -79,8 +79,8 @@ class CommTimer:
     def wait(self, fn):
         """fn() -> its result, a collective the step waits for whole (a pipeline's replicas'
         all-reduce, the NaN guard's and the log line's), stamped as FSDP2's waits are: its time is
-        a wait for the transfer and for the last rank in. Every blocking collective of a step is
-        one, or a rank's wait for a late peer hides there, in its compute."""
+        a wait for the transfer and for the last rank in. A blocking collective the ranks may
+        reach apart must be one, or a rank's wait for a late peer hides there, in its compute."""
         start = self._stamp()
         out = fn()
         self.waits.append([start, self._stamp()])

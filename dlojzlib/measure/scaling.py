@@ -285,8 +285,9 @@ def collective_waits(timing):
     if not ranks or not hooked(timing, ranks):
         return None, None
     job = job_ranks(timing)
+    late = [r['late_s'] / r['steady_steps'] for r in job]
     return (statistics.fmean(r['comm_s'] / r['steady_steps'] for r in job),
-            max(r['late_s'] / r['steady_steps'] for r in job))
+            statistics.fmean(late) if timing.get('bound_job') else max(late))
 
 
 def step_split(timing):

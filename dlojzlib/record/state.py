@@ -443,8 +443,10 @@ def _restore(run, ckpt):
     steps, end = run.steps_per_epoch, run.args.epochs * run.steps_per_epoch
     if at.moved:  # the position in this run's steps (resume.position), where its schedule continues
         old, gb = ckpt['global_batch'], run.global_batch
+        its = checkpoint_steps(ckpt)
         change = f'global batch {gb} instead of {old}' if gb != old else \
-            f'{steps} steps an epoch instead of {checkpoint_steps(ckpt) or "an unrecorded number"}'
+            f'{steps} steps an epoch instead of {its}' if its else \
+            f'{steps} steps an epoch (the checkpoint, by an older dlojz, does not say its own)'
         run.log.print(f'Resuming with {change}: at step {at.global_step} of {end} ({at.epoch} '
                       f'epoch(s) and {at.step} of the next {steps} steps done)')
     before = run.optimizer.param_groups[0]['lr']  # the checkpoint's schedule's, for its next step

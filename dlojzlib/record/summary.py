@@ -292,7 +292,7 @@ def ranks_summary(ranks, gathers=False):
     return res
 
 
-KEYS = ('wall_s', 'busy_s', 'data_s', 'comm_s', 'late_s', 'data_excess_s', 'own_s')
+KEYS = ('wall_s', 'busy_s', 'data_s', 'comm_s', 'late_s')
 
 
 def typical(units):
@@ -321,9 +321,10 @@ def job_view(measured, piped):
     else:
         units = [[r] for r in measured]
     unit = typical(units)
-    wall, busy, data, comm, late, excess, _ = (sum(r[k] for r in unit) for k in KEYS)
+    wall, busy, data, comm, late = (sum(r[k] for r in unit) for k in KEYS)
     idle = sum(r['bubble_s'] for r in unit) if piped else None
-    shares = step_shares(wall, busy, data, comm, late, excess, idle)
+    # its own loader wait is its loader's (a late rank's is in its wait for it, late_s)
+    shares = step_shares(wall, busy, data, comm, late, idle=idle)
     work = busy - comm - late - (idle or 0.0)
     res = {'bound': next(iter(shares)), 'bound_job': True,
            'typical_ranks': sorted(r['rank'] for r in unit),
@@ -344,7 +345,7 @@ def job_view(measured, piped):
     mine = pace[slow.get('pipe_rank') if piped else None]
     res.update(straggler_rank=slow['rank'], straggler_bound=slow['bound'],
                straggler_host=slow.get('host'),
-               straggler_pace=slow['own_s'] / mine if mine > 0 else None)
+               straggler_pace=slow['own_s'] / mine if mine > 0 and slow['own_s'] > 0 else None)
     return res
 
 
