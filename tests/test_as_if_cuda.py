@@ -276,23 +276,27 @@ def check(runs, configs, rel=0.0):
     kernel). rel (3 ranks, where FSDP2 sums the gradients in another order than DDP): the first
     loss within rel, and the first step's change of the loss within 5 % of DDP's. AdamW's first
     step moves each weight by +-lr, the sign of a gradient rounded otherwise, and bf16 amplifies
-    it: measured 3.5 % of the step under --shard gradients, 0.24 % of the loss."""
+    it: measured 3.5 % of the step under --shard gradients, 0.24 % of the loss. The same holds for
+    AdamW stepped on the host (--cpu-offload: torch's single-tensor kernel against DDP's fused
+    one): the ranks' mean loss after one step 1.62029 against 1.62319 (1.6 % of the step), where
+    rank 0's own loss, which the records held before issue 57, happened to agree to 1e-6."""
     for name, optimizer, argv in configs:
         summary, losses = runs[name]
         assert set(summary['as_if_cuda']) == expected_choices(optimizer, argv), name
         assert summary['config']['amp'] == 'bf16', name
         assert len(losses) == 2 and all(map(torch.isfinite, torch.tensor(losses))), (name, losses)
-    for name, optimizer, _ in configs:
+    for name, optimizer, argv in configs:
         mode = name.split('-')[0]
         if mode not in ('optimizer', 'gradients', 'full'):
             continue
         ddp = runs[f"{'none' if mode == 'optimizer' else 'nchw'}-{name.split('-', 1)[1]}"][1]
         mine = runs[name][1]
-        if mode == 'optimizer' or not rel:
+        kernel = optimizer == 'adamw' and '--cpu-offload' in argv  # not DDP's fused one
+        if mode == 'optimizer' or not (rel or kernel):
             exact = 0.0 if mode == 'optimizer' else 1e-6
             assert mine == pytest.approx(ddp, rel=exact, abs=0), (name, mine, ddp)
         else:
-            assert mine[0] == pytest.approx(ddp[0], rel=rel, abs=0), (name, mine, ddp)
+            assert mine[0] == pytest.approx(ddp[0], rel=rel or 1e-6, abs=0), (name, mine, ddp)
             assert mine[1] - mine[0] == pytest.approx(ddp[1] - ddp[0], rel=0.05), (name, mine, ddp)
 
 
