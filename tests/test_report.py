@@ -214,7 +214,8 @@ def test_sweep_of_gpu_runs_uses_gpu_memory_and_the_gpu_size(runs, tmp_path):
 def scaling_pair(runs, tmp_path, step2, img_s2):
     """Hand-made sums in real run folders. One process: 100 ms a step of 8 images (80 img/s), 95 ms
     of work, 5 of data wait. Two ranks at `step2` s a step: each 103 ms of work, 6 of data wait, 10
-    of transfer; rank 0 also waits 5 ms for rank 1 (busy = work + the waits in collectives)."""
+    of transfer; rank 0 also waits 5 ms for rank 1 (busy = work + the waits in collectives), and is
+    the typical rank whose view is the job's (issue 57: the one of two that waited)."""
     one, two = tmp_path / 'one', tmp_path / 'two'
     shutil.copytree(runs['ws1'], one)
     shutil.copytree(runs['ws2'], two)
@@ -222,7 +223,8 @@ def scaling_pair(runs, tmp_path, step2, img_s2):
     totals = {'wall_s': 1.0, 'steady_steps': 10, 'busy_s': 0.95, 'data_s': 0.05,
               'collective_s': 0.0}
     s1['timing'].update(train_throughput=80.0, totals={**s1['timing']['totals'], **totals})
-    s2['timing'].update(train_throughput=img_s2, comm_measured='all-reduce hook')
+    s2['timing'].update(train_throughput=img_s2, comm_measured='all-reduce hook', bound_job=True,
+                        typical_ranks=[0])
     for r in s2['timing']['ranks']:
         late = 0.05 if r['rank'] == 0 else 0.0
         r.update(wall_s=10 * step2, steady_steps=10, data_s=0.06, comm_s=0.1, late_s=late,
@@ -236,13 +238,14 @@ def scaling_pair(runs, tmp_path, step2, img_s2):
 @pytest.mark.slow
 def test_scaling_splits_the_lost_efficiency_as_measured(runs, tmp_path):
     """Two ranks at 125 ms (128 img/s): by hand, efficiency 128 / 80 / 2 = 80 %; of the 20 points
-    lost, 10 / 125 = 8.0 are communication, the mean wait for the late rank 2.5 / 125 = 2.0, the
-    work grown by 8 ms 6.4, the data wait grown by 1 ms 0.8, and the rest 2.8: the ranks' host time,
-    125 - 103 - 6 - 10 - 2.5 = 3.5 ms (2.8 points), where the one process had none."""
+    lost, 10 / 125 = 8.0 are communication, the job's wait for the late rank (the typical rank's)
+    5 / 125 = 4.0, the work grown by 8 ms 6.4, the data wait grown by 1 ms 0.8, and the rest 0.8:
+    the typical rank's host time, 125 - 103 - 6 - 10 - 5 = 1 ms, where the one process had none.
+    Before issue 57 the terms were means over the ranks: the wait 2.0, the rest 2.8."""
     sc, one, two = scaling_pair(runs, tmp_path, 0.125, 128.0)
     row = sc['rows'][1]
     assert row['efficiency'] == pytest.approx(0.8) and row['step_ms'] == pytest.approx(125.0)
-    assert [row[c] for c in scaling.COLUMNS] == pytest.approx([8.0, 2.0, 6.4, 0.8, 2.8])
+    assert [row[c] for c in scaling.COLUMNS] == pytest.approx([8.0, 4.0, 6.4, 0.8, 0.8])
     assert sc['rows'][0]['comm_pts'] == 0.0  # one process waits for no one
     code, out = make_report(tmp_path / 'rep', one, two)
     text = (out / 'report.md').read_text()
@@ -253,14 +256,14 @@ def test_scaling_splits_the_lost_efficiency_as_measured(runs, tmp_path):
 @pytest.mark.slow
 def test_a_loss_the_measured_terms_cannot_explain_is_a_large_rest(runs, tmp_path):
     """The same sums, but the two ranks' steps take 200 ms (80 img/s: efficiency 50 %) while nothing
-    they measured grew more than above: the 50 points lost are 10 / 200 = 5.0 communication, 1.25
-    straggler, 4.0 compute slowed, 0.5 loader slowed, and a rest of 39.25 points, shown as such.
+    they measured grew more than above: the 50 points lost are 10 / 200 = 5.0 communication, 2.5
+    straggler, 4.0 compute slowed, 0.5 loader slowed, and a rest of 38.0 points, shown as such.
     Before issue 39 the compute slowed and the loader were in the rest as well; a split that made
     its terms add up (scaled to the loss) would hide it."""
     sc, _, _ = scaling_pair(runs, tmp_path, 0.200, 80.0)
     row = sc['rows'][1]
     assert row['efficiency'] == pytest.approx(0.5)
-    assert [row[c] for c in scaling.COLUMNS] == pytest.approx([5.0, 1.25, 4.0, 0.5, 39.25])
+    assert [row[c] for c in scaling.COLUMNS] == pytest.approx([5.0, 2.5, 4.0, 0.5, 38.0])
 
 
 @pytest.mark.slow

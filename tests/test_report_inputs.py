@@ -244,3 +244,13 @@ def test_any_field_of_a_real_run_may_hold_any_json(folders, tmp_path_factory, ri
 def test_any_field_of_a_real_run_may_hold_any_json_long(folders, tmp_path_factory, rich, data,
                                                         new):
     one_field_changed(folders, tmp_path_factory, rich, data, new)
+
+
+def test_a_loader_doctor_ceiling_without_its_rate_draws_no_ceiling(tmp_path):
+    """The long property test's example (CI's long tier, issue 57's stop): a tune_loader.ceiling
+    holding no images_per_second raised KeyError in the doctor's figure, a failed view."""
+    from types import SimpleNamespace
+    from dlojzlib.tools.report import doctor
+    tune = {'trials': [{'num_workers': 0, 'prefetch_factor': None, 'decode': 'fast',
+                        'pin_memory': None, 'images_per_second': 10.0}], 'ceiling': {}}
+    assert doctor.plot_doctor(SimpleNamespace(name='r'), tune, str(tmp_path)) == 'doctor-r.png'

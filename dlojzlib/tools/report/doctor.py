@@ -6,7 +6,7 @@ from dlojzlib.tools.report.common import (COLORS, fmt, md_table, plt, save_fig, 
 def plot_doctor(run, tune, out):
     """One bar per loader trial (images/second), the compute ceiling as a line: bars short of it are
     settings that would leave the model waiting."""
-    trials, ceiling = tune['trials'], tune['ceiling']['images_per_second']
+    trials, ceiling = tune['trials'], tune['ceiling'].get('images_per_second')  # may be absent
     ceiling = ceiling if ceiling is not None else float('inf')  # unmeasured: no bar is red
     p = plt()
     fig, ax = p.subplots(figsize=(8, 1.2 + 0.4 * len(trials)))
