@@ -140,10 +140,10 @@ def test_a_slow_loader_on_one_rank_reads_straggler_and_names_it(tmp_path, cache_
 def test_alike_fast_ranks_read_compute(tmp_path):
     """The control: in-memory batches and enough computation per step (64 images at 96 px) that the
     all-reduce of 42.6 MiB, overlapped with the backward pass, is a few % of it. 11 steady steps: ranks late
-    by turns net out in the sums (with 5, the late share reached 3.3 %; with 11, 0.2 to 1.8 %, 3 runs, as
-    both ranks' sums). Since issue 57 the share is the typical rank's, the one of two that waited more: the
-    difference of their waits over its time alone, twice the sums' (1.9 and 3.8 % on the quiet machine,
-    above 5 % once beside other tests: the margin is 10 %)."""
+    by turns net out in the sums (with 5, the late share reached 3.3 %; with 11, 0.2 to 1.8 %, 3
+    runs, as both ranks' sums). Since issue 57 the share is the typical rank's, the one of two that
+    waited more: the difference of their waits over its time alone, twice the sums' (1.9 and 3.8 %
+    on the quiet machine, above 5 % once beside other tests: the margin is 10 %)."""
     p = torchrun(2, '--fake-data', '--fake-classes', '4', '--arch', 'resnet18', '--image-size', '96', '-b', '64',
                  '--fake-val-size', '64', '--test-nsteps', '12', '--wandb', 'off', '--output-dir', tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -95,8 +95,8 @@ def test_a_slow_replica_of_a_stage_is_the_straggler_and_a_slow_stage_is_not(tmp_
     (the slow-loader failpoint: a cause outside the code that measures it; 1.6 s per step, three
     times the others' compute, 4 ranks sharing 2 cores; at 50 ms the others computed as long as
     it slept, and no one waited): its pipeline runs late, and the other pipeline's ranks wait for
-    it in their stage's all-reduce, which each rank now times (measure.comm: CommTimer.wait). The job reads straggler, rank 1, bound by its
-    loader. The same loader on a pipeline without replicas is the stage's own time: its other
+    it in their stage's all-reduce, which each rank now times (measure.comm: CommTimer.wait). The
+    job reads straggler, rank 1, bound by its loader. The same loader on a pipeline without replicas is the stage's own time: its other
     stage waits in the bubble, and no rank is a straggler."""
     out, stdout = launched(tmp_path, cache_dir, 'mesh', 4, '--pipeline-stages', '2',
                            '--microbatches', '4', '--pipeline-schedule', 'gpipe',

@@ -227,9 +227,9 @@ def _span(start, end):
 
 def resolve(marks, buffers=(), waits=()):
     """A step's stamps -> {'exposed': s, 'link': s, 'bytes': n, 'buffers': s}, or None for a step
-    with no all-reduce (a no_sync() micro-batch) or one whose callback never ran. The waits (FSDP2's,
-    a pipeline's replicas' all-reduce, the guard's and the log line's all-reduce): their sum is
-    exposed, beside DDP's buckets' (no link or bytes of theirs: no bucket is seen whole)."""
+    with no all-reduce (a no_sync() micro-batch) or one whose callback never ran. The waits
+    (FSDP2's, a pipeline's replicas' all-reduce, the guard's and the log line's all-reduce): their
+    sum is exposed, beside DDP's buckets' (no link or bytes of theirs: no bucket is seen whole)."""
     waited = sum(_span(start, end) for start, end, *_ in waits) \
         if waits and completed((), waits=waits) else None
     if not marks or not completed(marks, buffers):

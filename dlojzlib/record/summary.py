@@ -288,7 +288,7 @@ def ranks_summary(ranks, gathers=False):
                              idle=r.get('bubble_s'))
         # its own pace: the time it did not spend waiting for its peers or the network
         r['own_s'] = r['wall_s'] - r['comm_s'] - r['late_s'] - (r.get('bubble_s') or 0.0)
-    res.update(job_view(measured, piped))
+    res.update(job_view(measured, piped, groups.values()))
     return res
 
 
@@ -304,14 +304,15 @@ def typical(units):
     return sorted(units, key=key)[len(units) // 2]
 
 
-def job_view(measured, piped):
+def job_view(measured, piped, groups):
     """The job's verdict (docs/chronometer.md): the shares of a typical rank's steady steps (a
     pipeline's: a typical replica's, its stages' sums), whose wait for a late peer is the straggler
     share, the time the job's steps would save if the late rank kept the others' pace. Every
     rank's steps last as long (each waits for the last in), so a typical rank's wait is the
     slowest rank's own time above its own, whatever the slow rank spent it on. Ranks are compared
     with the replicas of their own stage: a pipeline's slowest stage is the others' bubble, a slow
-    replica of a stage is a straggler."""
+    replica of a stage is a straggler. groups: the ranks compared with each other (ranks_summary's:
+    a stage's replicas, every rank outside a pipeline)."""
     if piped:  # rank = stage x replicas + replica (dist.pipeline)
         n = sum(r.get('pipe_rank') == 0 for r in measured) or 1
         units = {}
@@ -336,13 +337,12 @@ def job_view(measured, piped):
            'compute_headroom_job': wall / work if work > 0 else None}
     if shares['straggler'] <= 0:
         return res
-    peers = {}  # a stage's replicas (every rank outside a pipeline) -> their typical one's pace
-    for r in measured:
-        peers.setdefault(r.get('pipe_rank') if piped else None, []).append(r)
-    pace = {k: typical([[r] for r in v])[0]['own_s'] for k, v in peers.items()}
-    ahead = lambda r: r['own_s'] - pace[r.get('pipe_rank') if piped else None]  # noqa: E731
-    slow = max(measured, key=lambda r: (ahead(r), -r['rank']))
-    mine = pace[slow.get('pipe_rank') if piped else None]
+    pace = {}  # each rank against the pace of its group's typical rank
+    for group in groups:
+        own = typical([[r] for r in group])[0]['own_s']
+        pace.update((r['rank'], own) for r in group)
+    slow = max(measured, key=lambda r: (r['own_s'] - pace[r['rank']], -r['rank']))
+    mine = pace[slow['rank']]
     res.update(straggler_rank=slow['rank'], straggler_bound=slow['bound'],
                straggler_host=slow.get('host'),
                straggler_pace=slow['own_s'] / mine if mine > 0 and slow['own_s'] > 0 else None)
@@ -408,13 +408,16 @@ def straggler_text(t):
     return f"rank {t['straggler_rank']}{host}{pace}, bound by {t['straggler_bound']}"
 
 
-def seen_by(t):
-    """'rank 0', or a pipeline's replica: 'ranks 0 and 2' (summary.json['timing']'s
-    typical_ranks)."""
+def whose(t):
+    """Whose steps the job's shares are: 'as rank 0 saw the job' (a pipeline's replica: 'as ranks 0
+    and 2 saw the job', summary.json['timing']'s typical_ranks), 'all ranks' (a summary written
+    before issue 57: every rank's sums), or None for one process."""
+    if not t.get('bound_job'):
+        return 'all ranks' if t.get('bound_all_ranks') else None
     ranks = t.get('typical_ranks') or []
     if len(ranks) < 2:
-        return f"rank {ranks[0] if ranks else '?'}"
-    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+        return f"as rank {ranks[0] if ranks else '?'} saw the job"
+    return f"as ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]} saw the job"
 
 
 def bound_line(t):
@@ -430,9 +433,8 @@ def bound_line(t):
             f"; rank {t['straggler_rank']} is late, bound by {t['straggler_bound']}"
     headroom = t.get(job_key(t, 'compute_headroom') or 'compute_headroom')
     headroom = f"; with no waiting the steps would be {headroom:.2f}x faster" if headroom else ''
-    whose = {'compute_headroom_job': f', as {seen_by(t)} saw the job',
-             'compute_headroom_all_ranks': ', all ranks'}.get(job_key(t, 'compute_headroom'), '')
-    return f">>> Bound by: {t['bound']} ({late}{split} of the steady steps{whose}{why}{headroom})"
+    view = f', {whose(t)}' if whose(t) else ''
+    return f">>> Bound by: {t['bound']} ({late}{split} of the steady steps{view}{why}{headroom})"
 
 
 def final_lines(summary, chrono, steps_per_epoch):

@@ -1,6 +1,6 @@
 """The run dashboards (the course's controle_technique) and step timelines (turbo_profiler)."""
 from dlojz_chrono import PHASES
-from dlojzlib.record.summary import job_key, seen_by, share_text, straggler_text
+from dlojzlib.record.summary import job_key, share_text, straggler_text, whose
 from dlojzlib.tools.report.common import (COLORS, GiB, fmt, gib, guarded, hms, last_record,
                                           md_table, numbers, plt, save_fig, scaled, slug, verdict)
 from dlojzlib.tools.report.runs import dig
@@ -12,8 +12,7 @@ def bound_cell(n, t):
     if not n['bound']:
         why = (t.get('unmeasured') or {}).get('bound')
         return f'not measured: {why}' if why else '—'
-    every = {'bound_job': f' (as {seen_by(t)} saw the job)',
-             'bound_all_ranks': ' (all ranks)'}.get(job_key(t, 'bound'), '')
+    every = f' ({whose(t)})' if whose(t) else ''
     late = (f" ({straggler_text(t)})"
             if n['bound'] == 'straggler' and t.get('straggler_rank') is not None else '')
     split = share_text(t)

@@ -20,9 +20,9 @@ def scalings(runs):
 
     Each world size's lost efficiency (1 - efficiency, in points) is split, from the runs' measured
     sums (measure.scaling.step_split: seconds per step, as the job's typical rank saw it), into:
-    exposed communication (comm_pts), waiting for a late rank (straggler_pts), the device's own work per
-    step grown (compute_slowed_pts: communication kernels or threads sharing the device or the
-    cores) and the data wait grown (loader_slowed_pts), each = its seconds per step above the
+    exposed communication (comm_pts), waiting for a late rank (straggler_pts), the device's own
+    work per step grown (compute_slowed_pts: communication kernels or threads sharing the device or
+    the cores) and the data wait grown (loader_slowed_pts), each = its seconds per step above the
     smallest world size's / the step at that world size (medians over the runs). What they leave of
     the loss is rest_pts, shown, never spread over them: the host's own time grown (launches,
     Python), and the difference between the throughput and the steps (noise between runs). A term
